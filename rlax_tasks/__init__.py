@@ -1,0 +1,1 @@
+"""RLAX tasks package."""

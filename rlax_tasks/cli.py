@@ -1,0 +1,68 @@
+"""The `rlax` command line: one sub-command per component."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rlax_tasks.models import CheckpointError, ModelConfigError
+
+# user mistakes: reported as one line, never a traceback
+USER_ERRORS = (CheckpointError, ModelConfigError, ValueError, FileNotFoundError)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="load an HF model directory and generate greedily (the main job until `rlax run`)",
+    )
+    p.add_argument(
+        "--model-dir",
+        default="runs/demo/base-model",
+        help="HF model directory; a tiny random model is built there when it is missing or empty",
+    )
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    def run(args: argparse.Namespace) -> int:
+        from rlax_tasks.demo import DEFAULT_PROMPTS, run_demo
+
+        if args.max_new_tokens <= 0:
+            raise ValueError("--max-new-tokens must be positive")
+        run_demo(
+            args.model_dir, args.prompt or list(DEFAULT_PROMPTS), args.max_new_tokens, args.dtype
+        )
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every sub-command registered."""
+    parser = argparse.ArgumentParser(prog="rlax", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rlax` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # JAX logs at INFO that it found no TPU on CPU-only machines: not news to the user
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"rlax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

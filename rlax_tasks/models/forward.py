@@ -1,0 +1,103 @@
+"""Pure forward functions over (graphdef, params): logits and chunked per-token log-probabilities.
+
+These are what the trainer, the sampler and the tests jit; ``Policy`` is a thin stateful wrapper.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_tasks.models.sharding import BATCH, constrain
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Token positions [B, T] that skip padding: 0 at the first real token (left padding works)."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _inputs(input_ids: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, ...]:
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    valid = jnp.asarray(attention_mask).astype(bool)
+    return input_ids, positions_from_mask(valid), valid
+
+
+def logits(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Float32 logits [B, T, V]; rows at padding positions are meaningless."""
+    model = nnx.merge(graphdef, params)
+    ids, positions, valid = _inputs(input_ids, attention_mask)
+    return model(ids, positions, valid)
+
+
+def token_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    chunk_size: int = 128,
+    remat: str = "none",
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), never holding the full [B, T, V] logits.
+
+    With ``with_entropy`` also returns the entropy of the predictive distribution at t-1 -> t.
+    """
+    model = nnx.merge(graphdef, params)
+    ids, positions, valid = _inputs(input_ids, attention_mask)
+    hidden = model.hidden_states(ids, positions, valid, remat=remat)
+    lp, ent = chunked_logprobs(hidden[:, :-1], model.unembedding(), ids[:, 1:], chunk_size)
+    zero = jnp.zeros_like(lp[:, :1])
+    lp, ent = jnp.concatenate([zero, lp], 1), jnp.concatenate([zero, ent], 1)
+    return (lp, ent) if with_entropy else lp
+
+
+def chunked_logprobs(
+    hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, chunk_size: int = 128
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V].
+
+    Positions are processed ``chunk_size`` at a time under ``jax.checkpoint``, so forward and
+    backward hold at most [B, chunk_size, V] logits.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    b, t, d = hidden.shape
+    chunk = min(chunk_size, max(t, 1))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    hidden = hidden.reshape(b, n, chunk, d).swapaxes(0, 1)
+    targets = targets.reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h, tgt = args
+        lg = jnp.einsum("bcd,dv->bcv", h, unembedding, preferred_element_type=jnp.float32)
+        lg = constrain(lg, BATCH, None, "tensor")
+        lse = jax.nn.logsumexp(lg, axis=-1)
+        picked = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
+        probs = jax.nn.softmax(lg, axis=-1)
+        entropy = lse - jnp.sum(probs * lg, axis=-1)
+        return picked - lse, entropy
+
+    lp, ent = jax.lax.map(one_chunk, (hidden, targets))
+    lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    ent = ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    return lp, ent
+
+
+def naive_token_logprobs(full_logits: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """Reference: log-softmax of full logits [B, T, V] gathered at the next tokens, 0 at t=0."""
+    lsm = jax.nn.log_softmax(full_logits[:, :-1].astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(lsm, jnp.asarray(input_ids)[:, 1:, None], axis=-1)[..., 0]
+    return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)

@@ -1,0 +1,256 @@
+"""Hugging Face checkpoint I/O: config.json + safetensors (single file or sharded index) <-> params.
+
+Every HF tensor maps to one parameter path of ``Transformer`` (layer tensors are stacked on a
+leading axis); a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rlax_tasks.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# tensors some checkpoints carry that are derived, not learned
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """An HF directory that cannot be loaded: missing files or bad/unexpected/mis-shaped tensors."""
+
+
+# ------------------------------------------------------------------------------ name mapping
+def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
+    """HF tensor name of our parameter ``path`` (for layer ``layer`` when stacked)."""
+    *module, leaf = path
+    suffix = "bias" if leaf == "bias" else "weight"
+    if module == ["lm_head"]:
+        return "lm_head.weight"
+    if module[0] == "layers":
+        return f"model.layers.{layer}.{'.'.join(module[1:])}.{suffix}"
+    return f"model.{'.'.join(module)}.{suffix}"
+
+
+def _n_in(path: tuple[str, ...]) -> int:
+    """How many leading kernel dims are input dims (o_proj contracts heads and head_dim)."""
+    return 2 if path[-2] == "o_proj" else 1
+
+
+def _to_ours(path: tuple[str, ...], tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """HF layout ([out, in] for Linear) -> our layout of the given (unstacked) shape."""
+    if path[-1] == "kernel":
+        return tensor.T.reshape(shape)
+    return tensor.reshape(shape)
+
+
+def _to_hf(path: tuple[str, ...], array: np.ndarray) -> np.ndarray:
+    """Our layout -> HF layout (inverse of ``_to_ours``)."""
+    if path[-1] == "kernel":
+        n = _n_in(path)
+        return np.ascontiguousarray(
+            array.reshape(math.prod(array.shape[:n]), math.prod(array.shape[n:])).T
+        )
+    if path[-1] == "bias":
+        return array.reshape(-1)
+    return array
+
+
+def _hf_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    if path[-1] == "kernel":
+        n = _n_in(path)
+        return (math.prod(shape[n:]), math.prod(shape[:n]))
+    if path[-1] == "bias":
+        return (math.prod(shape),)
+    return shape
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, str(key)))
+        else:
+            yield (*prefix, str(key)), value
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+# ------------------------------------------------------------------------------ reading
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The parsed config.json of an HF directory, with a clear error when absent or broken."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a directory (expected an HF model directory)")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{path!r} has no config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the sharded index or the single file."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        missing = sorted({v for v in weight_map.values()} - set(os.listdir(path)))
+        if missing:
+            raise CheckpointError(f"{index} refers to missing shard files: {missing}")
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    found = sorted(os.listdir(path))
+    raise CheckpointError(
+        f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {found}); "
+        "convert PyTorch .bin checkpoints to safetensors first"
+    )
+
+
+def read_params(
+    path: str,
+    abstract_params: nnx.State,
+    dtype: str,
+    place: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None,
+) -> nnx.State:
+    """Fills ``abstract_params`` (shapes from ``nnx.eval_shape``) with the tensors of an HF dir.
+
+    ``place`` puts each host array on devices (e.g. with its sharding); default ``jax.device_put``.
+    Host memory peaks at one parameter (all its layers) at a time.
+    """
+    files = _tensor_files(path)
+    np_dtype = NP_DTYPES[dtype]
+    place = place or (lambda _p, a: jax.device_put(a))
+    pure = nnx.to_pure_dict(abstract_params)
+    used: set[str] = set()
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def get(name: str, expected: tuple[int, ...]) -> np.ndarray:
+            if name not in files:
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint at {path!r}")
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            tensor = handles[file].get_tensor(name)
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected} "
+                    "from config.json"
+                )
+            used.add(name)
+            return tensor
+
+        for leaf_path, abstract in _leaves(pure):
+            shape = tuple(abstract.shape)
+            if leaf_path[0] == "layers":
+                per_layer = shape[1:]
+                hf_shape = _hf_shape(leaf_path, per_layer)
+                arrays = [
+                    _to_ours(leaf_path, get(_hf_name(leaf_path, i), hf_shape), per_layer)
+                    for i in range(shape[0])
+                ]
+                value = np.stack(arrays).astype(np_dtype)
+            else:
+                hf_shape = _hf_shape(leaf_path, shape)
+                value = _to_ours(leaf_path, get(_hf_name(leaf_path, None), hf_shape), shape)
+                value = value.astype(np_dtype)
+            _set(pure, leaf_path, place(leaf_path, value))
+    unexpected = sorted(
+        n
+        for n in set(files) - used
+        if not n.endswith(_IGNORABLE_SUFFIXES) and n != "lm_head.weight"
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint at {path!r} has tensors this architecture does not use: {unexpected[:8]}"
+            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        )
+    if "lm_head.weight" in files and "lm_head.weight" not in used:
+        log.warning("tie_word_embeddings=true: ignoring the checkpoint's lm_head.weight")
+    nnx.replace_by_pure_dict(abstract_params, pure)
+    return abstract_params
+
+
+# ------------------------------------------------------------------------------ writing
+def hf_tensors(params: nnx.State, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) per parameter, layer by layer; one parameter on host at a time."""
+    np_dtype = NP_DTYPES[dtype]
+    for leaf_path, value in _leaves(nnx.to_pure_dict(params)):
+        host = np.asarray(jax.device_get(value)).astype(np_dtype)
+        if leaf_path[0] == "layers":
+            for i in range(host.shape[0]):
+                yield _hf_name(leaf_path, i), _to_hf(leaf_path, host[i])
+        else:
+            yield _hf_name(leaf_path, None), _to_hf(leaf_path, host)
+
+
+def write_hf(
+    path: str,
+    config: ModelConfig,
+    params: nnx.State,
+    dtype: str,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Writes config.json and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+    os.makedirs(path, exist_ok=True)
+    hf_cfg = {**(extra_config or {}), **config.to_hf_dict(dtype)}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    total = 0
+    for name, tensor in hf_tensors(params, dtype):
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+        total += tensor.nbytes
+    for stale in (SINGLE_FILE, INDEX_FILE):
+        if os.path.exists(os.path.join(path, stale)):
+            os.remove(os.path.join(path, stale))
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata=meta)
+            weight_map.update({name: file for name in shard})
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_cfg, f, indent=2, sort_keys=True)
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether an HF directory carries tokenizer files."""
+    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)

@@ -1,0 +1,172 @@
+"""The policy: model config + parameters (+ tokenizer), loaded from and saved to HF format.
+
+``Policy`` is the one object trainer, sampler and evaluation share. Its methods are thin jitted
+wrappers around the pure functions of ``rlax_tasks.models.forward``; the parameters stay an
+``nnx.State`` pytree that optax, Orbax and the parameter server handle directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from rlax_tasks.models import forward, hf_io
+from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.models.sharding import BATCH, fit_spec, param_shardings, param_spec
+from rlax_tasks.models.transformer import Transformer, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def abstract_model(config: ModelConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract params) of a model, without allocating any weights."""
+    model = nnx.eval_shape(lambda: Transformer(config, dtype, nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, input_ids, attention_mask):  # noqa: ANN001, ANN202
+    return forward.logits(graphdef, params, input_ids, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _token_logprobs(graphdef, params, input_ids, attention_mask, chunk_size):  # noqa: ANN001, ANN202
+    return forward.token_logprobs(
+        graphdef, params, input_ids, attention_mask, chunk_size=chunk_size
+    )
+
+
+@dataclasses.dataclass
+class Policy:
+    """A decoder-only LM: ``config``, ``params`` (nnx.State), ``tokenizer``, optional ``mesh``."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    dtype: str = "float32"
+    tokenizer: Any = None
+    mesh: Mesh | None = None
+    # keys of the source config.json we do not model (kept on save)
+    extra_hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def init(
+        cls, config: ModelConfig, dtype: str = "float32", seed: int = 0, tokenizer: Any = None
+    ) -> Policy:
+        """A randomly initialized policy (normal(0.02) weights), for tests and warm-up runs."""
+        resolve_dtype(dtype)
+        model = Transformer(config, dtype, nnx.Rngs(seed))
+        graphdef, params = nnx.split(model, nnx.Param)
+        return cls(config, graphdef, params, dtype=dtype, tokenizer=tokenizer)
+
+    # ----------------------------------------------------------------------- computation
+    def _scope(self) -> contextlib.AbstractContextManager:
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _batch(self, x: Any, dtype: Any = jnp.int32) -> jax.Array:
+        x = jnp.asarray(x, dtype)
+        if x.ndim != 2:
+            raise ValueError(f"expected a [batch, time] array, got shape {x.shape}")
+        if self.mesh is None:
+            return x
+        spec = fit_spec(x.shape, (BATCH, None), dict(self.mesh.shape))
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def _check_ids(self, input_ids: Any) -> None:
+        ids = np.asarray(input_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, {self.config.vocab_size}); "
+                f"got values in [{ids.min()}, {ids.max()}]"
+            )
+
+    def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
+        """Float32 logits [B, T, V] for int token ids [B, T] (1 = real token in the mask)."""
+        self._check_ids(input_ids)
+        ids = self._batch(input_ids)
+        mask = self._batch(np.ones(ids.shape) if attention_mask is None else attention_mask)
+        with self._scope():
+            return _logits(self.graphdef, self.params, ids, mask)
+
+    def token_logprobs(
+        self, input_ids: Any, attention_mask: Any = None, chunk_size: int = 128
+    ) -> jax.Array:
+        """log p(ids[t] | ids[<t]) [B, T] (0 at t=0), computed chunk by chunk over positions."""
+        self._check_ids(input_ids)
+        ids = self._batch(input_ids)
+        mask = self._batch(np.ones(ids.shape) if attention_mask is None else attention_mask)
+        with self._scope():
+            return _token_logprobs(self.graphdef, self.params, ids, mask, chunk_size)
+
+    # ----------------------------------------------------------------------- placement
+    def shard(self, mesh: Mesh) -> Policy:
+        """The same policy with parameters laid out over ``mesh`` (data, fsdp, tensor)."""
+        params = jax.device_put(self.params, param_shardings(self.params, mesh))
+        return dataclasses.replace(self, params=params, mesh=mesh)
+
+    def with_params(self, params: nnx.State) -> Policy:
+        """The same policy with other weights of identical shapes (no recompilation)."""
+        return dataclasses.replace(self, params=params)
+
+    def named_params(self) -> Iterator[tuple[str, jax.Array]]:
+        """("layers.self_attn.q_proj.kernel", array) pairs: stable names for transport and logs."""
+        for path, value in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(self.params)):
+            yield ".".join(str(getattr(k, "key", k)) for k in path), value
+
+    # ----------------------------------------------------------------------- HF format
+    def save_pretrained(self, path: str, max_shard_bytes: int = 2 * 1024**3) -> None:
+        """Writes an HF directory (config.json, safetensors, tokenizer) transformers can load."""
+        hf_io.write_hf(
+            path, self.config, self.params, self.dtype, self.extra_hf_config, max_shard_bytes
+        )
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        log.info("saved %s policy (%s) to %s", self.config.model_type, self.dtype, path)
+
+
+def load_pretrained(path: str, dtype: str = "float32", mesh: Mesh | None = None) -> Policy:
+    """Loads an HF directory (config.json, safetensors or sharded index, tokenizer files).
+
+    With ``mesh``, each parameter goes straight to its sharding (never whole on one device).
+    """
+    resolve_dtype(dtype)
+    raw = hf_io.read_hf_config(path)
+    config = ModelConfig.from_hf_dict(raw)
+    graphdef, abstract = abstract_model(config, dtype)
+    place = None
+    if mesh is not None:
+        mesh_shape = dict(mesh.shape)
+
+        def place(leaf_path: tuple[str, ...], value: np.ndarray) -> jax.Array:
+            spec = fit_spec(value.shape, param_spec(leaf_path, value.shape), mesh_shape)
+            return jax.device_put(value, NamedSharding(mesh, spec))
+
+    params = hf_io.read_params(path, jax.tree.map(lambda x: x, abstract), dtype, place)
+    tokenizer = None
+    if hf_io.has_tokenizer(path):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        log.warning("%s has no tokenizer files; policy.tokenizer is None", path)
+    known = set(config.to_hf_dict())
+    extra = {k: v for k, v in raw.items() if k not in known and k != "transformers_version"}
+    log.info(
+        "loaded %s (%.1fM params, %s) from %s",
+        config.model_type,
+        config.num_parameters() / 1e6,
+        dtype,
+        path,
+    )
+    return Policy(config, graphdef, params, dtype, tokenizer, mesh, extra)

@@ -1,0 +1,240 @@
+"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 families.
+
+Module and parameter names follow Hugging Face (``layers.self_attn.q_proj.kernel`` for
+``model.layers.{i}.self_attn.q_proj.weight``) so the checkpoint mapping stays obvious. Decoder
+layers are stacked on a leading axis and run with ``jax.lax.scan``: compile time does not grow with
+depth and a remat policy applies to every layer at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.models.rope import apply_rope, inverse_frequencies, rope_tables
+from rlax_tasks.models.sharding import BATCH, constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# additive mask value: finite so that fully-masked (padding) query rows stay NaN-free
+_MASK_VALUE = -1e30
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    """Maps "float32"/"bfloat16" (or a jnp dtype) to a jnp dtype; anything else is a ValueError."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    dt = jnp.dtype(dtype)
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype={dt} is not supported; use float32 or bfloat16")
+    return dt
+
+
+class Projection(nnx.Module):
+    """A linear map contracting the last ``len(in_shape)`` dims: kernel [*in, *out] (+ bias)."""
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        out_shape: Sequence[int],
+        *,
+        use_bias: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.n_in = len(in_shape)
+        init = nnx.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (*in_shape, *out_shape), dtype))
+        self.bias = nnx.Param(jnp.zeros(tuple(out_shape), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        y = jnp.tensordot(x, kernel, axes=self.n_in)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * h.astype(x.dtype)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    k_valid: jax.Array,
+) -> jax.Array:
+    """Grouped-query attention with a position-based causal mask.
+
+    q [B,T,H,hd]; k, v [B,S,KV,hd]; a query attends to valid keys whose position is not after its
+    own. Positions (not indices) define causality, so left padding and a KV cache use one code path.
+    """
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd**-0.5)
+    mask = (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(v.dtype).reshape(b, t, h, hd)
+
+
+class Attention(nnx.Module):
+    """Self-attention with GQA, RoPE, optional qkv/o bias (Qwen2, Llama) and q/k norm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, h, kv, hd = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        qkv_bias = config.qkv_bias
+        self.q_proj = Projection((d,), (h, hd), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Projection((d,), (kv, hd), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Projection((d,), (kv, hd), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Projection((h, hd), (d,), use_bias=config.o_bias, dtype=dtype, rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+    ) -> jax.Array:
+        q = constrain(self.q_proj(x), BATCH, None, "tensor", None)
+        k = constrain(self.k_proj(x), BATCH, None, "tensor", None)
+        v = constrain(self.v_proj(x), BATCH, None, "tensor", None)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, positions, positions, valid)
+        return self.o_proj(out)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Projection((d,), (f,), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Projection((d,), (f,), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Projection((f,), (d,), use_bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(h, BATCH, None, "tensor"))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, cos, sin, positions, valid):  # noqa: ANN001, ANN204 (scan body)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, valid)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, BATCH, None, None)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]."""
+
+    def __init__(self, vocab: int, dim: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.normal(stddev=0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class Transformer(nnx.Module):
+    """The whole decoder: embeddings, stacked layers, final norm and (untied) LM head."""
+
+    def __init__(self, config: ModelConfig, dtype: str | jnp.dtype, rngs: nnx.Rngs) -> None:
+        dt = resolve_dtype(dtype)
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dt, rngs)
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(layer_rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, dt, layer_rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Projection(
+                (config.hidden_size,), (config.vocab_size,), use_bias=False, dtype=dt, rngs=rngs
+            )
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+        remat: str = "none",
+    ) -> jax.Array:
+        """Final-norm hidden states [B, T, D] for token ids [B, T] at the given positions."""
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r} is not one of {sorted(REMAT_POLICIES)}")
+        x = constrain(self.embed_tokens(input_ids), BATCH, None, None)
+        cos, sin = rope_tables(positions, inverse_frequencies(self.config))
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+            return nnx.merge(layer_def, state)(h, cos, sin, positions, valid), None
+
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+        x, _ = jax.lax.scan(body, x, layer_state)
+        return self.norm(x)
+
+    def unembedding(self) -> jax.Array:
+        """The [D, V] output projection (the transposed embedding table when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        hidden = self.hidden_states(input_ids, positions, valid)
+        logits = jnp.einsum(
+            "btd,dv->btv", hidden, self.unembedding(), preferred_element_type=jnp.float32
+        )
+        return constrain(logits, BATCH, None, "tensor")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Sets up the project on a fresh machine: Debian packages it needs (when missing), then .venv with
+# every Python package pinned by constraints.txt. `--test` adds the test extras (pytest, ruff,
+# torch CPU for the transformers parity tests). Safe to re-run: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
+
+# Debian packages the project needs at run time.
+apt_packages=()
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
+fi
+
+python=${PYTHON:-}
+if [[ -z "$python" ]]; then
+  for candidate in python3.11 python3.12 python3; do
+    if command -v "$candidate" >/dev/null; then python=$candidate; break; fi
+  done
+fi
+if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv with $($python --version)"
+  "$python" -m venv .venv
+fi
+
+# torch (tests only) is pinned to the CPU build; on this kind of machine it is a local wheel.
+find_links=()
+if [[ -d /opt/wheels ]]; then find_links=(--find-links /opt/wheels); fi
+
+echo "[setup] installing pinned packages (constraints.txt)${extras:+ with $extras}"
+.venv/bin/python -m pip install -q --disable-pip-version-check pip==26.3 setuptools==84.2.1 wheel==0.48.0
+.venv/bin/python -m pip install -q --disable-pip-version-check "${find_links[@]}" \
+  --no-build-isolation -c constraints.txt -e ".${extras}"
+echo "[setup] done: $(.venv/bin/python -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}")')"
