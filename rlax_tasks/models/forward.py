@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlax_tasks.models.kv_cache import KVCache
 from rlax_tasks.models.sharding import BATCH, constrain
 
 
@@ -101,3 +102,24 @@ def naive_token_logprobs(full_logits: jax.Array, input_ids: jax.Array) -> jax.Ar
     lsm = jax.nn.log_softmax(full_logits[:, :-1].astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(lsm, jnp.asarray(input_ids)[:, 1:, None], axis=-1)[..., 0]
     return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
+
+
+def extend_cache(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    cache: KVCache,
+    start: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
+
+    Returns float32 logits [B, T, V] and the updated cache; prefill and decode are both this call.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model.hidden_states_cached(
+        jnp.asarray(input_ids, jnp.int32), positions, valid.astype(bool), cache, start
+    )
+    lg = jnp.einsum("btd,dv->btv", hidden, model.unembedding(), preferred_element_type=jnp.float32)
+    return lg, cache

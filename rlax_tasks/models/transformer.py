@@ -9,12 +9,14 @@ depth and a remat policy applies to every layer at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.models.kv_cache import KVCache, write_rows
 from rlax_tasks.models.rope import apply_rope, inverse_frequencies, rope_tables
 from rlax_tasks.models.sharding import BATCH, constrain
 
@@ -131,15 +133,31 @@ class Attention(nnx.Module):
         sin: jax.Array,
         positions: jax.Array,
         valid: jax.Array,
-    ) -> jax.Array:
+        kv: LayerKV | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Attention output, and with ``kv`` the layer's cache with this step's keys written."""
         q = constrain(self.q_proj(x), BATCH, None, "tensor", None)
         k = constrain(self.k_proj(x), BATCH, None, "tensor", None)
         v = constrain(self.v_proj(x), BATCH, None, "tensor", None)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, positions, positions, valid)
-        return self.o_proj(out)
+        if kv is None:
+            return self.o_proj(attend(q, k, v, positions, positions, valid)), None
+        k_cache = write_rows(kv.k, k, kv.start)
+        v_cache = write_rows(kv.v, v, kv.start)
+        out = attend(q, k_cache, v_cache, positions, kv.positions, kv.valid)
+        return self.o_proj(out), (k_cache, v_cache)
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache view: k/v [B, S, KV, hd], write offsets [B], entry positions/validity."""
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+    positions: jax.Array
+    valid: jax.Array
 
 
 class MLP(nnx.Module):
@@ -165,10 +183,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x, cos, sin, positions, valid):  # noqa: ANN001, ANN204 (scan body)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, valid)
+    def __call__(self, x, cos, sin, positions, valid, kv=None):  # noqa: ANN001, ANN204
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, positions, valid, kv)
+        x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, BATCH, None, None)
+        return constrain(x, BATCH, None, None), new_kv
 
 
 class Embedding(nnx.Module):
@@ -219,12 +238,41 @@ class Transformer(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(layer_def, state)(h, cos, sin, positions, valid), None
+            return nnx.merge(layer_def, state)(h, cos, sin, positions, valid)[0], None
 
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
         x, _ = jax.lax.scan(body, x, layer_state)
         return self.norm(x)
+
+    def hidden_states_cached(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+        cache: KVCache,
+        start: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Hidden states [B, T, D] of new tokens attending to the cache, and the updated cache.
+
+        Row b's T tokens are written at cache entries start[b] .. start[b] + T - 1 (prefill: T is
+        the prompt bucket; decode: T = 1). Invalid tokens (valid=False) stay invisible to later
+        queries until a later write overwrites their entries.
+        """
+        x = constrain(self.embed_tokens(input_ids), BATCH, None, None)
+        cos, sin = rope_tables(positions, inverse_frequencies(self.config))
+        kv_positions = write_rows(cache.positions, positions, start)
+        kv_valid = write_rows(cache.valid, valid, start)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            state, k, v = xs
+            kv = LayerKV(k, v, start, kv_positions, kv_valid)
+            h, new_kv = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, kv)
+            return h, new_kv
+
+        x, (k, v) = jax.lax.scan(body, x, (layer_state, cache.k, cache.v))
+        return self.norm(x), KVCache(k, v, kv_positions, kv_valid)
 
     def unembedding(self) -> jax.Array:
         """The [D, V] output projection (the transposed embedding table when tied)."""
