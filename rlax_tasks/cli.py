@@ -7,6 +7,7 @@ import logging
 import sys
 
 from rlax_tasks.models import CheckpointError, ModelConfigError
+from rlax_tasks.rewards.service import add_verify_parser
 
 # user mistakes: reported as one line, never a traceback
 USER_ERRORS = (CheckpointError, ModelConfigError, ValueError, FileNotFoundError)
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    add_verify_parser(sub)
     return parser
 
 

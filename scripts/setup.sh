@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 extras=""
 if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
 
-# Debian packages the project needs at run time.
-apt_packages=()
+# Debian packages the project needs at run time: bubblewrap sandboxes generated code, which runs
+# under Debian's python3 (g++ is optional: C++ judging is enabled when it is present).
+apt_packages=(bubblewrap python3)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

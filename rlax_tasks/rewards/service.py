@@ -1,0 +1,310 @@
+"""`rlax verify serve`: the math and code verifiers as a local HTTP service, plus its client.
+
+Lets verification run on other machines than the inference workers. Binds 127.0.0.1 unless
+told otherwise; with --port 0 the chosen address is printed on the first stdout line.
+"""
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
+from rlax_tasks.rewards.math import MathResult
+from rlax_tasks.rewards.sandbox import ExecResult
+
+logger = logging.getLogger(__name__)
+
+_MAX_ITEMS = 4096
+
+
+def create_app(
+    math_workers: int | None = None, math_timeout_s: float = 5.0, max_parallel: int | None = None
+) -> Any:
+    """The FastAPI application; verifiers (and their worker processes) start with the app."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel, Field
+
+    from rlax_tasks.rewards import judge as judge_mod
+    from rlax_tasks.rewards import sandbox
+    from rlax_tasks.rewards.math import VERIFIER_VERSION, MathVerifier
+
+    parallel = max(1, max_parallel or os.cpu_count() or 1)
+    sandbox.set_max_concurrency(parallel)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI lifespan protocol
+        state["math"] = MathVerifier(workers=math_workers, timeout_s=math_timeout_s)
+        try:
+            yield
+        finally:
+            state["math"].close()
+
+    app = FastAPI(title="RLAX verifiers", lifespan=lifespan)
+
+    class MathItem(BaseModel):
+        response: str
+        reference: str
+
+    class MathRequest(BaseModel):
+        items: list[MathItem] = Field(max_length=_MAX_ITEMS)
+
+    class RunRequest(BaseModel):
+        source: str
+        language: str = "python"
+        stdin: str = ""
+        timeout_s: float = Field(2.0, gt=0, le=60)
+        memory_mb: int = Field(256, gt=0, le=16384)
+
+    class TestModel(BaseModel):
+        input: str
+        expected: str
+
+    class CheckerModel(BaseModel):
+        source: str
+        language: str = "python"
+        timeout_s: float = Field(5.0, gt=0, le=60)
+        memory_mb: int = Field(512, gt=0, le=16384)
+
+    class SubmissionModel(BaseModel):
+        source: str
+        tests: list[TestModel] = Field(min_length=1, max_length=_MAX_ITEMS)
+        language: str = "python"
+        comparison: str = "tokens"
+        checker: CheckerModel | None = None
+        timeout_s: float = Field(2.0, gt=0, le=60)
+        memory_mb: int = Field(256, gt=0, le=16384)
+
+    class JudgeRequest(BaseModel):
+        submissions: list[SubmissionModel] = Field(max_length=_MAX_ITEMS)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        info = sandbox.sandbox_info()
+        return {
+            "status": "ok",
+            "math_verifier_version": VERIFIER_VERSION,
+            "sandbox": info,
+            "max_parallel": parallel,
+        }
+
+    @app.post("/v1/math/verify")
+    def math_verify(req: MathRequest) -> dict:
+        pairs = [(item.response, item.reference) for item in req.items]
+        results = state["math"].check_batch(pairs)
+        return {"version": VERIFIER_VERSION, "results": [r.to_dict() for r in results]}
+
+    @app.post("/v1/code/run")
+    def code_run(req: RunRequest) -> dict:
+        try:
+            sandbox.normalize_language(req.language)
+            result = sandbox.run(req.source, req.language, req.stdin, req.timeout_s, req.memory_mb)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        return result.to_dict()
+
+    @app.post("/v1/code/judge")
+    def code_judge(req: JudgeRequest) -> dict:
+        subs = [
+            Submission(
+                s.source,
+                tuple(TestCase(t.input, t.expected) for t in s.tests),
+                s.language,
+                s.comparison,
+                Checker(**s.checker.model_dump()) if s.checker else None,
+                s.timeout_s,
+                s.memory_mb,
+            )
+            for s in req.submissions
+        ]
+        try:
+            results = judge_mod.judge_batch(subs, max_parallel=parallel)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        return {"results": [r.to_dict() for r in results]}
+
+    return app
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    math_workers: int | None = None,
+    math_timeout_s: float = 5.0,
+    max_parallel: int | None = None,
+    log_level: str = "info",
+) -> None:
+    """Run the service until interrupted; prints its URL on the first line of stdout."""
+    import uvicorn
+
+    app = create_app(math_workers, math_timeout_s, max_parallel)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    sys.stdout.write(f"http://{url_host}:{bound_port}\n")  # first-line contract
+    sys.stdout.flush()
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr
+    )
+    serve(
+        args.host,
+        args.port,
+        math_workers=args.math_workers,
+        math_timeout_s=args.math_timeout,
+        max_parallel=args.max_parallel,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `verify serve` on an argparse subparsers object; sets `func(args) -> int`."""
+    verify = subparsers.add_parser("verify", help="reward verifiers (math, code)")
+    verify_sub = verify.add_subparsers(dest="verify_command", metavar="COMMAND")
+    verify_sub.required = True
+    serve_p = verify_sub.add_parser(
+        "serve", help="serve the verifiers over HTTP (prints its URL on the first line)"
+    )
+    serve_p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    serve_p.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    serve_p.add_argument(
+        "--math-workers",
+        type=int,
+        default=None,
+        help="math-verify worker processes (default: min(4, CPUs))",
+    )
+    serve_p.add_argument(
+        "--math-timeout",
+        type=float,
+        default=5.0,
+        help="hard timeout in seconds per math extraction/comparison",
+    )
+    serve_p.add_argument(
+        "--max-parallel", type=int, default=None, help="concurrent sandboxes (default: CPU count)"
+    )
+    serve_p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    serve_p.set_defaults(func=_serve_command)
+    return verify
+
+
+class VerifierError(RuntimeError):
+    """The verifier service answered with an error."""
+
+
+class VerifierClient:
+    """Small stdlib client of the verifier service."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0) -> None:
+        """`url` as printed by `rlax verify serve`, e.g. http://127.0.0.1:8000."""
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")[:2000]
+            raise VerifierError(f"{method} {path} -> HTTP {exc.code}: {detail}") from exc
+
+    def health(self) -> dict:
+        return self._request("GET", "/healthz")
+
+    def check_math(self, pairs: Sequence[tuple[str, str]]) -> list[MathResult]:
+        items = [{"response": r, "reference": ref} for r, ref in pairs]
+        out = self._request("POST", "/v1/math/verify", {"items": items})
+        return [MathResult(**r) for r in out["results"]]
+
+    def verify_math(self, response: str, reference: str) -> float:
+        return self.check_math([(response, reference)])[0].reward
+
+    def run(
+        self,
+        source: str,
+        language: str = "python",
+        stdin: str = "",
+        timeout_s: float = 2.0,
+        memory_mb: int = 256,
+    ) -> ExecResult:
+        out = self._request(
+            "POST",
+            "/v1/code/run",
+            {
+                "source": source,
+                "language": language,
+                "stdin": stdin,
+                "timeout_s": timeout_s,
+                "memory_mb": memory_mb,
+            },
+        )
+        return ExecResult(**out)
+
+    def judge_batch(self, submissions: Sequence[Submission]) -> list[JudgeResult]:
+        body = {
+            "submissions": [
+                {
+                    "source": s.source,
+                    "language": s.language,
+                    "comparison": s.comparison,
+                    "tests": [{"input": t.input, "expected": t.expected} for t in s.tests],
+                    "checker": None
+                    if s.checker is None
+                    else {
+                        "source": s.checker.source,
+                        "language": s.checker.language,
+                        "timeout_s": s.checker.timeout_s,
+                        "memory_mb": s.checker.memory_mb,
+                    },
+                    "timeout_s": s.timeout_s,
+                    "memory_mb": s.memory_mb,
+                }
+                for s in submissions
+            ]
+        }
+        out = self._request("POST", "/v1/code/judge", body)
+        return [
+            JudgeResult(
+                r["reward"],
+                r["verdict"],
+                [TestVerdict(**t) for t in r["tests"]],
+                r["compile_output"],
+            )
+            for r in out["results"]
+        ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: `python -m rlax_tasks.rewards.service verify serve ...`."""
+    parser = argparse.ArgumentParser(prog="rlax")
+    add_verify_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

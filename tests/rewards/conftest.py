@@ -1,0 +1,86 @@
+"""Fixtures for the reward verifier tests: a shared math verifier and host-safety checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import psutil
+import pytest
+
+from rlax_tasks.rewards import sandbox
+from rlax_tasks.rewards.math import MathVerifier
+
+
+@pytest.fixture(scope="session")
+def math_verifier():
+    """One small pool for the whole session (worker start-up imports sympy: ~1 s each)."""
+    with MathVerifier(workers=2, timeout_s=3.0) as verifier:
+        yield verifier
+
+
+@pytest.fixture
+def bwrap_required():
+    """The code verifier needs bubblewrap; a missing install is a set-up error, not a skip."""
+    if shutil.which("bwrap") is None:
+        pytest.fail(
+            "bubblewrap (bwrap) is not installed; run the project set-up "
+            "(Debian: apt-get install -y bubblewrap)"
+        )
+
+
+def sandbox_processes(marker: str | None = None) -> list[str]:
+    """Processes that belong to a sandbox: a bwrap under this test process, a process whose
+    command line has `marker`, or (as root) a process running as a sandbox uid."""
+    found = []
+    me = psutil.Process()
+    for child in me.children(recursive=True):
+        try:
+            if child.name() == "bwrap":
+                found.append(f"{child.pid} bwrap child")
+        except psutil.NoSuchProcess:
+            pass
+    for proc in psutil.process_iter(["pid", "uids", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            uid = proc.info["uids"].real if proc.info["uids"] else -1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if (marker and marker in cmdline) or (os.geteuid() == 0 and uid >= sandbox._UID_BASE):
+            found.append(f"{proc.info['pid']} uid={uid} {cmdline[:100]}")
+    return found
+
+
+def assert_no_sandbox_processes(marker: str | None = None, wait_s: float = 2.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = sandbox_processes(marker)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes survived the sandbox: {left}"
+
+
+@pytest.fixture
+def no_leftovers(bwrap_required):
+    """Fails the test if any sandboxed process outlives it."""
+    yield
+    assert_no_sandbox_processes()
+
+
+@pytest.fixture(autouse=True)
+def no_unreaped_sandboxes():
+    """Every bwrap this test started must have been waited for (no zombies either)."""
+    yield
+    me = psutil.Process()
+    left = []
+    for child in me.children(recursive=True):
+        try:
+            if child.name() == "bwrap":
+                left.append(f"{child.pid} {child.status()}")
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"bwrap processes left after the test: {left}"
