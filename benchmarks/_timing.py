@@ -1,0 +1,165 @@
+"""Shared helpers for the benchmarks: wall-clock timing, the matmul FLOP/s ceiling, peak RSS.
+
+Every benchmark times the same way: ``warmup`` untimed calls (compilation, allocator and thread
+pool warm-up), then ``repeats`` timed calls, each one synchronised (``block_until_ready`` on every
+JAX array in the result) before the clock stops; the median is the figure reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def block(result: Any) -> None:
+    """Waits for every asynchronously dispatched array (JAX) in ``result``; no-op for the rest."""
+    import jax
+
+    for leaf in jax.tree_util.tree_leaves(result):
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call over the timed repeats (plus the first warm-up call, which compiles)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    times_s: tuple[float, ...]
+    first_call_s: float | None
+    # CPUs' worth of this process's CPU time during the timed calls (how many cores it used)
+    own_cores: float
+    # CPUs' worth of OTHER processes' busy time meanwhile (> ~0.1: the figures are contaminated)
+    other_cores: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def median_time(
+    fn: Callable[[], Any],
+    repeats: int = 5,
+    warmup: int = 1,
+    sync: Callable[[Any], None] = block,
+) -> Timing:
+    """Times ``fn()``: ``warmup`` untimed calls, then the median of ``repeats`` synchronised calls.
+
+    The result of each call is dropped before the next one starts, so at most one output is alive.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    first = None
+    for i in range(max(warmup, 0)):
+        t0 = time.perf_counter()
+        out = fn()
+        sync(out)
+        if i == 0:
+            first = time.perf_counter() - t0
+        del out
+    times = []
+    sys0, cpu0, wall0 = _system_busy_s(), time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        sync(out)
+        times.append(time.perf_counter() - t0)
+        del out
+    sys1, cpu1, wall = _system_busy_s(), time.process_time(), time.perf_counter() - wall0
+    own = (cpu1 - cpu0) / wall
+    other = None if sys0 is None or sys1 is None else max((sys1 - sys0) / wall - own, 0.0)
+    return Timing(statistics.median(times), min(times), max(times), tuple(times), first, own, other)
+
+
+def jax_matmul_peak(
+    sizes: tuple[int, ...] = (2048, 4096), dtype: str = "float32", repeats: int = 5
+) -> dict[str, Any]:
+    """Best FLOP/s of ``jax.jit(lambda a, b: a @ b)`` on square matrices: the practical ceiling."""
+    import jax
+    import jax.numpy as jnp
+
+    matmul = jax.jit(lambda a, b: a @ b)
+    per_size, others = {}, {}
+    for n in sizes:
+        ka, kb = jax.random.split(jax.random.key(n))
+        a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+        t = median_time(lambda a=a, b=b: matmul(a, b), repeats=repeats, warmup=1)
+        per_size[n] = 2 * n**3 / t.median_s
+        others[n] = t.other_cores
+    best = max(per_size, key=per_size.get)
+    return {
+        "flops_per_s": per_size[best],
+        "best_size": best,
+        "per_size": per_size,
+        "other_cores": others,
+    }
+
+
+def torch_matmul_peak(
+    sizes: tuple[int, ...] = (2048, 4096), dtype: str = "float32", repeats: int = 5
+) -> dict[str, Any]:
+    """Best FLOP/s of ``a @ b`` in PyTorch (CPU) on square matrices (for reference)."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    per_size, others = {}, {}
+    with torch.inference_mode():
+        for n in sizes:
+            g = torch.Generator().manual_seed(n)
+            a = torch.randn(n, n, generator=g).to(tdtype)
+            b = torch.randn(n, n, generator=g).to(tdtype)
+            t = median_time(lambda a=a, b=b: a @ b, repeats=repeats, warmup=1)
+            per_size[n] = 2 * n**3 / t.median_s
+            others[n] = t.other_cores
+    best = max(per_size, key=per_size.get)
+    return {
+        "flops_per_s": per_size[best],
+        "best_size": best,
+        "per_size": per_size,
+        "other_cores": others,
+    }
+
+
+def _system_busy_s() -> float | None:
+    """CPU-seconds all processes have spent busy since boot (Linux /proc/stat), else None."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal minus idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cores(interval_s: float = 1.0) -> float | None:
+    """CPUs' worth of busy time (all processes) over ``interval_s`` while this one sleeps.
+
+    Run before a benchmark: anything well above 0 means other work is competing for the CPU and
+    the timings will be low and noisy. None where /proc/stat is unavailable (non-Linux).
+    """
+    a, t0 = _system_busy_s(), time.perf_counter()
+    time.sleep(interval_s)
+    b, elapsed = _system_busy_s(), time.perf_counter() - t0
+    return None if a is None or b is None else (b - a) / elapsed
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``ru_maxrss``: KiB on Linux, B on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def fmt_si(x: float, unit: str = "") -> str:
+    """1.23e10 -> '12.30 G' + unit."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
