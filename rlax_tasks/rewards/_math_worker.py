@@ -11,7 +11,8 @@ import logging
 import re
 from typing import Any
 
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+from rlax_tasks.rewards.tasks.extract import last_boxed
+
 _MAX_ANSWER_CHARS = 2000
 
 
@@ -22,21 +23,6 @@ def init() -> None:
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     compare("\\frac{1}{2}", "0.5")  # warm up sympy and the LaTeX parser
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} / \fbox{...} with balanced braces, or None."""
-    matches = list(_BOXED_RE.finditer(text))
-    for match in reversed(matches):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,14 +7,13 @@ import re
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _INT_RE = re.compile(r"[-−]?\d[\d,]*")
-_BOXED = "\\boxed{"
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} with balanced braces, or None."""
-    pos = text.rfind(_BOXED)
-    while pos != -1:
-        depth, start = 1, pos + len(_BOXED)
+    r"""Content of the last \boxed{...} / \fbox{...} with balanced braces, or None."""
+    for match in reversed(list(_BOXED_RE.finditer(text))):
+        depth, start = 1, match.end()
         for i in range(start, len(text)):
             if text[i] == "{":
                 depth += 1
@@ -22,7 +21,6 @@ def last_boxed(text: str) -> str | None:
                 depth -= 1
                 if depth == 0:
                     return text[start:i].strip()
-        pos = text.rfind(_BOXED, 0, pos)
     return None
 
 
