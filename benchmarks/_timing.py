@@ -86,12 +86,23 @@ def jax_matmul_peak(
     import jax.numpy as jnp
 
     matmul = jax.jit(lambda a, b: a @ b)
-    per_size, others = {}, {}
-    for n in sizes:
+
+    def operands(n: int) -> Callable[[], Any]:
         ka, kb = jax.random.split(jax.random.key(n))
         a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
         b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
-        t = median_time(lambda a=a, b=b: matmul(a, b), repeats=repeats, warmup=1)
+        return lambda: matmul(a, b)
+
+    return _best_matmul(sizes, operands, repeats)
+
+
+def _best_matmul(
+    sizes: tuple[int, ...], make_call: Callable[[int], Callable[[], Any]], repeats: int
+) -> dict[str, Any]:
+    """Times the n x n matmul ``make_call(n)`` for each size; reports the best FLOP/s."""
+    per_size, others = {}, {}
+    for n in sizes:
+        t = median_time(make_call(n), repeats=repeats, warmup=1)
         per_size[n] = 2 * n**3 / t.median_s
         others[n] = t.other_cores
     best = max(per_size, key=per_size.get)
@@ -110,22 +121,15 @@ def torch_matmul_peak(
     import torch
 
     tdtype = getattr(torch, dtype)
-    per_size, others = {}, {}
+
+    def operands(n: int) -> Callable[[], Any]:
+        g = torch.Generator().manual_seed(n)
+        a = torch.randn(n, n, generator=g).to(tdtype)
+        b = torch.randn(n, n, generator=g).to(tdtype)
+        return lambda: a @ b
+
     with torch.inference_mode():
-        for n in sizes:
-            g = torch.Generator().manual_seed(n)
-            a = torch.randn(n, n, generator=g).to(tdtype)
-            b = torch.randn(n, n, generator=g).to(tdtype)
-            t = median_time(lambda a=a, b=b: a @ b, repeats=repeats, warmup=1)
-            per_size[n] = 2 * n**3 / t.median_s
-            others[n] = t.other_cores
-    best = max(per_size, key=per_size.get)
-    return {
-        "flops_per_s": per_size[best],
-        "best_size": best,
-        "per_size": per_size,
-        "other_cores": others,
-    }
+        return _best_matmul(sizes, operands, repeats)
 
 
 def _system_busy_s() -> float | None:

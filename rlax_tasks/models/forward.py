@@ -121,5 +121,4 @@ def extend_cache(
     hidden, cache = model.hidden_states_cached(
         jnp.asarray(input_ids, jnp.int32), positions, valid.astype(bool), cache, start
     )
-    lg = jnp.einsum("btd,dv->btv", hidden, model.unembedding(), preferred_element_type=jnp.float32)
-    return lg, cache
+    return model.unembed(hidden), cache

@@ -83,19 +83,21 @@ class Policy:
         spec = fit_spec(x.shape, (BATCH, None), dict(self.mesh.shape))
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def _check_ids(self, input_ids: Any) -> None:
+    def _inputs(self, input_ids: Any, attention_mask: Any) -> tuple[jax.Array, jax.Array]:
+        """Validated ids and mask (all ones when None), placed on the mesh when there is one."""
         ids = np.asarray(input_ids)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(
                 f"input_ids must lie in [0, {self.config.vocab_size}); "
                 f"got values in [{ids.min()}, {ids.max()}]"
             )
+        batch = self._batch(ids)
+        mask = self._batch(np.ones(batch.shape) if attention_mask is None else attention_mask)
+        return batch, mask
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
         """Float32 logits [B, T, V] for int token ids [B, T] (1 = real token in the mask)."""
-        self._check_ids(input_ids)
-        ids = self._batch(input_ids)
-        mask = self._batch(np.ones(ids.shape) if attention_mask is None else attention_mask)
+        ids, mask = self._inputs(input_ids, attention_mask)
         with self._scope():
             return _logits(self.graphdef, self.params, ids, mask)
 
@@ -103,9 +105,7 @@ class Policy:
         self, input_ids: Any, attention_mask: Any = None, chunk_size: int = 128
     ) -> jax.Array:
         """log p(ids[t] | ids[<t]) [B, T] (0 at t=0), computed chunk by chunk over positions."""
-        self._check_ids(input_ids)
-        ids = self._batch(input_ids)
-        mask = self._batch(np.ones(ids.shape) if attention_mask is None else attention_mask)
+        ids, mask = self._inputs(input_ids, attention_mask)
         with self._scope():
             return _token_logprobs(self.graphdef, self.params, ids, mask, chunk_size)
 

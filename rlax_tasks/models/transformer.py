@@ -315,9 +315,12 @@ class Transformer(nnx.Module):
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        hidden = self.hidden_states(input_ids, positions, valid)
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] of hidden states [B, T, D]."""
         logits = jnp.einsum(
             "btd,dv->btv", hidden, self.unembedding(), preferred_element_type=jnp.float32
         )
         return constrain(logits, BATCH, None, "tensor")
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        return self.unembed(self.hidden_states(input_ids, positions, valid))
