@@ -1,0 +1,211 @@
+"""Rollout benchmark: the rlax_tasks Sampler vs transformers ``generate``, and continuous vs static
+batching, in one run on the same ~30M-parameter Qwen2-shaped model (same weights, same prompts).
+
+1. Ours vs transformers: B prompts of P tokens, N new tokens each, greedy, EOS ignored so every
+   row generates exactly N tokens. Ours: ``Sampler(policy, max_slots=B).generate``; theirs:
+   ``model.generate(use_cache=True, do_sample=False)`` (PyTorch CPU, default threads). Both warmed
+   up once (JAX compiles there), then the median of ``--repeats`` runs; tokens/s = B*N / seconds.
+   The fraction of rows whose greedy tokens agree is printed as a sanity check.
+2. Continuous vs static batching on a long-tailed mix: ``--mix-requests`` requests, 7 in 8 asking
+   for ``--short`` new tokens and 1 in 8 for 8x as many, over ``--slots`` slots. Static batching
+   admits a new batch only when every slot is free (the classic baseline); continuous refills a
+   slot as soon as its sequence ends. Same compiled programs, same requests.
+3. Weight swap time (``Sampler.set_params`` with another set of weights of the same shapes), the
+   bfloat16 sampler-vs-forward log-prob |delta| p95 (DESIGN §5), and the peak RSS.
+
+Run: ``.venv/bin/python benchmarks/rollout.py`` (about 3-6 minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+import forward as forward_bench  # noqa: E402  (the same model shape and checkpoint builder)
+
+log = logging.getLogger("benchmarks.rollout")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=16, help="prompts in the vs-transformers part")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-chunk", type=int, default=8)
+    p.add_argument("--slots", type=int, default=16, help="slots in the batching comparison")
+    p.add_argument("--mix-requests", type=int, default=64)
+    p.add_argument("--short", type=int, default=32, help="new tokens of a short completion")
+    p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def timed(fn: Any, repeats: int) -> tuple[float, Any]:
+    """(median seconds, last result) of ``repeats`` calls after one warm-up call."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import jax
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from rlax_tasks.models import Policy, load_pretrained
+    from rlax_tasks.rollout import Sampler, SamplingParams
+
+    busy = _timing.busy_cores(1.0)
+    if busy is not None and busy > 0.2:
+        log.warning("other processes kept %.2f CPUs busy: timings will be low and noisy", busy)
+    out: dict[str, Any] = {"args": vars(args), "busy_cores_before": busy}
+
+    max_len = args.prompt_len + max(args.new_tokens, 8 * args.short)
+    with tempfile.TemporaryDirectory(prefix="rlax_bench_rollout_") as tmp:
+        _, n_params = forward_bench.build_hf_checkpoint(tmp, args.seed, max_len)
+        policy = load_pretrained(tmp)
+        model = Qwen2ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    out["parameters"] = n_params
+    rng = np.random.default_rng(args.seed)
+    prompts = [
+        [int(t) for t in rng.integers(3, policy.config.vocab_size, args.prompt_len)]
+        for _ in range(args.batch)
+    ]
+
+    # ------------------------------------------------------------ 1. ours vs transformers
+    sampler = Sampler(policy, max_slots=args.batch, max_len=max_len, decode_chunk=args.decode_chunk)
+
+    def ours() -> list:
+        return sampler.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+
+    def theirs() -> Any:
+        with torch.inference_mode():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+            )
+
+    log.info("ours: %d prompts x %d new tokens (warm-up compiles)", args.batch, args.new_tokens)
+    ours_s, ours_out = timed(ours, args.repeats)
+    log.info("transformers generate, same prompts")
+    theirs_s, theirs_out = timed(theirs, args.repeats)
+    tokens = args.batch * args.new_tokens
+    agree = np.mean(
+        [o.tokens == theirs_out[i, args.prompt_len :].tolist() for i, o in enumerate(ours_out)]
+    )
+    out["vs_transformers"] = {
+        "ours_tokens_per_s": tokens / ours_s,
+        "transformers_tokens_per_s": tokens / theirs_s,
+        "ratio": theirs_s / ours_s,
+        "greedy_rows_identical": float(agree),
+        "target": ">= 2x",
+    }
+    print(
+        f"[generate] ours {tokens / ours_s:,.0f} tok/s vs transformers {tokens / theirs_s:,.0f} "
+        f"tok/s: {theirs_s / ours_s:.2f}x (target >= 2x); identical greedy rows {agree:.0%}"
+    )
+
+    # ------------------------------------------------------------ 2. continuous vs static
+    long = 8 * args.short
+    lengths = [long if i % 8 == 3 else args.short for i in range(args.mix_requests)]
+    mix = [
+        [int(t) for t in rng.integers(3, policy.config.vocab_size, args.prompt_len)]
+        for _ in lengths
+    ]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    results = {}
+    for mode in ("static", "continuous"):
+        s = Sampler(
+            policy,
+            max_slots=args.slots,
+            max_len=max_len,
+            decode_chunk=args.decode_chunk,
+            batching=mode,
+        )
+        seconds, outs = timed(lambda s=s: s.generate(mix, params=params), args.repeats)
+        assert [len(o.tokens) for o in outs] == lengths
+        results[mode] = {
+            "seconds": seconds,
+            "tokens_per_s": sum(lengths) / seconds,
+            "decode_calls_per_run": s.stats.decode_calls // (args.repeats + 1),
+        }
+    ratio = results["static"]["seconds"] / results["continuous"]["seconds"]
+    out["batching"] = {
+        **results,
+        "ratio": ratio,
+        "target": ">= 1.5x",
+        "lengths": {
+            "short": args.short,
+            "long": long,
+            "requests": args.mix_requests,
+            "slots": args.slots,
+        },
+    }
+    print(
+        f"[batching] {args.mix_requests} requests (7/8 x {args.short}, 1/8 x {long} tokens), "
+        f"{args.slots} slots: continuous {results['continuous']['tokens_per_s']:,.0f} tok/s vs "
+        f"static {results['static']['tokens_per_s']:,.0f} tok/s: {ratio:.2f}x (target >= 1.5x)"
+    )
+
+    # ------------------------------------------------------------ 3. swap, bf16, memory
+    other = Policy.init(policy.config, seed=1)
+    swaps = [sampler.set_params(p) for p in (other.params, policy.params, other.params)]
+    out["weight_swap_s"] = float(np.median(swaps))
+    print(f"[swap] set_params of {n_params / 1e6:.1f}M parameters: {np.median(swaps) * 1e3:.1f} ms")
+
+    if not args.skip_bf16:
+        bf16 = dataclasses.replace(
+            policy,
+            params=jax.tree.map(lambda a: a.astype("bfloat16"), policy.params),
+            dtype="bfloat16",
+        )
+        outs = Sampler(bf16, max_slots=8, max_len=max_len).generate(
+            prompts[:8], max_new_tokens=64, temperature=1.0, seed=0
+        )
+        deltas = []
+        for p, o in zip(prompts, outs, strict=False):
+            full = np.array(p + o.tokens)[None]
+            fwd = np.asarray(bf16.token_logprobs(full))[0, len(p) :]
+            deltas.append(np.abs(fwd - np.array(o.logprobs)))
+        p95 = float(np.percentile(np.concatenate(deltas), 95))
+        out["bf16_logprob_abs_delta_p95"] = p95
+        print(f"[bf16] sampler vs forward log-prob |delta|: p95 {p95:.4f}")
+
+    out["peak_rss_bytes"] = _timing.peak_rss_bytes()
+    print(f"[memory] peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

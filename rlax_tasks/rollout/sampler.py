@@ -1,0 +1,491 @@
+"""The rollout engine: jitted prefill + decode over a preallocated KV cache, continuous batching.
+
+The cache has ``max_slots`` rows of ``max_len`` entries. A request occupies one slot: its prompt is
+prefilled (right-padded to a power-of-two bucket, so a handful of shapes compile once), then all
+slots decode together, ``decode_chunk`` tokens per device call. When a slot finishes, the next
+waiting request is prefilled into it while the others keep decoding (continuous batching);
+``batching="static"`` instead waits for every slot to be free (the classic baseline).
+
+Randomness is per request: token i of a request is drawn with fold_in(key(seed, sample), i), so the
+same seed gives the same completion whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_tasks.models import forward
+from rlax_tasks.models.kv_cache import KVCache, init_cache
+from rlax_tasks.models.policy import Policy
+from rlax_tasks.rollout.requests import Completion, FinishReason, Request, SamplingParams
+from rlax_tasks.rollout.sampling import sample_tokens, token_key
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+NO_STOP = -1  # padding of the per-slot stop-id table
+
+
+class SlotState(NamedTuple):
+    """Per-slot decode state on device (leading dim = slots)."""
+
+    last_token: jax.Array  # [S] int32: the token to feed next
+    position: jax.Array  # [S] int32: its position = its cache index
+    generated: jax.Array  # [S] int32: tokens generated so far (index of the next draw)
+    budget: jax.Array  # [S] int32: max_new_tokens
+    active: jax.Array  # [S] bool
+    key: jax.Array  # [S, 2] uint32: the request's key
+    temperature: jax.Array  # [S] float32
+    top_k: jax.Array  # [S] int32
+    top_p: jax.Array  # [S] float32
+    stop_ids: jax.Array  # [S, M] int32, NO_STOP padded
+
+
+def _empty_state(slots: int, max_stop: int) -> SlotState:
+    def zeros() -> jax.Array:  # distinct buffers: the state is donated
+        return jnp.zeros(slots, jnp.int32)
+
+    return SlotState(
+        last_token=zeros(),
+        position=zeros(),
+        generated=zeros(),
+        budget=zeros(),
+        active=jnp.zeros(slots, bool),
+        key=jnp.zeros((slots, 2), jnp.uint32),
+        temperature=jnp.zeros(slots, jnp.float32),
+        top_k=zeros(),
+        top_p=jnp.ones(slots, jnp.float32),
+        stop_ids=jnp.full((slots, max_stop), NO_STOP, jnp.int32),
+    )
+
+
+def _finished(tokens: jax.Array, generated: jax.Array, state: SlotState) -> jax.Array:
+    hit_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
+    return hit_stop | (generated >= state.budget)
+
+
+def _prefill(
+    config: Any,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: KVCache,
+    state: SlotState,
+    ids: jax.Array,
+    lengths: jax.Array,
+    slots: jax.Array,
+    new: SlotState,
+    filtering: bool,
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
+    """Prefills prompts ids [n, P] into cache rows ``slots`` [n] and draws each first token.
+
+    Rows whose slot index is out of range (padding of the admission bucket) are computed and
+    dropped. ``new`` holds the admitted requests' settings ([n] leading dims). Returns the cache,
+    the slot state, first tokens [n], their log-probs [n] and whether each row is still active.
+    """
+    n, bucket = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (n, bucket))
+    valid = positions < lengths[:, None]
+    fresh = init_cache(config, n, bucket, cache.k.dtype)
+    logits, fresh = forward.extend_cache(
+        graphdef, params, ids, positions, valid, fresh, jnp.zeros(n, jnp.int32)
+    )
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
+    tokens, logprobs = sample_tokens(last, keys, new.temperature, new.top_k, new.top_p, filtering)
+    generated = jnp.ones(n, jnp.int32)
+    active = ~_finished(tokens, generated, new)
+
+    row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
+    cache = KVCache(
+        k=cache.k.at[:, slots, :bucket].set(fresh.k, mode="drop"),
+        v=cache.v.at[:, slots, :bucket].set(fresh.v, mode="drop"),
+        positions=cache.positions.at[slots, :bucket].set(positions, mode="drop"),
+        valid=cache.valid.at[slots].set(row_valid, mode="drop"),
+    )
+    admitted = new._replace(last_token=tokens, position=lengths, generated=generated, active=active)
+    state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
+    return cache, state, tokens, logprobs, active
+
+
+def _decode(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: KVCache,
+    state: SlotState,
+    steps: int,
+    filtering: bool,
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
+    """``steps`` decode steps of every slot; returns tokens, log-probs, emitted flags [steps, S].
+
+    A slot that finishes (stop token or budget) stops emitting and writing within the chunk.
+    """
+
+    def step(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple, tuple]:
+        cache, st = carry
+        logits, cache = forward.extend_cache(
+            graphdef,
+            params,
+            st.last_token[:, None],
+            st.position[:, None],
+            st.active[:, None],
+            cache,
+            st.position,
+        )
+        keys = jax.vmap(token_key)(st.key, st.generated)
+        tokens, logprobs = sample_tokens(
+            logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering
+        )
+        emitted = st.active
+        generated = st.generated + emitted.astype(jnp.int32)
+        st = st._replace(
+            last_token=jnp.where(emitted, tokens, st.last_token),
+            position=st.position + emitted.astype(jnp.int32),
+            generated=generated,
+            active=emitted & ~_finished(tokens, generated, st),
+        )
+        return (cache, st), (tokens, logprobs, emitted)
+
+    (cache, state), out = jax.lax.scan(step, (cache, state), None, length=steps)
+    return cache, state, *out
+
+
+# module-level: one compilation cache shared by every Sampler of the same model and shapes
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 9), donate_argnums=(3, 4))
+_DECODE = jax.jit(_decode, static_argnums=(0, 4, 5), donate_argnums=(2, 3))
+
+
+def prompt_bucket(length: int, max_len: int) -> int:
+    """The padded prefill length for a prompt: the next power of two (>= 16), at most max_len."""
+    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_len)
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    tokens: list[int]
+    logprobs: list[float]
+    stop_set: frozenset[int]
+    eos: frozenset[int]
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    """Counters for progress lines and benchmarks."""
+
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    generated_tokens: int = 0
+    completions: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    last_swap_s: float | None = None
+
+
+class Sampler:
+    """KV-cache sampler with continuous batching over ``max_slots`` slots of ``max_len`` tokens.
+
+    ``generate`` is the one-call API; ``add_request`` / ``step`` / ``abort`` drive it
+    incrementally (the inference worker does, to drop partial rollouts on a weight reload).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        max_slots: int = 32,
+        max_len: int = 2048,
+        *,
+        decode_chunk: int = 4,
+        batching: Literal["continuous", "static"] = "continuous",
+        max_stop_ids: int = 8,
+    ) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        if decode_chunk < 1:
+            raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        # committed placement, as set_params makes it: a swap then never changes the jit cache key
+        self.policy = policy.with_params(
+            jax.device_put(policy.params, jax.tree.map(lambda a: a.sharding, policy.params))
+        )
+        self.max_slots, self.max_len = max_slots, max_len
+        self.decode_chunk, self.batching = decode_chunk, batching
+        self.max_stop_ids = max_stop_ids
+        self.stats = SamplerStats()
+        dtype = jax.tree.leaves(policy.params)[0].dtype
+        # committed buffers, like every later prefill/decode output: the first call then
+        # compiles the same program as all the others
+        place = (
+            jax.sharding.NamedSharding(policy.mesh, jax.sharding.PartitionSpec())
+            if policy.mesh is not None
+            else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
+        self._cache = jax.device_put(init_cache(policy.config, max_slots, max_len, dtype), place)
+        self._state = jax.device_put(_empty_state(max_slots, max_stop_ids), place)
+        self._slots: list[_Slot | None] = [None] * max_slots
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefill_fn = _PREFILL
+        self._decode_fn = _DECODE
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def params(self) -> nnx.State:
+        return self.policy.params
+
+    def set_params(self, params: nnx.State) -> float:
+        """Swaps in new weights of the same shapes (no recompilation); returns the seconds taken.
+
+        Requests in flight continue with the new weights; callers that need every completion to
+        come from one version (the worker) ``abort`` first.
+        """
+        t0 = time.perf_counter()
+        old = jax.tree_util.tree_leaves_with_path(self.policy.params)
+        new = jax.tree_util.tree_leaves_with_path(params)
+        if len(old) != len(new):
+            raise ValueError(f"new weights have {len(new)} arrays, the policy has {len(old)}")
+        for (path, a), (new_path, b) in zip(old, new, strict=True):
+            if path != new_path or a.shape != b.shape:
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"new weights do not match the policy at {name}: "
+                    f"{jax.tree_util.keystr(new_path)} {tuple(b.shape)} vs {tuple(a.shape)}"
+                )
+        shardings = jax.tree.map(lambda a: a.sharding, self.policy.params)
+        dtypes = jax.tree.map(lambda a: a.dtype, self.policy.params)
+        placed = jax.tree.map(
+            lambda b, s, d: jax.device_put(jnp.asarray(b, d), s), params, shardings, dtypes
+        )
+        jax.block_until_ready(placed)
+        self.policy = self.policy.with_params(placed)
+        self.stats.last_swap_s = time.perf_counter() - t0
+        return self.stats.last_swap_s
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queues one request; validates it first (ValueError naming the problem)."""
+        self.validate(request)
+        self._waiting.append(request)
+
+    def validate(self, request: Request) -> None:
+        """Raises ValueError naming what is wrong with a request for this sampler."""
+        request.params.validate(self.policy.config.vocab_size)
+        n = len(request.prompt)
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        vocab = self.policy.config.vocab_size
+        if min(request.prompt) < 0 or max(request.prompt) >= vocab:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt token ids must lie in [0, {vocab})"
+            )
+        if n + request.params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({n} tokens) + max_new_tokens "
+                f"({request.params.max_new_tokens}) exceeds the sampler's max_len {self.max_len}"
+            )
+        if len(self._stop_set(request.params)) > self.max_stop_ids:
+            raise ValueError(
+                f"request {request.request_id!r}: more than {self.max_stop_ids} stop token ids"
+            )
+        if request.params.stop_strings and self.policy.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer; the policy has none")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def num_active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def abort(self) -> list[Request]:
+        """Drops every waiting and in-flight request (their partial output is discarded)."""
+        dropped = list(self._waiting) + [s.request for s in self._slots if s is not None]
+        self._waiting.clear()
+        self._slots = [None] * self.max_slots
+        self._state = self._state._replace(active=jnp.zeros(self.max_slots, bool))
+        return dropped
+
+    def step(self) -> list[Completion]:
+        """Admits waiting requests into free slots, runs one decode chunk; returns what finished."""
+        finished: list[Completion] = []
+        self._admit(finished)
+        if any(s is not None for s in self._slots):
+            self._decode_chunk(finished)
+        self.stats.completions += len(finished)
+        return finished
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int = 0,
+        n: int = 1,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        ignore_eos: bool = False,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """n completions per prompt, prompt-major. ``params`` (one, or one per prompt) overrides
+        the keyword settings."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if params is None:
+            params = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                seed=int(seed),
+                stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                stop_strings=tuple(stop_strings),
+                ignore_eos=ignore_eos,
+            )
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        if self.has_unfinished:
+            raise RuntimeError("generate() needs an idle sampler; requests are in flight")
+        requests = [
+            Request.make(prompt, p, sample_index=j, request_id=(i, j))
+            for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))
+            for j in range(n)
+        ]
+        for request in requests:  # all or nothing: nothing is queued if one is invalid
+            self.validate(request)
+        self._waiting.extend(requests)
+        done: dict[Any, Completion] = {}
+        while self.has_unfinished:
+            for c in self.step():
+                done[c.request.request_id] = c
+        return [done[r.request_id] for r in requests]
+
+    # ------------------------------------------------------------------ internals
+    def _stop_set(self, p: SamplingParams) -> frozenset[int]:
+        eos = () if p.ignore_eos else self.policy.config.eos_token_ids
+        return frozenset(eos) | frozenset(p.stop_token_ids)
+
+    def _admit(self, finished: list[Completion]) -> None:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not self._waiting or not free:
+            return
+        if self.batching == "static" and len(free) < self.max_slots:
+            return
+        take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        rows = 1 << (len(take) - 1).bit_length()  # admission bucket: power of two
+        bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
+        ids = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.max_slots, np.int32)  # out of range: dropped
+        new = SlotState(*(np.array(x) for x in _empty_state(rows, self.max_stop_ids)))
+        for row, (request, slot) in enumerate(zip(take, free, strict=False)):
+            p = request.params
+            ids[row, : len(request.prompt)] = request.prompt
+            lengths[row] = len(request.prompt)
+            slots[row] = slot
+            new.budget[row] = p.max_new_tokens
+            new.key[row] = np.asarray(
+                jax.random.key_data(
+                    jax.random.fold_in(jax.random.PRNGKey(p.seed), request.sample_index)
+                )
+            )
+            new.temperature[row] = p.temperature
+            new.top_k[row] = p.top_k
+            new.top_p[row] = p.top_p
+            stops = sorted(self._stop_set(p))
+            new.stop_ids[row, : len(stops)] = stops
+        filtering = any(r.params.filtering for r in take)
+        t0 = time.perf_counter()
+        with self.policy._scope():
+            self._cache, self._state, tokens, logprobs, active = self._prefill_fn(
+                self.policy.config,
+                self.policy.graphdef,
+                self.policy.params,
+                self._cache,
+                self._state,
+                ids,
+                lengths,
+                slots,
+                new,
+                filtering,
+            )
+            tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
+        for row, (request, slot) in enumerate(zip(take, free, strict=False)):
+            eos = frozenset(() if request.params.ignore_eos else self.policy.config.eos_token_ids)
+            state = _Slot(request, [], [], self._stop_set(request.params), eos)
+            self._slots[slot] = state
+            self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
+
+    def _decode_chunk(self, finished: list[Completion]) -> None:
+        filtering = any(s is not None and s.request.params.filtering for s in self._slots)
+        t0 = time.perf_counter()
+        with self.policy._scope():
+            self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(
+                self.policy.graphdef,
+                self.policy.params,
+                self._cache,
+                self._state,
+                self.decode_chunk,
+                filtering,
+            )
+            tokens, logprobs, emitted, active = jax.device_get(
+                (tokens, logprobs, emitted, self._state.active)
+            )
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_calls += 1
+        for slot, state in enumerate(self._slots):
+            if state is None:
+                continue
+            steps = np.flatnonzero(emitted[:, slot])
+            for i, step in enumerate(steps):
+                still = bool(active[slot]) or i < len(steps) - 1
+                tok, lp = int(tokens[step, slot]), float(logprobs[step, slot])
+                if self._emit(slot, tok, lp, still, finished):
+                    break
+
+    def _emit(
+        self, slot: int, token: int, logprob: float, still_active: bool, out: list[Completion]
+    ) -> bool:
+        """Appends a token to a slot; frees the slot and records the completion when it ends."""
+        state = self._slots[slot]
+        assert state is not None
+        state.tokens.append(token)
+        state.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        reason: FinishReason | None = None
+        if token in state.stop_set:
+            reason = "eos" if token in state.eos else "stop"
+        elif state.request.params.stop_strings and self._hits_stop_string(state):
+            reason = "stop"
+        elif len(state.tokens) >= state.request.params.max_new_tokens:
+            reason = "length"
+        elif not still_active:  # the device ended it: only stop ids and the budget do that
+            raise RuntimeError(f"slot {slot} ended on device without a reason the host knows")
+        if reason is None:
+            return False
+        out.append(Completion(state.request, state.tokens, state.logprobs, reason))
+        self._slots[slot] = None
+        if still_active:  # ended on the host (stop string): stop the device slot too
+            self._state = self._state._replace(active=self._state.active.at[slot].set(False))
+        return True
+
+    def _hits_stop_string(self, state: _Slot) -> bool:
+        tail = self.policy.tokenizer.decode(state.tokens[-32:], skip_special_tokens=False)
+        return any(s in tail for s in state.request.params.stop_strings)

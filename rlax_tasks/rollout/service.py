@@ -1,0 +1,191 @@
+"""`rlax worker`: the inference worker as an HTTP service for the controller, plus its client.
+
+Endpoints (JSON): POST /v1/groups {"groups": [GroupRequest...]} queues work; GET /v1/results
+?wait_s=&max_groups= long-polls finished groups (each tagged with its weight version); POST
+/v1/reset drops all work (a restarted controller re-issues its in-flight prompts); GET /v1/status.
+Binds 127.0.0.1 unless told otherwise; with ``RLAX_WORKER_TOKEN`` set every call needs
+``Authorization: Bearer <token>`` (missing → 401, wrong → 403). The first stdout line is the URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from rlax_tasks.rollout.worker import GroupRequest, InferenceWorker
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "RLAX_WORKER_TOKEN"
+MAX_WAIT_S = 30.0
+
+
+def create_app(worker: InferenceWorker, token: str | None = None) -> Any:
+    """The FastAPI application around a started ``InferenceWorker``."""
+
+    def authorize(request: Request) -> None:
+        if not token:
+            return
+        header = request.headers.get("authorization", "")
+        if not header.startswith("Bearer "):
+            raise HTTPException(401, "missing bearer token", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode()):
+            raise HTTPException(403, "wrong bearer token")
+
+    app = FastAPI(title="RLAX inference worker", dependencies=[Depends(authorize)])
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok", "version": worker.version}
+
+    @app.get("/v1/status")
+    def status() -> dict:
+        return worker.status()
+
+    @app.post("/v1/groups")
+    def submit(body: dict) -> dict:
+        raw = body.get("groups")
+        if not isinstance(raw, list):
+            raise HTTPException(400, 'expected {"groups": [...]}')
+        try:
+            groups = [GroupRequest.from_dict(g) for g in raw]
+            worker.submit(groups)
+        except (ValueError, TypeError) as e:
+            raise HTTPException(400, str(e)) from e
+        return {"accepted": len(groups)}
+
+    @app.get("/v1/results")
+    def results(wait_s: float = 0.0, max_groups: int | None = None) -> dict:
+        try:
+            done = worker.results(min(max(wait_s, 0.0), MAX_WAIT_S), max_groups)
+        except RuntimeError as e:
+            raise HTTPException(500, str(e)) from e
+        return {"results": [r.to_dict() for r in done]}
+
+    @app.post("/v1/reset")
+    def reset() -> dict:
+        return {"dropped": worker.reset()}
+
+    return app
+
+
+class WorkerClient:
+    """The controller's view of one worker; every call has a timeout."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            if e.code == 400:
+                raise ValueError(f"worker {self.url} rejected the request: {detail}") from e
+            raise ConnectionError(f"worker {self.url}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise ConnectionError(f"worker {self.url} unreachable: {e}") from e
+
+    def submit(self, groups: Sequence[dict[str, Any]]) -> int:
+        return self._call("POST", "/v1/groups", {"groups": list(groups)})["accepted"]
+
+    def results(self, wait_s: float = 0.0, max_groups: int | None = None) -> list[dict[str, Any]]:
+        query = f"?wait_s={wait_s}" + (f"&max_groups={max_groups}" if max_groups else "")
+        reply = self._call("GET", "/v1/results" + query, timeout_s=self.timeout_s + wait_s)
+        return reply["results"]
+
+    def reset(self) -> int:
+        return self._call("POST", "/v1/reset", {})["dropped"]
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/status")
+
+
+def _bind(host: str, port: int) -> tuple[socket.socket, str]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{url_host}:{bound_port}"
+
+
+def _worker_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rlax_tasks.models import load_pretrained
+    from rlax_tasks.rollout.sampler import Sampler
+    from rlax_tasks.rollout.worker import FixedWeights
+
+    policy = load_pretrained(args.model_dir, dtype=args.dtype)
+    sampler = Sampler(policy, args.max_slots, args.max_len, decode_chunk=args.decode_chunk)
+    if args.ps_url:
+        from rlax_tasks.paramserver import ParameterServerClient
+
+        source: Any = ParameterServerClient(args.ps_url, worker_id=args.worker_id)
+    else:
+        source = FixedWeights(sampler.params, version=0)
+    worker = InferenceWorker(sampler, source, reload_every=args.reload_every)
+    sock, url = _bind(args.host, args.port)
+    worker.start()
+    sys.stdout.write(url + "\n")  # first-line contract: the controller reads the address
+    sys.stdout.flush()
+    log.info(
+        "worker %s serving %s on %s (weights v%s)",
+        args.worker_id,
+        args.model_dir,
+        url,
+        worker.version,
+    )
+    app = create_app(worker, os.environ.get(TOKEN_ENV))
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        worker.stop()
+    return 0
+
+
+def add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax worker`."""
+    p = sub.add_parser("worker", help="inference worker: generates version-tagged rollouts")
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        help="HF directory: architecture and tokenizer (and the weights, without --ps-url)",
+    )
+    p.add_argument(
+        "--ps-url",
+        help="parameter server URL (token from RLAX_PS_TOKEN): weights "
+        "follow it; without it the model directory's weights serve as version 0",
+    )
+    p.add_argument("--worker-id", default=f"worker-{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--max-slots", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--decode-chunk", type=int, default=4)
+    p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=_worker_command)

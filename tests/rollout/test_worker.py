@@ -1,0 +1,239 @@
+"""The inference worker: version tagging, the reload rule of DESIGN §3, the HTTP service and CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rlax_tasks.models import ModelConfig, Policy
+from rlax_tasks.models.tokenizer import char_tokenizer
+from rlax_tasks.rollout import Sampler, SamplingParams
+from rlax_tasks.rollout.service import WorkerClient, create_app
+from rlax_tasks.rollout.worker import FixedWeights, GroupRequest, InferenceWorker
+
+TOKENIZER = char_tokenizer()
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=len(TOKENIZER),
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+    eos_token_id=2,
+)
+PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+
+
+class VersionedWeights:
+    """An in-memory weight source with versions set by the test (the PS protocol's shape)."""
+
+    def __init__(self, versions: dict[int, Policy]) -> None:
+        self.versions = versions
+        self.latest = min(versions)
+        self.acks: list[int] = []
+        self.lock = threading.Lock()
+
+    def latest_version(self) -> int:
+        with self.lock:
+            return self.latest
+
+    def pull(self, min_version=None, *, like=None):  # noqa: ANN001, ANN202
+        with self.lock:
+            assert min_version is None or self.latest >= min_version
+            return self.latest, self.versions[self.latest].params
+
+    def ack(self, version: int) -> None:
+        self.acks.append(version)
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return {v: Policy.init(CONFIG, seed=v, tokenizer=TOKENIZER) for v in range(4)}
+
+
+def group(pid: str, text: str, g: int = 3, params: SamplingParams = PARAMS) -> GroupRequest:
+    return GroupRequest(pid, tuple(TOKENIZER.encode(text)), g, params)
+
+
+def expected(policy: Policy, text: str, g: int = 3, params: SamplingParams = PARAMS):
+    outs = Sampler(policy, max_slots=4, max_len=64).generate(
+        [TOKENIZER.encode(text)], n=g, params=params
+    )
+    return [o.tokens for o in outs]
+
+
+def collect(worker: InferenceWorker, n: int, timeout_s: float = 120.0):
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += worker.results(wait_s=1.0)
+    assert len(got) == n, f"only {len(got)} of {n} groups finished"
+    return {r.prompt_id: r for r in got}
+
+
+def test_groups_are_generated_and_version_tagged(policies):
+    policy = policies[0]
+    sampler = Sampler(policy, max_slots=4, max_len=64)
+    with InferenceWorker(sampler, FixedWeights(policy.params, version=7)) as worker:
+        worker.submit([group("a", "1+2="), group("b", "30-4=", g=2)])
+        results = collect(worker, 2)
+    assert results["a"].version == results["b"].version == 7
+    assert [c.tokens for c in results["a"].completions] == expected(policy, "1+2=")
+    assert [c.tokens for c in results["b"].completions] == expected(policy, "30-4=", g=2)
+    assert results["a"].texts == [
+        TOKENIZER.decode(c.tokens, skip_special_tokens=True) for c in results["a"].completions
+    ]
+
+
+def test_reload_only_when_j_versions_behind_and_partial_groups_regenerate(policies):
+    source = VersionedWeights(policies)
+    long = SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+    sampler = Sampler(policies[0], max_slots=2, max_len=64, decode_chunk=1)
+    worker = InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0)
+    with worker:
+        assert worker.version == 0
+        source.latest = 1  # one version ahead: j=2 says keep generating with v0
+        worker.submit([group(f"p{i}", f"{i}*{i}=", g=2, params=long) for i in range(4)])
+        first = collect(worker, 1)
+        assert all(r.version == 0 for r in first.values())
+        assert worker.version == 0 and source.acks == [0]
+        source.latest = 2  # two ahead: reload, discarding the unfinished groups
+        rest = collect(worker, 3)
+    assert source.acks == [0, 2]
+    assert worker.stats.reloads == 2 and worker.stats.groups_discarded >= 1
+    regenerated = [r for r in rest.values() if r.version == 2]
+    assert regenerated, "no group was regenerated with the new weights"
+    for r in {**first, **rest}.values():  # each group comes wholly from the version it names
+        i = r.prompt_id[1:]
+        want = expected(policies[r.version], f"{i}*{i}=", g=2, params=long)
+        assert [c.tokens for c in r.completions] == want
+
+
+def test_duplicate_and_invalid_groups_are_rejected_whole(policies):
+    sampler = Sampler(policies[0], max_slots=2, max_len=32)
+    with InferenceWorker(sampler, FixedWeights(policies[0].params)) as worker:
+        with pytest.raises(ValueError, match="max_len"):
+            worker.submit(
+                [
+                    group("ok", "1+1="),
+                    group("big", "1+1=", params=SamplingParams(max_new_tokens=100)),
+                ]
+            )
+        assert worker.status()["queued"] == 0
+        worker.submit([group("x", "2+2=")])
+        with pytest.raises(ValueError, match="already in flight"):
+            worker.submit([group("x", "2+2=")])
+        assert worker.reset() == 1
+        assert worker.results(wait_s=0.5) == []
+
+
+def test_http_service_auth_validation_and_results(policies):
+    policy = policies[0]
+    sampler = Sampler(policy, max_slots=4, max_len=64)
+    with InferenceWorker(sampler, FixedWeights(policy.params, version=3)) as worker:
+        client = TestClient(create_app(worker, token="s3cret"))
+        assert client.get("/v1/status").status_code == 401
+        assert client.get("/v1/status", headers={"Authorization": "Bearer nope"}).status_code == 403
+        auth = {"Authorization": "Bearer s3cret"}
+        bad = client.post("/v1/groups", headers=auth, json={"groups": [{"prompt_id": "a"}]})
+        assert bad.status_code == 400 and "prompt_tokens" in bad.json()["detail"]
+        bad = client.post(
+            "/v1/groups",
+            headers=auth,
+            json={
+                "groups": [
+                    {
+                        "prompt_id": "a",
+                        "prompt_tokens": [5],
+                        "group_size": 2,
+                        "params": {"temprature": 1},
+                    }
+                ]
+            },
+        )
+        assert bad.status_code == 400 and "temprature" in bad.json()["detail"]
+        body = {
+            "groups": [
+                {
+                    "prompt_id": "a",
+                    "prompt_tokens": TOKENIZER.encode("1+2="),
+                    "group_size": 3,
+                    "params": {
+                        "max_new_tokens": 12,
+                        "temperature": 1.0,
+                        "seed": 4,
+                        "ignore_eos": True,
+                    },
+                }
+            ]
+        }
+        assert client.post("/v1/groups", headers=auth, json=body).json() == {"accepted": 1}
+        results = []
+        while not results:
+            results = client.get("/v1/results?wait_s=5", headers=auth).json()["results"]
+    (r,) = results
+    assert r["version"] == 3 and r["prompt_id"] == "a"
+    assert [c["tokens"] for c in r["completions"]] == expected(policy, "1+2=")
+    assert all(len(c["logprobs"]) == len(c["tokens"]) for c in r["completions"])
+
+
+@pytest.mark.slow
+def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
+    policies[1].save_pretrained(str(tmp_path / "model"))
+    env = {**os.environ, "RLAX_WORKER_TOKEN": "tok"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlax_tasks.cli",
+            "worker",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--max-slots",
+            "4",
+            "--max-len",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), proc.stderr.read()
+        client = WorkerClient(url, token="tok", timeout_s=30)
+        client.submit(
+            [
+                {
+                    "prompt_id": "q",
+                    "prompt_tokens": TOKENIZER.encode("7+8="),
+                    "group_size": 3,
+                    "params": {
+                        "max_new_tokens": 12,
+                        "temperature": 1.0,
+                        "seed": 4,
+                        "ignore_eos": True,
+                    },
+                }
+            ]
+        )
+        results = []
+        deadline = time.monotonic() + 120
+        while not results and time.monotonic() < deadline:
+            results = client.results(wait_s=5)
+        assert results[0]["version"] == 0
+        assert [c["tokens"] for c in results[0]["completions"]] == expected(policies[1], "7+8=")
+        with pytest.raises(ValueError, match="group_size"):
+            client.submit([{"prompt_id": "z", "prompt_tokens": [5], "group_size": 0}])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
