@@ -1,0 +1,607 @@
+"""``ParameterServerClient``: push weights (trainer) and pull them (workers) over HTTP.
+
+Push streams every array block by block straight from the trainer's memory: a sharded
+``jax.Array`` goes out one addressable shard at a time (replicas once), never gathered on one
+device; each block's sha256 is computed here, once, and travels to every worker. Pull streams the
+blocks straight into a host buffer for one array at a time, verifies every block, then (with
+``shardings`` or a ``like`` template) places the array into its target sharding and frees the host
+buffer. So each side holds at most one copy of the weights plus one chunk (plus, when placing
+onto devices, the host buffer of the array being placed).
+
+    c = ParameterServerClient(url, token=..., worker_id="worker-0")
+    c.push(7, policy.params)                                    # trainer
+    version, named = c.pull(min_version=7)                      # {name: np.ndarray}
+    version, params = c.pull(like=policy.params)   # nnx.State, placed like the template
+    policy = policy.with_params(params); c.ack(version)
+
+Every call has timeouts (connect and each socket read/write: ``timeout_s``; a pull waits at most
+``timeout_s`` for a new version unless told otherwise), so a dead server never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import http.client
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
+from rlax_tasks.paramserver.server import TOKEN_ENV, VERSION_HEADER, WORKER_HEADER
+from rlax_tasks.paramserver.store import VersionConflictError
+from rlax_tasks.paramserver.wire import (
+    DEFAULT_CHUNK_BYTES,
+    END_FRAME_SIZE,
+    ArraySpec,
+    BlockHeader,
+    ChecksumError,
+    Manifest,
+    WireError,
+    as_bytes,
+    block_header_size,
+    check_sha256,
+    end_frame,
+    read_block_header,
+    read_end,
+    read_manifest,
+    resolve_dtype,
+    split_blocks,
+    version_digest,
+)
+from rlax_tasks.storage import read_into
+
+log = logging.getLogger(__name__)
+
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, EOFError)
+
+
+class ParameterServerError(RuntimeError):
+    """The parameter server refused or failed a request."""
+
+
+class AuthenticationError(ParameterServerError):
+    """401 (no token sent) or 403 (wrong token)."""
+
+
+class ServerUnavailableError(ParameterServerError, ConnectionError):
+    """The server could not be reached (or died mid-transfer) after the retries."""
+
+
+class CorruptedWeightsError(ParameterServerError):
+    """A pulled version kept failing its sha256 checks after the retries."""
+
+
+class PullTimeoutError(ParameterServerError, TimeoutError):
+    """No version >= min_version appeared within the timeout."""
+
+
+class ParameterServerClient:
+    """Client of one parameter server; thread-safe (each call opens its own connection)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        worker_id: str | None = None,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        retries: int = 3,
+        hash_threads: int = 0,
+    ) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise ValueError(f"url must look like http://HOST:PORT, got {url!r}")
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ValueError(f"token is empty: pass token= or set {TOKEN_ENV}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.url, self.worker_id = url.rstrip("/"), worker_id
+        self._host, self._port = parsed.hostname, parsed.port
+        self._token = token
+        self.timeout_s, self.chunk_bytes, self.retries = timeout_s, chunk_bytes, retries
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            hash_threads or min(4, os.cpu_count() or 1), "ps-client-hash"
+        )
+        self._heartbeat_stop: threading.Event | None = None
+
+    # ------------------------------------------------------------------ small calls
+    def latest_version(self) -> int | None:
+        """The newest version the server holds (None before the first push)."""
+        return self._call("GET", "/v1/latest")["version"]
+
+    def status(self) -> dict[str, Any]:
+        """Versions held, registered workers and their acks, mirror state."""
+        return self._call("GET", "/v1/status")
+
+    def register(self) -> None:
+        """Registers this worker: from now on it holds versions until it acks newer ones."""
+        self._call("POST", f"/v1/workers/{self._require_worker()}/register")
+
+    def heartbeat(self) -> None:
+        """Tells the server this worker is alive (any call with a worker_id also does)."""
+        self._call("POST", f"/v1/workers/{self._require_worker()}/heartbeat")
+
+    def ack(self, version: int) -> None:
+        """This worker now runs ``version``: versions older than it may be garbage-collected."""
+        self._call("POST", f"/v1/workers/{self._require_worker()}/ack", {"version": int(version)})
+
+    def deregister(self) -> None:
+        """This worker leaves: it no longer holds any version."""
+        self._call("DELETE", f"/v1/workers/{self._require_worker()}")
+
+    def start_heartbeats(self, interval_s: float = 10.0) -> None:
+        """Sends a heartbeat every ``interval_s`` on a daemon thread until ``close()``."""
+        self._require_worker()
+        if self._heartbeat_stop is not None:
+            return
+        stop = self._heartbeat_stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.heartbeat()
+                except ParameterServerError as e:
+                    log.warning("heartbeat to %s failed: %s", self.url, e)
+
+        threading.Thread(target=loop, name="ps-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        """Stops heartbeats and the hashing threads (the server forgets us after its timeout)."""
+        if self._heartbeat_stop is not None:
+            self._heartbeat_stop.set()
+            self._heartbeat_stop = None
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> ParameterServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ push
+    def push(self, version: int, params: Any) -> None:
+        """Sends a complete version; returns once the server made it visible.
+
+        ``params``: any pytree of arrays (an nnx.State, nested dicts, ``{name: array}``); names
+        are the dotted pytree paths. VersionConflictError unless ``version`` is newer than the
+        server's latest.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        named = flatten_named(params)
+        specs, plan = [], []
+        for index, (name, leaf) in enumerate(named.items()):
+            spec, blocks = _plan_leaf(index, name, leaf, self.chunk_bytes)
+            specs.append(spec)
+            plan.extend(blocks)
+        manifest = Manifest(version, tuple(specs), len(plan))
+        head = manifest.encode()
+        length = len(head) + END_FRAME_SIZE
+        length += sum(block_header_size(len(b.start)) + b.nbytes for b in plan)
+        t0 = time.perf_counter()
+        digests: list[bytes] = []
+        for attempt in range(self.retries + 1):
+            try:
+                self._push_once(version, head, plan, length, digests)
+                break
+            except VersionConflictError:
+                if attempt and digests and self._latest_digest() == (version, digests[-1]):
+                    break  # an earlier attempt did commit; the connection died before the reply
+                raise
+            except _TRANSPORT_ERRORS as e:
+                if attempt == self.retries:
+                    raise ServerUnavailableError(
+                        f"push of version {version} to {self.url} failed: {e!r}"
+                    ) from e
+                log.warning("push of version %d failed (%r); retrying", version, e)
+                time.sleep(min(0.2 * 2**attempt, 2.0))
+        log.info(
+            "pushed version %d (%.1f MB, %d blocks) in %.2fs",
+            version,
+            manifest.nbytes / 1e6,
+            len(plan),
+            time.perf_counter() - t0,
+        )
+
+    def _push_once(
+        self,
+        version: int,
+        head: bytes,
+        plan: list[_PlannedBlock],
+        length: int,
+        digests: list[bytes],
+    ) -> None:
+        latest = self.latest_version()  # fails fast on a bad token or a stale version number
+        if latest is not None and version <= latest:
+            raise VersionConflictError(f"version {version} is not newer than the latest {latest}")
+        conn = self._connection(self.timeout_s)
+        try:
+            conn.putrequest("PUT", f"/v1/versions/{version}", skip_accept_encoding=True)
+            for key, value in self._headers().items():
+                conn.putheader(key, value)
+            conn.putheader("Content-Type", "application/octet-stream")
+            conn.putheader("Content-Length", str(length))
+            conn.endheaders()
+            conn.send(head)
+            hashes = []
+            window: collections.deque = collections.deque()
+            lookahead = 2 * self._pool._max_workers
+
+            def send_oldest() -> None:
+                block, view, future = window.popleft()
+                sha = future.result()
+                hashes.append(sha)
+                conn.send(
+                    BlockHeader(block.array, block.start, block.stop, block.nbytes, sha).encode()
+                )
+                conn.send(view)
+
+            for block in plan:
+                view = block.fetch()
+                window.append((block, view, self._pool.submit(_sha256, view)))
+                if len(window) >= lookahead:
+                    send_oldest()
+            while window:
+                send_oldest()
+            digest = version_digest(hashes)
+            digests.append(digest)
+            conn.send(end_frame(len(hashes), digest))
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        self._raise_for_status(resp.status, body, f"push of version {version}")
+
+    def _latest_digest(self) -> tuple[int | None, bytes | None]:
+        status = self._call("GET", "/v1/latest")
+        digest = status.get("digest")
+        return status["version"], bytes.fromhex(digest) if digest else None
+
+    # ------------------------------------------------------------------ pull
+    def pull(
+        self,
+        min_version: int | None = None,
+        *,
+        shardings: Any = None,
+        like: Any = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, Any]:
+        """(version, params) of the newest version, waiting until it is >= ``min_version``.
+
+        Returns ``{name: np.ndarray}`` by default. ``shardings``: one ``jax.sharding.Sharding``
+        for every array, or a dict / pytree of shardings by name: arrays are placed there (as
+        ``jax.Array``). ``like``: a template pytree (e.g. ``Policy.params``): the result has its
+        structure, and arrays go where the template's leaves live unless ``shardings`` says
+        otherwise. Waits at most ``timeout_s`` (default: the client's) for a new version
+        (PullTimeoutError); a corrupted block makes it pull again, up to ``retries`` times
+        (then CorruptedWeightsError).
+        """
+        wait_total = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_total
+        failures = 0
+        query = {} if min_version is None else {"min_version": int(min_version)}
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                result = self._pull_once("/v1/pull", query, max(left, 0.0), shardings, like)
+            except (ChecksumError, WireError) as e:
+                failures += 1
+                if failures > self.retries:
+                    raise CorruptedWeightsError(
+                        f"pull from {self.url} failed verification {failures} times: {e}"
+                    ) from e
+                log.warning("pulled weights failed verification (%s); pulling again", e)
+                continue
+            except _TRANSPORT_ERRORS as e:
+                failures += 1
+                if failures > self.retries or time.monotonic() >= deadline:
+                    raise ServerUnavailableError(f"pull from {self.url} failed: {e!r}") from e
+                log.warning("pull from %s failed (%r); retrying", self.url, e)
+                time.sleep(min(0.2 * 2 ** (failures - 1), 2.0))
+                continue
+            if result is not None:
+                return result
+            if time.monotonic() >= deadline:
+                raise PullTimeoutError(
+                    f"no version >= {min_version} on {self.url} within {wait_total:.1f}s"
+                )
+
+    def pull_version(
+        self, version: int, *, shardings: Any = None, like: Any = None
+    ) -> tuple[int, Any]:
+        """A specific version (ParameterServerError if the server no longer holds it)."""
+        for attempt in range(self.retries + 1):
+            try:
+                result = self._pull_once(f"/v1/versions/{int(version)}", {}, 0.0, shardings, like)
+                assert result is not None
+                return result
+            except (ChecksumError, WireError) as e:
+                if attempt == self.retries:
+                    raise CorruptedWeightsError(
+                        f"version {version} failed verification: {e}"
+                    ) from e
+                log.warning("version %d failed verification (%s); pulling again", version, e)
+        raise AssertionError  # pragma: no cover
+
+    def _pull_once(
+        self, path: str, query: dict, wait_s: float, shardings: Any, like: Any
+    ) -> tuple[int, Any] | None:
+        if path == "/v1/pull":
+            query = {**query, "wait_s": f"{wait_s:.3f}"}
+        target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+        conn = self._connection(self.timeout_s + wait_s)
+        try:
+            conn.request("GET", target, headers=self._headers())
+            resp = conn.getresponse()
+            if resp.status == 204:
+                resp.read()
+                return None
+            if resp.status != 200:
+                self._raise_for_status(resp.status, resp.read(), f"GET {path}")
+            conn.sock.settimeout(self.timeout_s)  # the body: the normal stall limit again
+            t0 = time.perf_counter()
+            version, arrays = self._receive(resp, shardings, like)
+            log.debug(
+                "pulled version %s (%s) in %.2fs",
+                version,
+                resp.getheader(VERSION_HEADER),
+                time.perf_counter() - t0,
+            )
+        finally:
+            conn.close()
+        return version, arrays
+
+    def _receive(self, resp: Any, shardings: Any, like: Any) -> tuple[int, Any]:
+        """Reads one wire stream into arrays (verified, then placed); returns (version, params)."""
+        manifest = read_manifest(resp)
+        template = flatten_named(like) if like is not None else None
+        targets = _target_shardings(manifest, shardings, template)
+        arrays: dict[str, Any] = {}
+        hashes: list[bytes] = []
+        checks: collections.deque = collections.deque()
+        scratch = np.empty(0, np.uint8)
+        current, host, covered = -1, None, 0
+
+        def finish() -> None:
+            spec = manifest.arrays[current]
+            if covered != spec.nbytes:
+                raise WireError(f"array {spec.name!r}: blocks cover {covered} of {spec.nbytes}")
+            while checks:
+                block_no, future = checks.popleft()
+                if not future.result():
+                    raise ChecksumError(f"block {block_no} of array {spec.name!r} fails sha256")
+            sharding = targets.get(spec.name)
+            arrays[spec.name] = host if sharding is None else jax.device_put(host, sharding)
+
+        for block_no in range(manifest.num_blocks):
+            header = read_block_header(resp, manifest)
+            if header.array != current:
+                if header.array < current or manifest.arrays[header.array].name in arrays:
+                    raise WireError("blocks of an array are not contiguous in the stream")
+                if current >= 0:
+                    finish()
+                current, covered = header.array, 0
+                spec = manifest.arrays[current]
+                host = np.empty(spec.shape, resolve_dtype(spec.dtype))
+            dest = host[header.region + (Ellipsis,)]
+            if dest.flags.c_contiguous:
+                view = memoryview(dest.reshape(-1).view(np.uint8))
+                read_into(resp, view)
+                checks.append((block_no, self._pool.submit(check_sha256, view, header.sha256)))
+            else:
+                if scratch.size < header.nbytes:
+                    scratch = np.empty(header.nbytes, np.uint8)
+                view = memoryview(scratch[: header.nbytes])
+                read_into(resp, view)
+                if not check_sha256(view, header.sha256):
+                    name = manifest.arrays[current].name
+                    raise ChecksumError(f"block {block_no} of array {name!r} fails sha256")
+                np.copyto(dest, scratch[: header.nbytes].view(dest.dtype).reshape(header.shape))
+            covered += header.nbytes
+            hashes.append(header.sha256)
+            while checks and checks[0][1].done():  # fail fast on a bad block
+                done_no, future = checks.popleft()
+                if not future.result():
+                    name = manifest.arrays[current].name
+                    raise ChecksumError(f"block {done_no} of array {name!r} fails sha256")
+        if current >= 0:
+            finish()
+        read_end(resp, manifest, hashes)
+        for spec in manifest.arrays:  # empty arrays have no blocks
+            if spec.name not in arrays:
+                if spec.nbytes:
+                    raise WireError(f"array {spec.name!r} received no blocks")
+                empty = np.empty(spec.shape, resolve_dtype(spec.dtype))
+                sharding = targets.get(spec.name)
+                arrays[spec.name] = empty if sharding is None else jax.device_put(empty, sharding)
+        ordered = {spec.name: arrays[spec.name] for spec in manifest.arrays}
+        if like is not None:
+            return manifest.version, unflatten_named(like, ordered)
+        return manifest.version, ordered
+
+    # ------------------------------------------------------------------ plumbing
+    def _require_worker(self) -> str:
+        if not self.worker_id:
+            raise ValueError("this call needs a worker_id: ParameterServerClient(..., worker_id=)")
+        return self.worker_id
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self._token}"}
+        if self.worker_id:
+            headers[WORKER_HEADER] = self.worker_id
+        return headers
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        """One small JSON request, retried on transport errors; the decoded JSON reply."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = self._headers()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        for attempt in range(self.retries + 1):
+            conn = self._connection(self.timeout_s)
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except _TRANSPORT_ERRORS as e:
+                if attempt == self.retries:
+                    raise ServerUnavailableError(
+                        f"{method} {path} on {self.url} failed: {e!r}"
+                    ) from e
+                time.sleep(min(0.1 * 2**attempt, 1.0))
+            finally:
+                conn.close()
+        self._raise_for_status(resp.status, raw, f"{method} {path}")
+        return json.loads(raw) if raw else None
+
+    def _raise_for_status(self, status: int, body: bytes, what: str) -> None:
+        if status < 300:
+            return
+        try:
+            message = json.loads(body).get("error", "")
+        except (ValueError, AttributeError):
+            message = body[:200].decode(errors="replace")
+        text = f"{what} on {self.url}: HTTP {status}: {message}"
+        if status in (401, 403):
+            raise AuthenticationError(text)
+        if status == 409:
+            raise VersionConflictError(text)
+        raise ParameterServerError(text)
+
+
+# --------------------------------------------------------------------------- push planning
+class _PlannedBlock:
+    """One block to send: its place in the global array and how to get its bytes."""
+
+    __slots__ = ("array", "start", "stop", "nbytes", "fetch")
+
+    def __init__(self, array: int, start: tuple, stop: tuple, nbytes: int, fetch: Any) -> None:
+        self.array, self.start, self.stop, self.nbytes, self.fetch = (
+            array,
+            start,
+            stop,
+            nbytes,
+            fetch,
+        )
+
+
+def _plan_leaf(
+    index: int, name: str, leaf: Any, chunk_bytes: int
+) -> tuple[ArraySpec, list[_PlannedBlock]]:
+    """The spec of one array and its blocks: per unique addressable shard for a jax.Array."""
+    if isinstance(leaf, jax.Array):
+        if not leaf.is_fully_addressable:
+            raise ValueError(
+                f"array {name!r} spans several hosts: push it from a single-host trainer "
+                "(multi-host push is not supported)"
+            )
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        shards = []
+        for shard in leaf.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            offset = tuple(
+                s.indices(d)[0] if isinstance(s, slice) else int(s)
+                for s, d in zip(shard.index, shape, strict=True)
+            )
+            shards.append((offset, shard.data))
+    else:
+        host = np.asarray(leaf)
+        shape, dtype = tuple(host.shape), host.dtype
+        shards = [((0,) * host.ndim, host)]
+    spec = ArraySpec(name, dtype.name if dtype.name != "void" else str(dtype), shape)
+    if resolve_dtype(spec.dtype) != dtype:
+        raise ValueError(f"array {name!r} has dtype {dtype} that cannot travel by name")
+    blocks = []
+    for offset, data in shards:
+        local_shape = tuple(data.shape)
+        source = _host_source(data)
+        for start, stop in split_blocks(local_shape, dtype.itemsize, chunk_bytes):
+            region = tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
+            nbytes = (
+                int(np.prod([b - a for a, b in zip(start, stop, strict=True)])) * dtype.itemsize
+            )
+            blocks.append(
+                _PlannedBlock(
+                    index,
+                    tuple(o + a for o, a in zip(offset, start, strict=True)),
+                    tuple(o + b for o, b in zip(offset, stop, strict=True)),
+                    nbytes,
+                    _fetcher(source, region),
+                )
+            )
+    return spec, blocks
+
+
+def _host_source(data: Any) -> Any:
+    """A numpy view of a host-resident shard (zero-copy on CPU); the device array otherwise."""
+    if isinstance(data, np.ndarray):
+        return data
+    if all(d.platform == "cpu" for d in data.devices()):
+        return np.asarray(data)
+    return data  # accelerator memory: each block is copied to the host when it is sent
+
+
+def _fetcher(source: Any, region: tuple[slice, ...]) -> Any:
+    def fetch() -> memoryview:
+        return as_bytes(np.asarray(source[region + (Ellipsis,)]))
+
+    return fetch
+
+
+def _sha256(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()
+
+
+def _target_shardings(
+    manifest: Manifest, shardings: Any, template: dict[str, Any] | None
+) -> dict[str, Any]:
+    """{name: Sharding or None} for the arrays of a pulled version (validated against them)."""
+    specs = {a.name: a for a in manifest.arrays}
+    out: dict[str, Any] = {}
+    if template is not None:
+        missing = sorted(set(template) - set(specs))
+        extra = sorted(set(specs) - set(template))
+        if missing or extra:
+            raise ValueError(
+                f"version {manifest.version} does not match the template: "
+                f"template-only {missing[:5]}, version-only {extra[:5]}"
+            )
+        for name, leaf in template.items():
+            spec = specs[name]
+            if tuple(leaf.shape) != spec.shape or np.dtype(leaf.dtype) != resolve_dtype(spec.dtype):
+                raise ValueError(
+                    f"array {name!r}: version {manifest.version} has "
+                    f"{spec.dtype}{list(spec.shape)}, "
+                    f"the template {np.dtype(leaf.dtype)}{list(leaf.shape)}"
+                )
+            if isinstance(leaf, jax.Array):
+                out[name] = leaf.sharding
+    if shardings is None:
+        return out
+    if isinstance(shardings, jax.sharding.Sharding):
+        return {name: shardings for name in specs}
+    named = flatten_named(shardings)
+    unknown = sorted(set(named) - set(specs))
+    if unknown:
+        raise ValueError(f"shardings name arrays the version lacks: {unknown[:5]}")
+    out.update(named)
+    return out

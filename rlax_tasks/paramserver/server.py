@@ -1,0 +1,495 @@
+"""The parameter server: versioned weights over HTTP with streaming bodies, and `rlax ps serve`.
+
+Transport: HTTP/1.1 on the standard library's ThreadingHTTPServer, one thread per connection.
+Bodies are streamed with a known Content-Length straight between sockets and numpy buffers
+(``readinto``/``sendall`` on memoryviews: no copy of a version beyond the one held in memory),
+every socket has a timeout, and a push that stalls or breaks is discarded. (gRPC would need
+generated stubs -- no protoc here -- and copies each message into protobuf bytes.)
+
+Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``; missing -> 401, wrong -> 403):
+
+    GET    /v1/status                      versions, workers, mirror state (JSON)
+    GET    /v1/latest                      {"version": newest or null}
+    GET    /v1/pull?min_version=&wait_s=   newest version >= min_version (long poll; 204 if none)
+    GET    /v1/versions/<v>                that version (404 when not held)
+    PUT    /v1/versions/<v>                push (wire stream; 409 unless newer than the latest)
+    POST   /v1/workers/<id>/register | heartbeat | ack {"version": v}
+    DELETE /v1/workers/<id>                deregister
+Requests may carry ``X-RLAX-Worker: <id>``: it registers the worker and counts as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hmac
+import http.server
+import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+import numpy as np
+
+from rlax_tasks.paramserver import mirror as mirror_mod
+from rlax_tasks.paramserver.store import (
+    Block,
+    UnknownVersionError,
+    VersionConflictError,
+    VersionStore,
+    WeightVersion,
+)
+from rlax_tasks.paramserver.wire import (
+    ChecksumError,
+    WireError,
+    check_sha256,
+    read_block_header,
+    read_end,
+    read_manifest,
+    version_digest,
+)
+from rlax_tasks.storage import read_into
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "RLAX_PS_TOKEN"
+WORKER_HEADER = "X-RLAX-Worker"
+VERSION_HEADER = "X-RLAX-Version"
+_WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Validated settings of one parameter server (errors name the field)."""
+
+    token: str = dataclasses.field(repr=False)
+    host: str = "127.0.0.1"
+    port: int = 0
+    run_root: str | None = None  # local dir or gs://...; None: no durable mirror
+    keep_versions: int = 2
+    mirror_every: int = 1
+    mirror_keep: int = 2
+    worker_timeout_s: float = 60.0
+    io_timeout_s: float = 30.0  # any socket read/write stalled longer aborts that request
+    max_wait_s: float = 30.0  # longest server-side long poll of one pull request
+    verify_push: bool = True  # check every pushed block's sha256 before the version is visible
+    hash_threads: int = 0  # 0: min(4, cpu count)
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError(f"token is empty: set {TOKEN_ENV} to a secret string")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("keep_versions", "mirror_every", "mirror_keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("worker_timeout_s", "io_timeout_s", "max_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.hash_threads < 0:
+            raise ValueError(f"hash_threads must be >= 0, got {self.hash_threads}")
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.close = status, message, close
+
+
+class ParameterServer:
+    """Holds versions in memory, serves them over HTTP, mirrors them to run_root/weights."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = VersionStore(config.keep_versions, config.worker_timeout_s)
+        self.mirror = (
+            mirror_mod.Mirror(config.run_root, config.mirror_every, config.mirror_keep)
+            if config.run_root
+            else None
+        )
+        threads = config.hash_threads or min(4, os.cpu_count() or 1)
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(threads, "ps-hash")
+        self._httpd: http.server.ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> ParameterServer:
+        """Restores the newest committed mirror, then starts serving (non-blocking)."""
+        if self.config.run_root:
+            restored = mirror_mod.load_latest(self.config.run_root)
+            if restored is not None:
+                self.store.commit(restored)
+                self.mirror.last_committed = restored.version
+        handler = type("Handler", (_Handler,), {"ps": self, "timeout": self.config.io_timeout_s})
+        self._httpd = _Server((self.config.host, self.config.port), handler)
+        for target, name in ((self._httpd.serve_forever, "ps-http"), (self._reap, "ps-reaper")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("parameter server listening on %s", self.address)
+        return self
+
+    @property
+    def address(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("server not started")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Stops serving, finishes the pending mirror write, releases the port."""
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self.mirror is not None:
+            self.mirror.close()
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> ParameterServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _reap(self) -> None:
+        period = min(1.0, self.config.worker_timeout_s / 4)
+        while not self._stop.wait(period):
+            self.store.expire_workers()
+
+    def status(self) -> dict[str, Any]:
+        latest = self.store.latest()
+        return {
+            "latest": None if latest is None else latest.version,
+            "versions": self.store.versions(),
+            "keep_versions": self.config.keep_versions,
+            "workers": self.store.workers(),
+            "bytes": None if latest is None else latest.manifest.nbytes,
+            "mirror": None
+            if self.mirror is None
+            else {"last_committed": self.mirror.last_committed, "errors": self.mirror.errors},
+        }
+
+    # ------------------------------------------------------------------ push
+    def receive_push(self, version: int, body: Any, length: int) -> WeightVersion:
+        """Reads a pushed wire stream; the version becomes visible only once complete and valid."""
+        self.store.begin_push(version)
+        try:
+            t0 = time.perf_counter()
+            reader = _Bounded(body, length)
+            manifest = read_manifest(reader)
+            if manifest.version != version:
+                raise WireError(f"manifest is for version {manifest.version}, URL for {version}")
+            blocks: list[Block] = []
+            checks = []
+            covered = [0] * len(manifest.arrays)
+            for _ in range(manifest.num_blocks):
+                header = read_block_header(reader, manifest)
+                data = np.empty(header.nbytes, np.uint8)
+                read_into(reader, memoryview(data))
+                covered[header.array] += header.nbytes
+                blocks.append(Block(header, data))
+                if self.config.verify_push:
+                    checks.append(
+                        self._hash_pool.submit(check_sha256, memoryview(data), header.sha256)
+                    )
+            read_end(reader, manifest, [b.header.sha256 for b in blocks])
+            if reader.left:
+                raise WireError(f"{reader.left} bytes after the end frame")
+            for spec, got in zip(manifest.arrays, covered, strict=True):
+                if got != spec.nbytes:
+                    raise WireError(
+                        f"array {spec.name!r}: blocks cover {got} of {spec.nbytes} bytes"
+                    )
+            for i, ok in enumerate(checks):
+                if not ok.result():
+                    spec = manifest.arrays[blocks[i].header.array]
+                    raise ChecksumError(f"block {i} (array {spec.name!r}) fails its sha256")
+            weights = WeightVersion(
+                manifest, blocks, version_digest([b.header.sha256 for b in blocks])
+            )
+            self.store.commit(weights)
+            dt = time.perf_counter() - t0
+            log.info(
+                "version %d committed: %d arrays, %.1f MB in %.2fs",
+                version,
+                len(manifest.arrays),
+                manifest.nbytes / 1e6,
+                dt,
+            )
+            if self.mirror is not None:
+                self.mirror.submit(weights)
+            return weights
+        finally:
+            self.store.end_push(version)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+
+class _Bounded:
+    """A reader that never reads past ``length`` bytes of a request body."""
+
+    def __init__(self, raw: Any, length: int) -> None:
+        self.raw, self.left = raw, length
+
+    def readinto(self, buf: memoryview) -> int:
+        if self.left <= 0:
+            return 0
+        view = buf[: self.left] if len(buf) > self.left else buf
+        k = self.raw.readinto(view)
+        self.left -= k or 0
+        return k or 0
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "rlax-ps/1"
+    ps: ParameterServer  # set on the subclass built in ParameterServer.start
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s " + format, self.address_string(), *args)
+
+    # ------------------------------------------------------------------ dispatch
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        parts = [p for p in url.path.split("/") if p]
+        try:
+            self._authenticate()
+            worker = self.headers.get(WORKER_HEADER)
+            if worker:
+                self.ps.store.touch(_worker_id(worker))
+            self._route(method, parts, query)
+        except _HTTPError as e:
+            self._send_json(e.status, {"error": e.message}, close=e.close)
+        except (TimeoutError, ConnectionError, EOFError) as e:
+            log.warning("%s %s from %s aborted: %r", method, url.path, self.client_address, e)
+            self.close_connection = True
+
+    def _route(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
+        ps = self.ps
+        if parts[:1] != ["v1"]:
+            raise _HTTPError(404, f"no route {self.path}")
+        route = parts[1:]
+        if method == "GET" and route == ["status"]:
+            return self._send_json(200, ps.status())
+        if method == "GET" and route == ["latest"]:
+            latest = ps.store.latest()
+            if latest is None:
+                return self._send_json(200, {"version": None, "digest": None})
+            return self._send_json(200, {"version": latest.version, "digest": latest.digest.hex()})
+        if method == "GET" and route == ["pull"]:
+            min_version = _int_param(query, "min_version")
+            wait_s = _float_param(query, "wait_s", 0.0)
+            wait_s = min(max(wait_s, 0.0), ps.config.max_wait_s)
+            weights = ps.store.wait_for(min_version, wait_s)
+            if weights is None:
+                return self._send_json(204, None)
+            return self._send_version(weights)
+        if len(route) == 2 and route[0] == "versions":
+            version = _int_segment(route[1], "version")
+            if method == "GET":
+                try:
+                    return self._send_version(ps.store.get(version))
+                except UnknownVersionError:
+                    raise _HTTPError(
+                        404, f"version {version} is not held (held: {ps.store.versions()})"
+                    ) from None
+            if method == "PUT":
+                return self._push(version)
+        if len(route) >= 2 and route[0] == "workers":
+            worker = _worker_id(route[1])
+            if method == "DELETE" and len(route) == 2:
+                ps.store.deregister(worker)
+                return self._send_json(200, {"worker": worker, "registered": False})
+            if method == "POST" and len(route) == 3 and route[2] in ("register", "heartbeat"):
+                ps.store.touch(worker)
+                return self._send_json(200, {"worker": worker, "registered": True})
+            if method == "POST" and len(route) == 3 and route[2] == "ack":
+                body = self._read_json()
+                version = body.get("version")
+                if not isinstance(version, int):
+                    raise _HTTPError(400, 'ack body must be {"version": <int>}')
+                try:
+                    deleted = ps.store.ack(worker, version)
+                except UnknownVersionError:
+                    raise _HTTPError(
+                        400, f"cannot ack version {version}: latest is {ps.store.latest_version()}"
+                    ) from None
+                return self._send_json(200, {"worker": worker, "acked": version, "gc": deleted})
+        raise _HTTPError(404, f"no route {method} {self.path}")
+
+    # ------------------------------------------------------------------ auth
+    def _authenticate(self) -> None:
+        header = self.headers.get("Authorization")
+        if not header or not header.startswith("Bearer "):
+            raise _HTTPError(401, "missing bearer token", close=True)
+        given = header[len("Bearer ") :].strip().encode()
+        if not hmac.compare_digest(given, self.ps.config.token.encode()):
+            raise _HTTPError(403, "invalid token", close=True)
+
+    # ------------------------------------------------------------------ bodies
+    def _push(self, version: int) -> None:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise _HTTPError(411, "push needs a Content-Length", close=True)
+        try:
+            weights = self.ps.receive_push(version, self.rfile, int(length))
+        except VersionConflictError as e:
+            raise _HTTPError(409, str(e), close=True) from None
+        except ChecksumError as e:
+            raise _HTTPError(422, f"push of version {version} rejected: {e}", close=True) from None
+        except WireError as e:
+            raise _HTTPError(400, f"push of version {version} rejected: {e}", close=True) from None
+        except (TimeoutError, ConnectionError, EOFError) as e:
+            log.warning("push of version %d abandoned and discarded: %r", version, e)
+            self.close_connection = True
+            return
+        self._send_json(200, {"version": weights.version, "bytes": weights.manifest.nbytes})
+
+    def _send_version(self, weights: WeightVersion) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(weights.stream_length()))
+        self.send_header(VERSION_HEADER, str(weights.version))
+        self.end_headers()
+        t0 = time.perf_counter()
+        for frame in weights.frames():
+            self.wfile.write(frame)
+        log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
+
+    def _read_json(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > 65536:
+            raise _HTTPError(413, "JSON body too large", close=True)
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise _HTTPError(400, "body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _HTTPError(400, "body must be a JSON object")
+        return body
+
+    def _send_json(self, status: int, obj: Any, close: bool = False) -> None:
+        data = b"" if status == 204 else json.dumps(obj).encode()
+        self.send_response(status)
+        if status == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="rlax-ps"')
+        if status != 204:
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if data:
+            self.wfile.write(data)
+
+
+def _worker_id(raw: str) -> str:
+    if not _WORKER_ID.match(raw):
+        raise _HTTPError(400, f"bad worker id {raw[:64]!r}: use 1-128 of [A-Za-z0-9._:@-]")
+    return raw
+
+
+def _int_segment(raw: str, what: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise _HTTPError(400, f"{what} must be an integer, got {raw[:32]!r}") from None
+
+
+def _int_param(query: dict[str, list[str]], name: str) -> int | None:
+    values = query.get(name)
+    return None if not values or values[0] == "" else _int_segment(values[0], name)
+
+
+def _float_param(query: dict[str, list[str]], name: str, default: float) -> float:
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        return float(values[0])
+    except ValueError:
+        raise _HTTPError(400, f"{name} must be a number") from None
+
+
+# --------------------------------------------------------------------------- CLI
+def add_ps_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax ps serve`."""
+    ps = sub.add_parser("ps", help="parameter server")
+    ps_sub = ps.add_subparsers(dest="ps_command", required=True)
+    p = ps_sub.add_parser(
+        "serve",
+        help="serve weight versions (token from $RLAX_PS_TOKEN); prints its URL on stdout line 1",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--run-root", default=None, help="local dir or gs:// URI for the mirror")
+    p.add_argument("--keep-versions", type=int, default=2)
+    p.add_argument("--mirror-every", type=int, default=1)
+    p.add_argument("--mirror-keep", type=int, default=2, help="committed mirrors to keep")
+    p.add_argument("--worker-timeout", type=float, default=60.0, help="seconds without contact")
+    p.add_argument("--io-timeout", type=float, default=30.0, help="socket stall limit, seconds")
+    p.add_argument(
+        "--no-verify-push", action="store_true", help="skip the server-side sha256 check of pushes"
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        token = os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ValueError(f"{TOKEN_ENV} is not set: export a secret token for the server")
+        config = ServerConfig(
+            token=token,
+            host=args.host,
+            port=args.port,
+            run_root=args.run_root,
+            keep_versions=args.keep_versions,
+            mirror_every=args.mirror_every,
+            mirror_keep=args.mirror_keep,
+            worker_timeout_s=args.worker_timeout,
+            io_timeout_s=args.io_timeout,
+            verify_push=not args.no_verify_push,
+        )
+        return serve_forever(config)
+
+    p.set_defaults(func=run)
+
+
+def serve_forever(config: ServerConfig) -> int:
+    """Runs a server until SIGINT/SIGTERM; its URL is the first line on stdout."""
+    server = ParameterServer(config).start()
+    print(server.address, flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        done.wait()
+    finally:
+        server.stop()
+    log.info("parameter server stopped")
+    return 0
