@@ -10,6 +10,7 @@ Binds 127.0.0.1 unless told otherwise; with ``RLAX_WORKER_TOKEN`` set every call
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import logging
@@ -145,11 +146,16 @@ def _worker_command(args: argparse.Namespace) -> int:
         from rlax_tasks.paramserver import ParameterServerClient
 
         source: Any = ParameterServerClient(args.ps_url, worker_id=args.worker_id)
+        source.register()  # hold versions from now on (DESIGN §6 GC rule)
+        source.start_heartbeats(args.heartbeat_s)
     else:
         source = FixedWeights(sampler.params, version=0)
     worker = InferenceWorker(sampler, source, reload_every=args.reload_every)
     sock, url = _bind(args.host, args.port)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError as e:  # e.g. the PS refused our token: a configuration mistake
+        raise ValueError(f"cannot load weights: {e}") from e
     sys.stdout.write(url + "\n")  # first-line contract: the controller reads the address
     sys.stdout.flush()
     log.info(
@@ -164,6 +170,10 @@ def _worker_command(args: argparse.Namespace) -> int:
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         worker.stop()
+        if args.ps_url:
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                source.deregister()
+            source.close()
     return 0
 
 
@@ -188,4 +198,5 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-chunk", type=int, default=4)
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--heartbeat-s", type=float, default=10.0, help="PS heartbeat interval")
     p.set_defaults(func=_worker_command)

@@ -237,3 +237,34 @@ def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_worker_follows_the_real_parameter_server(policies):
+    """Weights pulled from `ParameterServer` with the §3 reload rule; acks reach the server."""
+    from rlax_tasks.paramserver import ParameterServerClient
+    from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+
+    with ParameterServer(ServerConfig(token="t", keep_versions=4)) as server:
+        trainer = ParameterServerClient(server.address, token="t")
+        trainer.push(0, policies[0].params)
+        source = ParameterServerClient(server.address, token="t", worker_id="w0", timeout_s=10)
+        sampler = Sampler(Policy.init(CONFIG, seed=3, tokenizer=TOKENIZER), 4, 64)
+        with InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0) as worker:
+            assert worker.version == 0
+            trainer.push(1, policies[1].params)
+            worker.submit([group("a", "1+2=")])
+            first = collect(worker, 1)["a"]
+            trainer.push(2, policies[2].params)
+            deadline = time.monotonic() + 30
+            while worker.version != 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            worker.submit([group("b", "1+2=")])
+            second = collect(worker, 1)["b"]
+            acked = server.status()["workers"]
+        trainer.close()
+        source.close()
+    assert first.version in (0, 2) and second.version == 2
+    assert [c.tokens for c in first.completions] == expected(policies[first.version], "1+2=")
+    assert [c.tokens for c in second.completions] == expected(policies[2], "1+2=")
+    assert acked["w0"]["acked"] == 2
