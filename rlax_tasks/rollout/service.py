@@ -146,7 +146,10 @@ def _worker_command(args: argparse.Namespace) -> int:
         from rlax_tasks.paramserver import ParameterServerClient
 
         source: Any = ParameterServerClient(args.ps_url, worker_id=args.worker_id)
-        source.register()  # hold versions from now on (DESIGN §6 GC rule)
+        try:
+            source.register()  # hold versions from now on (DESIGN §6 GC rule)
+        except (ConnectionError, RuntimeError) as e:
+            raise ValueError(f"--ps-url {args.ps_url}: {e}") from e
         source.start_heartbeats(args.heartbeat_s)
     else:
         source = FixedWeights(sampler.params, version=0)
