@@ -6,8 +6,12 @@ import argparse
 import logging
 import sys
 
+from rlax_tasks.curation.cli import add_curate_parser
+from rlax_tasks.evaluation.cli import add_eval_parser
 from rlax_tasks.models import CheckpointError, ModelConfigError
+from rlax_tasks.paramserver import add_ps_parser
 from rlax_tasks.rewards.service import add_verify_parser
+from rlax_tasks.rollout.service import add_worker_parser
 
 # user mistakes: reported as one line, never a traceback
 USER_ERRORS = (CheckpointError, ModelConfigError, ValueError, FileNotFoundError)
@@ -47,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     add_verify_parser(sub)
+    add_curate_parser(sub)
+    add_eval_parser(sub)
+    add_ps_parser(sub)
+    add_worker_parser(sub)
     return parser
 
 

@@ -1,0 +1,19 @@
+"""Dataset curation: ingest (JSONL/Parquet/CSV, local or gs://), validate with a quarantine,
+normalize, filter, deduplicate (exact + MinHash), split by date, decontaminate, and keep
+prompts of partial pass rate."""
+
+from rlax_tasks.curation.dedup import MinHashConfig, minhash_signatures, near_duplicates
+from rlax_tasks.curation.ingest import Rejected
+from rlax_tasks.curation.pipeline import CurationConfig, CurationResult, run_curation
+from rlax_tasks.curation.report import write_outputs
+
+__all__ = [
+    "CurationConfig",
+    "CurationResult",
+    "MinHashConfig",
+    "Rejected",
+    "minhash_signatures",
+    "near_duplicates",
+    "run_curation",
+    "write_outputs",
+]

@@ -1,0 +1,317 @@
+"""The curation pipeline: ingest -> validate -> normalize -> filters -> exact and near dedup
+-> time split -> decontamination -> pass-rate filter.
+
+Every input row ends in the train or test split, the quarantine (unreadable or invalid) or the
+removed log (a filter, dedup or decontamination), each with its stage and reason; the counts
+per stage are checked to add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from rlax_tasks.curation import dedup, filters
+from rlax_tasks.curation.decontam import NgramIndex
+from rlax_tasks.curation.ingest import Rejected, read_inputs, snippet
+from rlax_tasks.curation.io import expand_inputs
+from rlax_tasks.curation.normalize import dedup_key, normalize_text
+from rlax_tasks.curation.passrate import measure_pass_rates
+from rlax_tasks.curation.schema import validate
+from rlax_tasks.evaluation.generation import GenerateFn
+
+logger = logging.getLogger(__name__)
+
+QUARANTINE_STAGES = ("ingest", "validate")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurationConfig:
+    """What to curate and how; `split_date`: rows dated before it train, the rest test;
+    `pass_rate_k` > 0 turns on the pass-rate filter (needs a generator)."""
+
+    inputs: tuple[str, ...]
+    eval_sets: tuple[str, ...] = ()
+    split_date: str | None = None
+    ngram: int = 13
+    near_dedup: bool = True
+    minhash: dedup.MinHashConfig = dataclasses.field(default_factory=dedup.MinHashConfig)
+    language_min_words: int = 6
+    decontaminate_against_test: bool = True
+    pass_rate_k: int = 0
+    pass_rate_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, str) or not self.inputs:
+            raise ValueError("inputs: give at least one input path (a list of paths)")
+        if isinstance(self.eval_sets, str):
+            raise ValueError("eval_sets must be a list of paths, not a string")
+        if self.split_date is not None:
+            try:
+                dt.date.fromisoformat(self.split_date)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"split_date must be an ISO date (YYYY-MM-DD), got {self.split_date!r}"
+                ) from exc
+        if self.ngram < 1:
+            raise ValueError(f"ngram must be >= 1, got {self.ngram}")
+        if self.language_min_words < 1:
+            raise ValueError(f"language_min_words must be >= 1, got {self.language_min_words}")
+        if self.pass_rate_k < 0:
+            raise ValueError(f"pass_rate_k must be >= 0 (0 = off), got {self.pass_rate_k}")
+        if self.pass_rate_batch < 1:
+            raise ValueError(f"pass_rate_batch must be >= 1, got {self.pass_rate_batch}")
+
+
+@dataclasses.dataclass
+class StageCount:
+    """Rows entering a stage, rows it removed, rows leaving it."""
+
+    stage: str
+    rows_in: int
+    removed: int
+    note: str = ""
+
+    @property
+    def rows_out(self) -> int:
+        return self.rows_in - self.removed
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "rows_in": self.rows_in,
+            "removed": self.removed,
+            "rows_out": self.rows_out,
+            "note": self.note,
+        }
+
+
+@dataclasses.dataclass
+class CurationResult:
+    """The curated splits, every rejected row with its reason, and the counts per stage."""
+
+    train: pd.DataFrame
+    test: pd.DataFrame
+    rejected: list[Rejected]
+    stages: list[StageCount]
+    rows_read: int
+    files: list[str]
+    pass_rate_k: int = 0
+
+    @property
+    def quarantined(self) -> list[Rejected]:
+        return [r for r in self.rejected if r.stage in QUARANTINE_STAGES]
+
+    @property
+    def removed(self) -> list[Rejected]:
+        return [r for r in self.rejected if r.stage not in QUARANTINE_STAGES]
+
+    def counts(self) -> dict[str, int]:
+        """Totals: read = train + test + quarantined + removed."""
+        return {
+            "rows_read": self.rows_read,
+            "train": len(self.train),
+            "test": len(self.test),
+            "quarantined": len(self.quarantined),
+            "removed": len(self.removed),
+        }
+
+
+class _Tracker:
+    """Removes rows from the working frame stage by stage, logging each with its reason."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame
+        self.rejected: list[Rejected] = []
+        self.stages: list[StageCount] = []
+
+    def drop(self, stage: str, field: str, reasons: Sequence[str | None]) -> None:
+        frame = self.frame
+        mask = np.fromiter((r is not None for r in reasons), bool, len(frame))
+        files = frame["origin_file"].tolist()
+        rows = frame["origin_row"].tolist()
+        prompts = frame["prompt"].tolist()
+        for i in np.flatnonzero(mask).tolist():
+            self.rejected.append(
+                Rejected(stage, files[i], int(rows[i]), field, str(reasons[i]), snippet(prompts[i]))
+            )
+        self.stages.append(StageCount(stage, len(frame), int(mask.sum())))
+        self.frame = frame[~mask].reset_index(drop=True)
+        logger.info("%s: removed %d of %d rows", stage, int(mask.sum()), len(frame))
+
+
+def _where(frame: pd.DataFrame, i: int) -> str:
+    return f"{frame['origin_file'].iat[i]}:{frame['origin_row'].iat[i]}"
+
+
+def _exact_dedup(track: _Tracker) -> None:
+    frame = track.frame
+    keys = frame["_key"].tolist()
+    first = dedup.exact_duplicates(keys)
+    answers = frame["answer"].tolist()
+    reasons: list[str | None] = [None] * len(frame)
+    for i in np.flatnonzero(first != np.arange(len(frame))).tolist():
+        f = int(first[i])
+        reason = f"exact duplicate of {_where(frame, f)} (same prompt up to case/whitespace)"
+        if answers[i] != answers[f]:
+            reason += f"; answers differ: {answers[i]!r} here, {answers[f]!r} kept"
+        reasons[i] = reason
+    track.drop("exact_dedup", "prompt", reasons)
+
+
+def _near_dedup(track: _Tracker, config: dedup.MinHashConfig) -> None:
+    frame = track.frame
+    rep, sim = dedup.near_duplicates(frame["_key"].tolist(), config)
+    reasons: list[str | None] = [None] * len(frame)
+    for i in np.flatnonzero(rep != np.arange(len(frame))).tolist():
+        reasons[i] = (
+            f"near duplicate of {_where(frame, int(rep[i]))} (estimated Jaccard {sim[i]:.2f} "
+            f"over {config.shingle}-character shingles; threshold {config.threshold})"
+        )
+    track.drop("near_dedup", "prompt", reasons)
+
+
+def _load_eval_prompts(path: str) -> list[str]:
+    raw = read_inputs(expand_inputs(path))
+    if "prompt" not in raw.frame.columns:
+        cols = sorted(c for c in raw.frame.columns if not c.startswith("_"))
+        raise ValueError(f"eval set {path}: no 'prompt' column (columns: {', '.join(cols)})")
+    prompts = [p for p in raw.frame["prompt"].tolist() if isinstance(p, str) and p.strip()]
+    if raw.rejected or len(prompts) < len(raw.frame):
+        logger.warning(
+            "eval set %s: %d unreadable rows and %d rows without a prompt skipped",
+            path,
+            len(raw.rejected),
+            len(raw.frame) - len(prompts),
+        )
+    return [normalize_text(p) for p in prompts]
+
+
+def run_curation(
+    config: CurationConfig,
+    generate: GenerateFn | None = None,
+    unusable: Callable[[Sequence[str]], list[str | None]] | None = None,
+) -> CurationResult:
+    """Runs every stage; `generate` (and optionally `unusable`, a prompt screen) is required
+    when `config.pass_rate_k` > 0."""
+    if config.pass_rate_k and generate is None:
+        raise ValueError("pass_rate_k > 0 needs a model to sample from (--model-dir)")
+    files = [f for path in config.inputs for f in expand_inputs(path)]
+    eval_index = NgramIndex(config.ngram)
+    for path in config.eval_sets:  # load eval sets first: a bad path fails before the work
+        eval_index.add(_load_eval_prompts(path), path)
+
+    raw = read_inputs(files)
+    rows_read = raw.rows_read
+    frame, invalid = validate(raw)
+    rejected = [*raw.rejected, *invalid]
+    stages = [
+        StageCount("ingest", rows_read, len(raw.rejected)),
+        StageCount("validate", len(raw.frame), len(invalid)),
+    ]
+    del raw
+
+    # object columns: Python strings are made once, not again at every .tolist()
+    prompts = [normalize_text(p) for p in frame["prompt"].tolist()]
+    frame["prompt"] = pd.Series(prompts, dtype=object)
+    frame["_key"] = pd.Series([dedup_key(p) for p in prompts], dtype=object)
+    del prompts
+    track = _Tracker(frame)
+    del frame  # the tracker holds the only reference: dropped rows can be freed
+    track.drop(
+        "normalize",
+        "prompt",
+        [None if p else "empty after normalization" for p in track.frame["prompt"].tolist()],
+    )
+    track.drop(
+        "missing_reference",
+        "answer,tests",
+        [
+            filters.missing_reference(a, t)
+            for a, t in zip(
+                track.frame["answer"].tolist(), track.frame["tests"].tolist(), strict=True
+            )
+        ],
+    )
+    track.drop(
+        "non_english",
+        "prompt",
+        [filters.non_english(p, config.language_min_words) for p in track.frame["prompt"].tolist()],
+    )
+    track.drop(
+        "interactive",
+        "prompt",
+        [
+            filters.interactive(p, m)
+            for p, m in zip(
+                track.frame["prompt"].tolist(), track.frame["metadata"].tolist(), strict=True
+            )
+        ],
+    )
+    _exact_dedup(track)
+    if config.near_dedup:
+        _near_dedup(track, config.minhash)
+    frame = track.frame
+    frame["id"] = pd.Series(
+        [hashlib.sha1(k.encode("utf-8")).hexdigest()[:16] for k in frame["_key"].tolist()],
+        dtype=object,
+    )
+    frame = frame.drop(columns=["_key"])
+
+    if config.split_date is not None:
+        is_test = (frame["date"] >= config.split_date).to_numpy(bool)
+    else:
+        is_test = np.zeros(len(frame), bool)
+    train = frame[~is_test].reset_index(drop=True)
+    test = frame[is_test].reset_index(drop=True)
+    stages.extend(track.stages)
+    rejected.extend(track.rejected)
+    stages.append(
+        StageCount(
+            "time_split",
+            len(frame),
+            0,
+            f"{len(train)} train (date < {config.split_date}), {len(test)} test; "
+            "the stages below apply to train only"
+            if config.split_date
+            else "no split date: all rows train",
+        )
+    )
+    logger.info("time split at %s: %d train, %d test", config.split_date, len(train), len(test))
+
+    track = _Tracker(train)
+    if config.decontaminate_against_test and len(test):
+        eval_index.add(test["prompt"].tolist(), "test split")
+    track.drop("decontaminate", "prompt", eval_index.match_many(train["prompt"].tolist()))
+
+    train = track.frame
+    train["pass_rate"] = pd.Series([None] * len(train), dtype=object)
+    test["pass_rate"] = pd.Series([None] * len(test), dtype=object)
+    if config.pass_rate_k:
+        rates, reasons = measure_pass_rates(
+            train["prompt"].tolist(),
+            train["answer"].tolist(),
+            train["tests"].tolist(),
+            generate,
+            config.pass_rate_k,
+            unusable=unusable,  # type: ignore[arg-type]
+            batch_size=config.pass_rate_batch,
+        )
+        train["pass_rate"] = pd.Series(rates, dtype=object)
+        track.frame = train
+        track.drop("pass_rate", "prompt", reasons)
+        train = track.frame
+    stages.extend(track.stages)
+    rejected.extend(track.rejected)
+    result = CurationResult(train, test, rejected, stages, rows_read, files, config.pass_rate_k)
+    counts = result.counts()
+    accounted = counts["train"] + counts["test"] + counts["quarantined"] + counts["removed"]
+    if accounted != rows_read:
+        raise RuntimeError(f"row accounting broken: read {rows_read}, accounted {accounted}")
+    return result

@@ -1,0 +1,104 @@
+"""`rlax eval`: evaluate one model (or two, side by side) on a dataset."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    """ "1,8" -> (1, 8)."""
+    try:
+        ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError as exc:
+        raise ValueError(f"--k must be comma-separated integers, got {text!r}") from exc
+    if not ks:
+        raise ValueError("--k: give at least one k, e.g. --k 1,8")
+    return ks
+
+
+def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
+    """Sampling flags shared by `rlax eval` and `rlax curate`."""
+    p.add_argument(
+        "--weights-from",
+        default=None,
+        metavar="RUN_ROOT[@VERSION]",
+        help="use the weights a parameter server mirrored under RUN_ROOT/weights "
+        "(newest committed version, or @VERSION) on top of --model-dir",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=2048, help="prompt + completion tokens")
+    p.add_argument("--max-slots", type=int, default=32, help="sampler batch slots")
+    p.add_argument(
+        "--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
+    """A PolicyGenerator for the model at `model_dir` with the sampling flags of `args`."""
+    from rlax_tasks.evaluation.checkpoints import load_model
+    from rlax_tasks.evaluation.generation import PolicyGenerator
+
+    generator = PolicyGenerator(
+        None,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        args.max_slots,
+        args.max_len,
+        args.chat_template,
+    )
+    generator.policy = load_model(model_dir, weights_from, args.dtype)
+    return generator
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rlax_tasks.evaluation.evaluator import EvalConfig, evaluate, load_dataset
+    from rlax_tasks.evaluation.report import write_eval_outputs
+
+    config = EvalConfig(n=args.n, ks=parse_ks(args.k), limit=args.limit)
+    frame = load_dataset(args.dataset, config.limit)
+    models = [(args.model_dir, args.weights_from)]
+    if args.compare:
+        models.append((args.compare, args.compare_weights_from))
+    results = []
+    for model_dir, weights_from in models:
+        generator = make_generator(args, model_dir, weights_from)
+        name = os.path.basename(os.path.normpath(model_dir)) + (
+            f"@{weights_from}" if weights_from else ""
+        )
+        if any(r.name == name for r in results):
+            name = f"{name} (compare)"
+        results.append(evaluate(frame, generator, config, name))
+    data = write_eval_outputs(results, args.dataset, args.out)
+    for model in data["models"]:
+        o = model["overall"]
+        metrics = ", ".join(
+            f"{k}={o[k]:.3f}" for k in o if k not in ("prompts", "maj_prompts") and o[k] is not None
+        )
+        print(f"{model['name']}: {o['prompts']} prompts, {metrics}")
+    print(f"results in {args.out}")
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax eval`."""
+    p = sub.add_parser("eval", help="pass@k / maj@k evaluation of a model on a dataset")
+    p.add_argument("--model-dir", required=True, help="HF model directory")
+    p.add_argument("--compare", default=None, help="a second HF model directory, side by side")
+    p.add_argument(
+        "--compare-weights-from",
+        default=None,
+        metavar="RUN_ROOT[@VERSION]",
+        help="parameter-server mirror weights for the --compare model",
+    )
+    p.add_argument("--dataset", required=True, help="Parquet/JSONL/CSV file or directory")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--k", default="1,8", help="comma-separated k values for pass@k and maj@k")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
+    p.add_argument("--out", required=True, help="output directory (local or gs://)")
+    add_generation_args(p)
+    p.set_defaults(func=_run)

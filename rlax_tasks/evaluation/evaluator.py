@@ -1,0 +1,181 @@
+"""Evaluating a policy on a dataset: n samples per prompt, pass@k for several k, maj@k, mean
+reward, and the same broken down per source and per difficulty."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlax_tasks.curation.ingest import read_inputs
+from rlax_tasks.curation.io import expand_inputs
+from rlax_tasks.curation.normalize import normalize_text
+from rlax_tasks.curation.schema import validate
+from rlax_tasks.evaluation.generation import GenerateFn
+from rlax_tasks.evaluation.metrics import maj_at_k, pass_at_k
+from rlax_tasks.evaluation.scoring import score_completions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """n samples per prompt; pass@k and maj@k for each k in `ks` (each 1 <= k <= n)."""
+
+    n: int = 8
+    ks: tuple[int, ...] = (1, 8)
+    limit: int | None = None
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.ks:
+            raise ValueError("ks: give at least one k")
+        bad = [k for k in self.ks if not 1 <= k <= self.n]
+        if bad:
+            raise ValueError(f"k must lie in [1, n={self.n}], got {bad}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+def load_dataset(path: str, limit: int | None = None) -> pd.DataFrame:
+    """Rows of an evaluation dataset (curated Parquet, or JSONL/CSV/Parquet in the curation
+    schema); any unreadable or invalid row is an error naming it."""
+    raw = read_inputs(expand_inputs(path))
+    frame, invalid = validate(raw)
+    problems = [*raw.rejected, *invalid]
+    if problems:
+        first = problems[0]
+        raise ValueError(
+            f"dataset {path}: {len(problems)} invalid row(s); first: {first.file} row "
+            f"{first.row}: {first.reason} (run `rlax curate` to quarantine them)"
+        )
+    no_ref = [
+        i
+        for i, (a, t) in enumerate(zip(frame["answer"], frame["tests"], strict=True))
+        if a is None and not t
+    ]
+    if no_ref:
+        i = no_ref[0]
+        raise ValueError(
+            f"dataset {path}: {len(no_ref)} row(s) without answer or tests; first: "
+            f"{frame['origin_file'].iat[i]} row {frame['origin_row'].iat[i]}"
+        )
+    if len(frame) == 0:
+        raise ValueError(f"dataset {path} has no rows")
+    frame["prompt"] = [normalize_text(p) for p in frame["prompt"].tolist()]
+    if limit is not None:
+        frame = frame.head(limit).reset_index(drop=True)
+    return frame
+
+
+def difficulty_of(metadata: dict[str, Any]) -> str:
+    """The difficulty bucket of a row: metadata "difficulty" or "level", else its recorded
+    pass rate in quarters, else "unknown"."""
+    for key in ("difficulty", "level"):
+        value = metadata.get(key)
+        if value is not None and not isinstance(value, dict | list):
+            return f"{key} {value}" if key == "level" else str(value)
+    rate = metadata.get("pass_rate")
+    if isinstance(rate, int | float) and not isinstance(rate, bool) and rate == rate:
+        lo = min(int(rate * 4), 3) / 4
+        return f"pass_rate [{lo:.2f}, {lo + 0.25:.2f}{']' if lo == 0.75 else ')'}"
+    return "unknown"
+
+
+def _summary(rows: list[dict], ks: Sequence[int], n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompts": len(rows)}
+    for k in ks:
+        out[f"pass@{k}"] = math.fsum(pass_at_k(n, r["correct"], k) for r in rows) / len(rows)
+    voting = [r for r in rows if r["has_answer"]]
+    out["maj_prompts"] = len(voting)
+    for k in ks:
+        out[f"maj@{k}"] = (
+            math.fsum(maj_at_k(r["answers"], r["rewards"], k) for r in voting) / len(voting)
+            if voting
+            else None
+        )
+    out["mean_reward"] = float(np.mean([np.mean(r["rewards"]) for r in rows]))
+    return out
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Per-prompt outcomes and the metrics over them (overall, per source, per difficulty)."""
+
+    name: str
+    config: EvalConfig
+    rows: list[dict]
+    overall: dict[str, Any]
+    by_source: dict[str, dict[str, Any]]
+    by_difficulty: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "n": self.config.n,
+            "ks": list(self.config.ks),
+            "overall": self.overall,
+            "by_source": self.by_source,
+            "by_difficulty": self.by_difficulty,
+        }
+
+
+def evaluate(
+    frame: pd.DataFrame, generate: GenerateFn, config: EvalConfig, name: str = "model"
+) -> EvalResult:
+    """Samples `config.n` completions per row with `generate`, scores them, and aggregates."""
+    rows: list[dict] = []
+    prompts = frame["prompt"].tolist()
+    answers = frame["answer"].tolist()
+    tests = frame["tests"].tolist()
+    for lo in range(0, len(frame), config.batch_size):
+        hi = min(lo + config.batch_size, len(frame))
+        completions = generate(prompts[lo:hi], config.n)
+        if len(completions) != hi - lo or any(len(c) != config.n for c in completions):
+            raise RuntimeError(f"generator returned a wrong number of completions (n={config.n})")
+        scores = score_completions(answers[lo:hi], tests[lo:hi], completions)
+        for i, (comps, row_scores) in enumerate(zip(completions, scores, strict=True)):
+            r = lo + i
+            meta = frame["metadata"].iat[r]
+            rewards = [s.reward for s in row_scores]
+            rows.append(
+                {
+                    "id": meta.get(
+                        "id", f"{frame['origin_file'].iat[r]}:{frame['origin_row'].iat[r]}"
+                    ),
+                    "source": frame["source"].iat[r],
+                    "difficulty": difficulty_of(meta),
+                    "has_answer": answers[r] is not None,
+                    "correct": int(sum(x > 0 for x in rewards)),
+                    "rewards": rewards,
+                    "answers": [s.answer for s in row_scores],
+                    "verdicts": [s.verdict for s in row_scores],
+                    "completions": comps,
+                }
+            )
+        logger.info("%s: %d/%d prompts evaluated", name, hi, len(frame))
+    groups: dict[str, dict[str, list[dict]]] = {
+        "source": defaultdict(list),
+        "difficulty": defaultdict(list),
+    }
+    for r in rows:
+        groups["source"][r["source"]].append(r)
+        groups["difficulty"][r["difficulty"]].append(r)
+    return EvalResult(
+        name,
+        config,
+        rows,
+        _summary(rows, config.ks, config.n),
+        {s: _summary(rs, config.ks, config.n) for s, rs in sorted(groups["source"].items())},
+        {d: _summary(rs, config.ks, config.n) for d, rs in sorted(groups["difficulty"].items())},
+    )
