@@ -1,0 +1,216 @@
+"""Train-step benchmark: training tokens/s and achieved FLOP/s vs. the machine's matmul FLOP/s.
+
+What it measures, in one run and side by side:
+
+1. The ~30M-parameter Qwen2-shaped model of ``benchmarks/forward.py`` (same MODEL_SHAPE, random
+   init with ``Policy.init``), trained by ``rlax_tasks.trainer.Trainer`` with the ``dapo``
+   objective (no KL term, so no reference prefill) on a random [batch, seq_len] batch without
+   padding, in float32, on a single-device mesh, with ``--micro-batch`` gradient accumulation.
+2. Seconds per ``Trainer.step`` (median of ``--repeats`` after ``--warmup`` calls; a step returns
+   host metrics, so it is synchronised). One step = old-policy prefill + objective + forward and
+   backward over every micro-batch + AdamW.
+3. Achieved FLOP/s, counted as ``8 * N * tokens`` per step: 6·N·tokens for forward + backward and
+   2·N·tokens for the old-log-prob prefill, with N = ``config.num_parameters()`` (embeddings tied,
+   so the unembedding matmul is counted once and the embedding lookup is not separately;
+   norms are a negligible part of N) and tokens = batch x seq_len. Attention scores/values are
+   NOT in this count; a second figure adds them (4x the forward FLOPs of benchmarks/forward.py,
+   which counts attention over the full T x T square).
+4. The baseline: the best FLOP/s of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices
+   (benchmarks/_timing.py); the ratio achieved / baseline is printed.
+
+Run (from the repository root)::
+
+    .venv/bin/python benchmarks/train_step.py
+    .venv/bin/python benchmarks/train_step.py --batch 8 --seq-len 256 --micro-batch 4 \
+        --remat none --repeats 3 --json-out /tmp/train_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402  (the benchmarks' shared helper module, next to this file)
+import forward as forward_benchmark  # noqa: E402  (the model shape and forward FLOP count)
+
+log = logging.getLogger("benchmarks.train_step")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8, help="sequences per train step (default 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
+    p.add_argument("--objective", default="dapo", help="algorithm preset (default dapo)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps; median reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def random_batch(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> dict:
+    """Full-length sequences: the first half prompt, the second half completion; groups of 4."""
+    ids = rng.integers(3, vocab, (batch, seq_len), dtype=np.int32)
+    completion = np.zeros((batch, seq_len), np.int32)
+    completion[:, seq_len // 2 :] = 1
+    group = min(4, batch)
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "completion_mask": completion,
+        "behavior_logprobs": np.full(ids.shape, -np.log(vocab), np.float32) * completion,
+        "rewards": rng.integers(0, 2, batch).astype(np.float32),
+        "group_ids": (np.arange(batch) // group).astype(np.int32),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    t_start = time.perf_counter()
+
+    import jax
+
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.models import ModelConfig, Policy
+    from rlax_tasks.trainer import Trainer, TrainerConfig
+
+    env = {
+        "nproc": os.cpu_count(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "jax_version": jax.__version__,
+        "busy_cores_before": _timing.busy_cores(1.0),
+    }
+    log.info("environment: %s", env)
+    shape = forward_benchmark.MODEL_SHAPE
+    config = ModelConfig(
+        model_type="qwen2",
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        qkv_bias=True,
+        max_position_embeddings=max(2048, args.seq_len),
+        **shape,
+    )
+    n_params = config.num_parameters()
+    policy = Policy.init(config, seed=args.seed)
+    objective = make_objective(args.objective)
+
+    log.info("measuring the jitted float32 matmul ceiling (2048, 4096)")
+    peak = _timing.jax_matmul_peak((2048, 4096), "float32")
+    log.info("JAX matmul peak: %s", _timing.fmt_si(peak["flops_per_s"], "FLOP/s"))
+
+    rng = np.random.default_rng(args.seed)
+    batch = random_batch(rng, args.batch, args.seq_len, config.vocab_size)
+    tokens = args.batch * args.seq_len
+    with tempfile.TemporaryDirectory(prefix="rlax_bench_train_") as run_dir:
+        trainer = Trainer(
+            policy,
+            objective,
+            TrainerConfig(
+                learning_rate=1e-5,
+                micro_batch_size=args.micro_batch,
+                remat=args.remat,
+                mesh_shape=(1, 1, 1),
+                seed=args.seed,
+            ),
+            run_dir,
+        )
+        del policy  # the trainer holds its own copy
+        metrics: dict[str, Any] = {}
+
+        def one_step() -> None:
+            metrics.update(trainer.step(batch))
+
+        log.info(
+            "timing Trainer.step on [%d, %d], micro-batch %d (%d warm-up + %d repeats)",
+            args.batch,
+            args.seq_len,
+            args.micro_batch,
+            args.warmup,
+            args.repeats,
+        )
+        timing = _timing.median_time(one_step, repeats=args.repeats, warmup=args.warmup)
+        trainer.close()
+
+    flops_8n = 8 * n_params * tokens
+    fwd = forward_benchmark.forward_flops(config, args.batch, args.seq_len)
+    flops_with_attention = 4 * fwd["total"]
+    achieved = flops_8n / timing.median_s
+    results = {
+        "benchmark": "train_step",
+        "args": vars(args),
+        "environment": env,
+        "model": {"shape": shape, "num_parameters": n_params},
+        "tokens_per_step": tokens,
+        "timing": timing.as_dict(),
+        "tokens_per_s": tokens / timing.median_s,
+        "flops_per_step_8N": flops_8n,
+        "flops_per_step_with_attention": flops_with_attention,
+        "achieved_flops_per_s": achieved,
+        "achieved_flops_per_s_with_attention": flops_with_attention / timing.median_s,
+        "jax_matmul_peak": peak,
+        "fraction_of_matmul_peak": achieved / peak["flops_per_s"],
+        "fraction_of_matmul_peak_with_attention": (
+            flops_with_attention / timing.median_s / peak["flops_per_s"]
+        ),
+        "last_step_metrics": metrics,
+        "peak_rss_bytes": _timing.peak_rss_bytes(),
+        "busy_cores_after": _timing.busy_cores(1.0),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print_table(results)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+        log.info("wrote %s", args.json_out)
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    a, t, fmt = r["args"], r["timing"], _timing.fmt_si
+    first = t["first_call_s"]
+    lines = [
+        "",
+        f"Train-step benchmark -- {a['objective']}, float32, batch {a['batch']} x seq "
+        f"{a['seq_len']} = {r['tokens_per_step']} tokens/step, micro-batch {a['micro_batch']}, "
+        f"remat {a['remat']}, median of {a['repeats']} after {a['warmup']} warm-up",
+        f"model: Qwen2 shape of benchmarks/forward.py -> {r['model']['num_parameters']:,} params",
+        f"FLOPs/step: 8*N*tokens = {fmt(r['flops_per_step_8N'], 'FLOP')} (6N fwd+bwd + 2N "
+        f"old-logprob prefill); with attention (4x forward count): "
+        f"{fmt(r['flops_per_step_with_attention'], 'FLOP')}",
+        f"step: median {t['median_s']:.3f}s, min {t['min_s']:.3f}s, first call (compile) "
+        f"{(f'{first:.1f}s' if first is not None else '-')}; cores used {t['own_cores']:.2f}, "
+        f"by others {_opt(t['other_cores'])} (CPUs busy before/after: "
+        f"{_opt(r['environment']['busy_cores_before'])}/{_opt(r['busy_cores_after'])})",
+        f"training tokens/s: {r['tokens_per_s']:,.0f}",
+        f"achieved: {fmt(r['achieved_flops_per_s'], 'FLOP/s')} (8N count), "
+        f"{fmt(r['achieved_flops_per_s_with_attention'], 'FLOP/s')} (with attention)",
+        f"baseline jax.jit(a @ b) f32 peak: {fmt(r['jax_matmul_peak']['flops_per_s'], 'FLOP/s')} "
+        f"(n={r['jax_matmul_peak']['best_size']})",
+        f"ratio achieved / matmul peak: {r['fraction_of_matmul_peak']:.3f} (8N count), "
+        f"{r['fraction_of_matmul_peak_with_attention']:.3f} (with attention)",
+        f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _opt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    main()

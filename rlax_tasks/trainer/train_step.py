@@ -1,0 +1,284 @@
+"""The pure, jittable train step: old-policy prefill, RL objective, micro-batched gradients, AdamW.
+
+One step, for a batch of B sequences split into micro-batches of ``micro_batch_size``:
+
+1. prefill: per-token log-probs (and entropy, and values for PPO) of the batch under the current
+   parameters, micro-batch by micro-batch, without gradients. These are the old-policy log-probs
+   of DESIGN §5 (never the sampler's).
+2. the objective on the WHOLE batch (group advantages and token normalisers need every sequence):
+   its gradient with respect to the per-token log-probs (and values), ``g[b, t]``. At the current
+   parameters the current log-probs equal the prefill's, so ``g`` is the exact cotangent.
+3. backward: for each micro-batch (``lax.scan``), the gradient of ``sum(g * logp(params))`` — the
+   chain rule through the model — accumulated over micro-batches. This is exactly the gradient of
+   the full-batch loss whatever the micro-batch size, so accumulation needs no loss re-weighting.
+4. clip_by_global_norm + AdamW (``optax``), parameters and optimizer state updated in place
+   (their buffers are donated).
+
+FLOPs per step: prefill 2·N per token, forward+backward 6·N per token (N = parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from rlax_tasks.models import forward
+from rlax_tasks.models.sharding import BATCH, constrain
+
+# keys of the batch the train step reads ([B, T] unless noted)
+BATCH_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "completion_mask",
+    "behavior_logprobs",
+    "rewards",  # [B]
+    "group_ids",  # [B]
+)
+VALUE_HEAD = "value_head"
+MODEL = "model"
+
+Params = dict[str, Any]  # {"model": nnx.State, optionally "value_head": {"kernel", "bias"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The static (compile-time) settings of the train step."""
+
+    micro_batch_size: int | None
+    remat: str = "none"
+    chunk_size: int = 128
+    value_loss_coef: float = 0.5
+
+
+def init_value_head(hidden_size: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    """A zero-initialised linear value head on the final hidden state (V = h·kernel + bias)."""
+    return {"kernel": jnp.zeros((hidden_size,), dtype), "bias": jnp.zeros((), dtype)}
+
+
+def policy_outputs(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    chunk_size: int = 128,
+    remat: str = "none",
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs.
+
+    ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
+    """
+    if VALUE_HEAD not in params:
+        out = forward.token_logprobs(
+            graphdef,
+            params[MODEL],
+            input_ids,
+            attention_mask,
+            chunk_size=chunk_size,
+            remat=remat,
+            with_entropy=with_entropy,
+        )
+        lp, ent = out if with_entropy else (out, None)
+        return lp, ent, None
+    model = nnx.merge(graphdef, params[MODEL])
+    ids = jnp.asarray(input_ids, jnp.int32)
+    valid = jnp.asarray(attention_mask).astype(bool)
+    positions = forward.positions_from_mask(valid)
+    hidden = model.hidden_states(ids, positions, valid, remat=remat)
+    lp, ent = forward.chunked_logprobs(hidden[:, :-1], model.unembedding(), ids[:, 1:], chunk_size)
+    head = params[VALUE_HEAD]
+    values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
+    values = values + head["bias"].astype(jnp.float32)
+    zero = jnp.zeros_like(lp[:, :1])
+    lp, ent, values = (jnp.concatenate([zero, x], 1) for x in (lp, ent, values))
+    return lp, (ent if with_entropy else None), values
+
+
+def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
+    """[B, ...] -> [n_micro, B / n_micro, ...], micro-batch i = rows i, i + n, i + 2n, ...
+
+    Strided (not contiguous) so each device's block of the sharded batch holds rows of every
+    micro-batch: every micro-batch stays spread over all data-parallel devices.
+    """
+    b = x.shape[0]
+    x = x.reshape(b // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
+    return constrain(x, None, BATCH, *([None] * (x.ndim - 2)))
+
+
+def _join_micro(x: jax.Array) -> jax.Array:
+    """Inverse of ``_split_micro``."""
+    n, m = x.shape[:2]
+    return constrain(x.swapaxes(0, 1).reshape(n * m, *x.shape[2:]), BATCH, None)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
+    """The q-quantile of ``x`` over masked positions (0 when the mask is empty)."""
+    vals = jnp.where(mask.astype(bool), x.astype(jnp.float32), jnp.nan)
+    out = jnp.nanquantile(vals, q)
+    return jnp.where(jnp.any(mask.astype(bool)), out, 0.0)
+
+
+def objective_batch(
+    batch: dict[str, jax.Array], old_logprobs: jax.Array, old_values: jax.Array | None
+) -> dict[str, jax.Array]:
+    """The objective's batch (DESIGN §4 names) from the trainer batch and the prefill outputs."""
+    mask = batch["completion_mask"].astype(jnp.float32) * batch["attention_mask"].astype(
+        jnp.float32
+    )
+    out = {
+        "old_logprobs": old_logprobs,
+        "mask": mask,
+        "rewards": batch["rewards"].astype(jnp.float32),
+        "group_ids": batch["group_ids"],
+        "behavior_logprobs": batch["behavior_logprobs"].astype(jnp.float32),
+    }
+    if "ref_logprobs" in batch:
+        out["ref_logprobs"] = batch["ref_logprobs"].astype(jnp.float32)
+    if old_values is not None:
+        out["values"] = old_values
+    return out
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    objective: Any,
+    optimizer: optax.GradientTransformation,
+    settings: StepSettings,
+) -> Callable[[Params, optax.OptState, dict[str, jax.Array]], tuple[Params, Any, dict]]:
+    """The pure train step (params, opt_state, batch) -> (params, opt_state, metrics); unjitted.
+
+    ``batch`` holds BATCH_KEYS (+ "ref_logprobs" [B, T] when the objective needs a reference).
+    """
+
+    def outputs(params: Params, ids: jax.Array, mask: jax.Array, with_entropy: bool) -> tuple:
+        return policy_outputs(
+            graphdef,
+            params,
+            ids,
+            mask,
+            chunk_size=settings.chunk_size,
+            remat=settings.remat,
+            with_entropy=with_entropy,
+        )
+
+    def train_step(
+        params: Params, opt_state: optax.OptState, batch: dict[str, jax.Array]
+    ) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
+        ids = batch["input_ids"].astype(jnp.int32)
+        attn = batch["attention_mask"].astype(jnp.int32)
+        b = ids.shape[0]
+        mb = settings.micro_batch_size or b
+        if b % mb:
+            raise ValueError(f"batch size {b} is not a multiple of micro_batch_size={mb}")
+        n_micro = b // mb
+        micro_ids, micro_attn = _split_micro(ids, n_micro), _split_micro(attn, n_micro)
+        has_values = VALUE_HEAD in params
+
+        # 1. prefill under the current parameters (old policy), no gradients
+        frozen = jax.lax.stop_gradient(params)
+        old, entropy, old_values = jax.lax.map(
+            lambda xs: outputs(frozen, xs[0], xs[1], with_entropy=True), (micro_ids, micro_attn)
+        )
+        old, entropy = _join_micro(old), _join_micro(entropy)
+        old_values = _join_micro(old_values) if has_values else None
+        obj_batch = objective_batch(batch, old, old_values)
+
+        # 2. the objective on the full batch and its cotangent w.r.t. log-probs / values
+        def total_loss(logp: jax.Array, values: jax.Array | None) -> tuple[jax.Array, dict]:
+            loss, metrics = objective.loss(logp, obj_batch)
+            metrics = dict(metrics)
+            if values is not None:
+                value_loss = objective.value_loss(values, obj_batch)
+                if isinstance(value_loss, tuple):
+                    value_loss, value_metrics = value_loss
+                    metrics.update({f"value/{k}": v for k, v in value_metrics.items()})
+                metrics["value_loss"] = value_loss
+                loss = loss + settings.value_loss_coef * value_loss
+            return loss, metrics
+
+        (loss, obj_metrics), (g_logp, g_values) = jax.value_and_grad(
+            total_loss, argnums=(0, 1), has_aux=True
+        )(old, old_values)
+
+        # 3. backward micro-batch by micro-batch: grad of sum(g * logp(params)), accumulated
+        micro_g = _split_micro(g_logp, n_micro)
+        micro_gv = _split_micro(g_values, n_micro) if has_values else micro_g
+
+        def surrogate(p: Params, mids: jax.Array, mattn: jax.Array, g: jax.Array, gv: jax.Array):
+            lp, _, values = outputs(p, mids, mattn, with_entropy=False)
+            s = jnp.sum(lp * g)
+            if values is not None:
+                s = s + jnp.sum(values * gv)
+            return s
+
+        def accumulate(acc: Params, xs: tuple) -> tuple[Params, None]:
+            grads = jax.grad(surrogate)(params, *xs)
+            return jax.tree.map(jnp.add, acc, grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(accumulate, zeros, (micro_ids, micro_attn, micro_g, micro_gv))
+
+        # 4. optimizer
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+        mask = obj_batch["mask"]
+        mismatch = jnp.abs(obj_batch["behavior_logprobs"] - old)
+        metrics = {f"objective/{k}": v for k, v in obj_metrics.items()}
+        metrics.update(
+            loss=loss,
+            grad_norm=optax.tree.norm(grads),
+            update_norm=optax.tree.norm(updates),
+            param_norm=optax.tree.norm(params),
+            entropy=masked_mean(entropy, mask),
+            reward_mean=jnp.mean(obj_batch["rewards"]),
+            reward_std=jnp.std(obj_batch["rewards"]),
+            old_logprob_mean=masked_mean(old, mask),
+            logprob_mismatch_p95=masked_quantile(mismatch, mask, 0.95),
+            logprob_mismatch_mean=masked_mean(mismatch, mask),
+            completion_tokens=jnp.sum(mask),
+            tokens=jnp.sum(attn.astype(jnp.float32)),
+            sequences=jnp.asarray(b, jnp.float32),
+        )
+        if "ref_logprobs" in obj_batch:
+            diff = obj_batch["ref_logprobs"] - old
+            metrics["kl"] = masked_mean(jnp.exp(diff) - diff - 1.0, mask)
+        return params, opt_state, metrics
+
+    return train_step
+
+
+def make_logprobs_fn(
+    graphdef: nnx.GraphDef, settings: StepSettings
+) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
+    """A pure prefill (model params, ids, mask) -> log-probs [B, T], micro-batch by micro-batch.
+
+    Used for the frozen reference policy's log-probs when the objective has a KL term.
+    """
+
+    def logprobs(model_params: nnx.State, ids: jax.Array, attn: jax.Array) -> jax.Array:
+        b = ids.shape[0]
+        n_micro = b // (settings.micro_batch_size or b)
+
+        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return forward.token_logprobs(
+                graphdef, model_params, xs[0], xs[1], chunk_size=settings.chunk_size
+            )
+
+        out = jax.lax.map(one, (_split_micro(ids, n_micro), _split_micro(attn, n_micro)))
+        return _join_micro(out)
+
+    return logprobs

@@ -1,0 +1,334 @@
+"""The Trainer: sharded train state, the jitted step, metrics and Orbax checkpoints in one object.
+
+    trainer = Trainer(policy, make_objective("grpo"), TrainerConfig(...), run_dir)
+    trainer.restore_latest()                 # resume (returns the saved data cursor) or None
+    metrics = trainer.step(batch)            # numpy batch from the controller
+    trainer.save(data_cursor={...})          # async Orbax checkpoint run_dir/checkpoints/<step>/
+    trainer.policy()                         # a Policy with the current weights (push / evaluate)
+
+No network code: the controller moves batches in and weights out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from rlax_tasks.models import Policy
+from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
+from rlax_tasks.trainer.checkpointing import Checkpointer
+from rlax_tasks.trainer.config import TrainerConfig
+from rlax_tasks.trainer.metrics import MetricsWriter
+from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
+from rlax_tasks.trainer.train_step import (
+    BATCH_KEYS,
+    MODEL,
+    VALUE_HEAD,
+    StepSettings,
+    init_value_head,
+    make_logprobs_fn,
+    make_train_step,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+class BatchFormatError(ValueError):
+    """A training batch is missing a key or has a wrong shape / dtype / value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredCheckpoint:
+    """What ``Trainer.restore_latest`` brought back besides the arrays."""
+
+    step: int
+    data_cursor: dict[str, Any] | None
+
+
+def build_mesh(mesh_shape: tuple[int, int, int]) -> Mesh:
+    """The (data, fsdp, tensor) mesh; without a -1 entry it uses the first prod(shape) devices."""
+    data, fsdp, tensor = mesh_shape
+    devices = jax.devices()
+    if -1 not in mesh_shape:
+        need = data * fsdp * tensor
+        if need > len(devices):
+            raise ValueError(
+                f"mesh_shape={list(mesh_shape)} needs {need} devices, only {len(devices)} exist"
+            )
+        devices = devices[:need]
+    return make_mesh(data, fsdp, tensor, devices=devices)
+
+
+def fresh_copy(tree: Any, shardings: Any) -> Any:
+    """``tree`` placed on ``shardings`` in newly allocated buffers (never aliasing the input).
+
+    The train step donates its parameter buffers, so anything that must outlive a step (the
+    caller's policy, the frozen reference, an in-flight checkpoint) needs its own buffers;
+    ``device_put`` may reuse a source buffer for one of the shards.
+    """
+    placed = jax.device_put(tree, shardings)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
+
+
+class Trainer:
+    """Trains ``policy`` with ``objective`` (rlax_tasks.algorithms) under ``config``.
+
+    The policy's parameters are copied onto the mesh at construction (the caller's arrays are
+    never donated); run_dir is run_root/<run_id> (checkpoints/ and metrics.jsonl go there).
+    When the objective has a KL term, the policy given here is the frozen reference: pass the
+    base model also when resuming (``restore_latest`` then loads the trained weights).
+    One optimizer update per ``step`` (the PPO clip only matters across updates, so its clip
+    fraction is ~0 here); batches are placed from one host (single-process meshes).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        objective: Any,
+        config: TrainerConfig,
+        run_dir: str,
+        metrics_writer: MetricsWriter | None = None,
+    ) -> None:
+        self.config = config
+        self.objective = objective
+        self.run_dir = run_dir
+        self.mesh = build_mesh(config.mesh_shape)
+        self._graphdef = policy.graphdef
+        self._template = dataclasses.replace(policy, params=None, mesh=self.mesh)
+        self._schedule = learning_rate_schedule(config)
+        self._optimizer = make_optimizer(config)
+        self._rng = jax.random.key(config.seed)
+        self.step_count = 0
+
+        params: dict[str, Any] = {MODEL: policy.params}
+        if objective.needs_values:
+            params[VALUE_HEAD] = init_value_head(policy.config.hidden_size)
+        self._param_shardings = param_shardings(params, self.mesh)
+        self._params = fresh_copy(params, self._param_shardings)
+        self._ref_params = None
+        if objective.needs_reference:  # frozen copy of the initial policy
+            self._ref_params = fresh_copy(policy.params, self._param_shardings[MODEL])
+        opt_abstract = jax.eval_shape(self._optimizer.init, self._params)
+        self._opt_shardings = param_shardings(opt_abstract, self.mesh)
+        with jax.set_mesh(self.mesh):
+            self._opt_state = jax.jit(self._optimizer.init, out_shardings=self._opt_shardings)(
+                self._params
+            )
+
+        settings = StepSettings(
+            micro_batch_size=config.micro_batch_size,
+            remat=config.remat,
+            chunk_size=config.logprob_chunk_size,
+            value_loss_coef=config.value_loss_coef,
+        )
+        self._train_step = jax.jit(
+            make_train_step(self._graphdef, objective, self._optimizer, settings),
+            donate_argnums=(0, 1),
+            out_shardings=(self._param_shardings, self._opt_shardings, None),
+        )
+        self._ref_logprobs = jax.jit(make_logprobs_fn(self._graphdef, settings))
+
+        ckpt_dir = config.checkpoint_dir or _join(run_dir, "checkpoints")
+        self.checkpointer = Checkpointer(
+            ckpt_dir, max_to_keep=config.max_to_keep, async_save=config.async_checkpointing
+        )
+        if metrics_writer is None and "://" not in run_dir:
+            metrics_writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+        elif metrics_writer is None:
+            log.warning("run_dir %s is remote: per-step metrics are not written to a file", run_dir)
+        self.metrics_writer = metrics_writer
+        log.info(
+            "trainer ready: %s, mesh %s, %.2fM trainable parameters, micro-batch %s",
+            getattr(objective, "name", type(objective).__name__),
+            dict(self.mesh.shape),
+            sum(x.size for x in jax.tree.leaves(self._params)) / 1e6,
+            config.micro_batch_size or "whole batch",
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def params(self) -> nnx.State:
+        """The current model parameters (sharded over the mesh; replaced at every step)."""
+        return self._params[MODEL]
+
+    @property
+    def value_head(self) -> dict[str, jax.Array] | None:
+        """The PPO value head's parameters, or None when the objective needs no values."""
+        return self._params.get(VALUE_HEAD)
+
+    @property
+    def opt_state(self) -> Any:
+        """The optax optimizer state."""
+        return self._opt_state
+
+    @property
+    def rng(self) -> jax.Array:
+        """The trainer's RNG key (checkpointed with the parameters)."""
+        return self._rng
+
+    def policy(self) -> Policy:
+        """A Policy with the current weights on the trainer's mesh.
+
+        Its arrays are the trainer's own: the next ``step`` donates them, so push / evaluate it
+        before stepping again (or copy it).
+        """
+        return dataclasses.replace(self._template, params=self._params[MODEL])
+
+    # ------------------------------------------------------------------ training
+    def step(self, batch: dict[str, Any], data_cursor: dict[str, Any] | None = None) -> dict:
+        """One optimizer update on ``batch`` (numpy arrays, BATCH_KEYS); returns its metrics.
+
+        ``data_cursor`` is stored with the automatic checkpoint when ``checkpoint_every`` hits.
+        """
+        arrays = self._place_batch(batch)
+        t0 = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            if self._ref_params is not None:
+                arrays["ref_logprobs"] = self._ref_logprobs(
+                    self._ref_params, arrays["input_ids"], arrays["attention_mask"]
+                )
+            self._params, self._opt_state, metrics = self._train_step(
+                self._params, self._opt_state, arrays
+            )
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - t0
+        metrics["lr"] = float(self._schedule(self.step_count))
+        self.step_count += 1
+        metrics["step_time_s"] = elapsed
+        metrics["tokens_per_s"] = metrics["tokens"] / elapsed
+        metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
+        if not math.isfinite(metrics["loss"]):
+            log.warning("step %d: non-finite loss %s", self.step_count, metrics["loss"])
+        if self.metrics_writer is not None:
+            self.metrics_writer.write(self.step_count, metrics)
+        every = self.config.checkpoint_every
+        if every and self.step_count % every == 0:
+            self.save(data_cursor)
+        return metrics
+
+    def _place_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        """Validates the numpy batch and places it on the mesh, batch axis over (data, fsdp)."""
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise BatchFormatError(f"training batch has no {missing}; it needs {list(BATCH_KEYS)}")
+        ids = np.asarray(batch["input_ids"])
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise BatchFormatError(
+                f"batch['input_ids'] must be an integer [B, T] array, got {ids.dtype} {ids.shape}"
+            )
+        b, _ = ids.shape
+        vocab = self._template.config.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise BatchFormatError(
+                f"batch['input_ids'] must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]"
+            )
+        dtypes = {
+            "input_ids": np.int32,
+            "attention_mask": np.int32,
+            "completion_mask": np.int32,
+            "behavior_logprobs": np.float32,
+            "rewards": np.float32,
+            "group_ids": np.int32,
+        }
+        out = {}
+        mesh_shape = dict(self.mesh.shape)
+        for key, dtype in dtypes.items():
+            x = np.asarray(batch[key])
+            want = (b,) if key in ("rewards", "group_ids") else ids.shape
+            if x.shape != want:
+                raise BatchFormatError(f"batch[{key!r}] has shape {x.shape}, expected {want}")
+            if key == "group_ids" and not np.issubdtype(x.dtype, np.integer):
+                raise BatchFormatError(f"batch['group_ids'] must be integers, got {x.dtype}")
+            spec = fit_spec(x.shape, (BATCH,) + (None,) * (x.ndim - 1), mesh_shape)
+            out[key] = jax.device_put(x.astype(dtype), NamedSharding(self.mesh, spec))
+        mb = self.config.micro_batch_size
+        if mb is not None and b % mb:
+            raise BatchFormatError(
+                f"batch size {b} is not a multiple of micro_batch_size={mb}: change the batch "
+                "size or micro_batch_size"
+            )
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict[str, Any]:
+        return {
+            "params": self._params,
+            "opt_state": self._opt_state,
+            "rng": jax.random.key_data(self._rng),
+        }
+
+    def _state_shardings(self) -> dict[str, Any]:
+        return {
+            "params": self._param_shardings,
+            "opt_state": self._opt_shardings,
+            "rng": NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
+        }
+
+    def save(self, data_cursor: dict[str, Any] | None = None) -> None:
+        """Starts an async checkpoint of the current step (params, optimizer, RNG, data cursor)."""
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step_count,
+            "data_cursor": data_cursor,
+            "objective": getattr(self.objective, "name", None),
+            "trainer_config": self.config.to_dict(),
+        }
+        state = self._state()
+        if any(d.platform == "cpu" for d in self.mesh.devices.flat):
+            # CPU device buffers are host memory that Orbax's background write may read in place
+            # while the next step donates (frees) them: the save gets a private copy
+            state = fresh_copy(state, self._state_shardings())
+        self.checkpointer.save(self.step_count, state, meta)
+
+    def restore_latest(self) -> RestoredCheckpoint | None:
+        """Loads the newest COMPLETE checkpoint into the trainer; None when there is none."""
+        state = self._state()
+        shardings = self._state_shardings()
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+        )
+        found = self.checkpointer.restore_latest(abstract)
+        if found is None:
+            log.info("no complete checkpoint under %s: starting fresh", self.checkpointer.directory)
+            return None
+        step, restored, meta = found
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint {step} has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}"
+            )
+        self._params = restored["params"]
+        self._opt_state = restored["opt_state"]
+        self._rng = jax.random.wrap_key_data(jnp.asarray(restored["rng"]))
+        self.step_count = int(meta["step"])
+        log.info("restored step %d from %s", step, self.checkpointer.directory)
+        return RestoredCheckpoint(step=self.step_count, data_cursor=meta.get("data_cursor"))
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until the last async save is committed."""
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Finishes pending checkpoint writes."""
+        self.checkpointer.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)

@@ -1,0 +1,56 @@
+"""A tiny Qwen2 policy and deterministic random RL batches for the trainer tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlax_tasks.models import ModelConfig, Policy
+
+VOCAB = 64
+
+
+def tiny_config() -> ModelConfig:
+    # dims divisible by 2 and 8 so that fsdp / tensor really shard
+    return ModelConfig(
+        model_type="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+    )
+
+
+def tiny_policy(seed: int = 0) -> Policy:
+    return Policy.init(tiny_config(), seed=seed)
+
+
+def random_batch(
+    seed: int, batch: int = 8, seq_len: int = 16, group_size: int = 4
+) -> dict[str, np.ndarray]:
+    """Left-padded prompts + right-padded completions of varying lengths, random rewards."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((batch, seq_len), np.int32)
+    attn = np.zeros((batch, seq_len), np.int32)
+    comp = np.zeros((batch, seq_len), np.int32)
+    prompt_len = seq_len // 2
+    for b in range(batch):
+        p = int(rng.integers(2, prompt_len + 1))  # real prompt tokens, left-padded
+        c = int(rng.integers(1, seq_len - prompt_len + 1))  # completion tokens, right-padded
+        ids[b, prompt_len - p : prompt_len + c] = rng.integers(3, VOCAB, p + c)
+        attn[b, prompt_len - p : prompt_len + c] = 1
+        comp[b, prompt_len : prompt_len + c] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "completion_mask": comp,
+        "behavior_logprobs": (np.log(1.0 / VOCAB) + 0.1 * rng.standard_normal(ids.shape)).astype(
+            np.float32
+        )
+        * comp,
+        "rewards": rng.integers(0, 2, batch).astype(np.float32),
+        "group_ids": np.repeat(np.arange(batch // group_size), group_size).astype(np.int32),
+    }
