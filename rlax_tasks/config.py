@@ -1,0 +1,671 @@
+"""The run configuration as validated data: one frozen dataclass per section, loaded from YAML.
+
+``load_config("tiny-arith", {"staleness.reload_every": 2})`` loads a preset shipped in
+``rlax_tasks/presets/`` (or a YAML file path) and applies overrides (dotted keys or nested dicts).
+Every error is a ``ConfigError`` (a ValueError) whose message starts with the dotted field, e.g.
+``staleness.max_staleness: must be >= reload_every (1), got 0``; unknown keys are errors with a
+did-you-mean. ``RunConfig.to_yaml()`` is the resolved configuration written to
+``run_root/<run_id>/config.yaml`` (``save_resolved``); loading it again gives an equal config.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from rlax_tasks import storage
+from rlax_tasks.algorithms import ObjectiveConfig, ObjectiveConfigError, preset_config
+from rlax_tasks.algorithms.config import FIELD_NAMES as OBJECTIVE_FIELDS
+from rlax_tasks.algorithms.config import PRESETS as OBJECTIVE_PRESETS
+from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
+
+PRESET_PACKAGE = "rlax_tasks.presets"
+DTYPES = ("float32", "bfloat16")
+FILE_VERIFIERS = ("math", "code")
+# advantages computed relative to the other completions of the same prompt need G >= 2
+GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "group_batch_norm")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; ``field`` is the dotted path of the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}" if field else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix`` prepended to its field path."""
+        if not prefix:
+            return self
+        if not self.field:
+            return ConfigError(prefix, self.message)
+        sep = "" if self.field.startswith("[") else "."
+        return ConfigError(f"{prefix}{sep}{self.field}", self.message)
+
+
+# --------------------------------------------------------------------------- value checks
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _check_int(obj: Any, name: str, low: int | None = None, optional: bool = False) -> None:
+    v = getattr(obj, name)
+    if v is None and optional:
+        return
+    if not isinstance(v, int) or isinstance(v, bool):
+        what = "an integer or null" if optional else "an integer"
+        raise ConfigError(name, f"must be {what}, got {v!r}")
+    if low is not None and v < low:
+        raise ConfigError(name, f"must be >= {low}, got {v}")
+
+
+def _check_float(
+    obj: Any, name: str, low: float = -math.inf, high: float = math.inf, open_low: bool = False
+) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, str):  # YAML 1.1 reads 1e-4 (no dot) as text
+        try:
+            v = float(v)
+        except ValueError:
+            raise ConfigError(name, f"must be a number, got {v!r}") from None
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise ConfigError(name, f"must be a finite number, got {v!r}")
+    if (v <= low if open_low else v < low) or v > high:
+        lo = "(" if open_low else "["
+        raise ConfigError(name, f"must lie in {lo}{low}, {high}], got {v}")
+    _set(obj, name, float(v))
+
+
+def _check_str(obj: Any, name: str, choices: tuple[str, ...] | None = None) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, str) or not v:
+        raise ConfigError(name, f"must be a non-empty string, got {v!r}")
+    if choices is not None and v not in choices:
+        raise ConfigError(
+            name, f"must be one of {list(choices)}, got {v!r}{_did_you_mean(v, choices)}"
+        )
+
+
+def _check_bool(obj: Any, name: str) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, bool):
+        raise ConfigError(name, f"must be true or false, got {v!r}")
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_named(message: str, fields: Any) -> str:
+    """The field a validation message starts with (longest match), or ""."""
+    best = ""
+    for f in fields:
+        if message.startswith(f) and len(f) > len(best):
+            nxt = message[len(f) : len(f) + 1]
+            if not (nxt.isalnum() or nxt == "_"):
+                best = f
+    return best
+
+
+def _plain(value: Any) -> Any:
+    """Tuples → lists and dataclasses → dicts, for YAML output."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- sections
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The base policy: an HF-format directory (local or gs://) and the compute dtype."""
+
+    path: str
+    dtype: str = "float32"
+    # build the base model with the project's short supervised warm-up when ``path`` is missing
+    warmup_if_missing: bool = False
+
+    def __post_init__(self) -> None:
+        _check_str(self, "path")
+        _check_str(self, "dtype", DTYPES)
+        _check_bool(self, "warmup_if_missing")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSettings:
+    """An objective preset of DESIGN §4 plus field overrides (validated by ``preset_config``)."""
+
+    preset: str = "grpo"
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preset, str) or self.preset not in OBJECTIVE_PRESETS:
+            raise ConfigError(
+                "preset",
+                f"unknown objective preset {self.preset!r}"
+                f"{_did_you_mean(self.preset, OBJECTIVE_PRESETS)}; "
+                f"valid: {', '.join(OBJECTIVE_PRESETS)}",
+            )
+        if not isinstance(self.overrides, Mapping):
+            raise ConfigError(
+                "overrides", f"must be a mapping of objective fields, got {self.overrides!r}"
+            )
+        for key in self.overrides:
+            if key not in OBJECTIVE_FIELDS:
+                raise ConfigError(
+                    f"overrides.{key}",
+                    f"unknown objective field{_did_you_mean(key, OBJECTIVE_FIELDS)}; "
+                    f"valid: {', '.join(OBJECTIVE_FIELDS)}",
+                )
+        _set(self, "overrides", dict(self.overrides))
+        try:
+            self.objective_config()
+        except ObjectiveConfigError as e:
+            field = _field_named(str(e), OBJECTIVE_FIELDS)
+            raise ConfigError(f"overrides.{field}" if field else "overrides", str(e)) from None
+
+    def objective_config(self) -> ObjectiveConfig:
+        """The validated objective configuration (what ``make_objective`` would build)."""
+        return preset_config(self.preset, **self.overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessSettings:
+    """DESIGN §3: workers reload when ≥ j versions behind; rollouts train only if v − u ≤ k."""
+
+    reload_every: int = 1
+    max_staleness: int | None = 1
+
+    def __post_init__(self) -> None:
+        _check_int(self, "reload_every", low=1)
+        _check_int(self, "max_staleness", optional=True)
+        k, j = self.max_staleness, self.reload_every
+        if k is not None and k < j:
+            raise ConfigError(
+                "max_staleness",
+                f"must be >= reload_every ({j}), got {k}: rollouts of a worker that reloads "
+                f"every {j} version(s) are up to {j} version(s) old when they train, and k < j "
+                f"would drop them (null = unbounded)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """G completions per prompt, sampling settings, prompts (groups) per training step."""
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # groups in flight + buffered at most; null = prompts_per_step × (reload_every + 1), or
+    # prompts_per_step for lockstep on-policy (j = k = 1)
+    max_outstanding_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int(self, "group_size", low=1)
+        _check_int(self, "prompts_per_step", low=1)
+        _check_int(self, "max_new_tokens", low=1)
+        _check_float(self, "temperature", low=0.0)
+        _check_float(self, "top_p", low=0.0, high=1.0, open_low=True)
+        _check_int(self, "top_k", low=0)
+        _check_int(self, "max_outstanding_groups", low=1, optional=True)
+        if (
+            self.max_outstanding_groups is not None
+            and self.max_outstanding_groups < self.prompts_per_step
+        ):
+            raise ConfigError(
+                "max_outstanding_groups",
+                f"must be >= prompts_per_step ({self.prompts_per_step}) or a batch can never "
+                f"fill, got {self.max_outstanding_groups}",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSource:
+    """A synthetic task of ``rlax_tasks.rewards.tasks`` (make_task(task, **knobs)): the first
+    ``size`` problems of its stream for ``seed``."""
+
+    task: str
+    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    size: int = 10_000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from rlax_tasks.rewards.tasks import TASKS, make_task
+
+        if self.task not in TASKS:
+            raise ConfigError(
+                "task",
+                f"unknown task {self.task!r}{_did_you_mean(self.task, TASKS)}; "
+                f"valid: {', '.join(sorted(TASKS))}",
+            )
+        if not isinstance(self.knobs, Mapping):
+            raise ConfigError("knobs", f"must be a mapping, got {self.knobs!r}")
+        _set(self, "knobs", dict(self.knobs))
+        _check_int(self, "size", low=1)
+        _check_int(self, "seed")
+        try:
+            make_task(self.task, **copy.deepcopy(dict(self.knobs)))
+        except (ValueError, TypeError) as e:
+            raise ConfigError("knobs", str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSource:
+    """A Parquet/JSONL file (local or gs://) in the curated schema: prompt + answer or tests."""
+
+    path: str
+    verifier: str = "math"
+
+    def __post_init__(self) -> None:
+        _check_str(self, "path")
+        from rlax_tasks.curation.io import file_format
+
+        if not self.path.endswith("/"):
+            try:
+                file_format(self.path)
+            except ValueError as e:
+                raise ConfigError("path", str(e)) from None
+        _check_str(self, "verifier", FILE_VERIFIERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """One component of the prompt mixture; ``name`` becomes the prefix of its prompt ids."""
+
+    name: str
+    source: SyntheticSource | FileSource
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(
+                "name",
+                f"must be letters, digits, '_', '.', '-' (it prefixes prompt ids), "
+                f"got {self.name!r}",
+            )
+        if isinstance(self.source, Mapping):
+            _set(self, "source", _source_from(self.source))
+        if not isinstance(self.source, SyntheticSource | FileSource):
+            raise ConfigError("source", f"must be a synthetic task or a file, got {self.source!r}")
+        _check_float(self, "weight", low=0.0, open_low=True)
+
+    @property
+    def verifier(self) -> str:
+        """How responses are scored: "task" (the synthetic task's scorer), "math" or "code"."""
+        return "task" if isinstance(self.source, SyntheticSource) else self.source.verifier
+
+
+def _source_from(raw: Mapping[str, Any]) -> SyntheticSource | FileSource:
+    if "task" in raw and "path" in raw:
+        raise ConfigError("", "give either task (synthetic) or path (a file), not both").under(
+            "source"
+        )
+    if "task" in raw:
+        return _build(SyntheticSource, raw, "source")
+    if "path" in raw:
+        return _build(FileSource, raw, "source")
+    raise ConfigError(
+        "source", "needs task: <arithmetic|countdown> (synthetic) or path: <file.parquet|.jsonl>"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """The inference fleet: how many workers, sampler slots and sequence length per worker."""
+
+    count: int = 2
+    slots: int = 32
+    max_len: int = 512
+    # groups the controller keeps in flight per worker; null = max(1, slots // group_size)
+    groups_per_worker: int | None = None
+    # a worker with work in flight and no result for this long is treated as dead
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check_int(self, "count", low=1)
+        _check_int(self, "slots", low=1)
+        _check_int(self, "max_len", low=2)
+        _check_int(self, "groups_per_worker", low=1, optional=True)
+        _check_float(self, "timeout_s", low=0.0, open_low=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Held-out evaluation: pass@k over ``num_prompts`` prompts with ``num_samples`` each."""
+
+    dataset: DatasetSpec | None = None
+    num_prompts: int = 200
+    num_samples: int = 8
+    ks: tuple[int, ...] = (1, 8)
+    temperature: float = 1.0
+    # evaluate every N training steps besides before and after the run (0 = only those two)
+    every_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, Mapping):
+            _set(self, "dataset", _build(DatasetSpec, self.dataset, "dataset"))
+        if self.dataset is not None and not isinstance(self.dataset, DatasetSpec):
+            raise ConfigError("dataset", f"must be a dataset spec or null, got {self.dataset!r}")
+        _check_int(self, "num_prompts", low=1)
+        _check_int(self, "num_samples", low=1)
+        if not isinstance(self.ks, list | tuple) or not self.ks:
+            raise ConfigError("ks", f"must be a non-empty list of integers, got {self.ks!r}")
+        _set(self, "ks", tuple(self.ks))
+        for k in self.ks:
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_samples:
+                raise ConfigError(
+                    "ks",
+                    f"each k must be an integer in [1, num_samples={self.num_samples}], got {k!r}",
+                )
+        _check_float(self, "temperature", low=0.0)
+        _check_int(self, "every_steps", low=0)
+
+
+def _trainer_from(raw: Any) -> TrainerConfig:
+    if isinstance(raw, TrainerConfig):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError("", f"must be a mapping of trainer settings, got {raw!r}")
+    known = [f.name for f in dataclasses.fields(TrainerConfig)]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                str(key), f"unknown key{_did_you_mean(key, known)}; valid: {', '.join(known)}"
+            )
+    values = dict(raw)
+    for name in ("learning_rate", "adam_eps", "weight_decay", "max_grad_norm"):
+        if isinstance(values.get(name), str):  # YAML 1.1 reads 1e-4 as text
+            try:
+                values[name] = float(values[name])
+            except ValueError:
+                raise ConfigError(name, f"must be a number, got {values[name]!r}") from None
+    try:
+        return TrainerConfig.from_dict(values)
+    except TrainerConfigError as e:
+        field = _field_named(str(e), known)
+        rest = str(e)[len(field) :]
+        raise ConfigError(field, rest.strip() if rest.startswith(" must") else str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs; the resolved form is written to run_root/<run_id>/config.yaml."""
+
+    run_id: str
+    run_root: str
+    model: ModelSettings
+    datasets: tuple[DatasetSpec, ...]
+    seed: int = 0
+    algorithm: AlgorithmSettings = AlgorithmSettings()
+    staleness: StalenessSettings = StalenessSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    trainer: TrainerConfig = TrainerConfig()
+    workers: WorkerSettings = WorkerSettings()
+    eval: EvalSettings = EvalSettings()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not _NAME_RE.match(self.run_id):
+            raise ConfigError(
+                "run_id", f"must be letters, digits, '_', '.', '-', got {self.run_id!r}"
+            )
+        _check_str(self, "run_root")
+        _check_int(self, "seed")
+        if not isinstance(self.datasets, list | tuple) or not self.datasets:
+            raise ConfigError("datasets", "give at least one dataset")
+        _set(self, "datasets", tuple(self.datasets))
+        names = [d.name for d in self.datasets]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(
+                    f"datasets[{i}].name", f"duplicate dataset name {name!r}: names must be unique"
+                )
+        self._cross_checks()
+
+    def _cross_checks(self) -> None:
+        r, w = self.rollout, self.workers
+        objective = self.algorithm.objective_config()
+        if r.group_size < 2 and objective.adv in GROUP_RELATIVE_ADVANTAGES:
+            raise ConfigError(
+                "rollout.group_size",
+                f"must be >= 2 for group-relative advantages (algorithm adv={objective.adv!r}), "
+                f"got {r.group_size}",
+            )
+        if r.group_size < 2 and objective.dynamic_sampling:
+            raise ConfigError(
+                "rollout.group_size",
+                f"must be >= 2 with dynamic_sampling (a group of 1 is always zero-variance), "
+                f"got {r.group_size}",
+            )
+        if w.max_len <= r.max_new_tokens:
+            raise ConfigError(
+                "workers.max_len",
+                f"must exceed rollout.max_new_tokens ({r.max_new_tokens}) to leave room for the "
+                f"prompt, got {w.max_len}",
+            )
+        batch = r.prompts_per_step * r.group_size
+        mb = self.trainer.micro_batch_size
+        if mb is not None and batch % mb:
+            raise ConfigError(
+                "trainer.micro_batch_size",
+                f"must divide the batch of rollout.prompts_per_step × rollout.group_size = "
+                f"{batch} sequences, got {mb}",
+            )
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def run_dir(self) -> str:
+        """run_root/<run_id>: where every file of this run lives (local path or gs:// URI)."""
+        return storage.join(self.run_root, self.run_id)
+
+    @property
+    def max_outstanding_groups(self) -> int:
+        """Groups in flight + buffered that the controller allows (see RolloutSettings)."""
+        if self.rollout.max_outstanding_groups is not None:
+            return self.rollout.max_outstanding_groups
+        p, s = self.rollout.prompts_per_step, self.staleness
+        if s.reload_every == 1 and s.max_staleness == 1:
+            return p
+        return p * (s.reload_every + 1)
+
+    @property
+    def groups_per_worker(self) -> int:
+        if self.workers.groups_per_worker is not None:
+            return self.workers.groups_per_worker
+        return max(1, self.workers.slots // self.rollout.group_size)
+
+    def objective_config(self) -> ObjectiveConfig:
+        return self.algorithm.objective_config()
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON): ``RunConfig.from_dict(cfg.to_dict()) == cfg``."""
+        out = _plain(self)
+        out["trainer"] = self.trainer.to_dict()
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
+        """Builds and validates; errors name the dotted field, unknown keys are errors."""
+        return _build(cls, raw, "")
+
+
+_SECTIONS: dict[str, Any] = {
+    "model": ModelSettings,
+    "algorithm": AlgorithmSettings,
+    "staleness": StalenessSettings,
+    "rollout": RolloutSettings,
+    "workers": WorkerSettings,
+    "eval": EvalSettings,
+}
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    """``cls(**raw)`` with unknown/missing keys and nested sections checked; errors prefixed."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(path, f"must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            err = ConfigError(
+                str(key),
+                f"unknown key{_did_you_mean(key, fields)}; valid keys: {', '.join(fields)}",
+            )
+            raise err.under(path)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in raw
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    if missing:
+        raise ConfigError(missing[0], "is required").under(path)
+    values = dict(raw)
+    try:
+        if cls is RunConfig:
+            for name, section in _SECTIONS.items():
+                if name in values:
+                    values[name] = _build(section, values[name], name)
+            if "trainer" in values:
+                try:
+                    values["trainer"] = _trainer_from(values["trainer"])
+                except ConfigError as e:
+                    raise e.under("trainer") from None
+            if "datasets" in values:
+                items = values["datasets"]
+                if not isinstance(items, list | tuple):
+                    raise ConfigError("datasets", f"must be a list of datasets, got {items!r}")
+                built = []
+                for i, item in enumerate(items):
+                    try:
+                        built.append(_build(DatasetSpec, item, ""))
+                    except ConfigError as e:
+                        raise e.under(f"datasets[{i}]") from None
+                values["datasets"] = tuple(built)
+        return cls(**values)
+    except ConfigError as e:
+        raise e.under(path) from None
+
+
+# --------------------------------------------------------------------------- loading
+def preset_names() -> list[str]:
+    """Names of the presets shipped in rlax_tasks/presets/ (file stems)."""
+    root = resources.files(PRESET_PACKAGE)
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(path_or_preset: str) -> tuple[dict[str, Any], str]:
+    """(raw mapping, default run id) of a preset name or a YAML file (local or gs://)."""
+    if path_or_preset in preset_names():
+        text = resources.files(PRESET_PACKAGE).joinpath(f"{path_or_preset}.yaml").read_text()
+        origin, stem = f"preset {path_or_preset!r}", path_or_preset
+    elif path_or_preset.endswith((".yaml", ".yml")) or os.sep in path_or_preset:
+        if not storage.is_gcs(path_or_preset) and not os.path.isfile(path_or_preset):
+            raise FileNotFoundError(f"config file {path_or_preset} does not exist")
+        text = storage.read_bytes(path_or_preset).decode()
+        origin = path_or_preset
+        stem = os.path.splitext(os.path.basename(path_or_preset))[0]
+    else:
+        names = preset_names()
+        raise ConfigError(
+            "preset",
+            f"unknown preset {path_or_preset!r}{_did_you_mean(path_or_preset, names)}; "
+            f"presets: {', '.join(names)} (or give a path to a .yaml file)",
+        )
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{origin} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{origin} must hold a mapping of settings")
+    return raw, stem
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Sets ``raw[a][b]... = value`` for ``dotted`` = "a.b..." (intermediate dicts created)."""
+    parts = dotted.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is not a section; cannot set {dotted}")
+        node = child
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def merge_overrides(raw: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict:
+    """``raw`` with ``overrides`` applied: dotted keys or nested dicts; lists replace whole."""
+    out = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not (
+            dotted.endswith("overrides") or dotted.endswith("knobs")
+        ):
+            node = out
+            for part in dotted.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                out = merge_overrides(out, value, prefix=dotted + ".")
+                continue
+        _apply_override(out, dotted, value)
+    return out
+
+
+def load_config(path_or_preset: str, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """The validated run configuration of a preset name or YAML file, with ``overrides``.
+
+    ``run_id`` defaults to the preset name / file stem, so running the same command again
+    resumes the same run.
+    """
+    raw, stem = _read_yaml(path_or_preset)
+    raw = merge_overrides(raw, overrides or {})
+    raw.setdefault("run_id", stem)
+    return RunConfig.from_dict(raw)
+
+
+def save_resolved(config: RunConfig) -> str:
+    """Writes run_root/<run_id>/config.yaml (local or gs://); returns its path."""
+    path = storage.join(config.run_dir, "config.yaml")
+    storage.write_bytes(path, config.to_yaml().encode())
+    return path
+
+
+__all__ = [
+    "AlgorithmSettings",
+    "ConfigError",
+    "DatasetSpec",
+    "EvalSettings",
+    "FileSource",
+    "ModelSettings",
+    "RolloutSettings",
+    "RunConfig",
+    "StalenessSettings",
+    "SyntheticSource",
+    "WorkerSettings",
+    "load_config",
+    "merge_overrides",
+    "preset_names",
+    "save_resolved",
+]

@@ -1,0 +1,468 @@
+"""The controller: the one component that decides (DESIGN §2).
+
+It draws prompts from the mixture, hands them to workers (G completions each), collects
+version-tagged groups, has them scored, buffers them under the staleness rules, forms batches for
+the trainer, records lineage and snapshots its state at every weight-reload boundary (every j
+versions). Workers, the scorer and the trainer are injected through small protocols, so the
+decision logic runs in-process in tests; the process wiring adapts HTTP clients to them.
+
+A worker whose call fails or that returns nothing for ``worker_timeout_s`` while holding work is
+treated as dead: it is reset and its in-flight prompts go back to the front of the queue in
+dispatch order. On restart, ``start()`` restores the newest committed snapshot, resets every
+worker and re-issues the in-flight prompts (to the same worker when it is still there, in the
+same order), so with deterministic workers the run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rlax_tasks.algorithms import overlong_penalty
+from rlax_tasks.config import RunConfig
+from rlax_tasks.controller.buffer import Batch, RolloutBuffer, ScoredGroup
+from rlax_tasks.controller.lineage import LineageWriter, lineage_record
+from rlax_tasks.controller.mixture import Prompt, PromptMixture
+from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
+from rlax_tasks.rollout.requests import SamplingParams
+from rlax_tasks.rollout.worker import GroupRequest, GroupResult
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed (adapters raise it, or ConnectionError / TimeoutError / OSError)."""
+
+
+class ScorerError(RuntimeError):
+    """The scorer (verifier) failed; the groups are kept and scored again later."""
+
+
+WORKER_ERRORS = (WorkerError, ConnectionError, TimeoutError, OSError)
+SCORER_ERRORS = (ScorerError, ConnectionError, TimeoutError, OSError)
+
+
+class WorkerPool(Protocol):
+    """The inference fleet as the controller sees it; workers may join or leave at any time."""
+
+    def worker_ids(self) -> list[str]:
+        """The workers that can take work now, in a stable order."""
+        ...
+
+    def submit(self, worker_id: str, groups: Sequence[GroupRequest]) -> None: ...
+
+    def results(self, worker_id: str) -> list[GroupResult]:
+        """Finished groups of that worker (possibly none); raises a WORKER_ERRORS on failure."""
+        ...
+
+    def reset(self, worker_id: str) -> None:
+        """Drops all work of that worker."""
+        ...
+
+
+class Scorer(Protocol):
+    """Verifier verdicts: one list of G scores per (prompt, result) pair."""
+
+    def score(
+        self, prompts: Sequence[Prompt], results: Sequence[GroupResult]
+    ) -> list[list[float]]: ...
+
+
+# the trainer side: trains on a batch, pushes the new weights and returns their version
+TrainStep = Callable[[Batch], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSettings:
+    """The decision parameters of the controller (derived from a RunConfig)."""
+
+    prompts_per_step: int
+    group_size: int
+    sampling: SamplingParams
+    reload_every: int = 1
+    max_staleness: int | None = 1
+    dynamic_sampling: bool = False
+    overlong_cache_len: int | None = None  # DAPO overlong shaping when set
+    overlong_factor: float = 1.0
+    max_outstanding_groups: int = 0  # 0 = prompts_per_step
+    groups_per_worker: int = 1
+    worker_timeout_s: float = 300.0
+    worker_retry_s: float = 5.0
+    seed: int = 0
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> ControllerSettings:
+        r, obj = cfg.rollout, cfg.objective_config()
+        return cls(
+            prompts_per_step=r.prompts_per_step,
+            group_size=r.group_size,
+            sampling=SamplingParams(
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+            ),
+            reload_every=cfg.staleness.reload_every,
+            max_staleness=cfg.staleness.max_staleness,
+            dynamic_sampling=obj.dynamic_sampling,
+            overlong_cache_len=(
+                obj.overlong_cache_len(r.max_new_tokens) if obj.overlong_shaping else None
+            ),
+            overlong_factor=obj.overlong_factor,
+            max_outstanding_groups=cfg.max_outstanding_groups,
+            groups_per_worker=cfg.groups_per_worker,
+            worker_timeout_s=cfg.workers.timeout_s,
+            seed=cfg.seed,
+        )
+
+
+@dataclasses.dataclass
+class _InFlight:
+    prompt: Prompt
+    worker: str
+    sent: float
+
+
+class Controller:
+    """Ties the mixture, workers, scorer, buffer, trainer, lineage and snapshots together."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        mixture: PromptMixture,
+        pool: WorkerPool,
+        scorer: Scorer,
+        train_step: TrainStep,
+        encode: Callable[[str], Sequence[int]],
+        run_dir: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        idle_sleep_s: float = 0.05,
+        snapshots_kept: int | None = 5,
+    ) -> None:
+        self.settings = settings
+        self.mixture, self.pool, self.scorer = mixture, pool, scorer
+        self.train_step, self.encode = train_step, encode
+        self.clock, self.idle_sleep_s = clock, idle_sleep_s
+        self.store = SnapshotStore(run_dir, keep=snapshots_kept)
+        self.lineage = LineageWriter(run_dir)
+        self.buffer = RolloutBuffer(
+            settings.prompts_per_step, settings.max_staleness, settings.dynamic_sampling
+        )
+        self.step = 0
+        self.version = 0
+        self._queue: collections.deque[Prompt] = collections.deque()
+        self._in_flight: dict[str, _InFlight] = {}  # insertion order = dispatch order
+        self._unscored: list[tuple[Prompt, GroupResult]] = []
+        self._steps_since_snapshot: list[dict[str, Any]] = []
+        self._last_progress: dict[str, float] = {}
+        self._down_until: dict[str, float] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, initial_version: int = 0) -> bool:
+        """Restores the newest committed snapshot (True) or starts fresh at ``initial_version``
+        (False); resets every worker and re-issues the snapshot's in-flight prompts.
+
+        The trainer must be at the snapshot's version (restored from its checkpoint).
+        """
+        snap = self.store.load_latest()
+        live = self._live_workers()
+        for w in live:
+            self._reset_worker(w)
+        if snap is None:
+            self.step, self.version = 0, initial_version
+            self._started = True
+            log.info("controller starts fresh at version %d", self.version)
+            return False
+        if snap.seed != self.settings.seed:
+            raise ValueError(
+                f"snapshot of step {snap.step} is for seed {snap.seed}, the run has seed "
+                f"{self.settings.seed}: resume with the run's own configuration"
+            )
+        self.step, self.version = snap.step, snap.version
+        self.mixture.load_state_dict(snap.mixture)
+        self.buffer.load_state_dict(snap.buffer)
+        self.counters = collections.Counter(snap.counters)
+        self._queue = collections.deque(
+            self.mixture.prompt(q["prompt_id"], q["seq"]) for q in snap.queued
+        )
+        by_worker: dict[str, list[Prompt]] = collections.defaultdict(list)
+        orphans: list[Prompt] = []
+        for item in snap.in_flight:
+            prompt = self.mixture.prompt(item["prompt_id"], item["seq"])
+            (by_worker[item["worker"]] if item["worker"] in live else orphans).append(prompt)
+        self._queue.extendleft(reversed(orphans))
+        for w in live:
+            if by_worker.get(w):
+                self._submit(w, by_worker[w])
+        self._started = True
+        log.info(
+            "controller restored step %d (version %d): %d buffered, %d re-issued, %d queued",
+            self.step,
+            self.version,
+            len(self.buffer),
+            len(snap.in_flight),
+            len(self._queue),
+        )
+        return True
+
+    def run(self, num_steps: int, max_iterations: int | None = None) -> None:
+        """Iterates until ``num_steps`` training steps are done (in total, across restarts)."""
+        if not self._started:
+            self.start()
+        iterations = 0
+        while self.step < num_steps:
+            if max_iterations is not None and iterations >= max_iterations:
+                raise TimeoutError(
+                    f"no training step {self.step + 1} after {max_iterations} iterations"
+                )
+            iterations += 1
+            progressed = self.iterate()
+            if not progressed and self.idle_sleep_s > 0:
+                time.sleep(self.idle_sleep_s)
+
+    def iterate(self) -> bool:
+        """One round: dispatch, collect, score, and at most one training step.
+
+        Returns whether anything happened (a result arrived or a step was trained).
+        """
+        if not self._started:
+            raise RuntimeError("call start() first: it restores a snapshot or starts fresh")
+        self._dispatch()
+        got = self._collect()
+        self._score()
+        batch = self.buffer.take(self.version + 1)
+        if batch is None:
+            return got > 0
+        self._train(batch)
+        return True
+
+    # ------------------------------------------------------------------ dispatch
+    def _live_workers(self) -> list[str]:
+        now = self.clock()
+        return [w for w in self.pool.worker_ids() if self._down_until.get(w, -np.inf) <= now]
+
+    @property
+    def outstanding(self) -> int:
+        """Prompts drawn and not yet trained or dropped: queued, in flight, unscored, buffered."""
+        return len(self._queue) + len(self._in_flight) + len(self._unscored) + len(self.buffer)
+
+    @property
+    def queued_ids(self) -> list[str]:
+        """Prompt ids waiting to be (re-)issued, front first."""
+        return [p.id for p in self._queue]
+
+    @property
+    def in_flight_ids(self) -> list[str]:
+        """Prompt ids handed to workers and not yet returned, in dispatch order."""
+        return list(self._in_flight)
+
+    def _dispatch(self) -> None:
+        s = self.settings
+        budget = max(s.max_outstanding_groups, s.prompts_per_step)
+        live = self._live_workers()
+        load = {w: 0 for w in live}
+        for entry in self._in_flight.values():
+            if entry.worker in load:
+                load[entry.worker] += 1
+        plan: dict[str, list[Prompt]] = {w: [] for w in live}
+        drawn = 0
+        while live:
+            w = min(live, key=lambda x: (load[x], live.index(x)))
+            if load[w] >= s.groups_per_worker:
+                break
+            if self._queue:
+                prompt = self._queue.popleft()
+            elif self.outstanding + drawn < budget:
+                prompt = self.mixture.next()
+                drawn += 1
+            else:
+                break
+            plan[w].append(prompt)
+            load[w] += 1
+        self.counters["drawn"] += drawn
+        for w in live:
+            if plan[w]:
+                self._submit(w, plan[w])
+
+    def _request(self, prompt: Prompt) -> GroupRequest:
+        seed = zlib.crc32(f"{self.settings.seed}:{prompt.id}".encode()) & 0x7FFFFFFF
+        return GroupRequest(
+            prompt.id,
+            tuple(int(t) for t in self.encode(prompt.text)),
+            self.settings.group_size,
+            dataclasses.replace(self.settings.sampling, seed=seed),
+        )
+
+    def _submit(self, worker: str, prompts: list[Prompt]) -> None:
+        try:
+            self.pool.submit(worker, [self._request(p) for p in prompts])
+        except WORKER_ERRORS as e:
+            log.warning("worker %s refused %d groups: %s", worker, len(prompts), e)
+            self._worker_failed(worker, also=prompts)
+            return
+        now = self.clock()
+        if not any(e.worker == worker for e in self._in_flight.values()):
+            self._last_progress[worker] = now
+        for p in prompts:
+            self._in_flight[p.id] = _InFlight(p, worker, now)
+        self.counters["issued"] += len(prompts)
+
+    def _worker_failed(self, worker: str, also: Sequence[Prompt] = ()) -> None:
+        """Resets a failed worker; its in-flight prompts (and ``also``) go to the queue front."""
+        back = [e.prompt for e in self._in_flight.values() if e.worker == worker]
+        for p in back:
+            del self._in_flight[p.id]
+        back.extend(also)
+        self._queue.extendleft(reversed(back))
+        self.counters["worker_failures"] += 1
+        self.counters["reissued"] += len(back)
+        self._down_until[worker] = self.clock() + self.settings.worker_retry_s
+        self._last_progress.pop(worker, None)
+        self._reset_worker(worker)
+        log.warning("worker %s failed: %d prompts go back to the queue front", worker, len(back))
+
+    def _reset_worker(self, worker: str) -> None:
+        try:
+            self.pool.reset(worker)
+        except WORKER_ERRORS as e:
+            log.info("could not reset worker %s (%s)", worker, e)
+
+    # ------------------------------------------------------------------ collect and score
+    def _collect(self) -> int:
+        holders = list(dict.fromkeys(e.worker for e in self._in_flight.values()))
+        got = 0
+        for w in holders:
+            try:
+                results = self.pool.results(w)
+            except WORKER_ERRORS as e:
+                log.warning("worker %s: %s", w, e)
+                self._worker_failed(w)
+                continue
+            now = self.clock()
+            if results:
+                self._last_progress[w] = now
+            for r in results:
+                entry = self._in_flight.get(r.prompt_id)
+                if entry is None or entry.worker != w:
+                    self.counters["ignored_results"] += 1  # re-issued elsewhere meanwhile
+                    continue
+                if r.version > self.version:
+                    raise RuntimeError(
+                        f"worker {w} returned {r.prompt_id} generated by version {r.version}, "
+                        f"but the trainer is at version {self.version}: the parameter server "
+                        f"is ahead of the controller's snapshot (restore the trainer and the "
+                        f"parameter server to version {self.version})"
+                    )
+                del self._in_flight[r.prompt_id]
+                self._unscored.append((entry.prompt, r))
+                got += 1
+            if not results and any(e.worker == w for e in self._in_flight.values()):
+                idle = now - self._last_progress.get(w, now)
+                if idle > self.settings.worker_timeout_s:
+                    log.warning("worker %s returned nothing for %.0fs", w, idle)
+                    self.counters["worker_timeouts"] += 1
+                    self._worker_failed(w)
+        return got
+
+    def _score(self) -> None:
+        if not self._unscored:
+            return
+        prompts = [p for p, _ in self._unscored]
+        results = [r for _, r in self._unscored]
+        try:
+            scores = self.scorer.score(prompts, results)
+        except SCORER_ERRORS as e:
+            self.counters["scorer_failures"] += 1
+            log.warning("scoring %d groups failed (%s); retrying next round", len(results), e)
+            return
+        if len(scores) != len(results):
+            raise RuntimeError(
+                f"the scorer returned {len(scores)} score lists for {len(results)} groups"
+            )
+        self._unscored = []
+        for p, r, s in zip(prompts, results, scores, strict=True):
+            self.buffer.add(self._scored(p, r, s))
+
+    def _scored(self, prompt: Prompt, result: GroupResult, scores: Sequence[float]) -> ScoredGroup:
+        s = self.settings
+        comps = result.completions
+        if len(scores) != len(comps):
+            raise RuntimeError(f"{prompt.id}: {len(scores)} scores for {len(comps)} completions")
+        rewards = np.asarray(scores, dtype=np.float64)
+        if s.overlong_cache_len is not None:
+            lengths = np.array([len(c.tokens) for c in comps])
+            rewards = rewards + overlong_penalty(
+                lengths, s.sampling.max_new_tokens, s.overlong_cache_len, s.overlong_factor
+            )
+        return ScoredGroup(
+            prompt_id=prompt.id,
+            seq=prompt.seq,
+            version=result.version,
+            prompt_tokens=tuple(result.prompt_tokens),
+            completions=tuple(tuple(int(t) for t in c.tokens) for c in comps),
+            logprobs=tuple(tuple(float(x) for x in c.logprobs) for c in comps),
+            finish_reasons=tuple(c.finish_reason for c in comps),
+            scores=tuple(float(x) for x in scores),
+            rewards=tuple(float(x) for x in rewards),
+        )
+
+    # ------------------------------------------------------------------ train, record, snapshot
+    def _train(self, batch: Batch) -> None:
+        new_version = self.train_step(batch)
+        if new_version != batch.version:
+            raise RuntimeError(
+                f"the trainer returned version {new_version} for the step producing version "
+                f"{batch.version}: versions must advance by one per step"
+            )
+        self.step += 1
+        self.version = new_version
+        self.counters["trained_groups"] += len(batch.groups)
+        self.lineage.append(lineage_record(self.step, batch))
+        self._steps_since_snapshot.append({"step": self.step, "prompt_ids": batch.prompt_ids})
+        if self.version % self.settings.reload_every == 0:
+            self.snapshot()
+
+    def snapshot(self) -> Snapshot:
+        """Writes and commits a snapshot of the current state (also called every j versions)."""
+        queued = [p for p, _ in self._unscored] + list(self._queue)  # unscored: regenerate
+        counters = dict(self.counters)
+        snap = Snapshot(
+            step=self.step,
+            version=self.version,
+            seed=self.settings.seed,
+            mixture=self.mixture.state_dict(),
+            in_flight=[
+                {"prompt_id": e.prompt.id, "seq": e.prompt.seq, "worker": e.worker}
+                for e in self._in_flight.values()
+            ],
+            queued=[{"prompt_id": p.id, "seq": p.seq} for p in queued],
+            buffer=self.buffer.state_dict(),
+            steps=list(self._steps_since_snapshot),
+            counters=counters,
+        )
+        self.store.write(snap)
+        self._steps_since_snapshot = []
+        return snap
+
+    def status(self) -> dict[str, Any]:
+        """Progress figures for logs and dashboards."""
+        return {
+            **dict(self.counters),
+            "step": self.step,
+            "version": self.version,
+            "queued": len(self._queue),
+            "in_flight": len(self._in_flight),
+            "buffered": len(self.buffer),
+            "dropped_stale": self.buffer.counts["stale"],
+            "dropped_zero_variance": self.buffer.counts["zero_variance"],
+        }

@@ -1,0 +1,127 @@
+"""``lineage.jsonl``: one JSON line per training step (DESIGN §7).
+
+Each record names the step, the version it produced, the prompt ids consumed (batch order), the
+rollout version of each, and the groups dropped since the previous step (stale or
+zero-variance) with their ids. Writing is idempotent on resume: a step already in the file is not
+appended again, and a truncated last line (a crash mid-write) is cut off when the file is opened.
+Locally lines are appended (fsync'd); on gs:// the object is rewritten whole (objects are
+immutable), which is fine for the few KB a step adds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from rlax_tasks import storage
+from rlax_tasks.controller.buffer import Batch
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "lineage.jsonl"
+
+
+def lineage_record(step: int, batch: Batch) -> dict[str, Any]:
+    """The lineage line of the trainer step ``step`` that trained on ``batch``."""
+    return {
+        "step": step,
+        "version": batch.version,
+        "prompt_ids": batch.prompt_ids,
+        "rollout_versions": batch.rollout_versions,
+        "dropped_stale": [
+            {"prompt_id": d.prompt_id, "version": d.version}
+            for d in batch.dropped
+            if d.reason == "stale"
+        ],
+        "dropped_zero_variance": [
+            {"prompt_id": d.prompt_id, "version": d.version}
+            for d in batch.dropped
+            if d.reason == "zero_variance"
+        ],
+    }
+
+
+def _parse(data: bytes, path: str) -> tuple[list[dict[str, Any]], int]:
+    """(complete records, byte length of the valid prefix); a bad last line is dropped."""
+    records, good = [], 0
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1
+        if not line:
+            if not last:
+                good += 1
+            continue
+        try:
+            record = json.loads(line)
+            if last:  # no newline after it: the write was cut short
+                raise ValueError("no trailing newline")
+        except ValueError:
+            if last or all(not rest for rest in lines[i + 1 :]):
+                log.warning("%s: dropping a truncated last line (%d bytes)", path, len(line))
+                break
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON; fix or remove it") from None
+        records.append(record)
+        good += len(line) + 1
+    return records, good
+
+
+class LineageWriter:
+    """Appends lineage records to run_dir/lineage.jsonl, once per step."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = storage.join(run_dir, FILE_NAME)
+        data = storage.read_bytes(self.path) if storage.exists(self.path) else b""
+        self._records, good = _parse(data, self.path)
+        if good != len(data):
+            self._rewrite(data[:good])
+        self._steps = {r["step"] for r in self._records}
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records)
+
+    def has(self, step: int) -> bool:
+        return step in self._steps
+
+    def append(self, record: dict[str, Any]) -> bool:
+        """Writes ``record`` unless its step is already recorded; returns whether it wrote."""
+        step = record["step"]
+        if step in self._steps:
+            old = next(r for r in self._records if r["step"] == step)
+            if old != record:
+                log.warning(
+                    "step %d is already in %s with different content; kept", step, self.path
+                )
+            return False
+        line = json.dumps(record, sort_keys=True).encode() + b"\n"
+        if storage.is_gcs(self.path):
+            current = b"".join(
+                json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records
+            )
+            storage.write_bytes(self.path, current + line)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "ab") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+        self._records.append(record)
+        self._steps.add(step)
+        return True
+
+    def _rewrite(self, data: bytes) -> None:
+        if storage.is_gcs(self.path):
+            storage.write_bytes(self.path, data)
+        else:
+            with open(self.path, "r+b") as fh:
+                fh.truncate(len(data))
+
+
+def read_lineage(run_dir: str) -> list[dict[str, Any]]:
+    """The complete records of run_dir/lineage.jsonl (a truncated last line is ignored)."""
+    path = storage.join(run_dir, FILE_NAME)
+    if not storage.exists(path):
+        return []
+    return _parse(storage.read_bytes(path), path)[0]

@@ -1,0 +1,252 @@
+"""The prompt mixture: weighted draws over several datasets with reproducible, saveable state.
+
+Which dataset the next prompt comes from is drawn from one numpy PCG64 stream; within a dataset
+a cursor (epoch, position) walks a per-epoch permutation derived from (seed, dataset name, epoch),
+so the permutation itself never needs saving. Every prompt gets a stable id
+``<dataset>/<epoch>/<index>`` and a sequence number (its draw number). ``state_dict()`` is plain
+JSON and ``load_state_dict`` restores it exactly: the prompts drawn afterwards are those an
+uninterrupted mixture would have drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rlax_tasks.config import DatasetSpec, FileSource, SyntheticSource
+
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One drawn prompt: stable ``id``, draw number ``seq``, text and what scores a response."""
+
+    id: str
+    seq: int
+    dataset: str
+    index: int
+    epoch: int
+    text: str
+    reference: str
+    verifier: str  # "task" (the synthetic task's scorer), "math" or "code"
+
+
+class PromptSource(Protocol):
+    """A fixed, indexable list of (prompt text, reference) pairs."""
+
+    def __len__(self) -> int: ...
+
+    def get(self, index: int) -> tuple[str, str]: ...
+
+
+class SyntheticPrompts:
+    """The first ``size`` problems of a synthetic task's stream (generated once, on first use)."""
+
+    def __init__(self, spec: SyntheticSource) -> None:
+        from rlax_tasks.rewards.tasks import make_task
+
+        self.spec = spec
+        self.task = make_task(spec.task, **dict(spec.knobs))
+        self._problems: list | None = None
+
+    def __len__(self) -> int:
+        return self.spec.size
+
+    def get(self, index: int) -> tuple[str, str]:
+        if self._problems is None:
+            self._problems = self.task.generate(self.spec.size, seed=self.spec.seed)
+        p = self._problems[index]
+        return p.prompt, p.reference
+
+
+class FilePrompts:
+    """Rows of a curated Parquet/JSONL file: the prompt and its answer (math) or tests (code)."""
+
+    def __init__(self, spec: FileSource) -> None:
+        from rlax_tasks.evaluation.evaluator import load_dataset
+
+        frame = load_dataset(spec.path)
+        self.spec = spec
+        self.prompts = [str(p) for p in frame["prompt"].tolist()]
+        if spec.verifier == "code":
+            self.references = [json.dumps(_plain_tests(t)) for t in frame["tests"].tolist()]
+            missing = [i for i, t in enumerate(frame["tests"].tolist()) if not _plain_tests(t)]
+        else:
+            answers = frame["answer"].tolist()
+            self.references = ["" if a is None else str(a) for a in answers]
+            missing = [i for i, a in enumerate(answers) if a is None]
+        if missing:
+            raise ValueError(
+                f"dataset {spec.path}: {len(missing)} row(s) have no "
+                f"{'tests' if spec.verifier == 'code' else 'answer'} for verifier "
+                f"{spec.verifier!r}; first: row {missing[0]}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def get(self, index: int) -> tuple[str, str]:
+        return self.prompts[index], self.references[index]
+
+
+def _plain_tests(tests: Any) -> list:
+    if tests is None:
+        return []
+    return [dict(t) for t in list(tests)]
+
+
+def make_source(spec: DatasetSpec) -> PromptSource:
+    """The prompt source of a dataset spec (synthetic task or file)."""
+    if isinstance(spec.source, SyntheticSource):
+        return SyntheticPrompts(spec.source)
+    return FilePrompts(spec.source)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureComponent:
+    """A named prompt source with its mixture weight and verifier kind."""
+
+    name: str
+    weight: float
+    source: PromptSource
+    verifier: str = "task"
+
+
+@dataclasses.dataclass
+class _Cursor:
+    epoch: int = 0
+    position: int = 0
+
+
+class PromptMixture:
+    """Draws prompts from weighted datasets; ``state_dict``/``load_state_dict`` round-trip."""
+
+    def __init__(self, components: Sequence[MixtureComponent], seed: int = 0) -> None:
+        if not components:
+            raise ValueError("a prompt mixture needs at least one dataset")
+        names = [c.name for c in components]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must be unique, got {names}")
+        for c in components:
+            if not c.weight > 0:
+                raise ValueError(f"dataset {c.name!r}: weight must be > 0, got {c.weight}")
+            if len(c.source) == 0:
+                raise ValueError(f"dataset {c.name!r} has no prompts")
+        self.components = list(components)
+        self.seed = int(seed)
+        weights = np.array([c.weight for c in components], dtype=np.float64)
+        self._cdf = np.cumsum(weights / weights.sum())
+        self._by_name = {c.name: i for i, c in enumerate(components)}
+        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0])))
+        self._cursors = [_Cursor() for _ in components]
+        self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
+        self.draws = 0
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[DatasetSpec], seed: int = 0) -> PromptMixture:
+        """The mixture of a run configuration's ``datasets``."""
+        return cls(
+            [MixtureComponent(s.name, s.weight, make_source(s), s.verifier) for s in specs], seed
+        )
+
+    # ------------------------------------------------------------------ drawing
+    def _permutation(self, i: int, epoch: int) -> np.ndarray:
+        cached = self._perm_cache.get(i)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        name_key = zlib.crc32(self.components[i].name.encode())
+        rng = np.random.Generator(
+            np.random.PCG64(np.random.SeedSequence([self.seed, 1, name_key, epoch]))
+        )
+        perm = rng.permutation(len(self.components[i].source))
+        self._perm_cache[i] = (epoch, perm)
+        return perm
+
+    def next(self) -> Prompt:
+        """The next prompt of the stream."""
+        i = int(np.searchsorted(self._cdf, self._rng.random(), side="right"))
+        i = min(i, len(self.components) - 1)
+        cursor = self._cursors[i]
+        index = int(self._permutation(i, cursor.epoch)[cursor.position])
+        prompt = self._make(i, index, cursor.epoch, self.draws)
+        cursor.position += 1
+        if cursor.position == len(self.components[i].source):
+            cursor.epoch, cursor.position = cursor.epoch + 1, 0
+        self.draws += 1
+        return prompt
+
+    def take(self, n: int) -> list[Prompt]:
+        return [self.next() for _ in range(n)]
+
+    def _make(self, i: int, index: int, epoch: int, seq: int) -> Prompt:
+        c = self.components[i]
+        text, reference = c.source.get(index)
+        return Prompt(
+            f"{c.name}/{epoch}/{index}", seq, c.name, index, epoch, text, reference, c.verifier
+        )
+
+    def prompt(self, prompt_id: str, seq: int) -> Prompt:
+        """Re-materializes a drawn prompt from its id (to re-issue it after a restart)."""
+        try:
+            name, epoch, index = prompt_id.rsplit("/", 2)
+            i, epoch_n, index_n = self._by_name[name], int(epoch), int(index)
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"prompt id {prompt_id!r} does not belong to this mixture "
+                f"(datasets: {', '.join(self._by_name)})"
+            ) from None
+        if not 0 <= index_n < len(self.components[i].source):
+            raise ValueError(f"prompt id {prompt_id!r}: index out of range for dataset {name!r}")
+        return self._make(i, index_n, epoch_n, seq)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-JSON state: RNG stream, per-dataset cursors, number of draws."""
+        bg = self._rng.bit_generator.state
+        return {
+            "format": STATE_FORMAT,
+            "seed": self.seed,
+            "draws": self.draws,
+            "rng": {
+                "bit_generator": bg["bit_generator"],
+                "state": hex(bg["state"]["state"]),
+                "inc": hex(bg["state"]["inc"]),
+                "has_uint32": int(bg["has_uint32"]),
+                "uinteger": int(bg["uinteger"]),
+            },
+            "datasets": [
+                {"name": c.name, "size": len(c.source), "epoch": k.epoch, "position": k.position}
+                for c, k in zip(self.components, self._cursors, strict=True)
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict()`` output; a different dataset list is an error naming it."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"mixture state format {state.get('format')!r} is not {STATE_FORMAT}")
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"mixture state is for seed {state['seed']}, this mixture has {self.seed}"
+            )
+        saved = [(d["name"], d["size"]) for d in state["datasets"]]
+        mine = [(c.name, len(c.source)) for c in self.components]
+        if saved != mine:
+            raise ValueError(
+                f"mixture state is for datasets {saved} (name, size), this mixture has {mine}: "
+                f"resume with the run's own configuration"
+            )
+        rng = state["rng"]
+        self._rng.bit_generator.state = {
+            "bit_generator": rng["bit_generator"],
+            "state": {"state": int(rng["state"], 16), "inc": int(rng["inc"], 16)},
+            "has_uint32": rng["has_uint32"],
+            "uinteger": rng["uinteger"],
+        }
+        self._cursors = [_Cursor(d["epoch"], d["position"]) for d in state["datasets"]]
+        self.draws = int(state["draws"])

@@ -1,0 +1,1 @@
+"""Run configuration presets (YAML files loaded by ``rlax_tasks.config.load_config``)."""

@@ -1,0 +1,160 @@
+"""Deterministic in-process fakes of the controller's collaborators: workers, scorer, trainer.
+
+Every output is a pure function of (prompt id, weight version, sample index), and the fake
+workers follow the DESIGN §3 reload rule (``should_reload``) each time they are polled, so a run
+is reproducible from the controller's calls alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+from rlax_tasks.controller import (
+    ControllerSettings,
+    MixtureComponent,
+    PromptMixture,
+    should_reload,
+)
+from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
+from rlax_tasks.rollout.worker import GroupResult
+
+
+def _h(*parts: object) -> int:
+    return zlib.crc32(":".join(map(str, parts)).encode())
+
+
+class ListSource:
+    """A prompt source of ``n`` synthetic prompts."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, index: int) -> tuple[str, str]:
+        return f"{self.name} prompt {index}", str(index)
+
+
+def mixture(seed: int = 0, sizes: dict[str, tuple[int, float]] | None = None) -> PromptMixture:
+    sizes = sizes or {"a": (13, 2.0), "b": (7, 1.0)}
+    return PromptMixture(
+        [MixtureComponent(n, w, ListSource(n, size)) for n, (size, w) in sizes.items()], seed
+    )
+
+
+def encode(text: str) -> list[int]:
+    return [1] + [3 + (ord(c) % 60) for c in text]
+
+
+class FakeTrainer:
+    """step(batch) -> version: counts versions and remembers what it trained on."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.batches: list = []
+
+    def __call__(self, batch) -> int:
+        self.batches.append(batch)
+        self.version += 1
+        return self.version
+
+
+@dataclasses.dataclass
+class FakeWorker:
+    held: int | None = None
+    queue: list = dataclasses.field(default_factory=list)
+
+
+class FakePool:
+    """Workers that finish their ``rate`` oldest groups per poll, with the version they hold."""
+
+    def __init__(self, trainer: FakeTrainer, ids=("w0", "w1"), reload_every: int = 1, rate=2):
+        self.trainer, self.reload_every, self.rate = trainer, reload_every, rate
+        self.workers = {w: FakeWorker() for w in ids}
+        self.fail_next: set[str] = set()  # results() of these raises once
+        self.hung: set[str] = set()  # these accept work and never return any
+        self.submits: list[tuple[str, list[str]]] = []
+        self.resets: list[str] = []
+        self.lost: list[str] = []  # what the last failed worker held
+        self.lost_by_worker: dict[str, list[str]] = {}
+
+    def worker_ids(self) -> list[str]:
+        return list(self.workers)
+
+    def submit(self, worker_id, groups) -> None:
+        self.submits.append((worker_id, [g.prompt_id for g in groups]))
+        self.workers[worker_id].queue.extend(groups)
+
+    def reset(self, worker_id) -> None:
+        self.resets.append(worker_id)
+        self.workers[worker_id].queue.clear()
+
+    def results(self, worker_id):
+        if worker_id in self.fail_next:
+            self.fail_next.discard(worker_id)
+            self.lost = [g.prompt_id for g in self.workers[worker_id].queue]
+            self.lost_by_worker[worker_id] = self.lost
+            raise ConnectionError(f"{worker_id} is gone")
+        w = self.workers[worker_id]
+        if should_reload(w.held, self.trainer.version, self.reload_every):
+            w.held = self.trainer.version
+        if worker_id in self.hung:
+            return []
+        done, w.queue = w.queue[: self.rate], w.queue[self.rate :]
+        return [self._result(g, w.held) for g in done]
+
+    @staticmethod
+    def _result(g, version: int) -> GroupResult:
+        comps = []
+        for i in range(g.group_size):
+            n = 1 + _h(g.prompt_id, version, i, g.params.seed) % 6
+            tokens = [3 + _h(g.prompt_id, version, i, t) % 50 for t in range(n)]
+            logprobs = [-((_h(g.prompt_id, version, i, t, "lp") % 1000) / 997.0) for t in range(n)]
+            req = Request(g.prompt_tokens, g.params, i, (g.prompt_id, i))
+            comps.append(Completion(req, tokens, logprobs, "eos"))
+        return GroupResult(g.prompt_id, version, g.prompt_tokens, comps, None, 0.0)
+
+
+class FakeScorer:
+    """Score 1 for about a third of the completions, by hash; counts failures to inject."""
+
+    def __init__(self) -> None:
+        self.fail_next = 0
+        self.calls = 0
+
+    def score(self, prompts, results):
+        self.calls += 1
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("verifier down")
+        return [
+            [1.0 if _h(p.id, r.version, i) % 3 == 0 else 0.0 for i in range(len(r.completions))]
+            for p, r in zip(prompts, results, strict=True)
+        ]
+
+
+class World:
+    """The fakes wired together: trainer, workers, scorer."""
+
+    def __init__(self, reload_every: int = 2, rate: int = 3, version: int = 0) -> None:
+        self.trainer = FakeTrainer(version)
+        self.pool = FakePool(self.trainer, reload_every=reload_every, rate=rate)
+        self.scorer = FakeScorer()
+
+
+def settings(**overrides) -> ControllerSettings:
+    base = dict(
+        prompts_per_step=4,
+        group_size=4,
+        sampling=SamplingParams(max_new_tokens=6, temperature=1.0),
+        reload_every=2,
+        max_staleness=2,
+        dynamic_sampling=True,
+        max_outstanding_groups=24,
+        groups_per_worker=4,
+        seed=7,
+    )
+    base.update(overrides)
+    return ControllerSettings(**base)

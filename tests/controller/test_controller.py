@@ -1,0 +1,246 @@
+"""The Controller with deterministic in-process fakes: decisions, failures, crash and restore."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from rlax_tasks import storage
+from rlax_tasks.controller import Controller, SnapshotStore, read_lineage
+from tests.controller.fakes import World, encode, mixture, settings
+
+N = 12  # training steps of a full run (j = 2: snapshots at even steps)
+
+
+def make(run_dir: str, world: World, clock=None, **overrides) -> Controller:
+    kwargs = {"idle_sleep_s": 0.0}
+    if clock is not None:
+        kwargs["clock"] = clock
+    return Controller(
+        settings(**overrides),
+        mixture(seed=3),
+        world.pool,
+        world.scorer,
+        world.trainer,
+        encode,
+        run_dir,
+        **kwargs,
+    )
+
+
+def full_run(run_dir: str, steps: int = N) -> tuple[Controller, World]:
+    world = World()
+    c = make(run_dir, world)
+    assert c.start() is False
+    c.run(steps, max_iterations=500)
+    return c, world
+
+
+def test_uninterrupted_run_trains_drops_and_records(tmp_path):
+    c, world = full_run(str(tmp_path / "a"))
+    lineage = read_lineage(str(tmp_path / "a"))
+    assert [r["step"] for r in lineage] == list(range(1, N + 1))
+    assert [r["version"] for r in lineage] == list(range(1, N + 1))
+    assert world.trainer.version == N and len(world.trainer.batches) == N
+    consumed = [p for r in lineage for p in r["prompt_ids"]]
+    assert len(consumed) == len(set(consumed)) == N * 4  # exactly prompts_per_step per step
+    dropped = [
+        d["prompt_id"] for r in lineage for d in r["dropped_stale"] + r["dropped_zero_variance"]
+    ]
+    assert not set(dropped) & set(consumed)
+    # the staleness rule holds for every group that trained: v - u <= k (= 2)
+    for r in lineage:
+        assert all(0 < r["version"] - u <= 2 for u in r["rollout_versions"])
+    # this configuration exercises both kinds of drops
+    assert sum(len(r["dropped_stale"]) for r in lineage) > 0
+    assert sum(len(r["dropped_zero_variance"]) for r in lineage) > 0
+    assert c.status()["dropped_stale"] == sum(len(r["dropped_stale"]) for r in lineage)
+    # snapshots at every reload boundary (j = 2), the newest committed one is step N
+    snap = SnapshotStore(str(tmp_path / "a")).load_latest()
+    assert snap.step == N and snap.version == N
+
+
+def test_two_uninterrupted_runs_are_identical(tmp_path):
+    full_run(str(tmp_path / "a"))
+    full_run(str(tmp_path / "b"))
+    assert read_lineage(str(tmp_path / "a")) == read_lineage(str(tmp_path / "b"))
+
+
+def test_controller_crash_at_snapshot_then_restore_matches_uninterrupted(tmp_path):
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    first = make(run_dir, world)
+    first.start()
+    first.run(N // 2, max_iterations=500)
+    snap = SnapshotStore(run_dir).load_latest()
+    assert snap.step == N // 2 and snap.in_flight and snap.buffer["groups"]
+    # kill -9 of the controller: workers and trainer keep running; a new controller restores
+    second = make(run_dir, world)
+    assert second.start() is True
+    assert second.step == N // 2 and second.version == N // 2
+    assert set(world.pool.resets) >= {"w0", "w1"}
+    second.run(N, max_iterations=500)
+    assert read_lineage(run_dir) == read_lineage(str(tmp_path / "ref"))
+
+
+def test_crash_between_snapshot_write_and_pointer_commit(tmp_path, monkeypatch):
+    """Steps after the committed snapshot are replayed; the uncommitted snapshot is never used;
+    lineage ends up exactly as in an uninterrupted run (no step recorded twice)."""
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    first = make(run_dir, world)
+    first.start()
+    first.run(N // 2, max_iterations=500)
+    restored_world = copy.deepcopy(world)  # trainer checkpoint + PS + workers at step N/2
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed between snapshot write and pointer commit")
+
+    monkeypatch.setattr(storage, "commit_pointer", crash)
+    with pytest.raises(KeyboardInterrupt):
+        first.run(N // 2 + 2, max_iterations=500)
+    monkeypatch.undo()
+    names = storage.list_children(storage.join(run_dir, "snapshots"))
+    assert f"{N // 2 + 2}.json" in names  # written, but its pointer never committed
+    assert len(read_lineage(run_dir)) == N // 2 + 2
+
+    second = make(run_dir, restored_world)
+    assert second.start() is True
+    assert second.step == N // 2  # the previous committed snapshot
+    second.run(N, max_iterations=500)
+    lineage = read_lineage(run_dir)
+    assert [r["step"] for r in lineage] == list(range(1, N + 1))
+    assert lineage == read_lineage(str(tmp_path / "ref"))
+    # the restored trainer replayed exactly the batches of the uninterrupted run
+    assert [b.prompt_ids for b in restored_world.trainer.batches[N // 2 :]] == [
+        r["prompt_ids"] for r in lineage[N // 2 :]
+    ]
+
+
+def test_failed_worker_prompts_go_back_to_the_queue_front_in_order(tmp_path):
+    world = World()
+    c = make(str(tmp_path / "run"), world)
+    c.start()
+    c.iterate()
+    c.iterate()
+    world.pool.fail_next.add("w1")
+    c.iterate()  # w1 fails during collection: its prompts are queued at the front
+    lost = world.pool.lost
+    assert lost, "w1 should have held work in flight"
+    assert c.counters["worker_failures"] == 1 and c.counters["reissued"] == len(lost)
+    assert world.pool.workers["w1"].queue == []  # reset
+    before = len(world.pool.submits)
+    for _ in range(3):
+        c.iterate()  # re-dispatch (w1 is skipped while it backs off)
+    resent = [pid for _, pids in world.pool.submits[before:] for pid in pids]
+    assert resent[: len(lost)] == lost  # first, in their original order
+    assert all(w == "w0" for w, _ in world.pool.submits[before:])
+    c.run(6, max_iterations=500)
+    consumed = [p for r in read_lineage(str(tmp_path / "run")) for p in r["prompt_ids"]]
+    assert len(consumed) == len(set(consumed))
+
+
+def test_two_failures_queue_the_latest_failure_first(tmp_path):
+    world = World()
+    c = make(str(tmp_path / "run"), world)
+    c.start()
+    c.iterate()
+    world.pool.fail_next.update({"w0", "w1"})
+    c.iterate()  # both fail in collection order w0, then w1
+    lost = world.pool.lost_by_worker
+    assert lost["w0"] and lost["w1"]
+    assert c.queued_ids == lost["w1"] + lost["w0"]
+    assert c.in_flight_ids == []
+
+
+def test_silent_worker_times_out_and_its_prompts_are_reissued(tmp_path):
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+
+    world = World()
+    world.pool.hung.add("w1")
+    c = make(str(tmp_path / "run"), world, clock=clock, worker_timeout_s=10.0)
+    c.start()
+    c.run(4, max_iterations=500)
+    assert c.counters["worker_timeouts"] >= 1
+    lineage = read_lineage(str(tmp_path / "run"))
+    assert len(lineage) == 4
+
+
+def test_scorer_failure_keeps_groups_and_retries(tmp_path):
+    world = World()
+    world.scorer.fail_next = 2
+    c = make(str(tmp_path / "run"), world)
+    c.start()
+    c.run(3, max_iterations=500)
+    assert c.counters["scorer_failures"] == 2
+    assert len(read_lineage(str(tmp_path / "run"))) == 3
+
+
+def test_lockstep_on_policy_uses_only_fresh_rollouts(tmp_path):
+    world = World(reload_every=1)
+    c = make(
+        str(tmp_path / "run"),
+        world,
+        reload_every=1,
+        max_staleness=1,
+        max_outstanding_groups=4,
+        dynamic_sampling=False,
+    )
+    c.start()
+    c.run(5, max_iterations=500)
+    for r in read_lineage(str(tmp_path / "run")):
+        assert r["rollout_versions"] == [r["version"] - 1] * 4
+
+
+def test_overlong_shaping_changes_rewards_not_scores(tmp_path):
+    world = World()
+    c = make(
+        str(tmp_path / "run"),
+        world,
+        overlong_cache_len=3,
+        overlong_factor=1.0,
+        dynamic_sampling=False,
+    )
+    c.start()
+    c.run(2, max_iterations=500)
+    groups = [g for b in world.trainer.batches for g in b.groups]
+    shaped = 0
+    for g in groups:
+        for toks, s, r in zip(g.completions, g.scores, g.rewards, strict=True):
+            penalty = 0.0 if len(toks) <= 3 else (3 - len(toks)) / 3
+            assert r == pytest.approx(s + penalty)
+            shaped += len(toks) > 3
+    assert shaped > 0
+
+
+def test_restore_rejects_a_parameter_server_ahead_of_the_snapshot(tmp_path):
+    run_dir = str(tmp_path / "run")
+    world = World()
+    first = make(run_dir, world)
+    first.start()
+    first.run(3, max_iterations=500)  # snapshot at 2, trainer at 3
+    world.trainer.version = 2  # the trainer restored its checkpoint...
+    for w in world.pool.workers.values():
+        w.held = 3  # ...but the workers hold v3 from the parameter server
+    second = make(run_dir, world)
+    second.start()
+    with pytest.raises(RuntimeError, match="ahead of the controller's snapshot"):
+        second.run(6, max_iterations=50)
+
+
+def test_settings_from_run_config():
+    from rlax_tasks.config import load_config
+    from rlax_tasks.controller import ControllerSettings
+
+    s = ControllerSettings.from_run_config(load_config("qwq-32b-code"))
+    assert (s.reload_every, s.max_staleness, s.dynamic_sampling) == (16, 32, True)
+    assert s.overlong_cache_len == round(0.2 * 16384)
+    t = ControllerSettings.from_run_config(load_config("tiny-arith"))
+    assert t.group_size == 8 and t.sampling.max_new_tokens == 16 and not t.dynamic_sampling
