@@ -123,14 +123,16 @@ class Batch:
     def arrays(self, pad_id: int = 0) -> dict[str, np.ndarray]:
         """Right-padded [B, T] training arrays, B = groups × G, prompt then completion per row.
 
-        ``input_ids``, ``mask`` (1 on completion tokens), ``behavior_logprobs`` (the sampler's
-        log p of token t at position t), ``rewards`` [B], ``group_ids`` [B] (index of the group).
+        ``input_ids``, ``attention_mask`` (1 on prompt and completion tokens), ``mask`` (1 on
+        completion tokens), ``behavior_logprobs`` (the sampler's log p of token t at position
+        t), ``rewards`` [B], ``group_ids`` [B] (index of the group).
         """
         rows = [(k, g, i) for k, g in enumerate(self.groups) for i in range(g.group_size)]
         width = max(len(g.prompt_tokens) + len(g.completions[i]) for _, g, i in rows)
         b = len(rows)
         ids = np.full((b, width), pad_id, np.int32)
         mask = np.zeros((b, width), np.float32)
+        attention = np.zeros((b, width), np.int32)
         beh = np.zeros((b, width), np.float32)
         rewards = np.zeros(b, np.float32)
         group_ids = np.zeros(b, np.int32)
@@ -139,11 +141,13 @@ class Batch:
             ids[r, :p] = g.prompt_tokens
             ids[r, p : p + c] = g.completions[i]
             mask[r, p : p + c] = 1.0
+            attention[r, : p + c] = 1
             beh[r, p : p + c] = g.logprobs[i]
             rewards[r] = g.rewards[i]
             group_ids[r] = k
         return {
             "input_ids": ids,
+            "attention_mask": attention,
             "mask": mask,
             "behavior_logprobs": beh,
             "rewards": rewards,

@@ -204,6 +204,8 @@ class Controller:
         for w in live:
             if by_worker.get(w):
                 self._submit(w, by_worker[w])
+        # a pending snapshot carries the steps since the last full one; a full one flushed them
+        self._steps_since_snapshot = list(snap.steps) if snap.pending is not None else []
         self._started = True
         log.info(
             "controller restored step %d (version %d): %d buffered, %d re-issued, %d queued",
@@ -213,6 +215,15 @@ class Controller:
             len(snap.in_flight),
             len(self._queue),
         )
+        if snap.pending is not None:  # a step was under way: train exactly that batch again
+            batch = self.buffer.take(self.version + 1)
+            if batch is None or batch.prompt_ids != snap.pending:
+                raise RuntimeError(
+                    f"snapshot of step {snap.step} records a pending batch {snap.pending[:3]}... "
+                    "that its buffer does not reproduce: the snapshot is inconsistent"
+                )
+            log.info("replaying the pending training step %d", self.step + 1)
+            self._train(batch)
         return True
 
     def run(self, num_steps: int, max_iterations: int | None = None) -> None:
@@ -240,9 +251,11 @@ class Controller:
         self._dispatch()
         got = self._collect()
         self._score()
+        before = self.buffer.state_dict()
         batch = self.buffer.take(self.version + 1)
         if batch is None:
             return got > 0
+        self.snapshot(pending=batch, buffer_state=before)
         self._train(batch)
         return True
 
@@ -432,8 +445,14 @@ class Controller:
         if self.version % self.settings.reload_every == 0:
             self.snapshot()
 
-    def snapshot(self) -> Snapshot:
-        """Writes and commits a snapshot of the current state (also called every j versions)."""
+    def snapshot(
+        self, pending: Batch | None = None, buffer_state: dict[str, Any] | None = None
+    ) -> Snapshot:
+        """Writes and commits a snapshot of the current state (also called every j versions).
+
+        With ``pending`` it is the write-ahead record of a training step about to happen:
+        ``buffer_state`` is the buffer before that batch was taken.
+        """
         queued = [p for p, _ in self._unscored] + list(self._queue)  # unscored: regenerate
         counters = dict(self.counters)
         snap = Snapshot(
@@ -446,12 +465,14 @@ class Controller:
                 for e in self._in_flight.values()
             ],
             queued=[{"prompt_id": p.id, "seq": p.seq} for p in queued],
-            buffer=self.buffer.state_dict(),
+            buffer=self.buffer.state_dict() if buffer_state is None else buffer_state,
             steps=list(self._steps_since_snapshot),
             counters=counters,
+            pending=None if pending is None else pending.prompt_ids,
         )
         self.store.write(snap)
-        self._steps_since_snapshot = []
+        if pending is None:
+            self._steps_since_snapshot = []
         return snap
 
     def status(self) -> dict[str, Any]:

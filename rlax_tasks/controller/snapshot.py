@@ -48,6 +48,11 @@ class Snapshot:
     buffer: dict[str, Any]
     steps: list[dict[str, Any]]
     counters: dict[str, int]
+    # write-ahead record: the prompt ids of the batch the controller is about to train on as
+    # step ``step + 1`` (the buffer is the one before that batch was taken). After a crash the
+    # restored controller trains exactly this batch first; the trainer treats a step it already
+    # applied as a replay, so no step is applied twice and none is lost.
+    pending: list[str] | None = None
 
     @property
     def in_flight_ids(self) -> list[str]:
@@ -105,13 +110,14 @@ class SnapshotStore:
         groups = body["buffer"].pop("groups")
         body["format"] = SNAPSHOT_FORMAT
         body["buffer_file"] = None
+        stem = f"{snapshot.step}.pending" if snapshot.pending is not None else f"{snapshot.step}"
         if groups:
             data = _groups_to_parquet(groups)
-            name = f"{snapshot.step}.buffer.parquet"
+            name = f"{stem}.buffer.parquet"
             storage.write_bytes(storage.join(self.dir, name), data)
             body["buffer_file"] = {"name": name, "sha256": _sha256(data), "groups": len(groups)}
         payload = json.dumps(body, sort_keys=True).encode()
-        name = f"{snapshot.step}.json"
+        name = f"{stem}.json"
         path = storage.join(self.dir, name)
         storage.write_bytes(path, payload)
         pointer = {"step": snapshot.step, "file": name, "sha256": _sha256(payload)}
@@ -166,7 +172,7 @@ class SnapshotStore:
                 steps.add(int(head))
         older = sorted(s for s in steps if s < committed_step)
         for step in older[: max(0, len(older) - (self.keep - 1))]:
-            for suffix in (".json", ".buffer.parquet"):
+            for suffix in (".json", ".buffer.parquet", ".pending.json", ".pending.buffer.parquet"):
                 path = storage.join(self.dir, f"{step}{suffix}")
                 if storage.exists(path):
                     storage.delete_prefix(path)

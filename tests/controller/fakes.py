@@ -54,10 +54,18 @@ class FakeTrainer:
     def __init__(self, version: int = 0) -> None:
         self.version = version
         self.batches: list = []
+        self.replays = 0
+        self.crash_after_next = False  # apply the next step, then die before answering
 
     def __call__(self, batch) -> int:
+        if batch.version <= self.version:  # the trainer service's contract: a replay is a no-op
+            self.replays += 1
+            return batch.version
         self.batches.append(batch)
         self.version += 1
+        if self.crash_after_next:
+            self.crash_after_next = False
+            raise KeyboardInterrupt("trainer applied the step and died before answering")
         return self.version
 
 

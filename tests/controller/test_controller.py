@@ -104,8 +104,10 @@ def test_crash_between_snapshot_write_and_pointer_commit(tmp_path, monkeypatch):
         first.run(N // 2 + 2, max_iterations=500)
     monkeypatch.undo()
     names = storage.list_children(storage.join(run_dir, "snapshots"))
-    assert f"{N // 2 + 2}.json" in names  # written, but its pointer never committed
-    assert len(read_lineage(run_dir)) == N // 2 + 2
+    # the write-ahead snapshot of step N/2 + 1 was written, its pointer never committed, and
+    # so that step was never sent to the trainer
+    assert f"{N // 2}.pending.json" in names
+    assert len(read_lineage(run_dir)) == N // 2
 
     second = make(run_dir, restored_world)
     assert second.start() is True
@@ -118,6 +120,31 @@ def test_crash_between_snapshot_write_and_pointer_commit(tmp_path, monkeypatch):
     assert [b.prompt_ids for b in restored_world.trainer.batches[N // 2 :]] == [
         r["prompt_ids"] for r in lineage[N // 2 :]
     ]
+
+
+def test_crash_after_the_trainer_applied_a_step_replays_it_without_applying_it_twice(tmp_path):
+    """Write-ahead snapshot: the controller dies after the trainer applied step N/2 + 1 but
+    before it heard back; the restored controller re-sends exactly that batch, the trainer
+    answers it as a replay, and the run ends identical to an uninterrupted one."""
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    first = make(run_dir, world)
+    first.start()
+    first.run(N // 2, max_iterations=500)
+    world.trainer.crash_after_next = True
+    with pytest.raises(KeyboardInterrupt):
+        first.run(N, max_iterations=500)
+    assert world.trainer.version == N // 2 + 1 and len(read_lineage(run_dir)) == N // 2
+
+    second = make(run_dir, world)  # the trainer kept its state (its checkpoint)
+    assert second.start() is True
+    assert second.step == N // 2 + 1 and world.trainer.replays == 1
+    second.run(N, max_iterations=500)
+    lineage = read_lineage(run_dir)
+    assert lineage == read_lineage(str(tmp_path / "ref"))
+    assert len(world.trainer.batches) == N  # every step applied exactly once
+    assert [b.prompt_ids for b in world.trainer.batches] == [r["prompt_ids"] for r in lineage]
 
 
 def test_failed_worker_prompts_go_back_to_the_queue_front_in_order(tmp_path):
@@ -225,12 +252,12 @@ def test_restore_rejects_a_parameter_server_ahead_of_the_snapshot(tmp_path):
     world = World()
     first = make(run_dir, world)
     first.start()
-    first.run(3, max_iterations=500)  # snapshot at 2, trainer at 3
-    world.trainer.version = 2  # the trainer restored its checkpoint...
+    first.run(3, max_iterations=500)  # trainer at 3; the newest snapshot is step 3's pending one
     for w in world.pool.workers.values():
-        w.held = 3  # ...but the workers hold v3 from the parameter server
+        w.held = 5  # a parameter server with versions no trainer of this run produced
     second = make(run_dir, world)
     second.start()
+    assert second.version == 3 and world.trainer.replays == 1
     with pytest.raises(RuntimeError, match="ahead of the controller's snapshot"):
         second.run(6, max_iterations=50)
 
