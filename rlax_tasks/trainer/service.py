@@ -1,0 +1,245 @@
+"""`rlax trainer`: the trainer as a passive service of the controller, pushing to the PS.
+
+Protocol (DESIGN §2, §7): the controller POSTs the batch of step s (an .npz body) to
+``/v1/steps/<s>``. The service applies it only when it is at step s − 1; it then checkpoints
+synchronously (so a step that was answered is never lost) and pushes version s to the parameter
+server before answering. A step it already applied is answered as a replay without being applied
+again — that is what makes the controller's write-ahead snapshot exact after any crash. Version
+numbers are step numbers (version 0 = the base weights).
+
+On start it restores the newest complete checkpoint and makes sure the parameter server holds
+its version (a PS restarted from an older mirror gets it again); a background thread keeps
+checking that. Binds 127.0.0.1; ``RLAX_TRAINER_TOKEN`` (when set) is required as a bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import io
+import logging
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "RLAX_TRAINER_TOKEN"
+
+
+class StepConflictError(ValueError):
+    """The controller sent a step the trainer cannot apply (not the next one, not a replay)."""
+
+
+class TrainerService:
+    """Wraps a ``Trainer``: idempotent steps by number, checkpoint-then-push, PS re-push."""
+
+    def __init__(self, trainer: Any, ps: Any | None = None, repush_every_s: float = 5.0) -> None:
+        self.trainer, self.ps = trainer, ps
+        self.repush_every_s = repush_every_s
+        self.lock = threading.Lock()
+        self.last_metrics: dict[str, Any] | None = None
+        self._stop = threading.Event()
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step_count
+
+    def start(self) -> TrainerService:
+        """Restores the newest complete checkpoint and publishes its version."""
+        restored = self.trainer.restore_latest()
+        log.info("trainer at step %d (%s)", self.step, "restored" if restored else "fresh")
+        if self.ps is not None:
+            self.ensure_published()
+            threading.Thread(target=self._repush_loop, name="trainer-repush", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.trainer.close()
+
+    def ensure_published(self) -> None:
+        """Pushes the current version when the parameter server does not hold it."""
+        with self.lock:
+            latest = self.ps.latest_version()
+            if latest is None or latest < self.step:
+                self.ps.push(self.step, self.trainer.params)
+                log.info("pushed version %d (the parameter server had %s)", self.step, latest)
+
+    def _repush_loop(self) -> None:
+        while not self._stop.wait(self.repush_every_s):
+            try:
+                self.ensure_published()
+            except (ConnectionError, TimeoutError, OSError, RuntimeError) as e:
+                log.warning("parameter server check failed: %s", e)
+
+    def train(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Applies step ``step`` (or answers a replay); returns {"version", "replayed", metrics}."""
+        with self.lock:
+            if step <= self.step:
+                if step < self.step:
+                    raise StepConflictError(
+                        f"step {step} is older than the trainer's step {self.step}: the "
+                        "controller's snapshot is behind the trainer's checkpoint by more than "
+                        "one step"
+                    )
+                return {"version": step, "replayed": True, "metrics": self.last_metrics}
+            if step != self.step + 1:
+                raise StepConflictError(
+                    f"step {step} cannot follow the trainer's step {self.step}: steps advance by "
+                    "one (was the trainer's checkpoint directory changed?)"
+                )
+            arrays = dict(batch)
+            if "completion_mask" not in arrays and "mask" in arrays:
+                arrays["completion_mask"] = arrays.pop("mask")
+            metrics = self.trainer.step(arrays)
+            self.trainer.save()
+            self.trainer.wait_for_checkpoint()  # answered ⇒ durable
+            if self.ps is not None:
+                self.ps.push(step, self.trainer.params)
+            self.last_metrics = metrics
+            return {"version": step, "replayed": False, "metrics": metrics}
+
+
+def create_app(service: TrainerService, token: str | None = None) -> Any:
+    """The FastAPI application of a started ``TrainerService``."""
+
+    def authorize(request: Request) -> None:
+        if not token:
+            return
+        header = request.headers.get("authorization", "")
+        if not header.startswith("Bearer "):
+            raise HTTPException(401, "missing bearer token", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode()):
+            raise HTTPException(403, "wrong bearer token")
+
+    app = FastAPI(title="RLAX trainer", dependencies=[Depends(authorize)])
+
+    @app.get("/v1/status")
+    def status() -> dict:
+        return {"step": service.step, "version": service.step}
+
+    @app.post("/v1/steps/{step}")
+    async def train(step: int, request: Request) -> dict:
+        body = await request.body()
+        try:
+            with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+                batch = {k: npz[k] for k in npz.files}
+        except (ValueError, OSError) as e:
+            raise HTTPException(400, f"the body is not an .npz batch: {e}") from e
+        try:
+            return await run_in_threadpool(service.train, step, batch)
+        except StepConflictError as e:
+            raise HTTPException(409, str(e)) from e
+        except ValueError as e:  # a malformed batch (BatchFormatError names the key)
+            raise HTTPException(400, str(e)) from e
+
+    return app
+
+
+class TrainerClient:
+    """The controller's ``TrainStep``: sends a batch, retrying while the trainer restarts."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 600.0,
+        give_up_after_s: float = 1800.0,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.give_up_after_s, self.retry_s = give_up_after_s, retry_s
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.last: dict[str, Any] | None = None
+
+    def train(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """POSTs step ``step``; connection failures are retried (the step is idempotent)."""
+        import time
+
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        body = buf.getvalue()
+        deadline = time.monotonic() + self.give_up_after_s
+        while True:
+            req = urllib.request.Request(f"{self.url}/v1/steps/{step}", data=body, method="POST")
+            req.add_header("Content-Type", "application/octet-stream")
+            if self.token:
+                req.add_header("Authorization", f"Bearer {self.token}")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    import json
+
+                    self.last = json.loads(resp.read())
+                    return self.last
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")
+                if 400 <= e.code < 500 and e.code not in (408, 429):  # ours to fix: no retry
+                    raise RuntimeError(
+                        f"trainer {self.url} refused step {step} (HTTP {e.code}): {detail}"
+                    ) from e
+                err: Exception = e
+            except (urllib.error.URLError, OSError) as e:
+                err = e
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"trainer {self.url} unreachable for step {step}: {err}")
+            log.warning("trainer %s: %s; retrying step %d", self.url, err, step)
+            time.sleep(self.retry_s)
+
+    def __call__(self, batch: Any) -> int:
+        """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version``."""
+        return int(self.train(batch.version, batch.arrays())["version"])
+
+
+def _trainer_command(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.config import load_config
+    from rlax_tasks.models import load_pretrained
+    from rlax_tasks.trainer.trainer import Trainer
+
+    cfg = load_config(args.config)
+    policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+    objective = make_objective(cfg.algorithm.preset, **dict(cfg.algorithm.overrides))
+    run_dir = cfg.run_dir
+    trainer = Trainer(policy, objective, cfg.trainer, run_dir)
+    ps = None
+    if args.ps_url:
+        from rlax_tasks.paramserver import ParameterServerClient
+
+        ps = ParameterServerClient(args.ps_url)
+    service = TrainerService(trainer, ps).start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(16)
+    host, port = sock.getsockname()[:2]
+    sys.stdout.write(f"http://{host}:{port}\n")  # first-line contract
+    sys.stdout.flush()
+    try:
+        uvicorn.Server(
+            uvicorn.Config(create_app(service, os.environ.get(TOKEN_ENV)), log_level="warning")
+        ).run(sockets=[sock])
+    finally:
+        service.stop()
+    return 0
+
+
+def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax trainer`."""
+    p = sub.add_parser("trainer", help="the trainer service: applies the controller's batches")
+    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
+    p.add_argument("--ps-url", help="parameter server URL (token from RLAX_PS_TOKEN)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.set_defaults(func=_trainer_command)

@@ -1,0 +1,112 @@
+"""The trainer service: idempotent numbered steps, checkpoint-then-push, republishing to the PS."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rlax_tasks.algorithms import make_objective
+from rlax_tasks.paramserver import ParameterServerClient
+from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+from rlax_tasks.trainer.config import TrainerConfig
+from rlax_tasks.trainer.service import (
+    StepConflictError,
+    TrainerClient,
+    TrainerService,
+    create_app,
+)
+from rlax_tasks.trainer.trainer import Trainer
+from tests.trainer.helpers import random_batch, tiny_policy
+
+CONFIG = TrainerConfig(learning_rate=1e-3, mesh_shape=(1, 1, 1), async_checkpointing=False)
+
+
+def make_service(run_dir: str, ps: ParameterServerClient | None) -> TrainerService:
+    trainer = Trainer(tiny_policy(), make_objective("grpo", kl_beta=0.0), CONFIG, run_dir)
+    return TrainerService(trainer, ps, repush_every_s=0.2).start()
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_steps_are_idempotent_durable_and_published(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with ParameterServer(ServerConfig(token="t", keep_versions=3)) as server:
+        ps = ParameterServerClient(server.address, token="t")
+        service = make_service(run_dir, ps)
+        assert ps.latest_version() == 0  # the base weights are version 0
+        out = service.train(1, random_batch(1))
+        assert out["version"] == 1 and not out["replayed"] and np.isfinite(out["metrics"]["loss"])
+        after_one = leaves(service.trainer.params)
+        again = service.train(1, random_batch(99))  # a replay: not applied a second time
+        assert again["replayed"] and again["version"] == 1
+        for a, b in zip(after_one, leaves(service.trainer.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(StepConflictError, match="cannot follow"):
+            service.train(3, random_batch(3))
+        assert ps.latest_version() == 1
+        _, pulled = ps.pull(min_version=1)
+        assert len(pulled) == len(after_one)
+        service.stop()
+
+        # a new process: restores step 1 from its checkpoint; step 0 is now too old
+        restored = make_service(run_dir, ps)
+        assert restored.step == 1
+        for a, b in zip(after_one, leaves(restored.trainer.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(StepConflictError, match="older"):
+            restored.train(0, random_batch(0))
+        restored.stop()
+        ps.close()
+
+
+def test_a_parameter_server_that_lost_the_version_gets_it_again(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with ParameterServer(ServerConfig(token="t")) as first:
+        ps = ParameterServerClient(first.address, token="t")
+        service = make_service(run_dir, ps)
+        service.train(1, random_batch(1))
+        service.stop()
+        ps.close()
+    with ParameterServer(ServerConfig(token="t")) as empty:  # restarted without a mirror
+        ps = ParameterServerClient(empty.address, token="t")
+        service = make_service(run_dir, ps)
+        assert ps.latest_version() == 1
+        service.stop()
+        ps.close()
+
+
+def test_http_client_retries_until_the_trainer_is_up_and_errors_are_clear(tmp_path):
+    import uvicorn
+
+    service = make_service(str(tmp_path / "run"), None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service, token="tok"), log_level="warning"))
+    client = TrainerClient(url, token="tok", give_up_after_s=60, retry_s=0.2)
+    # the first attempts find no server (a restarting trainer); the step still goes through
+    threading.Timer(1.0, lambda: server.run(sockets=[sock])).start()
+    try:
+        out = client.train(1, random_batch(1))
+        assert out["version"] == 1 and out["replayed"] is False
+        assert client.train(1, random_batch(1))["replayed"] is True
+        with pytest.raises(RuntimeError, match="cannot follow"):
+            client.train(5, random_batch(5))
+        with pytest.raises(RuntimeError, match="403"):
+            TrainerClient(url, token="wrong").train(2, random_batch(2))
+        bad = random_batch(2)
+        del bad["rewards"]
+        with pytest.raises(RuntimeError, match="rewards"):
+            client.train(2, bad)
+    finally:
+        server.should_exit = True
+        time.sleep(0.3)
+        service.stop()
