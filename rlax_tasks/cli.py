@@ -12,6 +12,7 @@ from rlax_tasks.models import CheckpointError, ModelConfigError
 from rlax_tasks.paramserver import add_ps_parser
 from rlax_tasks.rewards.service import add_verify_parser
 from rlax_tasks.rollout.service import add_worker_parser
+from rlax_tasks.run import add_run_parser
 from rlax_tasks.trainer.service import add_trainer_parser
 
 # user mistakes: reported as one line, never a traceback
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ps_parser(sub)
     add_worker_parser(sub)
     add_trainer_parser(sub)
+    add_run_parser(sub)
     return parser
 
 

@@ -239,12 +239,14 @@ class RolloutSettings:
 @dataclasses.dataclass(frozen=True)
 class SyntheticSource:
     """A synthetic task of ``rlax_tasks.rewards.tasks`` (make_task(task, **knobs)): the first
-    ``size`` problems of its stream for ``seed``."""
+    ``size`` problems of its stream for ``seed``. ``prompt_format`` "compact" renders arithmetic
+    as "12+34=" (the tiny-arith models' format, rlax_tasks.warmup.TinyArith)."""
 
     task: str
     knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     size: int = 10_000
     seed: int = 0
+    prompt_format: str = "task"
 
     def __post_init__(self) -> None:
         from rlax_tasks.rewards.tasks import TASKS, make_task
@@ -260,6 +262,11 @@ class SyntheticSource:
         _set(self, "knobs", dict(self.knobs))
         _check_int(self, "size", low=1)
         _check_int(self, "seed")
+        _check_str(self, "prompt_format", ("task", "compact"))
+        if self.prompt_format == "compact" and self.task != "arithmetic":
+            raise ConfigError(
+                "prompt_format", f"'compact' is for the arithmetic task, not {self.task!r}"
+            )
         try:
             make_task(self.task, **copy.deepcopy(dict(self.knobs)))
         except (ValueError, TypeError) as e:

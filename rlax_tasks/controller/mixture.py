@@ -62,6 +62,10 @@ class SyntheticPrompts:
         if self._problems is None:
             self._problems = self.task.generate(self.spec.size, seed=self.spec.seed)
         p = self._problems[index]
+        if self.spec.prompt_format == "compact":
+            from rlax_tasks.warmup.tiny_arith import TinyArith
+
+            return TinyArith.prompt_text(p), p.reference
         return p.prompt, p.reference
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import hmac
 import io
+import json
 import logging
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -73,6 +75,14 @@ class TrainerService:
                 self.ps.push(self.step, self.trainer.params)
                 log.info("pushed version %d (the parameter server had %s)", self.step, latest)
 
+    def _record_sync(self, step: int, seconds: float) -> None:
+        """Appends the push time of a version to run_dir/weight_sync.jsonl (for the plots)."""
+        run_dir = self.trainer.run_dir
+        if "://" in run_dir:
+            return
+        with open(os.path.join(run_dir, "weight_sync.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "push_s": round(seconds, 4)}) + "\n")
+
     def _repush_loop(self) -> None:
         while not self._stop.wait(self.repush_every_s):
             try:
@@ -103,7 +113,10 @@ class TrainerService:
             self.trainer.save()
             self.trainer.wait_for_checkpoint()  # answered ⇒ durable
             if self.ps is not None:
+                t0 = time.perf_counter()
                 self.ps.push(step, self.trainer.params)
+                metrics["push_s"] = time.perf_counter() - t0
+                self._record_sync(step, metrics["push_s"])
             self.last_metrics = metrics
             return {"version": step, "replayed": False, "metrics": metrics}
 

@@ -1,0 +1,183 @@
+"""`rlax controller`: the Controller wired to real components over HTTP.
+
+Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` that the supervisor
+rewrites when a worker (re)starts, so workers can join, leave or move; the trainer is a
+``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
+the math verifier or the code judge (``rlax_tasks.evaluation.scoring``), per dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlax_tasks.controller.controller import Controller, ControllerSettings, WorkerError
+from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
+from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
+from rlax_tasks.rollout.service import WorkerClient
+from rlax_tasks.rollout.worker import GroupRequest, GroupResult
+
+log = logging.getLogger(__name__)
+
+
+class HttpWorkerPool:
+    """The ``WorkerPool`` over the ``rlax worker`` services of a JSON file (re-read on change)."""
+
+    def __init__(self, workers_file: str, timeout_s: float = 10.0) -> None:
+        self.workers_file, self.timeout_s = workers_file, timeout_s
+        self._mtime: float | None = None
+        self._clients: dict[str, WorkerClient] = {}
+
+    def _refresh(self) -> None:
+        try:
+            mtime = os.stat(self.workers_file).st_mtime
+        except FileNotFoundError:
+            self._clients = {}
+            return
+        if mtime == self._mtime:
+            return
+        with open(self.workers_file) as f:
+            urls = json.load(f)
+        self._clients = {
+            w: self._clients[w]
+            if w in self._clients and self._clients[w].url == u.rstrip("/")
+            else WorkerClient(u, timeout_s=self.timeout_s)
+            for w, u in sorted(urls.items())
+        }
+        self._mtime = mtime
+
+    def worker_ids(self) -> list[str]:
+        self._refresh()
+        return list(self._clients)
+
+    def _client(self, worker_id: str) -> WorkerClient:
+        self._refresh()
+        if worker_id not in self._clients:
+            raise WorkerError(f"worker {worker_id} left the fleet")
+        return self._clients[worker_id]
+
+    def submit(self, worker_id: str, groups: Sequence[GroupRequest]) -> None:
+        payload = [
+            {
+                "prompt_id": g.prompt_id,
+                "prompt_tokens": list(g.prompt_tokens),
+                "group_size": g.group_size,
+                "params": {
+                    k: list(v) if isinstance(v, tuple) else v for k, v in vars(g.params).items()
+                },
+            }
+            for g in groups
+        ]
+        self._client(worker_id).submit(payload)
+
+    def results(self, worker_id: str) -> list[GroupResult]:
+        return [_group_result(r) for r in self._client(worker_id).results(wait_s=0.0)]
+
+    def reset(self, worker_id: str) -> None:
+        self._client(worker_id).reset()
+
+
+def _group_result(r: dict[str, Any]) -> GroupResult:
+    prompt = tuple(r["prompt_tokens"])
+    completions = [
+        Completion(
+            Request(prompt, SamplingParams(), sample_index=i, request_id=(r["prompt_id"], i)),
+            list(c["tokens"]),
+            list(c["logprobs"]),
+            c["finish_reason"],
+        )
+        for i, c in enumerate(r["completions"])
+    ]
+    texts = [c.get("text", "") for c in r["completions"]]
+    return GroupResult(r["prompt_id"], int(r["version"]), prompt, completions, texts, r["seconds"])
+
+
+class RewardScorer:
+    """The ``Scorer``: synthetic tasks score themselves; math answers and code tests go to the
+    verifiers (math-verify in worker processes, the bubblewrap judge)."""
+
+    def __init__(self, mixture: PromptMixture) -> None:
+        self.tasks = {
+            c.name: c.source.task
+            for c in mixture.components
+            if isinstance(c.source, SyntheticPrompts)
+        }
+
+    def score(self, prompts: Sequence[Prompt], results: Sequence[GroupResult]) -> list[list[float]]:
+        from rlax_tasks.evaluation.scoring import score_completions
+        from rlax_tasks.rewards.tasks import Problem
+
+        out: list[list[float] | None] = [None] * len(prompts)
+        verify_rows = []
+        for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+            texts = r.texts or [""] * len(r.completions)
+            if p.verifier == "task":
+                task = self.tasks[p.dataset]
+                problem = Problem(task.name, p.id, p.text, p.reference)
+                out[i] = [float(task.score(problem, t)) for t in texts]
+            else:
+                verify_rows.append((i, p, texts))
+        if verify_rows:
+            answers = [p.reference if p.verifier == "math" else None for _, p, _ in verify_rows]
+            tests = [
+                json.loads(p.reference) if p.verifier == "code" else None for _, p, _ in verify_rows
+            ]
+            scores = score_completions(answers, tests, [t for _, _, t in verify_rows])
+            for (i, _, _), row in zip(verify_rows, scores, strict=True):
+                out[i] = [s.reward for s in row]
+        return [x if x is not None else [] for x in out]
+
+
+def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controller:
+    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet."""
+    from transformers import AutoTokenizer
+
+    from rlax_tasks.trainer.service import TrainerClient
+
+    mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    return Controller(
+        ControllerSettings.from_run_config(cfg),
+        mixture,
+        HttpWorkerPool(workers_file),
+        RewardScorer(mixture),
+        TrainerClient(trainer_url),
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        cfg.run_dir,
+    )
+
+
+def _controller_command(args: argparse.Namespace) -> int:
+    from rlax_tasks.config import load_config
+
+    cfg = load_config(args.config)
+    controller = build_controller(cfg, args.trainer_url, args.workers_file)
+    steps = args.steps or cfg.trainer.total_steps
+    if not steps:
+        raise ValueError("give --steps (the run config has no trainer.total_steps)")
+    controller.start()
+    last = time.monotonic()
+    while controller.step < steps:
+        if not controller.iterate():
+            time.sleep(0.02)
+        if time.monotonic() - last > args.status_every_s:
+            last = time.monotonic()
+            log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))
+    log.info("controller done at step %d: %s", controller.step, controller.status())
+    return 0
+
+
+def add_controller_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax controller`."""
+    p = sub.add_parser("controller", help="the controller: drives workers and the trainer")
+    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
+    p.add_argument("--trainer-url", required=True)
+    p.add_argument("--workers-file", required=True, help='JSON {"worker-id": "http://..."}')
+    p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
+    p.add_argument("--status-every-s", type=float, default=10.0)
+    p.set_defaults(func=_controller_command)

@@ -1,0 +1,45 @@
+"""`rlax run --preset NAME [--run-root DIR] [--steps N]` and `rlax controller`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from rlax_tasks.config import load_config
+    from rlax_tasks.run.local_run import run_local
+
+    overrides = {}
+    if args.run_root:
+        overrides["run_root"] = args.run_root
+    if args.run_id:
+        overrides["run_id"] = args.run_id
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected dotted.key=value")
+        import yaml
+
+        overrides[key] = yaml.safe_load(value)
+    cfg = load_config(args.config or args.preset, overrides)
+    steps = args.steps or cfg.trainer.total_steps
+    if not steps:
+        raise ValueError("give --steps (the run config has no trainer.total_steps)")
+    run_local(cfg, steps, evaluate=not args.no_eval)
+    return 0
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax run` and `rlax controller`."""
+    from rlax_tasks.controller.service import add_controller_parser
+
+    p = sub.add_parser("run", help="run the whole RL loop locally (the main job)")
+    p.add_argument("--preset", default="tiny-arith", help="a preset name (default tiny-arith)")
+    p.add_argument("--config", help="a run config YAML instead of a preset")
+    p.add_argument("--run-root", help="where runs live (local directory)")
+    p.add_argument("--run-id", help="run name (default: the preset name); same id = resume")
+    p.add_argument("--steps", type=int, help="training steps (default trainer.total_steps)")
+    p.add_argument("--set", action="append", help="override a config field: dotted.key=value")
+    p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
+    p.set_defaults(func=_run_command)
+    add_controller_parser(sub)

@@ -1,0 +1,160 @@
+"""The end-of-run report: held-out pass@k before and after, and plots users can read.
+
+Plots (PNG under run_dir/eval/): reward per step (metrics.jsonl), pass@k before/after, rollout
+staleness per step (lineage.jsonl: step version − rollout version), and weight-sync time per
+version (weight_sync.jsonl: the trainer's push seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from rlax_tasks.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut by a crash
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def evaluate_version(cfg: RunConfig, ps: Any | None) -> dict[str, Any]:
+    """Held-out pass@k of the base model (``ps`` None) or the PS's newest version."""
+    from rlax_tasks.config import SyntheticSource
+    from rlax_tasks.models import load_pretrained
+    from rlax_tasks.warmup import TinyArith, evaluate_pass_rates
+
+    spec = cfg.eval.dataset
+    if spec is None:
+        raise ValueError("eval.dataset: give a held-out dataset to report pass@k on")
+    source = spec.source
+    if not (isinstance(source, SyntheticSource) and source.prompt_format == "compact"):
+        raise ValueError(
+            "eval.dataset: the run report evaluates compact synthetic arithmetic; for other "
+            "datasets use `rlax eval` on the run's weights (--weights-from RUN_DIR)"
+        )
+    policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+    version = 0
+    if ps is not None:
+        version, params = ps.pull(like=policy.params)
+        policy = policy.with_params(params)
+    fmt = TinyArith(dict(source.knobs))
+    problems = fmt.problems(cfg.eval.num_prompts, seed=source.seed)
+    result = evaluate_pass_rates(
+        policy,
+        problems,
+        n=cfg.eval.num_samples,
+        k_list=cfg.eval.ks,
+        temperature=cfg.eval.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_slots=cfg.workers.slots,
+    )
+    result["version"] = version
+    log.info(
+        "held-out %s at version %d: %s",
+        spec.name,
+        version,
+        ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("pass@")),
+    )
+    return result
+
+
+def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
+    """Writes eval/report.json, eval/report.md and the PNG plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = cfg.run_dir
+    out_dir = os.path.join(run_dir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    syncs = _read_jsonl(os.path.join(run_dir, "weight_sync.jsonl"))
+    plots = {}
+
+    def save(fig: Any, name: str) -> None:
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        plots[name] = path
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [m["step"] for m in metrics if "reward_mean" in m]
+    ax.plot(steps, [m["reward_mean"] for m in metrics if "reward_mean" in m], ".-")
+    ax.set(xlabel="training step", ylabel="mean reward", title="Reward per step")
+    save(fig, "reward")
+
+    before, after = report.get("before") or {}, report.get("after") or {}
+    ks = [k for k in before if k.startswith("pass@")]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = np.arange(len(ks))
+    ax.bar(x - 0.2, [before[k] for k in ks], 0.4, label="before")
+    ax.bar(x + 0.2, [after.get(k, np.nan) for k in ks], 0.4, label="after")
+    ax.set_xticks(x, ks)
+    ax.set(ylim=(0, 1), ylabel="held-out", title="pass@k before and after")
+    ax.legend()
+    save(fig, "pass_at_k")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    stale = [
+        (r["step"], float(np.mean([r["version"] - v for v in r["rollout_versions"]])))
+        for r in lineage
+        if r.get("rollout_versions")
+    ]
+    if stale:
+        ax.plot(*zip(*stale, strict=True), ".-")
+    ax.set(xlabel="training step", ylabel="v - u (mean)", title="Rollout staleness")
+    save(fig, "staleness")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s["step"] for s in syncs], [s["push_s"] for s in syncs], ".-")
+    ax.set(xlabel="version", ylabel="seconds", title="Weight push to the parameter server")
+    save(fig, "weight_sync")
+
+    summary = {
+        "before": before,
+        "after": after,
+        "delta": {k: after.get(k, np.nan) - before[k] for k in ks},
+        "train_seconds": report.get("train_seconds"),
+        "restarts": report.get("restarts"),
+        "plots": plots,
+    }
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=float)
+    lines = [
+        f"# RLAX run {cfg.run_id}",
+        "",
+        f"Training: {report.get('steps')} steps in {report.get('train_seconds', 0):.0f} s.",
+        "",
+        "| metric | before | after | change |",
+        "|---|---|---|---|",
+        *[
+            f"| {k} | {before[k]:.3f} | {after.get(k, float('nan')):.3f} | "
+            f"{summary['delta'][k]:+.3f} |"
+            for k in ks
+        ],
+        "",
+        *[f"![{name}]({name}.png)" for name in plots],
+    ]
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[: 6 + len(ks)]))
+    return {"report": os.path.join(out_dir, "report.md"), "plots": plots}
