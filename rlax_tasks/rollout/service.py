@@ -133,6 +133,25 @@ def _bind(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, f"http://{url_host}:{bound_port}"
 
 
+def _register(source: Any, url: str, wait_s: float) -> None:
+    """Registers with the PS (DESIGN §6 GC rule), waiting while it is down (it may be
+    restarting); a refused token is a configuration error."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            source.register()
+            return
+        except ConnectionError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"--ps-url {url}: unreachable for {wait_s:.0f}s: {e}") from e
+            log.info("parameter server %s not reachable yet (%s); retrying", url, e)
+            time.sleep(1.0)
+        except RuntimeError as e:
+            raise ValueError(f"--ps-url {url}: {e}") from e
+
+
 def _worker_command(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -146,10 +165,7 @@ def _worker_command(args: argparse.Namespace) -> int:
         from rlax_tasks.paramserver import ParameterServerClient
 
         source: Any = ParameterServerClient(args.ps_url, worker_id=args.worker_id)
-        try:
-            source.register()  # hold versions from now on (DESIGN §6 GC rule)
-        except (ConnectionError, RuntimeError) as e:
-            raise ValueError(f"--ps-url {args.ps_url}: {e}") from e
+        _register(source, args.ps_url, args.ps_wait_s)
         source.start_heartbeats(args.heartbeat_s)
     else:
         source = FixedWeights(sampler.params, version=0)
@@ -202,4 +218,5 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--heartbeat-s", type=float, default=10.0, help="PS heartbeat interval")
+    p.add_argument("--ps-wait-s", type=float, default=300.0, help="how long to wait for the PS")
     p.set_defaults(func=_worker_command)

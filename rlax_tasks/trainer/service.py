@@ -59,7 +59,10 @@ class TrainerService:
         restored = self.trainer.restore_latest()
         log.info("trainer at step %d (%s)", self.step, "restored" if restored else "fresh")
         if self.ps is not None:
-            self.ensure_published()
+            try:
+                self.ensure_published()
+            except (ConnectionError, TimeoutError) as e:  # the PS may be restarting
+                log.warning("parameter server not reachable (%s); publishing later", e)
             threading.Thread(target=self._repush_loop, name="trainer-repush", daemon=True).start()
         return self
 
@@ -114,9 +117,13 @@ class TrainerService:
             self.trainer.wait_for_checkpoint()  # answered ⇒ durable
             if self.ps is not None:
                 t0 = time.perf_counter()
-                self.ps.push(step, self.trainer.params)
-                metrics["push_s"] = time.perf_counter() - t0
-                self._record_sync(step, metrics["push_s"])
+                try:
+                    self.ps.push(step, self.trainer.params)
+                except (ConnectionError, TimeoutError) as e:  # durable already: publish later
+                    log.warning("push of version %d failed (%s); the re-push loop retries", step, e)
+                else:
+                    metrics["push_s"] = time.perf_counter() - t0
+                    self._record_sync(step, metrics["push_s"])
             self.last_metrics = metrics
             return {"version": step, "replayed": False, "metrics": metrics}
 

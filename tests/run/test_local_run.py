@@ -86,3 +86,35 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     assert os.path.exists(os.path.join(cfg.run_dir, "eval", "report.md"))
     for plot in ("reward", "pass_at_k", "staleness", "weight_sync"):
         assert os.path.getsize(os.path.join(cfg.run_dir, "eval", f"{plot}.png")) > 1000
+
+
+@pytest.mark.slow
+def test_chaos_ten_random_kills_during_one_run(tmp_path, monkeypatch):
+    """A random component is killed (SIGKILL) at 10 moments of one short run; it completes with
+    every step applied once and every prompt trained at most once."""
+    import random
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    cfg = small_config(tmp_path)
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    rng = random.Random(7)
+    names = ["ps", "trainer", "controller", "worker-0", "worker-1"]
+    kills: list[tuple[int, str]] = []
+    steps = 11
+
+    def hook(sup):
+        if len(kills) >= 10 or not os.path.exists(metrics_path):
+            return
+        done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+        if done > len(kills) // 1 and done < steps:  # about one kill per trained step
+            name = rng.choice(names)
+            sup.kill(name)
+            kills.append((done, name))
+
+    report = run_local(cfg, steps=steps, evaluate=False, supervisor_hook=hook)
+    assert len(kills) == 10, kills
+    assert sum(report["restarts"].values()) >= 10
+    lineage = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
+    consumed = [p for r in lineage for p in r["prompt_ids"]]
+    assert len(consumed) == len(set(consumed))
