@@ -309,11 +309,14 @@ class Controller:
 
     def _request(self, prompt: Prompt) -> GroupRequest:
         seed = zlib.crc32(f"{self.settings.seed}:{prompt.id}".encode()) & 0x7FFFFFFF
+        k = self.settings.max_staleness
         return GroupRequest(
             prompt.id,
             tuple(int(t) for t in self.encode(prompt.text)),
             self.settings.group_size,
             dataclasses.replace(self.settings.sampling, seed=seed),
+            # trains at version + 1 at the earliest: older rollouts would only be dropped
+            min_version=0 if k is None else max(0, self.version + 1 - k),
         )
 
     def _submit(self, worker: str, prompts: list[Prompt]) -> None:

@@ -67,6 +67,7 @@ class HttpWorkerPool:
                 "prompt_id": g.prompt_id,
                 "prompt_tokens": list(g.prompt_tokens),
                 "group_size": g.group_size,
+                "min_version": g.min_version,
                 "params": {
                     k: list(v) if isinstance(v, tuple) else v for k, v in vars(g.params).items()
                 },

@@ -61,11 +61,14 @@ class GroupRequest:
     prompt_tokens: tuple[int, ...]
     group_size: int
     params: SamplingParams = SamplingParams()
+    # the oldest weight version allowed to generate it: the controller's staleness bound made
+    # concrete (v_next − k), so a worker behind it reloads first instead of producing waste
+    min_version: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupRequest:
         """From JSON: prompt_id, prompt_tokens, group_size, params (SamplingParams fields)."""
-        unknown = set(d) - {"prompt_id", "prompt_tokens", "group_size", "params"}
+        unknown = set(d) - {"prompt_id", "prompt_tokens", "group_size", "params", "min_version"}
         if unknown:
             raise ValueError(f"unknown group request field(s): {sorted(unknown)}")
         for key in ("prompt_id", "prompt_tokens", "group_size"):
@@ -81,11 +84,15 @@ class GroupRequest:
         group_size = d["group_size"]
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        min_version = d.get("min_version", 0)
+        if not isinstance(min_version, int) or min_version < 0:
+            raise ValueError(f"min_version must be an int >= 0, got {min_version!r}")
         return cls(
             str(d["prompt_id"]),
             tuple(int(t) for t in d["prompt_tokens"]),
             group_size,
             SamplingParams(**raw),
+            min_version,
         )
 
 
@@ -262,6 +269,7 @@ class InferenceWorker:
         try:
             while not self._stop.is_set():
                 self._maybe_reload()
+                self._reload_for_queued()
                 self._admit()
                 if self.sampler.has_unfinished:
                     self._collect(self.sampler.step())
@@ -286,16 +294,29 @@ class InferenceWorker:
                 self._error = e
                 self._lock.notify_all()
 
+    def _reload_for_queued(self) -> None:
+        """Reloads (waiting for the source) when a queued group needs a newer version."""
+        with self._lock:
+            needed = max((g.min_version for g in self._queue), default=0)
+        if self.version is not None and needed > self.version:
+            self._reload(min_version=needed)
+
     def _admit(self) -> None:
         with self._lock:
             if self._reset_sampler:
                 self.sampler.abort()
                 self._reset_sampler = False
+            held = -1 if self.version is None else self.version
+            waiting = collections.deque()
             while self._queue:
                 g = self._queue.popleft()
+                if g.min_version > held:  # needs newer weights: stays queued until a reload
+                    waiting.append(g)
+                    continue
                 self._pending[g.prompt_id] = _Pending(g, time.monotonic())
                 for i in range(g.group_size):
                     self.sampler.add_request(self._request(g, i))
+            self._queue = waiting
 
     def _collect(self, finished: list[Completion]) -> None:
         with self._lock:

@@ -269,5 +269,7 @@ def test_settings_from_run_config():
     s = ControllerSettings.from_run_config(load_config("qwq-32b-code"))
     assert (s.reload_every, s.max_staleness, s.dynamic_sampling) == (16, 32, True)
     assert s.overlong_cache_len == round(0.2 * 16384)
-    t = ControllerSettings.from_run_config(load_config("tiny-arith"))
-    assert t.group_size == 8 and t.sampling.max_new_tokens == 16 and not t.dynamic_sampling
+    cfg = load_config("tiny-arith")
+    t = ControllerSettings.from_run_config(cfg)
+    assert t.group_size == cfg.rollout.group_size and not t.dynamic_sampling
+    assert t.sampling.max_new_tokens == cfg.rollout.max_new_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -268,3 +269,19 @@ def test_worker_follows_the_real_parameter_server(policies):
     assert [c.tokens for c in first.completions] == expected(policies[first.version], "1+2=")
     assert [c.tokens for c in second.completions] == expected(policies[2], "1+2=")
     assert acked["w0"]["acked"] == 2
+
+
+def test_a_group_with_min_version_waits_for_newer_weights(policies):
+    """The controller's staleness bound: a worker behind a group's min_version reloads first,
+    even when the j rule alone would keep its weights."""
+    source = VersionedWeights(policies)
+    sampler = Sampler(policies[0], max_slots=4, max_len=64)
+    with InferenceWorker(sampler, source, reload_every=5, poll_interval_s=0.0) as worker:
+        source.latest = 2
+        worker.submit([group("old", "1+1=")])
+        first = collect(worker, 1)["old"]
+        assert first.version == 0  # j=5: no reload for this one
+        worker.submit([dataclasses.replace(group("new", "2+2="), min_version=2)])
+        second = collect(worker, 1)["new"]
+    assert second.version == 2
+    assert [c.tokens for c in second.completions] == expected(policies[2], "2+2=")
