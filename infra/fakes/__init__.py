@@ -1,0 +1,1 @@
+"""Local fakes of cloud services for development and tests (no network, no credentials)."""

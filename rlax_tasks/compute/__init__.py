@@ -1,0 +1,93 @@
+"""Compute backends: where RLAX jobs run (local processes, or Cloud TPU queued resources).
+
+```python
+from rlax_tasks.compute import get_backend, SliceSpec, JobSpec
+backend = get_backend("local", run_root="runs")          # or get_backend("cloud_tpu", ...)
+handle = backend.provision(SliceSpec(name="w0", labels={"rlax-run-id": "r1"}))  # idempotent
+backend.slice_state(handle)            # SliceState: PROVISIONING/READY/PREEMPTED/FAILED/DELETED
+job = backend.start_job(handle, JobSpec(name="trainer", argv=["trainer", ...]))  # `rlax <argv>`
+backend.job_state(job)                 # JobStatus(state=JobState.RUNNING|SUCCEEDED|FAILED|
+                                       #           PREEMPTED, message, exit_code)
+backend.stop_job(job); backend.teardown(handle)           # teardown is idempotent
+backend.list_slices({"rlax-managed": "true"})             # for the janitor
+```
+Handles are JSON-serialisable (``to_dict``/``from_dict``); every method also accepts the dict.
+A job is PREEMPTED when its slice was taken away, its process was killed (SIGKILL/SIGTERM) or its
+heartbeat stopped for ``JobSpec.heartbeat_timeout_s``; FAILED with exit code 2 is a
+configuration error (``JobStatus.is_config_error``), which retrying cannot fix.
+
+This package imports neither JAX nor the Cloud client at import time (the Airflow triggerer
+imports it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+from rlax_tasks.compute.types import (
+    CONFIG_ERROR_EXIT_CODE,
+    MANAGED_LABEL,
+    RUN_ID_LABEL,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    SliceHandle,
+    SliceSpec,
+    SliceState,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CONFIG_ERROR_EXIT_CODE",
+    "MANAGED_LABEL",
+    "RUN_ID_LABEL",
+    "Backend",
+    "JobHandle",
+    "JobSpec",
+    "JobState",
+    "JobStatus",
+    "SliceHandle",
+    "SliceSpec",
+    "SliceState",
+    "get_backend",
+]
+
+BACKENDS = ("local", "cloud_tpu")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the orchestrator needs from a place that runs jobs."""
+
+    name: str
+
+    def provision(self, spec: SliceSpec) -> SliceHandle: ...
+
+    def slice_state(self, handle: SliceHandle | dict) -> SliceState: ...
+
+    def start_job(self, handle: SliceHandle | dict, job: JobSpec) -> JobHandle: ...
+
+    def job_state(self, job: JobHandle | dict) -> JobStatus: ...
+
+    def stop_job(self, job: JobHandle | dict) -> None: ...
+
+    def teardown(self, handle: SliceHandle | dict) -> None: ...
+
+    def list_slices(self, label_filter: dict[str, str] | None = None) -> list[SliceHandle]: ...
+
+
+def get_backend(name: str = "local", **settings: Any) -> Backend:
+    """The backend called ``name`` ("local" or "cloud_tpu") built from its settings."""
+    if name == "local":
+        from rlax_tasks.compute.local import LocalBackend as cls
+    elif name == "cloud_tpu":
+        from rlax_tasks.compute.cloud_tpu import CloudTpuBackend as cls
+    else:
+        raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
+    known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"{name} backend: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return cls(**settings)

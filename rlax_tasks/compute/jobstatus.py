@@ -1,0 +1,147 @@
+"""The job status directory: the files a job runner writes and how a job's state is read back.
+
+Every job has a status directory (a local path or a gs:// prefix), written only by its runner
+(``rlax_tasks.compute.runner``) and by ``stop_job``:
+
+```
+spec.json     the job spec and the command line (written when the job is submitted)
+runner.json   {"pid", "create_time", "host", "started_at"} of the runner process
+heartbeat     {"time": unix seconds}, rewritten every few seconds while the command runs
+exit.json     {"returncode", "finished_at"}: written once when the command ends
+stop          marker: a stop was requested (the job is not to be retried as preempted)
+stdout.log, stderr.log
+```
+Because the state is derived from these files alone, any process (an Airflow worker, the
+triggerer, a worker restarted after a crash) can tell how a job is doing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from typing import Any
+
+from rlax_tasks import storage
+from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE, JobState, JobStatus
+
+SPEC = "spec.json"
+RUNNER = "runner.json"
+HEARTBEAT = "heartbeat"
+EXIT = "exit.json"
+STOP = "stop"
+STDOUT = "stdout.log"
+STDERR = "stderr.log"
+
+# signals that mean "the machine/process was taken away", not "the program is broken"
+_PREEMPTION_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object at ``path``, or None when it does not exist (or is half-written)."""
+    try:
+        return json.loads(storage.read_bytes(path))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_json(path: str, obj: dict[str, Any]) -> None:
+    storage.write_bytes(path, json.dumps(obj, sort_keys=True).encode())
+
+
+def classify_exit(returncode: int, stopped: bool, stderr_tail: str = "") -> JobStatus:
+    """The job state for a finished command with ``returncode`` (negative: killed by a signal)."""
+    tail = f": {stderr_tail.strip()}" if stderr_tail.strip() else ""
+    if returncode == 0:
+        return JobStatus(JobState.SUCCEEDED, "exit code 0", 0)
+    if stopped:
+        return JobStatus(
+            JobState.FAILED, f"stopped by request (exit code {returncode})", returncode
+        )
+    if returncode == CONFIG_ERROR_EXIT_CODE:
+        return JobStatus(
+            JobState.FAILED, f"configuration error (exit code {returncode}){tail}", returncode
+        )
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode)
+        except ValueError:
+            sig = None
+        if sig in _PREEMPTION_SIGNALS:
+            return JobStatus(JobState.PREEMPTED, f"killed by {sig.name}", returncode)
+        name = sig.name if sig else f"signal {-returncode}"
+        return JobStatus(JobState.FAILED, f"crashed with {name}{tail}", returncode)
+    return JobStatus(JobState.FAILED, f"exit code {returncode}{tail}", returncode)
+
+
+def _tail(path: str, n_chars: int = 500) -> str:
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        return ""
+    text = data[-n_chars:].decode(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _runner_gone(runner: dict[str, Any]) -> bool:
+    """Whether the runner recorded in ``runner`` ran on this host and no longer exists."""
+    if runner.get("host") != socket.gethostname():
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(int(runner["pid"]))
+        alive = abs(proc.create_time() - float(runner["create_time"])) < 1.0
+        return not alive or proc.status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, KeyError, ValueError):
+        return True
+
+
+def read_job_status(
+    status_dir: str, heartbeat_timeout_s: float, submitted_at: float, now: float | None = None
+) -> JobStatus:
+    """The state of the job whose runner writes ``status_dir``.
+
+    Finished → classified by exit code (0 ok, 2 configuration error, SIGKILL/SIGTERM preempted).
+    Unfinished → PREEMPTED when its runner vanished (same host) or its heartbeat (or, before the
+    first heartbeat, its submission) is older than ``heartbeat_timeout_s``; else RUNNING.
+    """
+    now = time.time() if now is None else now
+    stopped = storage.exists(storage.join(status_dir, STOP))
+
+    def finished() -> JobStatus | None:
+        ex = read_json(storage.join(status_dir, EXIT))
+        if ex is None:
+            return None
+        return classify_exit(
+            int(ex["returncode"]), stopped, _tail(storage.join(status_dir, STDERR))
+        )
+
+    if (done := finished()) is not None:
+        return done
+    runner = read_json(storage.join(status_dir, RUNNER))
+    if runner is not None and _runner_gone(runner):
+        # it may have written its exit code just before exiting
+        if (done := finished()) is not None:
+            return done
+        if stopped:
+            return JobStatus(JobState.FAILED, "stopped by request")
+        return JobStatus(JobState.PREEMPTED, "runner process vanished without an exit code")
+    beat = read_json(storage.join(status_dir, HEARTBEAT))
+    if beat is not None:
+        last, what = float(beat["time"]), "heartbeat"
+    elif runner is not None:
+        last, what = float(runner["started_at"]), "start of the runner (no heartbeat yet)"
+    else:
+        last, what = submitted_at, "submission (the job never started)"
+    age = max(0.0, now - last)
+    if age > heartbeat_timeout_s:
+        if stopped:
+            return JobStatus(JobState.FAILED, "stopped by request")
+        return JobStatus(
+            JobState.PREEMPTED,
+            f"no heartbeat for {age:.0f}s since the {what} (timeout {heartbeat_timeout_s:g}s)",
+        )
+    return JobStatus(JobState.RUNNING, f"last {what} {age:.0f}s ago")

@@ -1,0 +1,116 @@
+"""The job runner: a thin wrapper process that runs one command and reports on it.
+
+``python -m rlax_tasks.compute.runner --status-dir DIR [--heartbeat-interval S] -- CMD...``
+
+It records itself in ``DIR/runner.json``, starts CMD (same process group, so killing the group
+kills both), rewrites ``DIR/heartbeat`` every S seconds while CMD runs, forwards SIGTERM/SIGINT
+to it, and writes ``DIR/exit.json`` with CMD's return code when it ends. DIR may be a gs:// prefix
+(Cloud TPU): logs are then written to a local temporary directory and uploaded when CMD ends.
+See ``rlax_tasks.compute.jobstatus`` for how the state is read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from rlax_tasks import storage
+from rlax_tasks.compute import jobstatus
+
+log = logging.getLogger(__name__)
+
+
+def run_job(status_dir: str, command: list[str], heartbeat_interval_s: float = 5.0) -> int:
+    """Runs ``command`` while heartbeating into ``status_dir``; returns its return code."""
+    import psutil
+
+    me = psutil.Process()
+    jobstatus.write_json(
+        storage.join(status_dir, jobstatus.RUNNER),
+        {
+            "pid": os.getpid(),
+            "create_time": me.create_time(),
+            "host": socket.gethostname(),
+            "started_at": time.time(),
+            "command": command,
+        },
+    )
+    if storage.exists(storage.join(status_dir, jobstatus.STOP)):
+        # stopped before it started: record a SIGTERM death without running anything
+        log.info("stop requested before the start of %s", command)
+        jobstatus.write_json(
+            storage.join(status_dir, jobstatus.EXIT),
+            {"returncode": -signal.SIGTERM, "finished_at": time.time()},
+        )
+        return -signal.SIGTERM
+    remote = storage.is_gcs(status_dir)
+    log_dir = tempfile.mkdtemp(prefix="rlax-job-") if remote else status_dir
+    os.makedirs(log_dir, exist_ok=True)
+    out_path = os.path.join(log_dir, jobstatus.STDOUT)
+    err_path = os.path.join(log_dir, jobstatus.STDERR)
+    with open(out_path, "ab") as out, open(err_path, "ab") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+
+    def forward(signum: int, _frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.is_set():
+            try:
+                jobstatus.write_json(
+                    storage.join(status_dir, jobstatus.HEARTBEAT),
+                    {"time": time.time(), "pid": child.pid},
+                )
+            except Exception:  # noqa: BLE001 - a missed beat is tolerated; many are preemption
+                log.warning("heartbeat write to %s failed", status_dir, exc_info=True)
+            done.wait(heartbeat_interval_s)
+
+    beats = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)
+    beats.start()
+    returncode = child.wait()
+    done.set()
+    beats.join()
+    if remote:
+        for name in (jobstatus.STDOUT, jobstatus.STDERR):
+            with open(os.path.join(log_dir, name), "rb") as fh:
+                storage.write_bytes(storage.join(status_dir, name), fh.read())
+        shutil.rmtree(log_dir, ignore_errors=True)
+    jobstatus.write_json(
+        storage.join(status_dir, jobstatus.EXIT),
+        {"returncode": returncode, "finished_at": time.time()},
+    )
+    return returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlax-job-runner", description=__doc__.splitlines()[0])
+    p.add_argument("--status-dir", required=True)
+    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no command given after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s runner: %(message)s")
+    rc = run_job(args.status_dir, command, args.heartbeat_interval)
+    # mirror the command's outcome (a signal death becomes 128+signal, as in a shell)
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Operators run through execute / execute_complete with a minimal context; the triggers they
+defer to are rebuilt from ``serialize()`` (as the triggerer does) and driven by asyncio, against
+real backends (local processes; cloud_tpu with the real client against the fake API)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
+
+from rlax_tasks.airflow import (
+    JobFailedError,
+    JobPreemptedError,
+    JobStateTrigger,
+    ProvisionSliceOperator,
+    RlaxJobOperator,
+    SliceReadyTrigger,
+    TeardownSliceOperator,
+)
+from rlax_tasks.compute import SliceState, get_backend
+from tests.compute.helpers import ENTRYPOINT, fake_cloud_tpu, preempt, read_counter, wait_for
+
+
+class _TI:
+    def __init__(self, map_index: int = -1) -> None:
+        self.map_index = map_index
+        self.try_number = 1
+
+
+def context(map_index: int = -1) -> dict[str, Any]:
+    return {"ti": _TI(map_index)}
+
+
+def rebuild(trigger):
+    """What the triggerer does: import the class path and construct it from the kwargs."""
+    classpath, kwargs = trigger.serialize()
+    module, _, name = classpath.rpartition(".")
+    json.dumps(kwargs)  # trigger kwargs must be JSON-serialisable
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+def fire(trigger, timeout_s: float = 60.0) -> dict[str, Any]:
+    async def first_event():
+        async for event in rebuild(trigger).run():
+            return event.payload
+        raise AssertionError("trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first_event(), timeout_s))
+
+
+def run_deferrable(op, ctx: dict[str, Any]) -> Any:
+    """Runs an operator the way the task runner does: execute, then resume after each defer."""
+    method, kwargs = op.execute, {}
+    while True:
+        try:
+            return method(ctx, **kwargs)
+        except TaskDeferred as deferred:
+            kwargs = {"event": fire(deferred.trigger), **(deferred.kwargs or {})}
+            method = getattr(op, deferred.method_name)
+
+
+@pytest.fixture
+def local(tmp_path):
+    return {"run_root": str(tmp_path / "runs"), "entrypoint": ENTRYPOINT, "stop_grace_s": 2.0}
+
+
+def provision(settings, backend="local", **kw):
+    op = ProvisionSliceOperator(
+        task_id="provision",
+        backend=backend,
+        backend_settings=settings,
+        name=kw.pop("name", "main"),
+        labels={"rlax-run-id": "r1"},
+        poll_interval_s=0.1,
+        **kw,
+    )
+    return run_deferrable(op, context())
+
+
+def job_op(settings, handle, argv, backend="local", **kw):
+    return RlaxJobOperator(
+        task_id=kw.pop("task_id", "trainer"),
+        backend=backend,
+        backend_settings=settings,
+        slice_handle=handle,
+        argv=argv,
+        poll_interval_s=0.1,
+        **kw,
+    )
+
+
+def test_success_defers_to_the_job_trigger(local):
+    handle = provision(local)
+    assert handle["name"] == "main" and handle["backend"] == "local"
+    op = job_op(local, handle, ["exit", "0"])
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context())
+    assert isinstance(deferred.value.trigger, JobStateTrigger)
+    assert deferred.value.method_name == "execute_complete"
+    event = fire(deferred.value.trigger)
+    assert event["state"] == "SUCCEEDED"
+    result = op.execute_complete(context(), event=event)
+    assert result["exit_code"] == 0 and result["job"]["name"] == "trainer"
+
+
+def test_configuration_error_is_not_retried(local):
+    handle = provision(local)
+    with pytest.raises(AirflowFailException, match="configuration error"):
+        run_deferrable(job_op(local, handle, ["exit", "2"]), context())
+
+
+def test_other_failures_are_retryable(local):
+    handle = provision(local)
+    with pytest.raises(JobFailedError, match="exit code 3") as err:
+        run_deferrable(job_op(local, handle, ["exit", "3"]), context())
+    assert isinstance(err.value, AirflowException)
+    assert not isinstance(err.value, AirflowFailException)
+
+
+def test_killed_job_is_preempted_and_the_retry_resumes(local, tmp_path):
+    handle = provision(local)
+    ckpt = str(tmp_path / "ckpt")
+    op = job_op(local, handle, ["count", ckpt, "20", "0.05"], heartbeat_timeout_s=5)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context())
+    wait_for(lambda: read_counter(ckpt) >= 2)
+    status_dir = deferred.value.trigger.job_handle["status_dir"]
+    child = json.load(open(os.path.join(status_dir, "heartbeat")))["pid"]
+    os.kill(child, signal.SIGKILL)
+    event = fire(deferred.value.trigger)
+    assert event["state"] == "PREEMPTED"
+    with pytest.raises(JobPreemptedError) as err:
+        op.execute_complete(context(), event=event)
+    assert not isinstance(err.value, AirflowFailException)
+    # the retry (a fresh operator run, as Airflow does) starts the job again; it resumes
+    result = run_deferrable(op, context())
+    assert result["exit_code"] == 0 and read_counter(ckpt) == 20
+    with open(os.path.join(status_dir, "stdout.log")) as fh:
+        assert int(fh.read().split("resumed from step ")[1].split()[0]) >= 2
+
+
+def test_retry_reprovisions_a_lost_slice_and_teardown_is_idempotent(local):
+    handle = provision(local)
+    backend = get_backend("local", **local)
+    backend.teardown(handle)  # the slice is gone before the (retried) job starts
+    result = run_deferrable(job_op(local, handle, ["exit", "0"]), context())
+    new_slice = result["job"]["slice"]
+    assert new_slice["name"] == "main" and new_slice["instance_id"] != handle["instance_id"]
+    assert backend.slice_state(new_slice) is SliceState.READY
+    teardown = TeardownSliceOperator(
+        task_id="teardown", backend="local", backend_settings=local, slice_handle=handle
+    )
+    assert teardown.trigger_rule == "all_done"
+    teardown.execute(context())
+    teardown.execute(context())
+    assert backend.slice_state(new_slice) is SliceState.DELETED
+    TeardownSliceOperator(
+        task_id="t2", backend="local", backend_settings=local, slice_handle=None
+    ).execute(context())
+
+
+def test_mapped_jobs_get_distinct_names_and_templated_handles(local):
+    handle = provision(local)
+    names = set()
+    for i in range(2):
+        op = job_op(local, json.dumps(handle), "exit 0", task_id="rlax.worker")
+        result = run_deferrable(op, context(map_index=i))
+        names.add(result["job"]["name"])
+    assert names == {"rlax-worker-0", "rlax-worker-1"}
+
+
+def test_bad_inputs_fail_without_retries(local):
+    with pytest.raises(AirflowFailException, match="name"):
+        provision(local, name="Not_Valid")
+    with pytest.raises(AirflowFailException, match="colour"):
+        provision({**local, "colour": "red"})
+    handle = provision(local)
+    with pytest.raises(AirflowFailException, match="heartbeat_timeout_s"):
+        run_deferrable(job_op(local, handle, ["exit", "0"], heartbeat_timeout_s=0), context())
+
+
+def test_trigger_reports_an_error_after_repeated_failures(local):
+    trigger = JobStateTrigger(
+        "local", local, {"name": "broken"}, poll_interval_s=0.01, max_consecutive_errors=2
+    )
+    event = fire(trigger)
+    assert event["state"] == "ERROR"
+    with pytest.raises(JobFailedError):
+        job_op(local, {}, ["exit", "0"]).execute_complete(context(), event=event)
+
+
+@pytest.mark.slow
+def test_cloud_tpu_preemption_mid_run_reprovisions_and_resumes(tmp_path):
+    """Provision (deferred while PROVISIONING) → job → spot preemption → retryable error →
+    the retry re-provisions the slice (deferred again) and the job resumes from its checkpoint."""
+    ckpt = str(tmp_path / "ckpt")
+    with fake_cloud_tpu(str(tmp_path / "logs"), provision_delay_s=0.5) as url:
+        settings = {
+            "run_root": str(tmp_path / "control"),
+            "project": "proj",
+            "zone": "us-east5-a",
+            "api_endpoint": url,
+            "anonymous": True,
+            "entrypoint": ENTRYPOINT,
+            "agent_poll_s": 0.2,
+        }
+        op = ProvisionSliceOperator(
+            task_id="provision",
+            backend="cloud_tpu",
+            backend_settings=settings,
+            name="rlax-r1-main",
+            accelerator_type="v6e-8",
+            runtime_version="v2-alpha-tpuv6e",
+            labels={"rlax-run-id": "r1"},
+            poll_interval_s=0.1,
+        )
+        with pytest.raises(TaskDeferred) as deferred:
+            op.execute(context())
+        assert isinstance(deferred.value.trigger, SliceReadyTrigger)
+        handle = op.execute_complete(context(), event=fire(deferred.value.trigger))
+
+        job = job_op(
+            settings,
+            handle,
+            ["count", ckpt, "25", "0.1"],
+            backend="cloud_tpu",
+            heartbeat_timeout_s=10,
+        )
+        with pytest.raises(TaskDeferred) as deferred:
+            job.execute(context())
+        wait_for(lambda: read_counter(ckpt) >= 3)
+        preempt(url, "rlax-r1-main")
+        event = fire(deferred.value.trigger)
+        assert event["state"] == "PREEMPTED" and "SUSPENDED" in event["message"]
+        with pytest.raises(JobPreemptedError):
+            job.execute_complete(context(), event=event)
+        progress = read_counter(ckpt)
+
+        # the retry: slice SUSPENDED → provisioned again → wait READY → job resumes
+        with pytest.raises(TaskDeferred) as deferred:
+            job.execute(context())
+        assert deferred.value.method_name == "start_on_ready_slice"
+        result = run_deferrable_from(job, deferred.value)
+        assert result["exit_code"] == 0 and read_counter(ckpt) == 25
+        assert result["job"]["slice"]["instance_id"] != handle["instance_id"]
+        log = open(os.path.join(result["job"]["status_dir"], "stdout.log")).read()
+        assert int(log.split("resumed from step ")[1].split()[0]) >= progress > 0
+
+        TeardownSliceOperator(
+            task_id="teardown", backend="cloud_tpu", backend_settings=settings, slice_handle=handle
+        ).execute(context())
+        backend = get_backend("cloud_tpu", **settings)
+        assert backend.slice_state(result["job"]["slice"]) is SliceState.DELETED
+        assert backend.list_slices() == []
+
+
+def run_deferrable_from(op, deferred: TaskDeferred) -> Any:
+    method = getattr(op, deferred.method_name)
+    kwargs = {"event": fire(deferred.trigger)}
+    while True:
+        try:
+            return method(context(), **kwargs)
+        except TaskDeferred as again:
+            method, kwargs = getattr(op, again.method_name), {"event": fire(again.trigger)}

@@ -1,0 +1,137 @@
+"""The cloud_tpu backend with the real google-cloud-tpu client (REST) against the local fake
+of the Cloud TPU API; the slice control directory on a local GCS emulator (real GCS client)."""
+
+import os
+
+import pytest
+import requests
+
+from rlax_tasks import storage
+from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
+from tests.compute.helpers import ENTRYPOINT, fake_cloud_tpu, preempt, read_counter, wait_for
+from tests.paramserver.helpers import gcs_emulator
+
+pytestmark = pytest.mark.slow
+
+SPEC = SliceSpec(
+    name="w0",
+    accelerator_type="v5litepod-8",
+    runtime_version="v2-alpha-tpuv5-lite",
+    labels={"rlax-run-id": "r1"},
+)
+
+
+@pytest.fixture
+def tpu(tmp_path):
+    """(backend, fake URL) with the run root on the GCS emulator."""
+    with gcs_emulator() as bucket, fake_cloud_tpu(str(tmp_path / "fake-logs")) as url:
+        backend = get_backend(
+            "cloud_tpu",
+            run_root=f"{bucket}/runs",
+            project="proj",
+            zone="us-central2-b",
+            api_endpoint=url,
+            anonymous=True,
+            entrypoint=ENTRYPOINT,
+            agent_poll_s=0.2,
+        )
+        yield backend, url
+
+
+def ready(backend, handle):
+    return backend.slice_state(handle) is SliceState.READY
+
+
+def finished(backend, job):
+    status = backend.job_state(job)
+    return status if status.state is not JobState.RUNNING else None
+
+
+def test_lifecycle_and_outcomes(tpu):
+    backend, url = tpu
+    handle = backend.provision(SPEC)
+    assert handle.resource == "projects/proj/locations/us-central2-b/queuedResources/w0"
+    assert handle.root.startswith("gs://") and handle.root.endswith(handle.instance_id)
+    assert backend.provision(SPEC) == handle  # idempotent by name
+    assert backend.slice_state(handle) in (SliceState.PROVISIONING, SliceState.READY)
+    wait_for(lambda: ready(backend, handle))
+
+    ok = backend.start_job(handle, JobSpec(name="ok", argv=["env", "RLAX_X"], env={"RLAX_X": "7"}))
+    bad = backend.start_job(handle, JobSpec(name="bad", argv=["exit", "2"]))
+    assert wait_for(lambda: finished(backend, ok)).state is JobState.SUCCEEDED
+    assert storage.read_bytes(storage.join(ok.status_dir, "stdout.log")).strip() == b"RLAX_X=7"
+    status = wait_for(lambda: finished(backend, bad))
+    assert status.is_config_error and "exiting with 2" in status.message
+
+    long = backend.start_job(handle, JobSpec(name="long", argv=["sleep", "60"]))
+    wait_for(lambda: storage.exists(storage.join(long.status_dir, "heartbeat")))
+    backend.stop_job(long)
+    status = wait_for(lambda: finished(backend, long))
+    assert status.state is JobState.FAILED and "stopped" in status.message
+
+    assert [h.name for h in backend.list_slices({"rlax-run-id": "r1"})] == ["w0"]
+    assert backend.list_slices({"rlax-run-id": "other"}) == []
+    backend.teardown(handle)
+    backend.teardown(handle)  # idempotent
+    assert backend.slice_state(handle) is SliceState.DELETED
+    assert requests.get(f"{url}/fake/state", timeout=5).json()["agents"] == {}
+
+
+def test_preemption_mid_run_then_reprovision_and_resume(tpu, tmp_path):
+    backend, url = tpu
+    ckpt = str(tmp_path / "ckpt")  # the job's "checkpoint": resumption is the job's own logic
+    job_spec = JobSpec(name="train", argv=["count", ckpt, "25", "0.1"], heartbeat_timeout_s=10)
+    handle = backend.provision(SPEC)
+    wait_for(lambda: ready(backend, handle))
+    job = backend.start_job(handle, job_spec)
+    wait_for(lambda: read_counter(ckpt) >= 3)
+
+    preempt(url, "w0")  # spot reclaim: node and processes die at once
+    status = wait_for(lambda: finished(backend, job))
+    assert status.state is JobState.PREEMPTED and "SUSPENDED by SERVICE" in status.message
+    assert backend.slice_state(handle) is SliceState.PREEMPTED
+    progress = read_counter(ckpt)
+    assert 3 <= progress < 25
+
+    again = backend.provision(handle.slice_spec)  # replaces the suspended queued resource
+    assert again.instance_id != handle.instance_id and again.name == handle.name
+    assert backend.slice_state(handle) is SliceState.DELETED  # the old handle is stale
+    wait_for(lambda: ready(backend, again))
+    resumed = backend.start_job(again, job_spec)
+    assert resumed.status_dir != job.status_dir
+    status = wait_for(lambda: finished(backend, resumed), timeout_s=60)
+    assert status.state is JobState.SUCCEEDED
+    out = storage.read_bytes(storage.join(resumed.status_dir, "stdout.log")).decode()
+    resumed_from = int(out.split("resumed from step ")[1].split()[0])
+    assert resumed_from >= progress and read_counter(ckpt) == 25
+    backend.teardown(again)
+
+
+def test_capacity_failure_and_api_errors(tpu):
+    backend, url = tpu
+    handle = backend.provision(SPEC)
+    reply = requests.post(f"{url}/fake/fail-capacity", json={"name": "w0"}, timeout=5)
+    assert reply.json()["state"]["state"] == "FAILED"
+    assert backend.slice_state(handle) is SliceState.FAILED
+    again = backend.provision(SPEC)  # a failed queued resource is replaced
+    assert again.instance_id != handle.instance_id
+    with pytest.raises(ValueError, match="runtime_version"):
+        backend.provision(SliceSpec(name="w1", accelerator_type="v5litepod-8"))
+    no_zone = get_backend("cloud_tpu", run_root="gs://b/x", project="p", api_endpoint=url)
+    with pytest.raises(ValueError, match="zone"):
+        no_zone.provision(SPEC)
+    backend.teardown(again)
+
+
+def test_startup_script_is_sent_as_node_metadata(tpu):
+    backend, url = tpu
+    handle = backend.provision(SPEC)
+    wait_for(lambda: ready(backend, handle))
+    node = backend.client.get_node(name=handle.resource.replace("queuedResources", "nodes"))
+    script = node.metadata["startup-script"]
+    assert script.startswith("#!/bin/bash") and "rlax_tasks.compute.agent" in script
+    assert node.metadata["rlax-slice-root"] == handle.root
+    assert node.scheduling_config.spot
+    with open(os.path.join(os.path.dirname(__file__), "../../infra/tpu/startup.sh")) as fh:
+        assert fh.read() == script
+    backend.teardown(handle)

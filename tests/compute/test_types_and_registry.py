@@ -1,0 +1,69 @@
+"""Specs validate with errors that name the field; handles round-trip through JSON."""
+
+import json
+
+import pytest
+
+from rlax_tasks.compute import (
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    SliceHandle,
+    SliceSpec,
+    get_backend,
+)
+from rlax_tasks.compute.jobstatus import classify_exit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"name": "Bad_Name"}, "name"),
+        ({"name": "ok", "accelerator_type": ""}, "accelerator_type"),
+        ({"name": "ok", "spot": "yes"}, "spot"),
+        ({"name": "ok", "labels": {"Key": "v"}}, "labels"),
+    ],
+)
+def test_slice_spec_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SliceSpec(**kwargs)
+
+
+def test_job_spec_errors_name_the_field():
+    with pytest.raises(ValueError, match="argv"):
+        JobSpec(name="j", argv="trainer --x")
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        JobSpec(name="j", argv=[], heartbeat_timeout_s=0)
+    with pytest.raises(ValueError, match="unknown field"):
+        SliceSpec.from_dict({"name": "a", "colour": "red"})
+
+
+def test_handles_round_trip_through_json():
+    spec = SliceSpec(name="s", labels={"rlax-run-id": "r1"})
+    h = SliceHandle("local", "s", "/x", "abc", spec.to_dict())
+    assert SliceHandle.from_dict(json.loads(json.dumps(h.to_dict()))) == h
+    assert h.slice_spec == spec and spec.run_id == "r1"
+    j = JobHandle("local", "j", h.to_dict(), "/x/jobs/j", 30.0, 1.0)
+    assert JobHandle.from_dict(json.loads(json.dumps(j.to_dict()))) == j
+    st = JobStatus(JobState.FAILED, "exit code 2", 2)
+    assert JobStatus.from_dict(st.to_dict()) == st and st.is_config_error
+
+
+def test_exit_codes_are_classified():
+    assert classify_exit(0, False).state is JobState.SUCCEEDED
+    assert classify_exit(2, False).is_config_error
+    assert classify_exit(1, False).state is JobState.FAILED
+    assert classify_exit(-9, False).state is JobState.PREEMPTED
+    assert classify_exit(-15, False).state is JobState.PREEMPTED
+    assert classify_exit(-11, False).state is JobState.FAILED  # SIGSEGV: a bug, not preemption
+    assert classify_exit(-9, True).state is JobState.FAILED  # stopped on request
+
+
+def test_get_backend_rejects_unknown_names_and_settings(tmp_path):
+    with pytest.raises(ValueError, match="backend='nope'"):
+        get_backend("nope")
+    with pytest.raises(ValueError, match="colour"):
+        get_backend("local", run_root=str(tmp_path), colour="red")
+    with pytest.raises(ValueError, match="gs://"):
+        get_backend("local", run_root="gs://bucket/x")
