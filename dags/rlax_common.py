@@ -1,0 +1,434 @@
+"""What the RLAX DAG files share: defaults, Param schemas, backend settings and run planning.
+
+Not a DAG file (listed in dags/.airflowignore); Airflow puts dags/ on sys.path, so the DAG files
+import it as ``rlax_common``. Heavy imports (the run config, which imports JAX) happen inside the
+functions, which run in tasks, never at DAG parse time.
+
+Environment (all optional):
+- ``RLAX_RUN_ROOT``: default run root of the DAGs' Params (local directory or gs:// URI; "runs").
+- ``RLAX_RUN_ROOTS``: comma-separated run roots the nightly evaluation and the janitor scan
+  (default: RLAX_RUN_ROOT); the dashboard lists the same.
+- ``RLAX_BACKEND``: compute backend, "local" (default) or "cloud_tpu".
+- ``RLAX_BACKEND_SETTINGS``: JSON object of backend settings (e.g. {"project": ..., "zone": ...}).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from importlib import resources
+from typing import Any
+
+from airflow.sdk import Asset
+
+OWNER = "rlax"
+# produced by rlax_curate (event extra: {"path": curated train file}); rlax_train runs on it
+CURATED_DATASET = Asset(name="rlax_curated_dataset", uri="rlax://datasets/curated")
+# produced by rlax_nightly_eval (event extra: {"evaluated": [{"run_dir", "version"}]})
+NIGHTLY_EVAL = Asset(name="rlax_nightly_eval", uri="rlax://eval/nightly")
+DEFAULT_ARGS: dict[str, Any] = {
+    "owner": OWNER,
+    "retries": 2,
+    "retry_delay": dt.timedelta(minutes=1),
+    "retry_exponential_backoff": True,
+    "max_retry_delay": dt.timedelta(minutes=15),
+}
+START_DATE = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+# DESIGN §4 objective presets (tests/dags checks this against rlax_tasks.algorithms.config)
+ALGORITHMS = (
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_seq",
+    "reinforce_token",
+    "reinforce_pp",
+    "cispo",
+    "gspo",
+    "ppo",
+)
+# run ids double as Cloud label values (rlax-run-id) and directory names
+RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+STATUS_FILE = "status.json"
+ACTIVE_STATES = ("provisioning", "running")
+
+
+class PlanError(ValueError):
+    """A DAG run's Params do not make a valid run; the message names the Param."""
+
+
+# --------------------------------------------------------------------------- settings
+def preset_names() -> list[str]:
+    """Run-config presets shipped with rlax_tasks (file stems; no JAX import)."""
+    root = resources.files("rlax_tasks.presets")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def default_run_root() -> str:
+    return os.environ.get("RLAX_RUN_ROOT", "").strip() or "runs"
+
+
+def run_roots() -> list[str]:
+    """Run roots scanned by the nightly evaluation and the janitor."""
+    text = os.environ.get("RLAX_RUN_ROOTS", "")
+    return [r.strip() for r in text.split(",") if r.strip()] or [default_run_root()]
+
+
+def backend_name() -> str:
+    return os.environ.get("RLAX_BACKEND", "").strip() or "local"
+
+
+def backend_settings(run_root: str) -> dict[str, Any]:
+    """Settings for ``rlax_tasks.compute.get_backend``: RLAX_BACKEND_SETTINGS plus run_root."""
+    text = os.environ.get("RLAX_BACKEND_SETTINGS", "").strip()
+    try:
+        settings = json.loads(text) if text else {}
+    except ValueError as e:
+        raise PlanError(f"RLAX_BACKEND_SETTINGS is not a JSON object: {e}") from None
+    if not isinstance(settings, dict):
+        raise PlanError("RLAX_BACKEND_SETTINGS must be a JSON object")
+    return {**settings, "run_root": run_root}
+
+
+def slice_name(run_id: str, role: str) -> str:
+    """A valid slice/job name (lowercase letters, digits, hyphens; ≤ 63) for ``role`` of a run."""
+    base = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-") or "run"
+    name = f"rlax-{base}"[: 62 - len(role)].rstrip("-") + f"-{role}"
+    if not name[0].isalpha():
+        name = "r" + name[1:]
+    return name
+
+
+def dag_run_run_id(dag_run_id: str) -> str:
+    """An RLAX run id derived from an Airflow DAG run id (e.g. "manual__2025-...")."""
+    text = re.sub(r"[^a-z0-9_-]+", "-", dag_run_id.lower()).strip("-_")
+    return (text or "run")[:63]
+
+
+# --------------------------------------------------------------------------- status
+def write_status(run_dir: str, state: str, dag_run_id: str | None = None, **extra: Any) -> None:
+    """Writes run_dir/status.json (read by the dashboard and the janitor)."""
+    from rlax_tasks import storage
+
+    record = {"state": state, "updated": time.time(), "dag_run_id": dag_run_id, **extra}
+    storage.write_bytes(storage.join(run_dir, STATUS_FILE), json.dumps(record).encode())
+
+
+def read_status(run_dir: str) -> dict[str, Any] | None:
+    from rlax_tasks import storage
+
+    try:
+        data = json.loads(storage.read_bytes(storage.join(run_dir, STATUS_FILE)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------------------------- training plan
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _overrides(params: dict[str, Any], run_root: str, run_id: str, dataset: str) -> dict:
+    out: dict[str, Any] = {"run_root": run_root, "run_id": run_id}
+    if params.get("model_path"):
+        out["model.path"] = params["model_path"]
+    if params.get("algorithm"):
+        out["algorithm.preset"] = params["algorithm"]
+    if params.get("reload_every") is not None:
+        out["staleness.reload_every"] = params["reload_every"]
+    if "max_staleness" in params and params.get("max_staleness") != "preset":
+        out["staleness.max_staleness"] = params["max_staleness"]
+    if params.get("num_workers"):
+        out["workers.count"] = params["num_workers"]
+    if dataset:
+        out["datasets"] = [
+            {"name": "curated", "weight": 1.0, "source": {"path": dataset, "verifier": "math"}}
+        ]
+    return out
+
+
+def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") -> dict[str, Any]:
+    """Validates the Params into a run config, writes run_dir/config.yaml, builds the base model
+    if the config asks for it, and returns every job's ``rlax`` command line (JSON-able).
+
+    The services listen on 127.0.0.1 ports chosen here: the local backend runs every job on
+    this machine. ``dataset`` (a curated file, e.g. from the rlax_curate Asset) replaces the
+    preset's datasets.
+    """
+    from rlax_tasks import storage
+    from rlax_tasks.config import ConfigError, load_config, save_resolved
+    from rlax_tasks.run.local_run import ensure_model
+
+    run_root = params.get("run_root") or default_run_root()
+    run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
+    if not re.match(RUN_ID_PATTERN, run_id):
+        raise PlanError(f"run_id: {run_id!r} must be lowercase letters, digits, '_', '-'")
+    try:
+        cfg = load_config(params["preset"], _overrides(params, run_root, run_id, dataset))
+    except ConfigError as e:
+        raise PlanError(f"run config: {e}") from None
+    steps = params.get("steps") or cfg.trainer.total_steps
+    if not steps:
+        raise PlanError("steps: give the number of training steps (the preset has none)")
+    if storage.is_gcs(cfg.run_root) and backend_name() == "local":
+        raise PlanError("run_root: the local backend needs a local run root, not gs://")
+    if not storage.is_gcs(cfg.run_root):
+        os.makedirs(cfg.run_dir, exist_ok=True)
+    ensure_model(cfg)
+    config_path = save_resolved(cfg)
+    s = cfg.staleness
+    ps_url = f"http://127.0.0.1:{_free_port()}"
+    trainer_url = f"http://127.0.0.1:{_free_port()}"
+    workers = {f"worker-{i}": f"http://127.0.0.1:{_free_port()}" for i in range(cfg.workers.count)}
+    workers_file = storage.join(cfg.run_dir, "workers.json")
+    storage.write_bytes(workers_file, json.dumps(workers).encode())
+    keep = max(4, (s.max_staleness or s.reload_every) + 2)
+    argv = {
+        "ps": ["ps", "serve", "--port", ps_url.rsplit(":", 1)[1], "--run-root", cfg.run_dir,
+               "--keep-versions", str(keep), "--worker-timeout", "60"],
+        "trainer": ["trainer", "--config", config_path, "--ps-url", ps_url,
+                    "--port", trainer_url.rsplit(":", 1)[1]],
+        "controller": ["controller", "--config", config_path, "--trainer-url", trainer_url,
+                       "--workers-file", workers_file, "--steps", str(steps)],
+        "workers": [
+            ["worker", "--model-dir", cfg.model.path, "--ps-url", ps_url, "--worker-id", wid,
+             "--port", url.rsplit(":", 1)[1], "--dtype", cfg.model.dtype,
+             "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
+             "--reload-every", str(s.reload_every)]
+            for wid, url in workers.items()
+        ],
+    }  # fmt: skip
+    return {
+        "run_id": cfg.run_id,
+        "run_root": cfg.run_root,
+        "run_dir": cfg.run_dir,
+        "config_path": config_path,
+        "steps": int(steps),
+        "num_workers": cfg.workers.count,
+        "ps_url": ps_url,
+        "argv": argv,
+        # the parameter server's bearer token (DESIGN §6), handed to the jobs' environment
+        "env": {"RLAX_PS_TOKEN": secrets.token_hex(16), "JAX_PLATFORMS": "cpu"},
+    }
+
+
+# --------------------------------------------------------------------------- evaluation
+def eval_dataset_file(cfg: Any) -> str:
+    """A held-out dataset file for ``rlax eval``: the config's eval file, or its synthetic task
+    written once to run_dir/eval/heldout.jsonl in the curated schema."""
+    from rlax_tasks import storage
+    from rlax_tasks.config import FileSource, SyntheticSource
+
+    spec = cfg.eval.dataset
+    if spec is None:
+        raise PlanError("eval.dataset: the run config names no held-out dataset")
+    if isinstance(spec.source, FileSource):
+        return spec.source.path
+    assert isinstance(spec.source, SyntheticSource)
+    path = storage.join(cfg.run_dir, "eval", "heldout.jsonl")
+    if storage.exists(path):
+        return path
+    src = spec.source
+    if src.prompt_format == "compact":
+        from rlax_tasks.warmup import TinyArith
+
+        fmt = TinyArith(dict(src.knobs))
+        problems = fmt.problems(cfg.eval.num_prompts, seed=src.seed)
+        rows = [(p.prompt, fmt.answer_text(p)) for p in problems]
+    else:
+        from rlax_tasks.rewards.tasks import make_task
+
+        problems = make_task(src.task, **dict(src.knobs)).generate(cfg.eval.num_prompts, src.seed)
+        rows = [(p.prompt, p.reference) for p in problems]
+    today = dt.date.today().isoformat()
+    lines = [
+        json.dumps({"prompt": q, "answer": a, "source": spec.name, "date": today}) for q, a in rows
+    ]
+    storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
+    return path
+
+
+def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
+    """`rlax eval` of weight ``version`` mirrored under the run, into run_dir/eval/v<version>/
+    (the directory the dashboard reads pass@k from)."""
+    from rlax_tasks import storage
+
+    e = cfg.eval
+    return [
+        "eval", "--model-dir", cfg.model.path, "--weights-from", f"{cfg.run_dir}@{version}",
+        "--dataset", dataset, "--n", str(e.num_samples), "--k", ",".join(map(str, e.ks)),
+        "--limit", str(e.num_prompts), "--temperature", str(e.temperature),
+        "--max-new-tokens", str(cfg.rollout.max_new_tokens),
+        "--max-len", str(cfg.workers.max_len), "--max-slots", str(cfg.workers.slots),
+        "--dtype", cfg.model.dtype, "--out", storage.join(cfg.run_dir, "eval", f"v{version}"),
+    ]  # fmt: skip
+
+
+def newest_version(run_dir: str) -> int | None:
+    """The newest committed weight version mirrored under run_dir/weights (None: none yet)."""
+    from rlax_tasks.paramserver import mirror
+
+    committed, _ = mirror.mirrored_versions(run_dir)
+    return committed[-1] if committed else None
+
+
+def load_run_config(run_dir: str) -> Any:
+    """The resolved run configuration saved at run_dir/config.yaml."""
+    from rlax_tasks import storage
+    from rlax_tasks.config import load_config
+
+    path = storage.join(run_dir, "config.yaml")
+    if not storage.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    return load_config(path)
+
+
+def runs_to_evaluate(roots: list[str], active_within_s: float) -> list[dict[str, Any]]:
+    """Runs under ``roots`` with a committed weight version not evaluated yet and activity
+    (metrics or status) within ``active_within_s``: [{"run_dir", "version"}]."""
+    from rlax_tasks import storage
+
+    out = []
+    now = time.time()
+    for root in roots:
+        for name in storage.list_children(root):
+            run_dir = storage.join(root, name)
+            if not re.match(RUN_ID_PATTERN, name) or not storage.exists(
+                storage.join(run_dir, "config.yaml")
+            ):
+                continue
+            status = read_status(run_dir) or {}
+            updated = float(status.get("updated") or 0.0)
+            metrics = storage.join(run_dir, "metrics.jsonl")
+            if not storage.is_gcs(metrics) and os.path.exists(metrics):
+                updated = max(updated, os.stat(metrics).st_mtime)
+            if now - updated > active_within_s:
+                continue
+            version = newest_version(run_dir)
+            done = storage.join(run_dir, "eval", f"v{version}", "results.json")
+            if version is not None and not storage.exists(done):
+                out.append({"run_dir": run_dir, "version": version})
+    return out
+
+
+# --------------------------------------------------------------------------- janitor
+def orphaned_slices(slices: list[dict[str, Any]], grace_s: float) -> list[dict[str, Any]]:
+    """The slices (handle dicts) whose run is not active: no status.json, a state outside
+    ACTIVE_STATES, or no status update within ``grace_s``. A slice records its run root and
+    run id in its spec labels / handle root."""
+    out = []
+    now = time.time()
+    for handle in slices:
+        run_dir = slice_run_dir(handle)
+        status = read_status(run_dir) if run_dir else None
+        active = (
+            status is not None
+            and status.get("state") in ACTIVE_STATES
+            and now - float(status.get("updated") or 0.0) <= grace_s
+        )
+        if not active:
+            out.append(handle)
+    return out
+
+
+def slice_run_dir(handle: dict[str, Any]) -> str | None:
+    """run_root/<run_id> of a slice, from the handle's label and its backend's run root
+    (annotated by the janitor as "run_root"), or None when unknown."""
+    from rlax_tasks import storage
+    from rlax_tasks.compute import RUN_ID_LABEL
+
+    run_id = (handle.get("spec") or {}).get("labels", {}).get(RUN_ID_LABEL)
+    run_root = handle.get("run_root")
+    if not run_id or not run_root:
+        return None
+    return storage.join(run_root, run_id)
+
+
+# --------------------------------------------------------------------------- operators
+# One place that knows the rlax_tasks.airflow operator signatures (see its module docstring).
+def provision(task_id: str, run_root: str, name: str, run_id: str, accelerator_type: str, **kw):
+    """A ProvisionSliceOperator for slice ``name`` of run ``run_id`` (labelled for the janitor);
+    ``name``/``run_id`` may be templates or XComArgs."""
+    from rlax_tasks.airflow import ProvisionSliceOperator
+
+    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
+
+    return ProvisionSliceOperator(
+        task_id=task_id,
+        backend=backend_name(),
+        backend_settings=backend_settings(run_root),
+        name=name,
+        accelerator_type=accelerator_type,
+        labels={MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
+        **kw,
+    )
+
+
+def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = None, **kw):
+    """An RlaxJobOperator running ``rlax <argv>`` on ``slice_handle`` (deferrable)."""
+    from rlax_tasks.airflow import RlaxJobOperator
+
+    return RlaxJobOperator(
+        task_id=task_id,
+        backend=backend_name(),
+        backend_settings=backend_settings(run_root),
+        slice_handle=slice_handle,
+        argv=argv,
+        env=env or {},
+        **kw,
+    )
+
+
+def teardown(task_id: str, run_root: str, slice_handle: Any, **kw):
+    """A TeardownSliceOperator (idempotent) for ``slice_handle``."""
+    from rlax_tasks.airflow import TeardownSliceOperator
+
+    return TeardownSliceOperator(
+        task_id=task_id,
+        backend=backend_name(),
+        backend_settings=backend_settings(run_root),
+        slice_handle=slice_handle,
+        **kw,
+    )
+
+
+def mapped_jobs(task_id: str, run_root: str, slice_handle: Any, argvs: Any, env: Any = None):
+    """RlaxJobOperator mapped over ``argvs`` (one job per command line) on one slice."""
+    from rlax_tasks.airflow import RlaxJobOperator
+
+    return RlaxJobOperator.partial(
+        task_id=task_id,
+        backend=backend_name(),
+        backend_settings=backend_settings(run_root),
+        slice_handle=slice_handle,
+        env=env or {},
+    ).expand(argv=argvs)
+
+
+SERVICE_COMMANDS = ("ps", "trainer", "worker")
+
+
+def service_job_handles(slice_handle: dict[str, Any]) -> list[dict[str, Any]]:
+    """Handles of the service jobs (ps, trainer, workers) started on a slice, read from each
+    job's status directory ``<slice root>/jobs/<job>/spec.json``."""
+    from rlax_tasks import storage
+
+    jobs_dir = storage.join(slice_handle["root"], "jobs")
+    out = []
+    for name in storage.list_children(jobs_dir):
+        try:
+            spec = json.loads(storage.read_bytes(storage.join(jobs_dir, name, "spec.json")))
+        except (FileNotFoundError, ValueError):
+            continue  # an archived attempt (jobs/<name>.<n>) or a half-written spec
+        argv = (spec.get("job") or {}).get("argv") or []
+        if argv and argv[0] in SERVICE_COMMANDS and "handle" in spec:
+            out.append(spec["handle"])
+    return out

@@ -1,0 +1,82 @@
+"""rlax_curate: curates raw prompt files into a training dataset and publishes it as an Asset."""
+
+from __future__ import annotations
+
+import rlax_common as rc
+from airflow.sdk import Param, dag, task
+
+DOC = """
+### rlax_curate
+Runs `rlax curate` (validate, deduplicate, decontaminate against the eval sets, optional
+pass-rate filter, date split) on a compute slice, writes `<out>/train.parquet` and
+`<out>/test.parquet`, and publishes the Asset **rlax_curated_dataset** with
+`{"path": "<out>/train.parquet"}` — `rlax_train` is scheduled on it and trains on that file.
+The slice is deleted by a teardown task whatever happens.
+"""
+
+
+@dag(
+    dag_id="rlax_curate",
+    schedule=None,
+    start_date=rc.START_DATE,
+    catchup=False,
+    max_active_runs=1,
+    default_args=rc.DEFAULT_ARGS,
+    tags=["rlax", "data"],
+    doc_md=DOC,
+    params={
+        "inputs": Param(
+            [], type="array", items={"type": "string"}, minItems=1,
+            description="JSONL/Parquet/CSV files or directories (local or gs://)",
+        ),
+        "out": Param(
+            "", type="string",
+            description="output directory; empty = <run_root>/datasets/<dag run id>",
+        ),
+        "eval_sets": Param(
+            [], type="array", items={"type": "string"},
+            description="evaluation sets to decontaminate against",
+        ),
+        "split_date": Param(
+            None, type=["null", "string"], format="date",
+            description="rows before this ISO date go to train, the rest to test",
+        ),
+        "run_root": Param(rc.default_run_root(), type="string", minLength=1),
+    },
+)  # fmt: skip
+def rlax_curate():
+    @task
+    def plan(params: dict, run_id: str) -> dict:
+        from rlax_tasks import storage
+
+        rid = rc.dag_run_run_id(run_id)
+        out = params["out"] or storage.join(params["run_root"], "datasets", rid)
+        argv = ["curate", *params["inputs"], "--out", out]
+        # the janitor leaves this run's slice alone while the status is fresh
+        rc.write_status(storage.join(rc.default_run_root(), rid), "running", run_id)
+        for e in params["eval_sets"]:
+            argv += ["--eval-set", e]
+        if params.get("split_date"):
+            argv += ["--split-date", params["split_date"]]
+        return {"slice": rc.slice_name(rid, "curate"), "run_id": rid, "argv": argv, "out": out}
+
+    @task(outlets=[rc.CURATED_DATASET])
+    def publish(p: dict, outlet_events=None) -> str:
+        from rlax_tasks import storage
+
+        path = storage.join(p["out"], "train.parquet")
+        if not storage.exists(path):
+            raise FileNotFoundError(f"rlax curate wrote no {path}")
+        outlet_events[rc.CURATED_DATASET].extra = {"path": path}
+        return path
+
+    p = plan()
+    root = rc.default_run_root()
+    slice_ = rc.provision("provision", root, p["slice"], p["run_id"], "cpu")
+    curate = rc.job("curate", root, slice_.output, p["argv"])
+    done = publish(p)
+    cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
+    p >> slice_ >> curate >> done >> cleanup
+
+
+rlax_curate()

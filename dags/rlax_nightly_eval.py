@@ -1,0 +1,69 @@
+"""rlax_nightly_eval: every night, held-out pass@k of the newest weights of every active run."""
+
+from __future__ import annotations
+
+import logging
+
+import rlax_common as rc
+from airflow.sdk import Param, dag, task
+
+log = logging.getLogger(__name__)
+
+DOC = """
+### rlax_nightly_eval
+At 02:00 every day (no catch-up): for each run under `RLAX_RUN_ROOTS` that was active within
+`active_hours` and has a committed weight version (`weights/v<N>`) not evaluated yet, runs
+`rlax eval` of that version on the run's held-out set into `<run>/eval/v<N>/` (the RLAX dashboard
+plots pass@k from there), then publishes the Asset **rlax_nightly_eval** listing what was
+evaluated. All evaluations share one slice, deleted by a teardown task.
+"""
+
+
+@dag(
+    dag_id="rlax_nightly_eval",
+    schedule="0 2 * * *",
+    start_date=rc.START_DATE,
+    catchup=False,
+    max_active_runs=1,
+    default_args=rc.DEFAULT_ARGS,
+    tags=["rlax", "evaluation"],
+    doc_md=DOC,
+    params={
+        "active_hours": Param(
+            24, type="integer", minimum=1, description="runs silent longer than this are skipped"
+        ),
+    },
+)
+def rlax_nightly_eval():
+    @task
+    def plan(params: dict, run_id: str) -> dict:
+        todo = rc.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
+        argvs = []
+        for item in todo:
+            cfg = rc.load_run_config(item["run_dir"])
+            argvs.append(rc.eval_argv(cfg, item["version"], rc.eval_dataset_file(cfg)))
+        rid = rc.dag_run_run_id(f"nightly-{run_id}")
+        # the janitor leaves this run's slice alone while the status is fresh
+        rc.write_status(f"{rc.default_run_root()}/{rid}", "running", run_id)
+        log.info("evaluating %d run(s): %s", len(todo), todo)
+        return {"runs": todo, "argvs": argvs, "slice": rc.slice_name(rid, "eval"), "run_id": rid}
+
+    @task
+    def eval_argvs(p: dict) -> list[list[str]]:
+        # a task of its own: Airflow maps only over a task's whole return value
+        return p["argvs"]
+
+    @task(outlets=[rc.NIGHTLY_EVAL])
+    def publish(p: dict, outlet_events=None) -> list[dict]:
+        outlet_events[rc.NIGHTLY_EVAL].extra = {"evaluated": p["runs"]}
+        return p["runs"]
+
+    p = plan()
+    root = rc.default_run_root()
+    slice_ = rc.provision("provision", root, p["slice"], p["run_id"], "cpu")
+    evals = rc.mapped_jobs("evaluate", root, slice_.output, eval_argvs(p))
+    cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
+    p >> slice_ >> evals >> publish(p) >> cleanup
+
+
+rlax_nightly_eval()

@@ -1,0 +1,142 @@
+"""rlax_train: one RL training run as Airflow tasks — curate → provision → services → eval →
+teardown — triggered from the UI with a validated Params form (or by a curated dataset)."""
+
+from __future__ import annotations
+
+import rlax_common as rc
+from airflow.sdk import Param, dag, task
+
+DOC = """
+### rlax_train
+One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `local`):
+
+1. **plan** — validates the Params into the run configuration (`preset` + overrides; an invalid
+   field fails the run at once, naming it), writes `<run_root>/<run_id>/config.yaml`, builds the
+   tiny base model when the preset asks for it, picks the services' addresses. When the run was
+   triggered by the **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
+2. **provision** (setup) — the slice the jobs run on.
+3. **ps**, **trainer**, **worker** (mapped over the worker index) and **controller** —
+   long-running `rlax` jobs watched by deferrable triggers. A preempted or killed job is
+   retried and resumes from the newest checkpoint, controller snapshot and weight mirror; a
+   configuration error fails without retries.
+4. **finish** — once the controller reached `steps`, stops the services.
+5. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/`.
+6. **teardown** — deletes the slice, always (all_done), and records the final state in
+   `<run>/status.json` (read by the RLAX dashboard and the janitor).
+"""
+
+
+@dag(
+    dag_id="rlax_train",
+    schedule=[rc.CURATED_DATASET],
+    start_date=rc.START_DATE,
+    catchup=False,
+    max_active_runs=4,
+    default_args=rc.DEFAULT_ARGS,
+    tags=["rlax", "training"],
+    doc_md=DOC,
+    params={
+        "preset": Param(
+            "tiny-arith", type="string", enum=rc.preset_names(),
+            description="run configuration preset (rlax_tasks/presets)",
+        ),
+        "model_path": Param(
+            "", type="string",
+            description="base model (HF directory, local or gs://); empty = the preset's",
+        ),
+        "algorithm": Param(
+            None, type=["null", "string"], enum=[None, *rc.ALGORITHMS],
+            description="objective preset (DESIGN §4); empty = the preset's",
+        ),
+        "reload_every": Param(
+            1, type="integer", minimum=1, title="staleness j",
+            description="workers reload when the PS is >= j versions ahead",
+        ),
+        "max_staleness": Param(
+            2, type=["null", "integer"], minimum=1, title="staleness k",
+            description="a rollout of version u trains version v only if v - u <= k (null: any)",
+        ),
+        "accelerator_type": Param(
+            "cpu", type="string", minLength=1,
+            description="slice accelerator, e.g. v5litepod-8 (cpu for the local backend)",
+        ),
+        "num_workers": Param(2, type="integer", minimum=1, maximum=256),
+        "steps": Param(20, type="integer", minimum=1, description="training steps in total"),
+        "run_root": Param(
+            rc.default_run_root(), type="string", minLength=1,
+            description="local directory or gs://bucket/prefix",
+        ),
+        "run_id": Param(
+            "", type="string", pattern=r"^([a-z0-9][a-z0-9_-]{0,62})?$",
+            description="same id = resume that run; empty = derived from the DAG run id",
+        ),
+    },
+)  # fmt: skip
+def rlax_train():
+    @task(retries=0)
+    def plan(params: dict, run_id: str, triggering_asset_events=None) -> dict:
+        from airflow.exceptions import AirflowFailException
+
+        dataset = ""
+        for events in (triggering_asset_events or {}).values():
+            for event in events:
+                dataset = (event.extra or {}).get("path", dataset)
+        try:
+            p = rc.plan_training(dict(params), run_id, dataset)
+        except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
+            raise AirflowFailException(str(e)) from None
+        p["slice"] = rc.slice_name(p["run_id"], "main")
+        rc.write_status(p["run_dir"], "running", run_id, steps=p["steps"])
+        return p
+
+    @task
+    def finish(p: dict, slice_handle: dict) -> None:
+        """The controller reached `steps`: stop the services (they run until told)."""
+        from rlax_tasks import storage
+        from rlax_tasks.compute import get_backend
+
+        storage.write_bytes(storage.join(p["run_dir"], "DONE"), b"")
+        backend = get_backend(rc.backend_name(), **rc.backend_settings(p["run_root"]))
+        for handle in rc.service_job_handles(slice_handle):
+            backend.stop_job(handle)
+
+    @task
+    def eval_argv(p: dict) -> list[str]:
+        cfg = rc.load_run_config(p["run_dir"])
+        version = rc.newest_version(p["run_dir"])
+        if version is None:
+            raise FileNotFoundError(f"{p['run_dir']}: no committed weights to evaluate")
+        return rc.eval_argv(cfg, version, rc.eval_dataset_file(cfg))
+
+    @task
+    def worker_argvs(p: dict) -> list[list[str]]:
+        # a task of its own: Airflow maps only over a task's whole return value
+        return p["argv"]["workers"]
+
+    @task(trigger_rule="all_done")
+    def record_state(p: dict, dag_run=None) -> str:
+        failed = [ti.task_id for ti in dag_run.get_task_instances(state=["failed"])]
+        state = "failed" if failed else "succeeded"
+        rc.write_status(p["run_dir"], state, dag_run.run_id, failed_tasks=failed)
+        return state
+
+    p = plan()
+    root = rc.default_run_root()
+    slice_ = rc.provision(
+        "provision", root, p["slice"], p["run_id"], "{{ params.accelerator_type }}"
+    )
+    h = slice_.output
+    ps = rc.job("ps", root, h, p["argv"]["ps"], p["env"])
+    trainer = rc.job("trainer", root, h, p["argv"]["trainer"], p["env"])
+    workers = rc.mapped_jobs("worker", root, h, worker_argvs(p), p["env"])
+    controller = rc.job("controller", root, h, p["argv"]["controller"], p["env"])
+    stop = finish(p, h)
+    evaluate = rc.job("evaluate", root, h, eval_argv(p), p["env"])
+    cleanup = rc.teardown("teardown", root, h).as_teardown(setups=slice_)
+    p >> slice_ >> [ps, trainer, workers, controller]
+    controller >> stop >> evaluate >> cleanup
+    [ps, trainer, workers] >> cleanup
+    cleanup >> record_state(p)
+
+
+rlax_train()

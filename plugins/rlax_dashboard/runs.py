@@ -1,0 +1,288 @@
+"""What the RLAX dashboard knows about runs: found under run roots, read through rlax_tasks.storage.
+
+A run is a child ``<run_id>/`` of a run root (local directory or ``gs://bucket/prefix``) holding
+``config.yaml`` or ``metrics.jsonl`` (DESIGN §7). The dashboard reads, and never writes:
+
+- ``metrics.jsonl`` — one JSON object per training step. Keys read: ``step`` (required),
+  ``reward_mean``, ``staleness_mean`` (mean v − u of the rollouts a step trained on),
+  ``weight_sync_s`` (seconds to push/pull a weight version), and any ``pass@<k>`` (held-out
+  pass@k evaluated at that step).
+- fallbacks for runs whose metrics lack those keys: ``lineage.jsonl`` (``step``, ``version``,
+  ``rollout_versions`` → staleness = mean(version − rollout_versions)) and ``weight_sync.jsonl``
+  (``step``, ``push_s``).
+- ``eval/report.json`` (``rlax run``'s before/after pass@k: ``before`` at version 0, ``after``
+  at its ``version`` or the last step) and ``eval/v<version>/results.json`` (``rlax eval``
+  outputs of the nightly evaluation: ``models[0].overall["pass@k"]``).
+- ``status.json`` ({"state": ..., "updated": unix seconds, "dag_run_id": ...}) written by the
+  rlax_train DAG; without it the state is inferred: "finished" when eval/report.json exists,
+  "running" when metrics.jsonl changed within ``active_window_s``, "stopped" otherwise, and
+  "pending" before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import time
+from typing import Any
+
+from rlax_tasks import storage
+
+log = logging.getLogger(__name__)
+
+RUN_ROOTS_ENV = "RLAX_RUN_ROOTS"
+DEFAULT_RUN_ROOTS = ("runs",)
+ACTIVE_WINDOW_S = 900.0
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_EVAL_VERSION_RE = re.compile(r"^v(\d+)$")
+_PASS_RE = re.compile(r"^pass@(\d+)$")
+# metrics.jsonl keys the dashboard plots (see the module docstring)
+METRIC_KEYS = ("reward_mean", "staleness_mean", "weight_sync_s")
+
+
+def run_roots_from_env(value: str | None = None) -> list[str]:
+    """The run roots to list: ``RLAX_RUN_ROOTS`` (comma-separated local dirs / gs:// URIs)."""
+    text = os.environ.get(RUN_ROOTS_ENV, "") if value is None else value
+    roots = [r.strip() for r in text.split(",") if r.strip()]
+    return roots or list(DEFAULT_RUN_ROOTS)
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """One row of the runs table."""
+
+    root_index: int
+    run_root: str
+    run_id: str
+    state: str
+    step: int | None
+    reward_mean: float | None
+    pass_at: dict[str, float]
+    updated: float | None
+    dag_run_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class RunSeries:
+    """Per-step series of one run, each a list of (x, y) points sorted by x."""
+
+    reward: list[tuple[int, float]]
+    staleness: list[tuple[int, float]]
+    weight_sync: list[tuple[int, float]]
+    pass_at: dict[str, list[tuple[int, float]]]  # "pass@1" -> [(version or step, value)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reward": self.reward,
+            "staleness": self.staleness,
+            "weight_sync": self.weight_sync,
+            "pass_at": self.pass_at,
+        }
+
+
+# --------------------------------------------------------------------------- reading
+def _read_text(path: str) -> str | None:
+    try:
+        return storage.read_bytes(path).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+
+
+def _read_json(path: str) -> Any:
+    text = _read_text(path)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        log.warning("dashboard: %s is not valid JSON; ignored", path)
+        return None
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; torn or non-object lines are skipped; [] if missing."""
+    text = _read_text(path)
+    rows = []
+    for line in (text or "").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _step(row: dict[str, Any]) -> int | None:
+    s = row.get("step")
+    return s if isinstance(s, int) and not isinstance(s, bool) else None
+
+
+def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) for every row with an integer step and a finite ``key``; last row wins."""
+    by_step: dict[int, float] = {}
+    for row in rows:
+        s, v = _step(row), _number(row.get(key))
+        if s is not None and v is not None:
+            by_step[s] = v
+    return sorted(by_step.items())
+
+
+def modified_time(path: str) -> float | None:
+    """Unix seconds of the last change of ``path`` (None when it does not exist)."""
+    if storage.is_gcs(path):
+        try:
+            blob = storage._blob(path)  # the project's configured client (emulator-aware)
+            blob.reload()
+        except Exception:  # noqa: BLE001 - NotFound or an unreachable bucket: no timestamp
+            return None
+        return blob.updated.timestamp() if blob.updated else None
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- runs
+def run_dir(run_root: str, run_id: str) -> str:
+    """run_root/<run_id>, refusing ids that could escape the root."""
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r}: must be letters, digits, '_', '.', '-'")
+    return storage.join(run_root, run_id)
+
+
+def list_run_ids(run_root: str) -> list[str]:
+    """Children of ``run_root`` that hold a run (config.yaml or metrics.jsonl)."""
+    out = []
+    for name in storage.list_children(run_root):
+        if not RUN_ID_RE.match(name):
+            continue
+        d = storage.join(run_root, name)
+        if storage.exists(storage.join(d, "config.yaml")) or storage.exists(
+            storage.join(d, "metrics.jsonl")
+        ):
+            out.append(name)
+    return out
+
+
+def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSeries:
+    """Reward, staleness, weight-sync time and pass@k series of the run at ``path``
+    (``metrics``: its metrics.jsonl rows when the caller has read them already)."""
+    if metrics is None:
+        metrics = read_jsonl(storage.join(path, "metrics.jsonl"))
+    reward = _points(metrics, "reward_mean")
+    staleness = _points(metrics, "staleness_mean")
+    if not staleness:
+        lineage = read_jsonl(storage.join(path, "lineage.jsonl"))
+        rows = []
+        for r in lineage:
+            versions = [v for v in r.get("rollout_versions") or [] if _number(v) is not None]
+            version = _number(r.get("version"))
+            if _step(r) is not None and versions and version is not None:
+                rows.append(
+                    {"step": r["step"], "v": sum(version - v for v in versions) / len(versions)}
+                )
+        staleness = _points(rows, "v")
+    weight_sync = _points(metrics, "weight_sync_s")
+    if not weight_sync:
+        weight_sync = _points(read_jsonl(storage.join(path, "weight_sync.jsonl")), "push_s")
+    return RunSeries(reward, staleness, weight_sync, _pass_at_series(path, metrics))
+
+
+def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, dict[int, float]] = {}
+
+    def add(x: int, values: Any) -> None:
+        if not isinstance(values, dict):
+            return
+        for key, value in values.items():
+            v = _number(value)
+            if _PASS_RE.match(str(key)) and v is not None:
+                series.setdefault(str(key), {})[x] = v
+
+    for row in metrics:
+        if _step(row) is not None:
+            add(row["step"], row)
+    eval_dir = storage.join(path, "eval")
+    report = _read_json(storage.join(eval_dir, "report.json"))
+    if isinstance(report, dict):
+        before, after = report.get("before"), report.get("after")
+        if isinstance(before, dict):
+            add(int(_number(before.get("version")) or 0), before)
+        if isinstance(after, dict):
+            last = max((s for s in (_step(r) for r in metrics) if s is not None), default=0)
+            version = _number(after.get("version"))
+            add(int(version) if version is not None else last, after)
+    for name in storage.list_children(eval_dir):
+        m = _EVAL_VERSION_RE.match(name)
+        if not m:
+            continue
+        results = _read_json(storage.join(eval_dir, name, "results.json"))
+        models = results.get("models") if isinstance(results, dict) else None
+        if isinstance(models, list) and models and isinstance(models[0], dict):
+            add(int(m.group(1)), models[0].get("overall"))
+    return {k: sorted(v.items()) for k, v in sorted(series.items())}
+
+
+def summarize(root_index: int, run_root: str, run_id: str, active_window_s: float) -> RunSummary:
+    """The table row of one run: state, last step, last reward, newest pass@k."""
+    path = run_dir(run_root, run_id)
+    metrics_path = storage.join(path, "metrics.jsonl")
+    metrics = read_jsonl(metrics_path)
+    series = read_series(path, metrics)
+    step = max((s for s in (_step(r) for r in metrics) if s is not None), default=None)
+    updated = modified_time(metrics_path)
+    status = _read_json(storage.join(path, "status.json"))
+    dag_run_id = None
+    if isinstance(status, dict) and isinstance(status.get("state"), str):
+        state = status["state"]
+        dag_run_id = status.get("dag_run_id") if isinstance(status.get("dag_run_id"), str) else None
+        updated = max(filter(None, [updated, _number(status.get("updated"))]), default=None)
+    elif storage.exists(storage.join(path, "eval", "report.json")):
+        state = "finished"
+    elif step is None:
+        state = "pending"
+    elif updated is not None and time.time() - updated <= active_window_s:
+        state = "running"
+    else:
+        state = "stopped"
+    newest = {k: pts[-1][1] for k, pts in series.pass_at.items() if pts}
+    return RunSummary(
+        root_index,
+        run_root,
+        run_id,
+        state,
+        step,
+        series.reward[-1][1] if series.reward else None,
+        newest,
+        updated,
+        dag_run_id,
+    )
+
+
+def list_runs(roots: list[str], active_window_s: float = ACTIVE_WINDOW_S) -> list[RunSummary]:
+    """Every run under ``roots``, newest change first; an unreadable root is logged, not fatal."""
+    out = []
+    for i, root in enumerate(roots):
+        try:
+            ids = list_run_ids(root)
+        except Exception:  # noqa: BLE001 - one bad root must not hide the others
+            log.warning("dashboard: cannot list run root %s", root, exc_info=True)
+            continue
+        out.extend(summarize(i, root, run_id, active_window_s) for run_id in ids)
+    out.sort(key=lambda r: (-(r.updated or 0.0), r.run_id))
+    return out
