@@ -1,0 +1,159 @@
+"""The cached tiny-arith base model: built once by the supervised warm-up, reused afterwards.
+
+Layout under ``cache_dir``::
+
+    tiny-arith-<fingerprint>/     an HF directory (config.json, model.safetensors, tokenizer)
+        rlax_warmup.json          marker: the recipe, its fingerprint, warm-up stats
+    .tiny-arith-<fp>.tmp-XXXX/    a build in progress (renamed into place when complete)
+    .tiny-arith-<fp>.lock         serializes concurrent builders
+
+A build happens in a temporary directory that is renamed into place only once complete, so a
+crash never leaves a half-written model at the final path; leftovers of crashed builds are
+removed by the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rlax_tasks.warmup.recipe import WarmupRecipe
+from rlax_tasks.warmup.supervised import train_base_policy
+
+log = logging.getLogger(__name__)
+
+MARKER = "rlax_warmup.json"
+
+
+def base_model_name(recipe: WarmupRecipe) -> str:
+    """The cache entry name of a recipe: ``tiny-arith-<fingerprint>``."""
+    return f"tiny-arith-{recipe.fingerprint()}"
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    """The warm-up marker of a model directory, or None when there is none (or it is corrupt)."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def ensure_base_model(
+    cache_dir: str,
+    recipe: WarmupRecipe | None = None,
+    *,
+    name: str | None = None,
+    log_every_s: float = 10.0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> str:
+    """The HF directory of the recipe's base model under ``cache_dir``, built when missing.
+
+    ``name`` overrides the directory name (default ``tiny-arith-<fingerprint>``); a directory
+    there built by another recipe is rebuilt, one not built by the warm-up at all (a
+    config.json without marker) is an error rather than being overwritten.
+    """
+    recipe = recipe or WarmupRecipe()
+    if "://" in cache_dir:
+        raise ValueError(
+            f"model cache dir {cache_dir!r}: the warm-up builds base models on a local path only; "
+            "build it locally and copy it, or give a local cache directory"
+        )
+    name = name or base_model_name(recipe)
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"name {name!r} must be a plain directory name")
+    fingerprint = recipe.fingerprint()
+    os.makedirs(cache_dir, exist_ok=True)
+    target = os.path.join(cache_dir, name)
+    with _exclusive(os.path.join(cache_dir, f".{name}.lock")):
+        marker = read_marker(target) if os.path.isdir(target) else None
+        if marker is not None and marker.get("fingerprint") == fingerprint:
+            log.info("base model %s is cached (recipe %s): reusing it", target, fingerprint)
+            return target
+        if os.path.exists(target):
+            if marker is None and os.path.exists(os.path.join(target, "config.json")):
+                raise ValueError(
+                    f"{target} holds a model that the warm-up did not build (no {MARKER}); "
+                    "point model.path elsewhere or turn warmup_if_missing off to use it as is"
+                )
+            why = "another recipe" if marker is not None else "an incomplete directory"
+            log.info("base model %s is %s: rebuilding it", target, why)
+        else:
+            log.info("base model %s is missing: building it (recipe %s)", target, fingerprint)
+        _remove_leftovers(cache_dir, name)
+        _build(cache_dir, name, target, recipe, log_every_s, on_step)
+    return target
+
+
+def _build(
+    cache_dir: str,
+    name: str,
+    target: str,
+    recipe: WarmupRecipe,
+    log_every_s: float,
+    on_step: Callable[[int, float], None] | None,
+) -> None:
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
+    try:
+        policy, stats = train_base_policy(recipe, log_every_s=log_every_s, on_step=on_step)
+        policy.save_pretrained(tmp)
+        marker = {
+            "fingerprint": recipe.fingerprint(),
+            "recipe": recipe.to_dict(),
+            "warmup": {
+                "steps": stats.steps,
+                "final_loss": stats.final_loss,
+                "seconds": round(stats.seconds, 2),
+                "num_train_problems": stats.num_train_problems,
+            },
+            "num_parameters": policy.config.num_parameters(),
+            "created_unix": time.time(),
+        }
+        with open(os.path.join(tmp, MARKER), "w") as f:  # last file: the build is complete
+            json.dump(marker, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(target):  # a stale entry: move it aside, put the new one in place
+            trash = tempfile.mkdtemp(prefix=f".{name}.old-", dir=cache_dir)
+            os.rename(target, os.path.join(trash, "model"))
+            os.rename(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        log.info(
+            "base model built in %.1fs (final loss %.4f): %s",
+            stats.seconds,
+            stats.final_loss,
+            target,
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_leftovers(cache_dir: str, name: str) -> None:
+    """Removes temporary directories of crashed builds (we hold the lock: nobody else builds)."""
+    for entry in os.listdir(cache_dir):
+        if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
+            log.info("removing a crashed build's leftovers %s", entry)
+            shutil.rmtree(os.path.join(cache_dir, entry), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """An exclusive advisory lock (released by the OS if the process dies)."""
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

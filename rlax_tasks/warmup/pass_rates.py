@@ -1,0 +1,66 @@
+"""Held-out pass@k of a policy on compact arithmetic problems, sampled with the real Sampler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlax_tasks.evaluation import mean_pass_at_k
+from rlax_tasks.models import Policy
+from rlax_tasks.rewards.tasks import Problem
+from rlax_tasks.rollout import Sampler
+from rlax_tasks.warmup.tiny_arith import TinyArith
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_pass_rates(
+    policy: Policy,
+    problems: Sequence[Problem],
+    n: int,
+    k_list: Sequence[int],
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    *,
+    seed: int = 0,
+    task_format: TinyArith | None = None,
+    sampler: Sampler | None = None,
+    max_slots: int = 64,
+) -> dict[str, Any]:
+    """Unbiased pass@k (Chen et al. 2021) over ``problems`` from n samples each.
+
+    Returns {"pass@k": float for k in k_list, "num_prompts", "num_samples", "mean_reward",
+    "seconds"}. ``sampler`` (reusing its compiled shapes) is used as is when given; its
+    weights must be the policy's. Each k must lie in [1, n].
+    """
+    if not problems:
+        raise ValueError("evaluate_pass_rates needs at least one problem")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    bad = [k for k in k_list if not 1 <= k <= n]
+    if bad or not k_list:
+        raise ValueError(f"k_list must be non-empty with every k in [1, n={n}], got {list(k_list)}")
+    if policy.tokenizer is None:
+        raise ValueError("the policy has no tokenizer: save one next to its config.json")
+    fmt = task_format or TinyArith()
+    t0 = time.perf_counter()
+    prompts = [fmt.encode_prompt(policy.tokenizer, p) for p in problems]
+    if sampler is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        sampler = Sampler(policy, max_slots=max_slots, max_len=max(16, longest))
+    outs = sampler.generate(
+        prompts, n=n, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens
+    )
+    expanded = [p for p in problems for _ in range(n)]
+    rewards = fmt.score_completions(policy.tokenizer, expanded, [o.tokens for o in outs])
+    correct = [int(sum(rewards[i * n : (i + 1) * n])) for i in range(len(problems))]
+    result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(n, correct, k) for k in k_list}
+    result.update(
+        num_prompts=len(problems),
+        num_samples=n,
+        mean_reward=sum(rewards) / len(rewards),
+        seconds=time.perf_counter() - t0,
+    )
+    return result
