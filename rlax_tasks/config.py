@@ -247,6 +247,10 @@ class SyntheticSource:
     size: int = 10_000
     seed: int = 0
     prompt_format: str = "task"
+    # leave out every problem of another stream's first exclude_size problems (the held-out
+    # evaluation set: small tasks repeat problems across streams)
+    exclude_seed: int | None = None
+    exclude_size: int = 0
 
     def __post_init__(self) -> None:
         from rlax_tasks.rewards.tasks import TASKS, make_task
@@ -263,6 +267,10 @@ class SyntheticSource:
         _check_int(self, "size", low=1)
         _check_int(self, "seed")
         _check_str(self, "prompt_format", ("task", "compact"))
+        _check_int(self, "exclude_seed", optional=True)
+        _check_int(self, "exclude_size", low=0)
+        if self.exclude_seed is not None and self.exclude_seed == self.seed:
+            raise ConfigError("exclude_seed", f"must differ from seed ({self.seed})")
         if self.prompt_format == "compact" and self.task != "arithmetic":
             raise ConfigError(
                 "prompt_format", f"'compact' is for the arithmetic task, not {self.task!r}"

@@ -69,7 +69,7 @@ def test_overrides_dotted_and_nested():
         ({"trainer.remat": "some"}, "trainer.remat: "),
         ({"trainer.micro_batch_size": 7}, "trainer.micro_batch_size: must divide the batch"),
         ({"model.dtype": "float16"}, "model.dtype: must be one of ['float32', 'bfloat16']"),
-        ({"workers.max_len": 16}, "workers.max_len: must exceed rollout.max_new_tokens (16)"),
+        ({"workers.max_len": 8}, "workers.max_len: must exceed rollout.max_new_tokens (8)"),
         ({"eval.ks": [1, 16]}, "eval.ks: each k must be an integer in [1, num_samples=8]"),
         ({"eval.dataset.source.task": "arith"}, "eval.dataset.source.task: unknown task 'arith'"),
         ({"datasets": []}, "datasets: give at least one dataset"),

@@ -55,13 +55,26 @@ class SyntheticPrompts:
         self.task = make_task(spec.task, **dict(spec.knobs))
         self._problems: list | None = None
 
+    def _load(self) -> list:
+        if self._problems is None:
+            problems = self.task.generate(self.spec.size, seed=self.spec.seed)
+            if self.spec.exclude_seed is not None and self.spec.exclude_size:
+                held = self.task.generate(self.spec.exclude_size, seed=self.spec.exclude_seed)
+                seen = {(p.prompt, p.reference) for p in held}
+                problems = [p for p in problems if (p.prompt, p.reference) not in seen]
+                if not problems:
+                    raise ValueError(
+                        f"synthetic task {self.spec.task}: every problem is excluded by "
+                        f"exclude_seed={self.spec.exclude_seed}"
+                    )
+            self._problems = problems
+        return self._problems
+
     def __len__(self) -> int:
-        return self.spec.size
+        return len(self._load())
 
     def get(self, index: int) -> tuple[str, str]:
-        if self._problems is None:
-            self._problems = self.task.generate(self.spec.size, seed=self.spec.seed)
-        p = self._problems[index]
+        p = self._load()[index]
         if self.spec.prompt_format == "compact":
             from rlax_tasks.warmup.tiny_arith import TinyArith
 

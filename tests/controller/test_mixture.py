@@ -76,3 +76,19 @@ def test_from_specs_synthetic_and_file(tmp_path):
         p.verifier == "math" and p.reference == str(int(p.text.split()[2][:-3]) + 1) for p in files
     )
     assert all(p.verifier == "task" and "Compute" in p.text for p in arith)
+
+
+def test_synthetic_source_leaves_out_the_held_out_stream():
+    from rlax_tasks.controller.mixture import make_source
+    from rlax_tasks.rewards.tasks import make_task
+
+    knobs = {"min_digits": 1, "max_digits": 1, "ops": ["+"]}  # 100 distinct problems only
+    spec = DatasetSpec(
+        "arith",
+        SyntheticSource("arithmetic", knobs, size=300, exclude_seed=1, exclude_size=20),
+        1.0,
+    )
+    source = make_source(spec)
+    held = {p.prompt for p in make_task("arithmetic", **knobs).generate(20, seed=1)}
+    train = {source.get(i)[0] for i in range(len(source))}
+    assert len(source) < 300 and not train & held
