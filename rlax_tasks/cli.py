@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,  # absl (imported by Orbax) installs a root handler at WARNING first
     )
     # JAX logs at INFO that it found no TPU on CPU-only machines: not news to the user
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)

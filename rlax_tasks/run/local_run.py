@@ -25,12 +25,12 @@ log = logging.getLogger(__name__)
 
 def ensure_model(cfg: RunConfig) -> None:
     """Builds the base model by the supervised warm-up when the config asks for it."""
-    path = cfg.model.path
-    if os.path.exists(os.path.join(path, "config.json")) or not cfg.model.warmup_if_missing:
+    if not cfg.model.warmup_if_missing:
         return
     from rlax_tasks.warmup import ensure_base_model
 
-    parent, name = os.path.split(os.path.abspath(path))
+    # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
+    parent, name = os.path.split(os.path.abspath(cfg.model.path))
     ensure_base_model(parent, name=name)
 
 
