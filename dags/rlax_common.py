@@ -358,7 +358,6 @@ def provision(task_id: str, run_root: str, name: str, run_id: str, accelerator_t
     """A ProvisionSliceOperator for slice ``name`` of run ``run_id`` (labelled for the janitor);
     ``name``/``run_id`` may be templates or XComArgs."""
     from rlax_tasks.airflow import ProvisionSliceOperator
-
     from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
 
     return ProvisionSliceOperator(

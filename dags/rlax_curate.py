@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import rlax_common as rc
 from airflow.sdk import Param, dag, task
+
+import rlax_common as rc
 
 DOC = """
 ### rlax_curate

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-import rlax_common as rc
 from airflow.sdk import Param, dag, task
+
+import rlax_common as rc
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,9 @@ teardown — triggered from the UI with a validated Params form (or by a curated
 
 from __future__ import annotations
 
-import rlax_common as rc
 from airflow.sdk import Param, dag, task
+
+import rlax_common as rc
 
 DOC = """
 ### rlax_train

@@ -62,7 +62,6 @@ def test_train_params_validate_and_reject_bad_values(dagbag):
 
 def test_algorithm_choices_match_the_objective_presets():
     import rlax_common
-
     from rlax_tasks.algorithms.config import PRESETS
 
     assert set(rlax_common.ALGORITHMS) == set(PRESETS)

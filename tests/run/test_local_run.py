@@ -118,3 +118,29 @@ def test_chaos_ten_random_kills_during_one_run(tmp_path, monkeypatch):
     assert [r["step"] for r in lineage] == list(range(1, steps + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
     assert len(consumed) == len(set(consumed))
+
+
+@pytest.mark.slow
+def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    """On-policy lockstep (j = k = 1): with the trainer and the controller killed mid-run, the
+    prompts of every step in lineage.jsonl are those of an uninterrupted run with the seed."""
+    monkeypatch.setenv("XLA_FLAGS", "")
+    lockstep = {"staleness.reload_every": 1, "staleness.max_staleness": 1}
+    reference = small_config(tmp_path / "a", **lockstep)
+    run_local(reference, steps=6, evaluate=False)
+    cfg = small_config(tmp_path / "b", **lockstep)
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    schedule = [(2, "controller"), (3, "trainer"), (4, "worker-1")]
+
+    def hook(sup):
+        if schedule and os.path.exists(metrics_path):
+            done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+            if done >= schedule[0][0]:
+                sup.kill(schedule.pop(0)[1])
+
+    run_local(cfg, steps=6, evaluate=False, supervisor_hook=hook)
+    assert not schedule
+    a = read_jsonl(os.path.join(reference.run_dir, "lineage.jsonl"))
+    b = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
+    assert [r["prompt_ids"] for r in b] == [r["prompt_ids"] for r in a]
+    assert [r["step"] for r in b] == list(range(1, 7))
