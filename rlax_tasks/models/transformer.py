@@ -170,7 +170,7 @@ class Attention(nnx.Module):
         valid: jax.Array,
         kv: LayerKV | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Attention output, and with ``kv`` the layer's cache with this step's keys written."""
+        """Attention output, and with ``kv`` every layer's cache with this step's keys written."""
         q = constrain(self.q_proj(x), BATCH, None, "tensor", None)
         k = constrain(self.k_proj(x), BATCH, None, "tensor", None)
         v = constrain(self.v_proj(x), BATCH, None, "tensor", None)
@@ -179,20 +179,29 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
             return self.o_proj(causal_self_attend(q, k, v, positions, valid)), None
-        k_cache = write_rows(kv.k, k, kv.start)
-        v_cache = write_rows(kv.v, v, kv.start)
+        # scatter only the new tokens into the all-layer cache (in place inside the layer loop;
+        # entries past the end are dropped), then attend over this layer's slice
+        b, t = k.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        cols = kv.start[:, None] + jnp.arange(t)[None, :]
+        k_all = kv.k.at[kv.layer, rows, cols].set(k.astype(kv.k.dtype), mode="drop")
+        v_all = kv.v.at[kv.layer, rows, cols].set(v.astype(kv.v.dtype), mode="drop")
+        k_cache = jax.lax.dynamic_index_in_dim(k_all, kv.layer, keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(v_all, kv.layer, keepdims=False)
         out = attend(q, k_cache, v_cache, positions, kv.positions, kv.valid)
-        return self.o_proj(out), (k_cache, v_cache)
+        return self.o_proj(out), (k_all, v_all)
 
 
 class LayerKV(NamedTuple):
-    """One layer's cache view: k/v [B, S, KV, hd], write offsets [B], entry positions/validity."""
+    """The cache seen by layer ``layer``: k/v of all layers [L, B, S, KV, hd] (carried through
+    the layer loop and updated in place), write offsets [B], entry positions/validity [B, S]."""
 
     k: jax.Array
     v: jax.Array
     start: jax.Array
     positions: jax.Array
     valid: jax.Array
+    layer: jax.Array
 
 
 class MLP(nnx.Module):
@@ -300,13 +309,17 @@ class Transformer(nnx.Module):
         kv_valid = write_rows(cache.valid, valid, start)
         layer_def, layer_state = nnx.split(self.layers)
 
-        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            state, k, v = xs
-            kv = LayerKV(k, v, start, kv_positions, kv_valid)
-            h, new_kv = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, kv)
-            return h, new_kv
+        def body(carry: tuple, state: nnx.State) -> tuple[tuple, None]:
+            h, k, v, layer = carry
+            kv = LayerKV(k, v, start, kv_positions, kv_valid, layer)
+            h, (k, v) = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, kv)
+            return (h, k, v, layer + 1), None
 
-        x, (k, v) = jax.lax.scan(body, x, (layer_state, cache.k, cache.v))
+        # the cache rides in the carry (not as scanned slices): XLA updates it in place, so a
+        # decode step costs the new tokens' writes, not a copy of the whole cache
+        (x, k, v, _), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), layer_state
+        )
         return self.norm(x), KVCache(k, v, kv_positions, kv_valid)
 
     def unembedding(self) -> jax.Array:

@@ -85,6 +85,7 @@ def _prefill(
     slots: jax.Array,
     new: SlotState,
     filtering: bool,
+    sampling: bool,
 ) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
     """Prefills prompts ids [n, P] into cache rows ``slots`` [n] and draws each first token.
 
@@ -101,7 +102,9 @@ def _prefill(
     )
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
-    tokens, logprobs = sample_tokens(last, keys, new.temperature, new.top_k, new.top_p, filtering)
+    tokens, logprobs = sample_tokens(
+        last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling
+    )
     generated = jnp.ones(n, jnp.int32)
     active = ~_finished(tokens, generated, new)
 
@@ -124,6 +127,7 @@ def _decode(
     state: SlotState,
     steps: int,
     filtering: bool,
+    sampling: bool,
 ) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
     """``steps`` decode steps of every slot; returns tokens, log-probs, emitted flags [steps, S].
 
@@ -143,7 +147,7 @@ def _decode(
         )
         keys = jax.vmap(token_key)(st.key, st.generated)
         tokens, logprobs = sample_tokens(
-            logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering
+            logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering, sampling
         )
         emitted = st.active
         generated = st.generated + emitted.astype(jnp.int32)
@@ -160,8 +164,8 @@ def _decode(
 
 
 # module-level: one compilation cache shared by every Sampler of the same model and shapes
-_PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 9), donate_argnums=(3, 4))
-_DECODE = jax.jit(_decode, static_argnums=(0, 4, 5), donate_argnums=(2, 3))
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 9, 10), donate_argnums=(3, 4))
+_DECODE = jax.jit(_decode, static_argnums=(0, 4, 5, 6), donate_argnums=(2, 3))
 
 
 def prompt_bucket(length: int, max_len: int) -> int:
@@ -410,6 +414,7 @@ class Sampler:
             stops = sorted(self._stop_set(p))
             new.stop_ids[row, : len(stops)] = stops
         filtering = any(r.params.filtering for r in take)
+        sampling = any(r.params.temperature > 0 for r in take)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, active = self._prefill_fn(
@@ -423,6 +428,7 @@ class Sampler:
                 slots,
                 new,
                 filtering,
+                sampling,
             )
             tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
         self.stats.prefill_s += time.perf_counter() - t0
@@ -434,7 +440,9 @@ class Sampler:
             self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
 
     def _decode_chunk(self, finished: list[Completion]) -> None:
-        filtering = any(s is not None and s.request.params.filtering for s in self._slots)
+        live = [s.request.params for s in self._slots if s is not None]
+        filtering = any(p.filtering for p in live)
+        sampling = any(p.temperature > 0 for p in live)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(
@@ -444,6 +452,7 @@ class Sampler:
                 self._state,
                 self.decode_chunk,
                 filtering,
+                sampling,
             )
             tokens, logprobs, emitted, active = jax.device_get(
                 (tokens, logprobs, emitted, self._state.active)
