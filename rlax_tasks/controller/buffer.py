@@ -201,12 +201,16 @@ class RolloutBuffer:
         self._dropped.append(DroppedGroup(group.prompt_id, group.version, reason))
         self.counts[reason] += 1
 
-    def take(self, version: int) -> Batch | None:
+    def take(self, version: int, pending_seqs: Iterable[int] = ()) -> Batch | None:
         """The batch for the trainer step producing ``version``: exactly ``prompts_per_step``
-        groups with version − u ≤ k, freshest first; None (nothing taken) when too few.
+        groups with version − u ≤ k, freshest first, then in draw order; None (nothing taken)
+        when too few.
 
-        Groups too old for ``version`` can never train again (versions only grow) and are
-        dropped now, even when no batch forms.
+        ``pending_seqs`` are the draw numbers of prompts not back yet (queued, generating,
+        unscored). A batch that would skip one of them waits for it: which prompts train then
+        depends on the draws alone, never on which worker answered first (so a lockstep run
+        trains the same prompts, restarts or not). Groups too old for ``version`` can never
+        train again (versions only grow) and are dropped now, even when no batch forms.
         """
         fresh = []
         for g in self._groups:
@@ -218,6 +222,8 @@ class RolloutBuffer:
         if len(fresh) < self.prompts_per_step:
             return None
         chosen = sorted(fresh, key=lambda g: (-g.version, g.seq))[: self.prompts_per_step]
+        if max(g.seq for g in chosen) > min(pending_seqs, default=float("inf")):
+            return None  # an earlier draw is still on its way
         chosen_ids = {id(g) for g in chosen}
         self._groups = [g for g in fresh if id(g) not in chosen_ids]
         dropped, self._dropped = tuple(self._dropped), []

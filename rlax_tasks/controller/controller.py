@@ -252,7 +252,10 @@ class Controller:
         got = self._collect()
         self._score()
         before = self.buffer.state_dict()
-        batch = self.buffer.take(self.version + 1)
+        pending = [p.seq for p in self._queue]
+        pending += [e.prompt.seq for e in self._in_flight.values()]
+        pending += [p.seq for p, _ in self._unscored]
+        batch = self.buffer.take(self.version + 1, pending)
         if batch is None:
             return got > 0
         self.snapshot(pending=batch, buffer_state=before)
@@ -289,13 +292,14 @@ class Controller:
                 load[entry.worker] += 1
         plan: dict[str, list[Prompt]] = {w: [] for w in live}
         drawn = 0
+        outstanding = self.outstanding  # a prompt taken off the queue below stays outstanding
         while live:
             w = min(live, key=lambda x: (load[x], live.index(x)))
             if load[w] >= s.groups_per_worker:
                 break
             if self._queue:
                 prompt = self._queue.popleft()
-            elif self.outstanding + drawn < budget:
+            elif outstanding + drawn < budget:
                 prompt = self.mixture.next()
                 drawn += 1
             else:
@@ -339,7 +343,8 @@ class Controller:
         for p in back:
             del self._in_flight[p.id]
         back.extend(also)
-        self._queue.extendleft(reversed(back))
+        # re-issued first, earliest draw first (whichever worker held them)
+        self._queue = collections.deque(sorted([*back, *self._queue], key=lambda p: p.seq))
         self.counters["worker_failures"] += 1
         self.counters["reissued"] += len(back)
         self._down_until[worker] = self.clock() + self.settings.worker_retry_s

@@ -82,6 +82,7 @@ class FakePool:
         self.trainer, self.reload_every, self.rate = trainer, reload_every, rate
         self.workers = {w: FakeWorker() for w in ids}
         self.fail_next: set[str] = set()  # results() of these raises once
+        self.refuse_next: set[str] = set()  # submit() to these raises once
         self.hung: set[str] = set()  # these accept work and never return any
         self.submits: list[tuple[str, list[str]]] = []
         self.resets: list[str] = []
@@ -92,6 +93,9 @@ class FakePool:
         return list(self.workers)
 
     def submit(self, worker_id, groups) -> None:
+        if worker_id in self.refuse_next:
+            self.refuse_next.discard(worker_id)
+            raise ConnectionError(f"{worker_id} is not up yet")
         self.submits.append((worker_id, [g.prompt_id for g in groups]))
         self.workers[worker_id].queue.extend(groups)
 

@@ -70,6 +70,19 @@ def test_k_rule_freshest_first_and_stale_drops_counted():
     assert [d.prompt_id for d in batch.dropped] == ["mid", "m2"]  # reported with the next batch
 
 
+def test_a_batch_waits_for_an_earlier_draw_still_on_its_way():
+    """Which prompts train depends on the draws, not on which worker answered first."""
+    buf = RolloutBuffer(prompts_per_step=2, max_staleness=1)
+    buf.add(group("a", 0, 0))
+    buf.add(group("c", 0, 2))  # "b" (seq 1) is still generating on a slower worker
+    assert buf.take(1, pending_seqs=[1, 3]) is None and len(buf) == 2
+    buf.add(group("b", 0, 1))
+    assert buf.take(1, pending_seqs=[3]).prompt_ids == ["a", "b"]
+    assert buf.prompt_ids == ["c"]  # later draws pending do not hold a batch back
+    buf.add(group("d", 0, 4))
+    assert buf.take(1, pending_seqs=[3]) is None  # "d" would skip the pending seq 3
+
+
 def test_not_enough_groups_takes_nothing_and_unbounded_k_keeps_all():
     buf = RolloutBuffer(prompts_per_step=3, max_staleness=None)
     buf.add(group("a", 0, 0))
