@@ -335,6 +335,13 @@ class ParameterServerClient:
                         f"version {version} failed verification: {e}"
                     ) from e
                 log.warning("version %d failed verification (%s); pulling again", version, e)
+            except _TRANSPORT_ERRORS as e:
+                if attempt == self.retries:
+                    raise ServerUnavailableError(
+                        f"pull of version {version} from {self.url} failed: {e!r}"
+                    ) from e
+                log.warning("pull of version %d failed (%r); retrying", version, e)
+                time.sleep(min(0.2 * 2**attempt, 2.0))
         raise AssertionError  # pragma: no cover
 
     def _pull_once(

@@ -329,12 +329,16 @@ def test_a_dead_or_stalled_server_never_hangs_the_client(client_for):
             c.latest_version()
         with pytest.raises(ServerUnavailableError):
             c.pull(timeout_s=0.2)
+        with pytest.raises(ServerUnavailableError):
+            c.pull_version(1)
         assert time.monotonic() - t0 < 5
     finally:
         stalled.close()
     dead = client_for(f"http://127.0.0.1:{port}", timeout_s=0.3, retries=0)
     with pytest.raises(ServerUnavailableError):
         dead.push(1, _params(1))
+    with pytest.raises(ServerUnavailableError):
+        dead.pull_version(1)  # connection refused
 
 
 def test_status_and_input_validation(server, client_for):
