@@ -60,6 +60,78 @@ def _status_line(run_dir: str, steps: int, started: float) -> str:
     return f"step {step}/{steps}  reward {reward_txt}  elapsed {elapsed:.0f}s  eta {eta:.0f}s"
 
 
+class _Progress:
+    """Held-out pass@k every ``eval.every_steps`` training steps while the run goes.
+
+    Appended to run_dir/eval/progress.jsonl: {"step", "version", "seconds" (wall seconds from
+    this launch until the trainer produced that version, from metrics.jsonl "time"), "pass@k"...,
+    "eval_seconds"}. It runs in the supervisor process; training goes on meanwhile.
+    """
+
+    def __init__(self, evaluator: Any, run_dir: str, ps_url: str, token: str, t0: float) -> None:
+        self.evaluator, self.run_dir, self.t0 = evaluator, run_dir, t0
+        self.ps_url, self.token = ps_url, token
+        self.path = os.path.join(run_dir, "eval", "progress.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        last = _last_json_line(os.path.join(run_dir, "metrics.jsonl")) or {}
+        self.done_step = int(last.get("step", 0))  # a resumed run evaluates new steps only
+        self.client: Any = None
+
+    def _version_time(self, version: int) -> float | None:
+        try:
+            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if row.get("step") == version and "time" in row:
+                        return float(row["time"])
+        except OSError:
+            pass
+        return None
+
+    def record(self, step: int, result: dict[str, Any]) -> None:
+        produced = self._version_time(step) if step else self.t0
+        row = {
+            "step": step,
+            "version": result["version"],
+            "seconds": None if produced is None else round(produced - self.t0, 3),
+            **{k: v for k, v in result.items() if k.startswith("pass@")},
+            "mean_reward": result.get("mean_reward"),
+            "eval_seconds": result.get("seconds"),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def maybe_evaluate(self, every: int) -> None:
+        step = int(
+            (_last_json_line(os.path.join(self.run_dir, "metrics.jsonl")) or {}).get("step", 0)
+        )
+        if step < (self.done_step // every + 1) * every:
+            return
+        from rlax_tasks.paramserver import ParameterServerClient, ParameterServerError
+
+        if self.client is None:
+            self.client = ParameterServerClient(self.ps_url, token=self.token)
+        target = step // every * every
+        try:  # the step's own version when the server still holds it, else the newest
+            result = self.evaluator.evaluate(self.client, version=target)
+        except ParameterServerError:
+            try:
+                result = self.evaluator.evaluate(self.client)
+            except ParameterServerError as e:
+                log.warning("held-out evaluation at step %d skipped: %s", step, e)
+                self.done_step = step
+                return
+        self.done_step = max(step, result["version"])
+        self.record(result["version"], result)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
 def run_local(
     cfg: RunConfig,
     steps: int,
@@ -76,10 +148,12 @@ def run_local(
     ensure_model(cfg)
     config_path = save_resolved(cfg)
     report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
+    evaluator = None
     if evaluate:
-        from rlax_tasks.run.report import evaluate_version
+        from rlax_tasks.run.report import HeldOutEvaluator
 
-        report["before"] = evaluate_version(cfg, None)
+        evaluator = HeldOutEvaluator(cfg)
+        report["before"] = evaluator.evaluate()
 
     token = secrets.token_hex(16)
     env = {"RLAX_PS_TOKEN": token, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -88,6 +162,10 @@ def run_local(
     s = cfg.staleness
     sup = Supervisor(os.path.join(run_dir, "logs"))
     t0 = time.monotonic()
+    progress = None
+    if evaluator is not None and cfg.eval.every_steps:
+        progress = _Progress(evaluator, run_dir, ps_url, token, time.time())
+        progress.record(0, report["before"])
     try:
         sup.add(
             Component(
@@ -179,22 +257,26 @@ def run_local(
                 break
             if supervisor_hook is not None:
                 supervisor_hook(sup)
+            if progress is not None:
+                progress.maybe_evaluate(cfg.eval.every_steps)
             if time.monotonic() - last >= status_every_s:
                 last = time.monotonic()
                 log.info("%s", _status_line(run_dir, steps, t0))
             time.sleep(0.2)
         report["train_seconds"] = time.monotonic() - t0
         report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
-        if evaluate:
+        if evaluator is not None:
             from rlax_tasks.paramserver import ParameterServerClient
-            from rlax_tasks.run.report import evaluate_version
 
             client = ParameterServerClient(ps_url, token=token)
-            report["after"] = evaluate_version(cfg, client)
+            report["after"] = evaluator.evaluate(client)
             client.close()
+            if progress is not None:
+                progress.record(report["after"]["version"], report["after"])
+                progress.close()
     finally:
         sup.stop()
-    if evaluate:
+    if evaluator is not None:
         from rlax_tasks.run.report import write_report
 
         report.update(write_report(cfg, report))

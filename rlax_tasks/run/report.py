@@ -33,45 +33,77 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+class HeldOutEvaluator:
+    """Held-out pass@k of the run's base model or of weights pulled from the parameter server.
+
+    Compiles one Sampler and swaps weights into it, so evaluating during a run (eval.every_steps)
+    costs generation only.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from rlax_tasks.config import SyntheticSource
+        from rlax_tasks.models import load_pretrained
+        from rlax_tasks.rollout import Sampler
+        from rlax_tasks.warmup import TinyArith
+
+        spec = cfg.eval.dataset
+        if spec is None:
+            raise ValueError("eval.dataset: give a held-out dataset to report pass@k on")
+        source = spec.source
+        if not (isinstance(source, SyntheticSource) and source.prompt_format == "compact"):
+            raise ValueError(
+                "eval.dataset: the run report evaluates compact synthetic arithmetic; for other "
+                "datasets use `rlax eval` on the run's weights (--weights-from RUN_DIR)"
+            )
+        self.cfg, self.name = cfg, spec.name
+        self.policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+        self.base_params = self.policy.params
+        self.format = TinyArith(dict(source.knobs))
+        self.problems = self.format.problems(cfg.eval.num_prompts, seed=source.seed)
+        longest = max(
+            len(self.format.encode_prompt(self.policy.tokenizer, p)) for p in self.problems
+        )
+        self.sampler = Sampler(
+            self.policy,
+            max_slots=cfg.workers.slots,
+            max_len=max(16, longest + cfg.rollout.max_new_tokens),
+        )
+
+    def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:
+        """pass@k of the base model (``ps`` None), else of ``version`` (default: the newest)."""
+        from rlax_tasks.warmup import evaluate_pass_rates
+
+        if ps is None:
+            got, params = 0, self.base_params
+        elif version is None:
+            got, params = ps.pull(like=self.base_params)
+        else:
+            got, params = ps.pull_version(version, like=self.base_params)
+        self.sampler.set_params(params)
+        e = self.cfg.eval
+        result = evaluate_pass_rates(
+            self.policy.with_params(params),
+            self.problems,
+            n=e.num_samples,
+            k_list=e.ks,
+            temperature=e.temperature,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            task_format=self.format,
+            sampler=self.sampler,
+        )
+        result["version"] = got
+        log.info(
+            "held-out %s at version %d: %s",
+            self.name,
+            got,
+            ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("pass@")),
+        )
+        return result
+
+
 def evaluate_version(cfg: RunConfig, ps: Any | None) -> dict[str, Any]:
     """Held-out pass@k of the base model (``ps`` None) or the PS's newest version."""
-    from rlax_tasks.config import SyntheticSource
-    from rlax_tasks.models import load_pretrained
-    from rlax_tasks.warmup import TinyArith, evaluate_pass_rates
-
-    spec = cfg.eval.dataset
-    if spec is None:
-        raise ValueError("eval.dataset: give a held-out dataset to report pass@k on")
-    source = spec.source
-    if not (isinstance(source, SyntheticSource) and source.prompt_format == "compact"):
-        raise ValueError(
-            "eval.dataset: the run report evaluates compact synthetic arithmetic; for other "
-            "datasets use `rlax eval` on the run's weights (--weights-from RUN_DIR)"
-        )
-    policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-    version = 0
-    if ps is not None:
-        version, params = ps.pull(like=policy.params)
-        policy = policy.with_params(params)
-    fmt = TinyArith(dict(source.knobs))
-    problems = fmt.problems(cfg.eval.num_prompts, seed=source.seed)
-    result = evaluate_pass_rates(
-        policy,
-        problems,
-        n=cfg.eval.num_samples,
-        k_list=cfg.eval.ks,
-        temperature=cfg.eval.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        max_slots=cfg.workers.slots,
-    )
-    result["version"] = version
-    log.info(
-        "held-out %s at version %d: %s",
-        spec.name,
-        version,
-        ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("pass@")),
-    )
-    return result
+    return HeldOutEvaluator(cfg).evaluate(ps)
 
 
 def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
@@ -104,12 +136,19 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
 
     before, after = report.get("before") or {}, report.get("after") or {}
     ks = [k for k in before if k.startswith("pass@")]
+    progress = _read_jsonl(os.path.join(out_dir, "progress.jsonl"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = np.arange(len(ks))
-    ax.bar(x - 0.2, [before[k] for k in ks], 0.4, label="before")
-    ax.bar(x + 0.2, [after.get(k, np.nan) for k in ks], 0.4, label="after")
-    ax.set_xticks(x, ks)
-    ax.set(ylim=(0, 1), ylabel="held-out", title="pass@k before and after")
+    if progress:  # eval.every_steps: held-out pass@k per step
+        rows = sorted({r["step"]: r for r in progress}.values(), key=lambda r: r["step"])
+        for k in ks:
+            ax.plot([r["step"] for r in rows], [r.get(k, np.nan) for r in rows], "o-", label=k)
+        ax.set(xlabel="training step", ylim=(0, 1), ylabel="held-out", title="pass@k per step")
+    else:
+        x = np.arange(len(ks))
+        ax.bar(x - 0.2, [before[k] for k in ks], 0.4, label="before")
+        ax.bar(x + 0.2, [after.get(k, np.nan) for k in ks], 0.4, label="after")
+        ax.set_xticks(x, ks)
+        ax.set(ylim=(0, 1), ylabel="held-out", title="pass@k before and after")
     ax.legend()
     save(fig, "pass_at_k")
 

@@ -209,6 +209,7 @@ class Trainer:
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = metrics["tokens"] / elapsed
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
+        metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
         if not math.isfinite(metrics["loss"]):
             log.warning("step %d: non-finite loss %s", self.step_count, metrics["loss"])
         if self.metrics_writer is not None:

@@ -60,7 +60,7 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     the run finishes, every step is in the lineage exactly once, in order, and the report is
     written."""
     monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, **{"eval.every_steps": 3})
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
     killed = []
@@ -86,6 +86,14 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     assert os.path.exists(os.path.join(cfg.run_dir, "eval", "report.md"))
     for plot in ("reward", "pass_at_k", "staleness", "weight_sync"):
         assert os.path.getsize(os.path.join(cfg.run_dir, "eval", f"{plot}.png")) > 1000
+    # eval.every_steps: held-out pass@k during the run, each row timed by its version's step
+    progress = read_jsonl(os.path.join(cfg.run_dir, "eval", "progress.jsonl"))
+    assert progress[0]["step"] == 0 and progress[0]["seconds"] == 0
+    assert progress[-1]["version"] == 8 and len(progress) >= 3
+    assert all(0 <= r["pass@1"] <= r["pass@8"] <= 1 for r in progress)
+    times = [r["seconds"] for r in progress if r["seconds"] is not None]
+    assert times == sorted(times) and len(times) >= 3
+    assert all("time" in r for r in read_jsonl(metrics_path))
 
 
 @pytest.mark.slow
