@@ -10,6 +10,9 @@ Environment (all optional):
   (default: RLAX_RUN_ROOT); the dashboard lists the same.
 - ``RLAX_BACKEND``: compute backend, "local" (default) or "cloud_tpu".
 - ``RLAX_BACKEND_SETTINGS``: JSON object of backend settings (e.g. {"project": ..., "zone": ...}).
+- ``RLAX_RETRY_DELAY_S``: first retry delay of every task (default 60; doubles per retry).
+- ``RLAX_SIBLING_GRACE_S``: how long a job of a run may stay down before the other jobs'
+  watchers give way to its task (default 600; see rlax_tasks.airflow.triggers).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ NIGHTLY_EVAL = Asset(name="rlax_nightly_eval", uri="rlax://eval/nightly")
 DEFAULT_ARGS: dict[str, Any] = {
     "owner": OWNER,
     "retries": 2,
-    "retry_delay": dt.timedelta(minutes=1),
+    "retry_delay": dt.timedelta(seconds=float(os.environ.get("RLAX_RETRY_DELAY_S") or 60)),
     "retry_exponential_backoff": True,
     "max_retry_delay": dt.timedelta(minutes=15),
 }
@@ -138,8 +141,13 @@ def _free_port() -> int:
 
 def _overrides(params: dict[str, Any], run_root: str, run_id: str, dataset: str) -> dict:
     out: dict[str, Any] = {"run_root": run_root, "run_id": run_id}
+    overrides = params.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise PlanError(f"overrides: must be an object of dotted keys, got {overrides!r}")
+    out.update(overrides)
     if params.get("model_path"):
         out["model.path"] = params["model_path"]
+        out["model.warmup_if_missing"] = False  # a given model is used as is, never built
     if params.get("algorithm"):
         out["algorithm.preset"] = params["algorithm"]
     if params.get("reload_every") is not None:
@@ -215,6 +223,9 @@ def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") ->
         "num_workers": cfg.workers.count,
         "ps_url": ps_url,
         "argv": argv,
+        # one top-level key per job: the DAG reads them as XComs (plan has multiple outputs, and
+        # XComArg["a"]["b"] would look up key "b", not argv["b"])
+        **{f"argv_{name}": value for name, value in argv.items()},
         # the parameter server's bearer token (DESIGN §6), handed to the jobs' environment
         "env": {"RLAX_PS_TOKEN": secrets.token_hex(16), "JAX_PLATFORMS": "cpu"},
     }
@@ -371,10 +382,15 @@ def provision(task_id: str, run_root: str, name: str, run_id: str, accelerator_t
     )
 
 
+def sibling_grace_s() -> float:
+    return float(os.environ.get("RLAX_SIBLING_GRACE_S") or 600)
+
+
 def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = None, **kw):
     """An RlaxJobOperator running ``rlax <argv>`` on ``slice_handle`` (deferrable)."""
     from rlax_tasks.airflow import RlaxJobOperator
 
+    kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator(
         task_id=task_id,
         backend=backend_name(),
@@ -399,17 +415,38 @@ def teardown(task_id: str, run_root: str, slice_handle: Any, **kw):
     )
 
 
-def mapped_jobs(task_id: str, run_root: str, slice_handle: Any, argvs: Any, env: Any = None):
+def mapped_jobs(
+    task_id: str, run_root: str, slice_handle: Any, argvs: Any, env: Any = None, **kw: Any
+):
     """RlaxJobOperator mapped over ``argvs`` (one job per command line) on one slice."""
     from rlax_tasks.airflow import RlaxJobOperator
 
+    kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator.partial(
         task_id=task_id,
         backend=backend_name(),
         backend_settings=backend_settings(run_root),
         slice_handle=slice_handle,
         env=env or {},
+        **kw,
     ).expand(argv=argvs)
+
+
+def start_services(plan: dict[str, Any], slice_handle: dict[str, Any]) -> dict[str, Any]:
+    """Starts the run's ps, trainer, workers and controller on the slice at once, named as
+    their watching tasks name them; returns {job name: job handle}."""
+    from rlax_tasks.airflow import job_name_for, start_jobs
+
+    argv = plan["argv"]
+    jobs = {
+        "ps": argv["ps"],
+        "trainer": argv["trainer"],
+        **{job_name_for("worker", i): a for i, a in enumerate(argv["workers"])},
+        "controller": argv["controller"],
+    }
+    return start_jobs(
+        backend_name(), backend_settings(plan["run_root"]), slice_handle, jobs, plan["env"]
+    )
 
 
 SERVICE_COMMANDS = ("ps", "trainer", "worker")

@@ -16,11 +16,12 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    tiny base model when the preset asks for it, picks the services' addresses. When the run was
    triggered by the **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
 2. **provision** (setup) — the slice the jobs run on.
-3. **ps**, **trainer**, **worker** (mapped over the worker index) and **controller** —
-   long-running `rlax` jobs watched by deferrable triggers. A preempted or killed job is
-   retried and resumes from the newest checkpoint, controller snapshot and weight mirror; a
-   configuration error fails without retries.
-4. **finish** — once the controller reached `steps`, stops the services.
+3. **start_services** starts every job at once; **ps**, **trainer**, **worker** (mapped over
+   the worker index) and **controller** watch them — long-running `rlax` jobs watched by
+   deferrable triggers. A preempted or killed job is retried and resumes from the newest
+   checkpoint, controller snapshot and weight mirror; a configuration error fails without
+   retries. The service watchers end (stopping their job) once the controller has succeeded.
+4. **finish** — once the controller reached `steps`, stops whatever still runs.
 5. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/`.
 6. **teardown** — deletes the slice, always (all_done), and records the final state in
    `<run>/status.json` (read by the RLAX dashboard and the janitor).
@@ -71,12 +72,16 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             "", type="string", pattern=r"^([a-z0-9][a-z0-9_-]{0,62})?$",
             description="same id = resume that run; empty = derived from the DAG run id",
         ),
+        "overrides": Param(
+            {}, type="object",
+            description='run-config overrides by dotted key, e.g. {"rollout.group_size": 4}',
+        ),
     },
 )  # fmt: skip
 def rlax_train():
     @task(retries=0)
     def plan(params: dict, run_id: str, triggering_asset_events=None) -> dict:
-        from airflow.exceptions import AirflowFailException
+        from airflow.sdk.exceptions import AirflowFailException
 
         dataset = ""
         for events in (triggering_asset_events or {}).values():
@@ -112,11 +117,18 @@ def rlax_train():
     @task
     def worker_argvs(p: dict) -> list[list[str]]:
         # a task of its own: Airflow maps only over a task's whole return value
-        return p["argv"]["workers"]
+        return p["argv_workers"]
+
+    @task
+    def start_services(p: dict, slice_handle: dict) -> dict:
+        """Starts every job before any watcher waits (dag.test() runs triggers one by one)."""
+        return rc.start_services(p, slice_handle)
 
     @task(trigger_rule="all_done")
-    def record_state(p: dict, dag_run=None) -> str:
-        failed = [ti.task_id for ti in dag_run.get_task_instances(state=["failed"])]
+    def record_state(p: dict, dag_run=None, ti=None) -> str:
+        runs = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id])
+        states = runs.get(dag_run.run_id, {})
+        failed = sorted(k for k, v in states.items() if v in ("failed", "upstream_failed"))
         state = "failed" if failed else "succeeded"
         rc.write_status(p["run_dir"], state, dag_run.run_id, failed_tasks=failed)
         return state
@@ -127,15 +139,18 @@ def rlax_train():
         "provision", root, p["slice"], p["run_id"], "{{ params.accelerator_type }}"
     )
     h = slice_.output
-    ps = rc.job("ps", root, h, p["argv"]["ps"], p["env"])
-    trainer = rc.job("trainer", root, h, p["argv"]["trainer"], p["env"])
-    workers = rc.mapped_jobs("worker", root, h, worker_argvs(p), p["env"])
-    controller = rc.job("controller", root, h, p["argv"]["controller"], p["env"])
+    started = start_services(p, h)
+    watch = {"started_jobs": started, "done_when": "controller"}
+    ps = rc.job("ps", root, h, p["argv_ps"], p["env"], **watch)
+    trainer = rc.job("trainer", root, h, p["argv_trainer"], p["env"], **watch)
+    workers = rc.mapped_jobs("worker", root, h, worker_argvs(p), p["env"], **watch)
+    controller = rc.job("controller", root, h, p["argv_controller"], p["env"], **watch)
     stop = finish(p, h)
-    evaluate = rc.job("evaluate", root, h, eval_argv(p), p["env"])
+    final_eval = eval_argv(p)
+    evaluate = rc.job("evaluate", root, h, final_eval, p["env"])
     cleanup = rc.teardown("teardown", root, h).as_teardown(setups=slice_)
-    p >> slice_ >> [ps, trainer, workers, controller]
-    controller >> stop >> evaluate >> cleanup
+    p >> slice_ >> started >> [ps, trainer, workers, controller]
+    controller >> stop >> final_eval >> evaluate >> cleanup
     [ps, trainer, workers] >> cleanup
     cleanup >> record_state(p)
 

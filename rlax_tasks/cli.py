@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from rlax_tasks.airflow.local_dag_run import add_airflow_parser
 from rlax_tasks.curation.cli import add_curate_parser
 from rlax_tasks.evaluation.cli import add_eval_parser
 from rlax_tasks.models import CheckpointError, ModelConfigError
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parser(sub)
     add_trainer_parser(sub)
     add_run_parser(sub)
+    add_airflow_parser(sub)
     return parser
 
 

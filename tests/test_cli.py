@@ -39,3 +39,16 @@ def test_console_script_entry_point():
         [sys.executable, "-m", "rlax_tasks.cli", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_airflow_train_user_mistakes_are_one_line_errors(tmp_path, capsys):
+    """`rlax airflow train` validates before it starts Airflow (the run itself is tested by
+    tests/dags/test_train_dag_e2e.py)."""
+    assert main(["airflow", "train", "--set", "rollout.group_size=0", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.group_size" in err and "Traceback" not in err
+    home = str(tmp_path / "home")
+    argv = ["airflow", "train", "--dags-folder", str(tmp_path), "--airflow-home", home]
+    assert main([*argv, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no rlax_train.py there" in err and "Traceback" not in err

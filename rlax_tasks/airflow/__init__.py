@@ -19,6 +19,8 @@ _EXPORTS = {
     "JobFailedError": "rlax_tasks.airflow.operators",
     "SliceUnavailableError": "rlax_tasks.airflow.operators",
     "raise_for_job_event": "rlax_tasks.airflow.operators",
+    "job_name_for": "rlax_tasks.airflow.operators",
+    "start_jobs": "rlax_tasks.airflow.operators",
     "JobStateTrigger": "rlax_tasks.airflow.triggers",
     "SliceReadyTrigger": "rlax_tasks.airflow.triggers",
 }

@@ -200,10 +200,45 @@ class ProvisionSliceOperator(_BackendOperator):
         return event["slice"]
 
 
-class RlaxJobOperator(_BackendOperator):
-    """Runs ``rlax <argv>`` on a slice until it ends; see the module docstring for outcomes."""
+def start_jobs(
+    backend_name: str,
+    backend_settings: dict[str, Any],
+    slice_handle: Any,
+    jobs: dict[str, list[str]],
+    env: dict[str, str] | None = None,
+    heartbeat_timeout_s: float = 120.0,
+) -> dict[str, dict[str, Any]]:
+    """Starts every job of a run on a READY slice at once (idempotent: a running job is left
+    alone) and returns {job name: job handle dict} for the watching RlaxJobOperators
+    (``started_jobs=``). A slice that is not READY starts nothing: each job's own task
+    provisions and starts it then."""
+    backend = get_backend(backend_name, **backend_settings)
+    handle = _as_handle_dict(slice_handle, "slice_handle")
+    if backend.slice_state(handle) is not SliceState.READY:
+        return {}
+    started = {}
+    for name, argv in jobs.items():
+        spec = JobSpec(
+            name=name,
+            argv=list(argv),
+            env={str(k): str(v) for k, v in (env or {}).items()},
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
+        started[name] = backend.start_job(handle, spec).to_dict()
+    return started
 
-    template_fields = ("slice_handle", "argv", "env", "job_name", "run_root")
+
+class RlaxJobOperator(_BackendOperator):
+    """Runs ``rlax <argv>`` on a slice until it ends; see the module docstring for outcomes.
+
+    With ``started_jobs`` (the output of ``start_jobs``) the job may already run: on the first
+    try its state is taken as is (a job that already failed is reported, not restarted), and
+    the watch also ends when the ``done_when`` job (the run's controller) has succeeded — the
+    operator then stops its own job — or when another started job stays down for
+    ``sibling_grace_s`` (a retryable error; see ``JobStateTrigger``).
+    """
+
+    template_fields = ("slice_handle", "argv", "env", "job_name", "run_root", "started_jobs")
 
     def __init__(
         self,
@@ -215,6 +250,9 @@ class RlaxJobOperator(_BackendOperator):
         run_root: str = "",
         heartbeat_timeout_s: float = 120.0,
         provision_timeout_s: float = 3600.0,
+        started_jobs: Any = None,
+        done_when: str | None = None,
+        sibling_grace_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -225,9 +263,26 @@ class RlaxJobOperator(_BackendOperator):
         self.run_root = run_root
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.provision_timeout_s = float(provision_timeout_s)
+        self.started_jobs = started_jobs
+        self.done_when = done_when
+        self.sibling_grace_s = float(sibling_grace_s)
+
+    def _started(self) -> dict[str, dict[str, Any]]:
+        jobs = self.started_jobs or {}
+        if isinstance(jobs, str):
+            jobs = json.loads(jobs)
+        return dict(jobs)
 
     def execute(self, context: Any) -> dict[str, Any]:
         backend = self._backend()
+        ti = context.get("ti") if hasattr(context, "get") else None
+        own = self._started().get(self._job_spec(context).name)
+        if own is not None and getattr(ti, "try_number", 1) <= 1:
+            status = backend.job_state(own)
+            if status.state is JobState.RUNNING:
+                return self._watch(context, backend, own)
+            # it ended before this task first looked: report it (exit 2 must not be retried)
+            return self.execute_complete(context, {**status.to_dict(), "job": own})
         handle = _as_handle_dict(self.slice_handle, "slice_handle")
         state = backend.slice_state(handle)
         if state not in (SliceState.READY, SliceState.PROVISIONING):
@@ -282,19 +337,37 @@ class RlaxJobOperator(_BackendOperator):
         spec = self._job_spec(context)
         job = backend.start_job(handle, spec).to_dict()
         self.log.info("job %s running on slice %s: rlax %s", spec.name, handle["name"], spec.argv)
+        return self._watch(context, backend, job)
+
+    def _watch(self, context: Any, backend: Any, job: dict[str, Any]) -> dict[str, Any]:
+        started = self._started()
+        done_when = started.get(self.done_when) if self.done_when else None
+        if done_when is not None and done_when.get("name") == job["name"]:
+            done_when = None
+        siblings = [h for name, h in started.items() if name != job["name"]]
+        trigger = JobStateTrigger(
+            self.backend,
+            self.backend_settings,
+            job,
+            self.poll_interval_s,
+            done_when=done_when,
+            siblings=siblings,
+            sibling_grace_s=self.sibling_grace_s,
+        )
         if self.deferrable:
-            self.defer(
-                trigger=JobStateTrigger(
-                    self.backend, self.backend_settings, job, self.poll_interval_s
-                ),
-                method_name="execute_complete",
-            )
-        while (status := backend.job_state(job)).state is JobState.RUNNING:
+            self.defer(trigger=trigger, method_name="execute_complete")
+        while (event := trigger._observe(backend)) is None:
             time.sleep(self.poll_interval_s)
-        return self.execute_complete(context, {**status.to_dict(), "job": job})
+        return self.execute_complete(context, event)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resumes after JobStateTrigger: success returns, failures raise (see the docstring)."""
+        if event.get("state") == "DONE":
+            self._backend().stop_job(event["job"])
+            self.log.info("job %s stopped: %s", event["job"]["name"], event["message"])
+            return {"job": event["job"], "exit_code": None, "message": event["message"]}
+        if event.get("state") == "SIBLING_LOST":
+            raise JobFailedError(f"{event['message']}; retrying to let its task restart it")
         raise_for_job_event(event)
         self.log.info("job %s succeeded", event["job"]["name"])
         return {

@@ -6,9 +6,14 @@ many jobs. This module imports only Airflow's trigger base and ``rlax_tasks.comp
 no cloud client at import time), as the triggerer requires.
 
 Event payloads (JSON):
-- ``JobStateTrigger``: ``{"state": "SUCCEEDED"|"FAILED"|"PREEMPTED"|"ERROR", "message",
-  "exit_code", "job": <job handle dict>}``. ERROR: the state could not be read
-  ``max_consecutive_errors`` times in a row (the operator retries).
+- ``JobStateTrigger``: ``{"state": "SUCCEEDED"|"FAILED"|"PREEMPTED"|"ERROR"|"DONE"|
+  "SIBLING_LOST", "message", "exit_code", "job": <job handle dict>}``. ERROR: the state could
+  not be read ``max_consecutive_errors`` times in a row (the operator retries). DONE: the job
+  named by ``done_when`` (the run's controller) has SUCCEEDED, so this service is no longer
+  needed. SIBLING_LOST: another job of the run (``siblings``) has not been RUNNING for
+  ``sibling_grace_s`` — its own task should have restarted it by then; this watcher gives way
+  (Airflow's ``dag.test()`` runs deferred triggers one at a time, inline, so a watcher that
+  kept waiting there would keep the dead job's task from ever running).
 - ``SliceReadyTrigger``: ``{"state": "READY"|"PREEMPTED"|"FAILED"|"DELETED"|"ERROR", "message",
   "slice": <slice handle dict>}``.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,7 +84,8 @@ class _PollingTrigger(BaseTrigger):
 
 
 class JobStateTrigger(_PollingTrigger):
-    """Fires once the job is no longer RUNNING (succeeded, failed, or preempted)."""
+    """Fires once the job is no longer RUNNING (succeeded, failed, or preempted), once the
+    ``done_when`` job has succeeded, or once a sibling job has been down past the grace time."""
 
     def __init__(
         self,
@@ -87,21 +94,54 @@ class JobStateTrigger(_PollingTrigger):
         job_handle: dict[str, Any],
         poll_interval_s: float = 10.0,
         max_consecutive_errors: int = 5,
+        done_when: dict[str, Any] | None = None,
+        siblings: list[dict[str, Any]] | None = None,
+        sibling_grace_s: float = 600.0,
     ) -> None:
         super().__init__(backend_name, backend_settings, poll_interval_s, max_consecutive_errors)
         self.job_handle = dict(job_handle)
+        self.done_when = dict(done_when) if done_when else None
+        self.siblings = [dict(h) for h in siblings or []]
+        self.sibling_grace_s = float(sibling_grace_s)
+        self._down_since: dict[str, float] = {}
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             "rlax_tasks.airflow.triggers.JobStateTrigger",
-            {**self._common_kwargs(), "job_handle": self.job_handle},
+            {
+                **self._common_kwargs(),
+                "job_handle": self.job_handle,
+                "done_when": self.done_when,
+                "siblings": self.siblings,
+                "sibling_grace_s": self.sibling_grace_s,
+            },
         )
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         status = backend.job_state(self.job_handle)
-        if status.state is JobState.RUNNING:
-            return None
-        return {**status.to_dict(), "job": self.job_handle}
+        if status.state is not JobState.RUNNING:
+            return {**status.to_dict(), "job": self.job_handle}
+        if self.done_when is not None:
+            if backend.job_state(self.done_when).state is JobState.SUCCEEDED:
+                name = self.done_when.get("name", "?")
+                return self._event("DONE", f"job {name} succeeded: the run is complete")
+        now = time.monotonic()
+        for sibling in self.siblings:
+            name = sibling.get("name", "?")
+            state = backend.job_state(sibling).state
+            if state is JobState.RUNNING:
+                self._down_since.pop(name, None)
+                continue
+            down = now - self._down_since.setdefault(name, now)
+            if down >= self.sibling_grace_s:
+                return self._event(
+                    "SIBLING_LOST",
+                    f"job {name} has been {state.value} for {down:.0f}s without a restart",
+                )
+        return None
+
+    def _event(self, state: str, message: str) -> dict[str, Any]:
+        return {"state": state, "message": message, "exit_code": None, "job": self.job_handle}
 
     def _error_event(self, message: str) -> dict[str, Any]:
         return {"state": "ERROR", "message": message, "exit_code": None, "job": self.job_handle}

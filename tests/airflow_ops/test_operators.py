@@ -22,8 +22,9 @@ from rlax_tasks.airflow import (
     RlaxJobOperator,
     SliceReadyTrigger,
     TeardownSliceOperator,
+    start_jobs,
 )
-from rlax_tasks.compute import SliceState, get_backend
+from rlax_tasks.compute import JobState, SliceState, get_backend
 from tests.compute.helpers import ENTRYPOINT, fake_cloud_tpu, preempt, read_counter, wait_for
 
 
@@ -183,6 +184,67 @@ def test_bad_inputs_fail_without_retries(local):
     handle = provision(local)
     with pytest.raises(AirflowFailException, match="heartbeat_timeout_s"):
         run_deferrable(job_op(local, handle, ["exit", "0"], heartbeat_timeout_s=0), context())
+
+
+def test_service_watchers_end_and_stop_their_job_once_the_controller_succeeded(local, tmp_path):
+    handle = provision(local)
+    ckpt = str(tmp_path / "ckpt")
+    started = start_jobs(
+        "local",
+        local,
+        handle,
+        {"ps": ["sleep", "120"], "controller": ["count", ckpt, "10", "0.05"]},
+    )
+    assert set(started) == {"ps", "controller"}
+    watch = {"started_jobs": started, "done_when": "controller"}
+    # the first try of a watcher takes the already running job as is (no second start)
+    ps = job_op(local, handle, ["sleep", "120"], task_id="ps", **watch)
+    result = run_deferrable(ps, context())
+    assert "controller succeeded" in result["message"] and read_counter(ckpt) == 10
+    backend = get_backend("local", **local)
+    assert backend.job_state(started["ps"]).state is not JobState.RUNNING  # stopped
+    result = run_deferrable(
+        job_op(local, handle, ["count", ckpt, "10", "0.05"], task_id="controller", **watch),
+        context(),
+    )
+    assert result["exit_code"] == 0
+    assert not os.path.exists(started["ps"]["status_dir"] + ".1")  # never restarted
+
+
+def test_a_job_that_ended_before_its_first_watch_is_reported_not_restarted(local):
+    handle = provision(local)
+    started = start_jobs("local", local, handle, {"trainer": ["exit", "2"]})
+    backend = get_backend("local", **local)
+    wait_for(lambda: backend.job_state(started["trainer"]).state is not JobState.RUNNING)
+    op = job_op(local, handle, ["exit", "2"], started_jobs=started)
+    with pytest.raises(AirflowFailException, match="configuration error"):
+        run_deferrable(op, context())
+    assert not os.path.exists(started["trainer"]["status_dir"] + ".1")
+
+
+def test_a_sibling_down_past_the_grace_time_makes_the_watcher_give_way(local):
+    handle = provision(local)
+    started = start_jobs(
+        "local", local, handle, {"ps": ["sleep", "120"], "trainer": ["sleep", "120"]}
+    )
+    status_dir = started["trainer"]["status_dir"]
+
+    def child_pid():
+        try:
+            with open(os.path.join(status_dir, "heartbeat")) as f:
+                return json.load(f)["pid"]
+        except (FileNotFoundError, ValueError):
+            return None
+
+    child = wait_for(child_pid)
+    os.kill(child, signal.SIGKILL)
+    op = job_op(
+        local, handle, ["sleep", "120"], task_id="ps", started_jobs=started, sibling_grace_s=0.5
+    )
+    with pytest.raises(JobFailedError, match="job trainer has been PREEMPTED"):
+        run_deferrable(op, context())
+    assert get_backend("local", **local).job_state(started["ps"]).state is JobState.RUNNING
+    get_backend("local", **local).teardown(handle)
 
 
 def test_trigger_reports_an_error_after_repeated_failures(local):
