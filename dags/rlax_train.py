@@ -43,7 +43,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="run configuration preset (rlax_tasks/presets)",
         ),
         "model_path": Param(
-            "", type="string",
+            None, type=["null", "string"],
             description="base model (HF directory, local or gs://); empty = the preset's",
         ),
         "algorithm": Param(
@@ -69,7 +69,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="local directory or gs://bucket/prefix",
         ),
         "run_id": Param(
-            "", type="string", pattern=r"^([a-z0-9][a-z0-9_-]{0,62})?$",
+            None, type=["null", "string"], pattern=r"^([a-z0-9][a-z0-9_-]{0,62})?$",
             description="same id = resume that run; empty = derived from the DAG run id",
         ),
         "overrides": Param(

@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Sets up the project on a fresh machine: Debian packages it needs (when missing), then .venv with
 # every Python package pinned by constraints.txt. `--test` adds the test extras (pytest, ruff,
-# torch CPU for the transformers parity tests). Safe to re-run: it only installs what is missing.
+# torch CPU for the transformers parity tests); `--bench` adds those and the benchmark extras (TRL for
+# benchmarks/vs_trl.py). Safe to re-run: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
+for arg in "$@"; do
+  case "$arg" in
+    --test) if [[ -z "$extras" ]]; then extras="[test]"; fi ;;
+    --bench) extras="[test,bench]" ;;  # benchmarks/vs_trl.py needs TRL (and torch, as the tests)
+    *) echo "usage: bash scripts/setup.sh [--test | --bench]" >&2; exit 2 ;;
+  esac
+done
 
 # Debian packages the project needs at run time: bubblewrap sandboxes generated code, which runs
 # under Debian's python3 (g++ is optional: C++ judging is enabled when it is present).
 apt_packages=(bubblewrap python3)
+# the tests also drive the Airflow UI in headless Chromium (tests/dags/test_browser.py, Selenium)
+# and validate docker-compose.yaml with `docker-compose config` (no Docker engine needed)
+if [[ "$extras" == *test* ]]; then apt_packages+=(chromium chromium-driver docker-compose); fi
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

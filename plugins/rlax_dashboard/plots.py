@@ -23,6 +23,7 @@ def render_png(series: RunSeries, name: str) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     lines = {
         "reward": {"reward": series.reward},
@@ -45,6 +46,7 @@ def render_png(series: RunSeries, name: str) -> bytes:
             if drawn:
                 ax.legend(fontsize=8)
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are integers
         ax.grid(alpha=0.3)
         fig.tight_layout()
         buf = io.BytesIO()

@@ -11,8 +11,9 @@ A run is a child ``<run_id>/`` of a run root (local directory or ``gs://bucket/p
   ``rollout_versions`` → staleness = mean(version − rollout_versions)) and ``weight_sync.jsonl``
   (``step``, ``push_s``).
 - ``eval/report.json`` (``rlax run``'s before/after pass@k: ``before`` at version 0, ``after``
-  at its ``version`` or the last step) and ``eval/v<version>/results.json`` (``rlax eval``
-  outputs of the nightly evaluation: ``models[0].overall["pass@k"]``).
+  at its ``version`` or the last step), ``eval/progress.jsonl`` (``rlax run``'s pass@k during
+  the run, one row per evaluated ``version``) and ``eval/v<version>/results.json`` (``rlax
+  eval`` outputs of the DAG and the nightly evaluation: ``models[0].overall["pass@k"]``).
 - ``status.json`` ({"state": ..., "updated": unix seconds, "dag_run_id": ...}) written by the
   rlax_train DAG; without it the state is inferred: "finished" when eval/report.json exists,
   "running" when metrics.jsonl changed within ``active_window_s``, "stopped" otherwise, and
@@ -227,6 +228,10 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
             last = max((s for s in (_step(r) for r in metrics) if s is not None), default=0)
             version = _number(after.get("version"))
             add(int(version) if version is not None else last, after)
+    for row in read_jsonl(storage.join(eval_dir, "progress.jsonl")):  # eval.every_steps
+        version = _number(row.get("version")) if isinstance(row, dict) else None
+        if version is not None:
+            add(int(version), row)
     for name in storage.list_children(eval_dir):
         m = _EVAL_VERSION_RE.match(name)
         if not m:

@@ -141,7 +141,14 @@ def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controlle
     from rlax_tasks.trainer.service import TrainerClient
 
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    if not os.path.isdir(cfg.model.path):  # else transformers would look for a hub repo id
+        raise FileNotFoundError(
+            f"model.path: {cfg.model.path!r} is not a directory (expected an HF model directory)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.path: no tokenizer loads from {cfg.model.path!r}: {e}") from None
     return Controller(
         ControllerSettings.from_run_config(cfg),
         mixture,

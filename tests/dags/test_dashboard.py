@@ -103,6 +103,17 @@ def test_series_follow_the_metrics_contract(tmp_path, client_for):
     assert series["pass_at"]["pass@8"] == [[2, 0.7]]
 
 
+def test_pass_at_k_during_a_run_comes_from_eval_progress(tmp_path, client_for):
+    progress = "\n".join(
+        json.dumps({"step": v, "version": v, "seconds": 3.0 * v, "pass@1": 0.1 * v})
+        for v in (0, 2, 4)
+    )
+    write_run(str(tmp_path), "alpha", files={"eval/progress.jsonl": progress.encode()})
+    series = client_for([str(tmp_path)]).get("/runs/0/alpha/series").json()
+    assert [p[0] for p in series["pass_at"]["pass@1"]] == [0, 2, 4]
+    assert series["pass_at"]["pass@1"][-1][1] == pytest.approx(0.4)
+
+
 def test_series_fall_back_to_lineage_and_weight_sync_files(tmp_path, client_for):
     d = tmp_path / "old"
     d.mkdir()

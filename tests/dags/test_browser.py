@@ -1,0 +1,357 @@
+"""A real-browser test of the Airflow UI: headless Chromium (Debian's chromium + chromedriver,
+driven by Selenium) opens the UI served by `airflow standalone`, triggers rlax_train through the
+Params form, waits for the run, then opens the RLAX dashboard from the UI's navigation and checks
+that the run is listed and that its page shows the four plots.
+
+Screenshots are kept under ``RLAX_TEST_ARTIFACTS`` (default tests/artifacts/browser/): the filled
+trigger form, the DAG run, the dashboard's runs table and the run page (and the page at the
+moment of a failure). Needs `bash scripts/setup.sh --test` (the chromium packages and selenium).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import pytest
+
+from tests.dags.conftest import REPO
+from tests.dags.standalone import DAG_ID, TAG_ENV, Standalone, tail, wait_for
+
+RUN_ID = "browser-e2e"
+STEPS = 2
+PRESET = "tiny-arith"
+PLOTS = ("reward", "pass_at_k", "staleness", "weight_sync")
+RUN_TIMEOUT_S = float(os.environ.get("RLAX_BROWSER_RUN_TIMEOUT_S") or 900)
+UI_TIMEOUT_S = 60
+ARTIFACTS = os.environ.get("RLAX_TEST_ARTIFACTS") or os.path.join(REPO, "tests", "artifacts")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def artifacts() -> str:
+    path = os.path.join(ARTIFACTS, "browser")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory):
+    """`airflow standalone` on a free port, ready with rlax_train parsed; always stopped."""
+    server = Standalone(str(tmp_path_factory.mktemp("airflow-standalone")))
+    server.start()
+    try:
+        try:
+            server.wait_ready()
+        except (TimeoutError, RuntimeError) as e:
+            raise AssertionError(f"{e}\n--- standalone log tail:\n{server.log_tail()}") from e
+        yield server
+    finally:
+        leftovers = server.stop()
+        if leftovers:
+            print("killed after the grace period:\n  " + "\n  ".join(leftovers))
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """The tiny-arith preset's base model, built by its supervised warm-up (~1 min) in a
+    subprocess while Airflow starts (request it first); returns (path, wait())."""
+    root = str(tmp_path_factory.mktemp("base-models"))
+    path = os.path.join(root, PRESET)
+    log_path = os.path.join(root, "warmup.log")
+    code = (
+        "import os, sys\n"
+        "from rlax_tasks.warmup import ensure_base_model\n"
+        "ensure_base_model(os.path.dirname(sys.argv[1]), name=os.path.basename(sys.argv[1]))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, path],
+            env=env,
+            cwd=root,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait() -> str:
+        try:
+            code = proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"base model warm-up timed out:\n{tail(log_path, 30)}") from None
+        assert code == 0, f"base model warm-up failed ({code}):\n{tail(log_path, 30)}"
+        return path
+
+    yield path, wait
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser(artifacts, airflow):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium = shutil.which("chromium")
+    chromedriver = shutil.which("chromedriver")
+    assert chromium and chromedriver, (
+        "the browser test needs Debian's chromium and chromium-driver packages: "
+        "run `bash scripts/setup.sh --test`"
+    )
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium  # with both paths given, Selenium Manager stays idle
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # root in CI containers
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--no-proxy-server",  # everything it opens is on 127.0.0.1
+        "--window-size=1400,1800",  # tall: the whole trigger form fits in one screenshot
+        f"--user-data-dir={os.path.join(airflow.root, 'chromium-profile')}",
+    ):
+        options.add_argument(arg)
+    service = Service(
+        executable_path=chromedriver,
+        log_output=os.path.join(artifacts, "chromedriver.log"),
+        env={**os.environ, TAG_ENV: airflow.tag},  # stopped with the standalone, if left
+    )
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_page_load_timeout(UI_TIMEOUT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# --------------------------------------------------------------------------- browser helpers
+def _wait(driver, timeout: float = UI_TIMEOUT_S):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.25)
+
+
+def _screenshot(driver, artifacts: str, name: str) -> str:
+    path = os.path.join(artifacts, f"{name}.png")
+    driver.save_screenshot(path)
+    print(f"screenshot: {path}")
+    return path
+
+
+def _set_text(driver, name: str, text: str) -> None:
+    """Types ``text`` into the Params form field ``name`` (replacing its value)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    field = _wait(driver).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, f"input[name='element_{name}']"),
+        f"no Params field {name!r} in the trigger form",
+    )
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", field)
+    for _ in range(3):  # the form re-renders per keystroke: on a busy machine one can get lost
+        field.click()
+        field.send_keys(Keys.CONTROL, "a")
+        field.send_keys(Keys.DELETE)
+        field.send_keys(text)
+        field.send_keys(Keys.TAB)  # blur: the number inputs commit their value
+        try:
+            _wait(driver, 5).until(lambda d: field.get_attribute("value") == text)
+            return
+        except TimeoutException:
+            continue
+    raise AssertionError(f"field {name!r} does not take {text!r}: {field.get_attribute('value')!r}")
+
+
+def _select_option(driver, name: str, option: str) -> None:
+    """Picks ``option`` in the select field ``name`` (a react-select): open its menu, click."""
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.CSS_SELECTOR, f"#element_{name} input[role='combobox']")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", box)
+    box.click()
+    xpath = f"//*[@role='option' and normalize-space()='{option}']"
+    _wait(driver, 10).until(
+        lambda d: d.find_elements(By.XPATH, xpath), f"{name!r} offers no option {option!r}"
+    )[0].click()
+    hidden = driver.find_element(By.CSS_SELECTOR, f"input[type='hidden'][name='element_{name}']")
+    _wait(driver, 10).until(
+        lambda d: hidden.get_attribute("value") == option, f"{name!r} did not take {option!r}"
+    )
+
+
+def trigger_through_form(driver, airflow: Standalone, artifacts: str, model_path: str) -> str:
+    """Opens rlax_train's Trigger dialog, fills the Params form and submits it; the new DAG
+    run's id (from the page the UI goes to)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    driver.get(f"{airflow.base_url}/dags/{DAG_ID}")
+    _wait(driver).until(
+        ec.element_to_be_clickable((By.CSS_SELECTOR, "[data-testid='trigger-dag-button']")),
+        f"no Trigger button on the page of {DAG_ID}",
+    ).click()
+    dialog = _wait(driver).until(
+        ec.visibility_of_element_located(
+            (By.XPATH, f"//*[@role='dialog' and .//h2[contains(., '{DAG_ID}')]]")
+        ),
+        "the Trigger dialog does not open",
+    )
+    assert dialog.find_elements(By.CSS_SELECTOR, "[data-testid='config-form']"), (
+        "the trigger dialog shows no Params form"
+    )
+    _select_option(driver, "preset", PRESET)
+    _set_text(driver, "steps", str(STEPS))
+    _set_text(driver, "run_id", RUN_ID)
+    # The form marks model_path required (type "string": an empty value does not validate), so
+    # it is filled with the preset's base model, built by its warm-up under the test's tmp dir.
+    _set_text(driver, "model_path", model_path)
+    unpause = dialog.find_element(
+        By.XPATH, ".//label[contains(normalize-space(), 'Unpause')]//input[@type='checkbox']"
+    )
+    assert unpause.is_selected(), "'Unpause rlax_train on trigger' should be checked by default"
+    submit = dialog.find_element(By.CSS_SELECTOR, "[data-testid='trigger-dag-submit']")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
+    _wait(driver, 10).until(
+        lambda d: submit.is_enabled(), "the form's Trigger button stays disabled (invalid Params?)"
+    )
+    _screenshot(driver, artifacts, "1-trigger-form")
+    submit.click()
+    _wait(driver).until(
+        lambda d: f"/dags/{DAG_ID}/runs/" in d.current_url,
+        "the UI did not go to the new DAG run's page after Trigger",
+    )
+    path = urllib.parse.urlparse(driver.current_url).path
+    return urllib.parse.unquote(path.split("/runs/", 1)[1].split("/")[0])
+
+
+def wait_for_run(airflow: Standalone, dag_run_id: str) -> str:
+    """The DAG run's final state (success or failed), polled through the REST API."""
+
+    def finished() -> str | None:
+        if not airflow.alive():
+            raise RuntimeError("airflow standalone exited while the DAG run was going")
+        try:
+            state = airflow.dag_run(dag_run_id)["state"]
+        except OSError as e:  # a busy api-server (2 cores, 5 jobs): ask again
+            print(f"polling {dag_run_id}: {e!r}")
+            return None
+        return state if state in ("success", "failed") else None
+
+    return wait_for(f"DAG run {dag_run_id} to finish", finished, RUN_TIMEOUT_S, interval=5)
+
+
+def open_dashboard_run(driver, airflow: Standalone, artifacts: str) -> dict[str, str]:
+    """Opens the RLAX entry of the UI's navigation, finds the run in the dashboard (an iframe)
+    and opens its page; returns {plot name: alt} of the plots that loaded."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    driver.get(f"{airflow.base_url}/")
+    _wait(driver).until(
+        ec.element_to_be_clickable((By.CSS_SELECTOR, "a[aria-label='RLAX']")),
+        "no RLAX entry in the UI's navigation",
+    ).click()
+
+    def dashboard_frame(d):
+        for frame in d.find_elements(By.TAG_NAME, "iframe"):
+            # the property: the attribute may be relative to the UI's base URL
+            src = d.execute_script("return arguments[0].src", frame) or ""
+            if urllib.parse.urlparse(src).path.rstrip("/").endswith("/rlax"):
+                return frame
+        return None
+
+    frame = _wait(driver).until(dashboard_frame, "no iframe of the RLAX dashboard (/rlax/)")
+    driver.switch_to.frame(frame)
+    try:
+        link = _wait(driver).until(
+            ec.element_to_be_clickable((By.LINK_TEXT, RUN_ID)),
+            f"the dashboard does not list run {RUN_ID}",
+        )
+        row = link.find_element(By.XPATH, "./ancestor::tr")
+        state = row.find_element(By.CSS_SELECTOR, ".state").text
+        driver.switch_to.default_content()
+        _screenshot(driver, artifacts, "3-dashboard-runs")
+        driver.switch_to.frame(frame)
+        link = driver.find_element(By.LINK_TEXT, RUN_ID)
+        link.click()
+        _wait(driver).until(
+            ec.text_to_be_present_in_element((By.TAG_NAME, "h1"), RUN_ID),
+            f"the dashboard's page of {RUN_ID} does not open",
+        )
+
+        def loaded() -> dict[str, str] | None:
+            imgs = driver.execute_script(
+                "return Array.from(document.images).map(i => "
+                "[i.getAttribute('src'), i.alt, i.complete, i.naturalWidth]);"
+            )
+            done = {
+                src.rsplit("/", 1)[-1].removesuffix(".png"): alt
+                for src, alt, complete, width in imgs
+                if complete and width > 0
+            }
+            return done if set(PLOTS) <= set(done) else None
+
+        plots = _wait(driver, 120).until(
+            lambda d: loaded(), f"the plots {PLOTS} do not all load on the run page"
+        )
+        driver.execute_script("window.scrollTo(0, 0)")
+    finally:
+        driver.switch_to.default_content()
+    _screenshot(driver, artifacts, "4-dashboard-run")
+    return {"state": state, **plots}
+
+
+# --------------------------------------------------------------------------- the test
+def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, browser, artifacts):
+    from selenium.webdriver.common.by import By
+
+    model_path, model_ready = base_model
+    dag_run_id = None
+    started = time.monotonic()
+    try:
+        model_ready()
+        print(f"base model ready after {time.monotonic() - started:.0f}s: {model_path}")
+        dag_run_id = trigger_through_form(browser, airflow, artifacts, model_path)
+        print(f"triggered {dag_run_id} after {time.monotonic() - started:.0f}s")
+        conf = airflow.dag_run(dag_run_id)["conf"]
+        assert conf["steps"] == STEPS and conf["run_id"] == RUN_ID, conf
+        assert conf["preset"] == PRESET and conf["model_path"] == model_path, conf
+
+        state = wait_for_run(airflow, dag_run_id)
+        print(f"DAG run {state} after {time.monotonic() - started:.0f}s")
+        quoted = urllib.parse.quote(dag_run_id, safe="")
+        browser.get(f"{airflow.base_url}/dags/{DAG_ID}/runs/{quoted}")
+        _wait(browser).until(
+            lambda d: d.find_elements(By.XPATH, "//table//a[normalize-space()='record_state']"),
+            "the DAG run page shows no task instances",
+        )
+        _screenshot(browser, artifacts, "2-dag-run")
+
+        shown = open_dashboard_run(browser, airflow, artifacts)
+        print(f"dashboard: {json.dumps(shown)}")
+        assert state == "success", f"DAG run {dag_run_id} ended {state}"
+        assert shown["state"] == "succeeded", shown
+        # the plots drew the run's data, not "no data yet"
+        series = airflow.get(f"/rlax/runs/0/{RUN_ID}/series")
+        assert [p[0] for p in series["reward"]] == list(range(1, STEPS + 1)), series
+        assert series["pass_at"], series
+    except Exception as e:
+        try:
+            _screenshot(browser, artifacts, "failure")
+        except Exception:  # noqa: BLE001 - the browser may be what failed
+            pass
+        report = airflow.report(dag_run_id, RUN_ID)
+        raise AssertionError(f"{type(e).__name__}: {e}\n\n{report}") from e
+    finally:
+        print(f"browser test took {time.monotonic() - started:.0f}s; screenshots in {artifacts}")
