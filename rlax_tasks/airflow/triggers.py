@@ -31,6 +31,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from rlax_tasks.compute import JobState, SliceState, get_backend
 
 log = logging.getLogger(__name__)
+STATUS_EVERY_S = 60.0
 
 
 class _PollingTrigger(BaseTrigger):
@@ -63,10 +64,17 @@ class _PollingTrigger(BaseTrigger):
     def _error_event(self, message: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _describe(self) -> str:
+        return type(self).__name__
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(self.backend_name, **self.backend_settings)
         errors = 0
+        started = last_status = time.monotonic()
         while True:
+            if time.monotonic() - last_status >= STATUS_EVERY_S:  # a line to show progress
+                last_status = time.monotonic()
+                log.info("%s: still waiting after %.0fs", self._describe(), last_status - started)
             try:
                 event = await asyncio.to_thread(self._observe, backend)
                 errors = 0
@@ -142,6 +150,9 @@ class JobStateTrigger(_PollingTrigger):
 
     def _event(self, state: str, message: str) -> dict[str, Any]:
         return {"state": state, "message": message, "exit_code": None, "job": self.job_handle}
+
+    def _describe(self) -> str:
+        return f"job {self.job_handle.get('name', '?')} running"
 
     def _error_event(self, message: str) -> dict[str, Any]:
         return {"state": "ERROR", "message": message, "exit_code": None, "job": self.job_handle}
