@@ -1,8 +1,24 @@
-"""Test session set-up: 8 host CPU devices for sharding tests (must precede any jax import)."""
+"""Test session set-up, before any test module imports jax or airflow: 8 host CPU devices for the
+sharding tests, and Airflow in a temporary AIRFLOW_HOME (SQLite) with the repository's dags/ and
+plugins/ (Airflow fixes its home and DAG folder when first imported, whichever test does it)."""
 
 import os
+import sys
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DAGS = os.path.join(REPO, "dags")
+PLUGINS = os.path.join(REPO, "plugins")
+os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="rlax-airflow-home-"))
+os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", DAGS)
+os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", PLUGINS)
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+for path in (DAGS, PLUGINS):  # as Airflow puts them on sys.path
+    if path not in sys.path:
+        sys.path.append(path)

@@ -159,11 +159,18 @@ def _set_text(driver, name: str, text: str) -> None:
         f"no Params field {name!r} in the trigger form",
     )
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", field)
-    for _ in range(3):  # the form re-renders per keystroke: on a busy machine one can get lost
+    # The form re-renders per keystroke: on a busy machine a fast burst can lose one, so later
+    # attempts type a key at a time, as slowly as a person would.
+    for attempt in range(4):
         field.click()
         field.send_keys(Keys.CONTROL, "a")
         field.send_keys(Keys.DELETE)
-        field.send_keys(text)
+        if attempt == 0:
+            field.send_keys(text)
+        else:
+            for ch in text:
+                field.send_keys(ch)
+                time.sleep(0.05 * attempt)
         field.send_keys(Keys.TAB)  # blur: the number inputs commit their value
         try:
             _wait(driver, 5).until(lambda d: field.get_attribute("value") == text)
@@ -213,8 +220,8 @@ def trigger_through_form(driver, airflow: Standalone, artifacts: str, model_path
     _select_option(driver, "preset", PRESET)
     _set_text(driver, "steps", str(STEPS))
     _set_text(driver, "run_id", RUN_ID)
-    # The form marks model_path required (type "string": an empty value does not validate), so
-    # it is filled with the preset's base model, built by its warm-up under the test's tmp dir.
+    # The preset's base model, built by its warm-up while Airflow started (left empty, the DAG's
+    # plan task would build it: the same code, a minute later).
     _set_text(driver, "model_path", model_path)
     unpause = dialog.find_element(
         By.XPATH, ".//label[contains(normalize-space(), 'Unpause')]//input[@type='checkbox']"
