@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -87,3 +88,13 @@ class Completion:
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt
+
+
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """One seed per prompt, derived from ``seed`` and the prompt's index.
+
+    A seed is per request (the same seed draws the same random numbers whatever shares the
+    batch), so prompts given one shared seed would share their random streams: an evaluation
+    over many prompts needs a seed per prompt for its samples to be independent.
+    """
+    return [zlib.crc32(f"{int(seed)}:{i}".encode()) & 0x7FFFFFFF for i in range(count)]

@@ -346,7 +346,9 @@ class Sampler:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """n completions per prompt, prompt-major. ``params`` (one, or one per prompt) overrides
-        the keyword settings."""
+        the keyword settings. ``seed`` is per request: every prompt given the same seed draws
+        the same random numbers, so pass ``params`` with ``prompt_seeds(seed, len(prompts))``
+        when the prompts' samples must be independent (evaluation)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if params is None:

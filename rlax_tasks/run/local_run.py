@@ -115,7 +115,7 @@ class _Progress:
         if self.client is None:
             self.client = ParameterServerClient(self.ps_url, token=self.token)
         target = step // every * every
-        try:  # the step's own version when the server still holds it, else the newest
+        try:  # that step's version (or a newer one), else whatever is newest
             result = self.evaluator.evaluate(self.client, version=target)
         except ParameterServerError:
             try:

@@ -70,15 +70,16 @@ class HeldOutEvaluator:
         )
 
     def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:
-        """pass@k of the base model (``ps`` None), else of ``version`` (default: the newest)."""
+        """pass@k of the base model (``ps`` None), else of the newest version (at least
+        ``version`` when given)."""
         from rlax_tasks.warmup import evaluate_pass_rates
 
         if ps is None:
             got, params = 0, self.base_params
         elif version is None:
             got, params = ps.pull(like=self.base_params)
-        else:
-            got, params = ps.pull_version(version, like=self.base_params)
+        else:  # the trainer records a step just before it pushes that version: wait for it
+            got, params = ps.pull(min_version=version, like=self.base_params, timeout_s=60.0)
         self.sampler.set_params(params)
         e = self.cfg.eval
         result = evaluate_pass_rates(

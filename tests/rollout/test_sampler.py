@@ -274,3 +274,24 @@ def test_bfloat16_logprob_mismatch_is_small(prompts):
     p95 = float(np.percentile(np.concatenate(deltas), 95))
     print(f"bf16 sampler vs forward log-prob |delta| p95 = {p95:.4f}")
     assert p95 < 0.1
+
+
+def test_a_seed_per_prompt_makes_the_samples_of_equal_prompts_independent(policy, prompts):
+    """A seed is per request: one seed shared by many prompts shares their random stream, so
+    evaluation gives each prompt its own seed (prompt_seeds)."""
+    from rlax_tasks.evaluation.generation import sample_token_ids
+    from rlax_tasks.rollout import SamplingParams, prompt_seeds
+
+    seeds = prompt_seeds(0, 6)
+    assert len(set(seeds)) == 6 and seeds == prompt_seeds(0, 6) and seeds != prompt_seeds(1, 6)
+    same = [prompts[0]] * 6
+    sampler = Sampler(policy, max_slots=8, max_len=96)
+    shared = sampler.generate(same, max_new_tokens=12, temperature=1.0, seed=0)
+    assert len({tuple(o.tokens) for o in shared}) == 1  # one seed: one random stream
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in seeds]
+    own = sampler.generate(same, params=params)
+    assert len({tuple(o.tokens) for o in own}) > 1
+    evaluated = sample_token_ids(
+        policy, same, 1, max_new_tokens=12, temperature=1.0, seed=0, sampler=sampler
+    )
+    assert [e[0] for e in evaluated] == [o.tokens for o in own]
