@@ -1,0 +1,349 @@
+"""Asynchronous vs on-policy lockstep RL on the tiny-arith preset (`rlax run`), in one run.
+
+Two runs of ``run_local`` (parameter server, trainer, 2 inference workers and the controller as
+separate processes), same seed, same number of steps, each in its own fresh run root:
+
+- lockstep (on-policy): ``staleness.reload_every=1, staleness.max_staleness=1`` (j = k = 1): a
+  worker generates a batch only with the newest weights, so generation and training alternate;
+- asynchronous: ``j=2, k=4`` by default (``--async-j/--async-k``): workers keep generating while
+  the trainer trains and reload only every j versions; rollouts up to k versions old may train.
+
+Reported per mode: seconds per training step (median and mean of the intervals between the
+"time" stamps of consecutive metrics.jsonl rows, and train_seconds / steps, which includes the
+start-up of the processes and JAX compilation), held-out pass@1 / pass@8 before and after (200
+problems never trained on, 8 samples each at temperature 1), and the wall time to a held-out
+pass@1 target (default: base pass@1 + 0.15): the "seconds" of the first eval/progress.jsonl row
+that reaches it, i.e. the time from the start of the run until the trainer produced that weight
+version (held-out pass@k is evaluated every ``--eval-every`` steps while the run goes).
+
+    .venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--eval-every 10] [--gain 0.15]
+        [--target P] [--async-j 2] [--async-k 4] [--json-out FILE]
+
+About 7 minutes on 2 CPU cores with the defaults (the two runs take turns, never overlap). The
+preset runs 300 steps (its learning-rate schedule spans them); 150 reach the default target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from benchmarks._timing import busy_cores, peak_rss_bytes  # noqa: E402
+
+log = logging.getLogger("benchmarks.async_vs_sync")
+
+PRESET = "tiny-arith"
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (a missing file or a line cut by a crash reads as nothing)."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def base_model_dir() -> str:
+    """The preset's base model (built by the supervised warm-up when missing), absolute."""
+    from rlax_tasks.config import load_config
+    from rlax_tasks.warmup import ensure_base_model
+
+    path = os.path.abspath(load_config(PRESET).model.path)
+    parent, name = os.path.split(path)
+    return ensure_base_model(parent, name=name)
+
+
+def step_intervals(metrics: list[dict[str, Any]]) -> list[float]:
+    """Seconds between consecutive training steps (metrics.jsonl "time": when a step applied)."""
+    by_step = {int(m["step"]): float(m["time"]) for m in metrics if "time" in m and "step" in m}
+    times = [by_step[s] for s in sorted(by_step)]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def run_start_unix(metrics: list[dict[str, Any]], progress: list[dict[str, Any]]) -> float | None:
+    """The unix time the run's clock started: progress.jsonl "seconds" of a version is the
+    metrics.jsonl "time" of that step minus the start."""
+    times = {int(m["step"]): float(m["time"]) for m in metrics if "time" in m and "step" in m}
+    starts = [
+        times[int(r["version"])] - float(r["seconds"])
+        for r in progress
+        if r.get("seconds") is not None and int(r.get("version", 0)) in times
+    ]
+    return statistics.median(starts) if starts else None
+
+
+def curve(progress: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """progress.jsonl rows, one per version (the last row of a version wins), by version."""
+    rows = {int(r["version"]): r for r in progress if "pass@1" in r}
+    return [rows[v] for v in sorted(rows)]
+
+
+def time_to_target(progress: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first trained version (> 0) whose held-out pass@1 reaches ``target``, else None."""
+    for r in curve(progress):
+        if r["version"] > 0 and r["pass@1"] >= target and r.get("seconds") is not None:
+            return {"seconds": r["seconds"], "step": r["version"], "pass@1": r["pass@1"]}
+    return None
+
+
+class StopRun(Exception):
+    """Raised from the supervisor hook to end a run early (its processes are stopped)."""
+
+
+def run_ours(
+    label: str,
+    overrides: dict[str, Any],
+    steps: int,
+    *,
+    model_dir: str,
+    keep: bool = False,
+    stop_when: Callable[[list[dict[str, Any]], float], str | None] | None = None,
+) -> dict[str, Any]:
+    """One ``run_local`` of the preset in a fresh run root; returns what the benchmark reports.
+
+    ``stop_when(progress_rows, seconds_since_start)`` may return a reason to end the run early
+    (checked by the supervisor loop a few times per second); the run then has no "after" eval.
+    """
+    from rlax_tasks.config import load_config
+    from rlax_tasks.run.local_run import run_local
+
+    root = tempfile.mkdtemp(prefix=f"rlax-bench-{label}-")
+    cfg = load_config(
+        PRESET, {"run_root": root, "run_id": label, "model.path": model_dir, **overrides}
+    )
+    progress_path = os.path.join(cfg.run_dir, "eval", "progress.jsonl")
+    started: list[float] = []
+    stopped = "steps"
+
+    def hook(_sup: Any) -> None:
+        if not started:
+            started.append(time.monotonic())
+        if stop_when is not None:
+            why = stop_when(read_jsonl(progress_path), time.monotonic() - started[0])
+            if why:
+                raise StopRun(why)
+
+    log.info("[%s] run_local: %d steps, overrides %s, run dir %s", label, steps, overrides, root)
+    t0 = time.monotonic()
+    try:
+        report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
+    except StopRun as e:
+        stopped, report = str(e), {}
+        log.info("[%s] stopped early: %s", label, stopped)
+    wall = time.monotonic() - t0
+    metrics = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    progress = read_jsonl(progress_path)
+    intervals = step_intervals(metrics)
+    done = max((int(m["step"]) for m in metrics), default=0)
+    start = run_start_unix(metrics, progress)
+    times = [float(m["time"]) for m in metrics if "time" in m]
+    train_s = report.get("train_seconds")
+    if train_s is None and start is not None and times:  # stopped early: until its last step
+        train_s = max(times) - start
+    result = {
+        "label": label,
+        "overrides": overrides,
+        "steps": done,
+        "stopped": stopped,
+        "wall_seconds": wall,
+        "train_seconds": train_s,
+        "seconds_per_step_total": (train_s / done) if train_s and done else None,
+        "step_interval_median": statistics.median(intervals) if intervals else None,
+        "step_interval_mean": statistics.fmean(intervals) if intervals else None,
+        "step_interval_max": max(intervals) if intervals else None,
+        # start-up of the processes, JAX compilation and the first batch
+        "first_step_seconds": min(times) - start if times and start is not None else None,
+        "before": _passes(report.get("before")) or _passes(curve(progress)[0] if progress else {}),
+        "after": _passes(report.get("after")),
+        "curve": [
+            {k: r.get(k) for k in ("version", "seconds", "pass@1", "pass@8")}
+            for r in curve(progress)
+        ],
+        "restarts": report.get("restarts"),
+        "reward_last10": (
+            statistics.fmean(m["reward_mean"] for m in metrics[-10:] if "reward_mean" in m)
+            if metrics
+            else None
+        ),
+    }
+    if keep:
+        result["run_dir"] = cfg.run_dir
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    log.info(
+        "[%s] %d steps in %.0fs wall; step interval median %s s; held-out pass@1 %s -> %s",
+        label,
+        done,
+        wall,
+        _f(result["step_interval_median"]),
+        _f((result["before"] or {}).get("pass@1")),
+        _f((result["after"] or {}).get("pass@1")),
+    )
+    return result
+
+
+def _passes(r: dict[str, Any] | None) -> dict[str, float] | None:
+    if not r:
+        return None
+    return {k: float(v) for k, v in r.items() if k.startswith("pass@")} or None
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def print_table(
+    columns: list[tuple[str, dict[str, Any]]], rows: list[tuple[str, Callable[[dict], str]]]
+) -> None:
+    """A plain side-by-side table: one column per mode, one line per figure."""
+    cells = [[get(r) for _, r in columns] for _, get in rows]
+    width = max(len(name) for name, _ in rows) + 2
+    col = max(14, *(len(name) + 2 for name, _ in columns), *(len(c) + 2 for c in sum(cells, [])))
+    print("".ljust(width) + "".join(name.rjust(col) for name, _ in columns))
+    for (name, _), line in zip(rows, cells, strict=True):
+        print(name.ljust(width) + "".join(c.rjust(col) for c in line))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=150, help="training steps of each run")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out pass@k every N steps")
+    ap.add_argument("--gain", type=float, default=0.15, help="target = base pass@1 + gain")
+    ap.add_argument("--target", type=float, default=None, help="absolute pass@1 target")
+    ap.add_argument("--async-j", type=int, default=2, help="reload_every of the async run")
+    ap.add_argument("--async-k", type=int, default=4, help="max_staleness of the async run")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    busy = busy_cores()
+    log.info("busy cores before start: %s (other work shares the machine when > 0.1)", busy)
+    if busy is not None and busy > 0.2:
+        log.warning("other processes keep %.2f CPUs busy: the timings will be slow and noisy", busy)
+    model_dir = base_model_dir()
+    common = {"eval.every_steps": args.eval_every}
+    modes = [
+        ("lockstep", {"staleness.reload_every": 1, "staleness.max_staleness": 1}),
+        (
+            "async",
+            {"staleness.reload_every": args.async_j, "staleness.max_staleness": args.async_k},
+        ),
+    ]
+    results = {}
+    for label, overrides in modes:
+        results[label] = run_ours(
+            label, {**overrides, **common}, args.steps, model_dir=model_dir, keep=args.keep
+        )
+    sync, asyn = results["lockstep"], results["async"]
+    base = (sync["before"] or {}).get("pass@1")
+    target = args.target if args.target is not None else (base or 0.0) + args.gain
+    for r in results.values():
+        r["target"] = target
+        r["time_to_target"] = time_to_target(r["curve"], target)
+
+    def ttt(r: dict[str, Any]) -> str:
+        t = r["time_to_target"]
+        return "not reached" if t is None else f"{t['seconds']:.1f}s (step {t['step']})"
+
+    def ttt_after_first(r: dict[str, Any]) -> str:
+        t, first = r["time_to_target"], r["first_step_seconds"]
+        return "-" if t is None or first is None else f"{t['seconds'] - first:.1f}s"
+
+    print()
+    print(
+        f"tiny-arith, {args.steps} steps per run, eval every {args.eval_every} steps, "
+        f"{os.cpu_count()} CPUs (busy before start: {_f(busy, '{:.2f}')}); "
+        f"target held-out pass@1 {target:.3f}"
+        + (f" (base {base:.3f} + {args.gain})" if args.target is None and base is not None else "")
+    )
+    print_table(
+        [
+            ("lockstep j=k=1", sync),
+            (f"async j={args.async_j},k={args.async_k}", asyn),
+        ],
+        [
+            ("steps done", lambda r: str(r["steps"])),
+            ("s/step (median interval)", lambda r: _f(r["step_interval_median"])),
+            ("s/step (mean interval)", lambda r: _f(r["step_interval_mean"])),
+            ("longest interval s", lambda r: _f(r["step_interval_max"], "{:.1f}")),
+            ("first step done at s", lambda r: _f(r["first_step_seconds"], "{:.1f}")),
+            ("train_seconds / steps", lambda r: _f(r["seconds_per_step_total"])),
+            ("train_seconds", lambda r: _f(r["train_seconds"], "{:.1f}")),
+            ("pass@1 before", lambda r: _f((r["before"] or {}).get("pass@1"))),
+            ("pass@1 after", lambda r: _f((r["after"] or {}).get("pass@1"))),
+            ("pass@8 before", lambda r: _f((r["before"] or {}).get("pass@8"))),
+            ("pass@8 after", lambda r: _f((r["after"] or {}).get("pass@8"))),
+            ("mean reward, last 10 steps", lambda r: _f(r["reward_last10"])),
+            ("time to target", ttt),
+            ("  of which after the 1st step", ttt_after_first),
+        ],
+    )
+    print()
+    print("held-out pass@1 by step (seconds since the start of the run):")
+    for label, r in results.items():
+        pts = ", ".join(
+            f"{c['version']}:{c['pass@1']:.3f}"
+            + ("" if c["seconds"] is None else f"@{c['seconds']:.0f}s")
+            for c in r["curve"]
+        )
+        print(f"  {label:9s} {pts}")
+    print()
+    ratios: dict[str, float | None] = {}
+    for key, name in (
+        ("step_interval_median", "median interval"),
+        ("step_interval_mean", "mean interval"),
+        ("seconds_per_step_total", "train_seconds/steps"),
+    ):
+        a, s = asyn[key], sync[key]
+        ratios[key] = (s / a) if a and s else None
+        print(f"async speed-up per step ({name}): lockstep / async = {_f(ratios[key], '{:.2f}x')}")
+    ta, ts = asyn["time_to_target"], sync["time_to_target"]
+    ratios["time_to_target"] = ts["seconds"] / ta["seconds"] if ta and ts else None
+    print(
+        "async speed-up to the target: lockstep time / async time = "
+        + (
+            _f(ratios["time_to_target"], "{:.2f}x")
+            if ratios["time_to_target"] is not None
+            else f"n/a (lockstep {ttt(sync)}, async {ttt(asyn)})"
+        )
+    )
+    print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
+    out = {
+        "preset": PRESET,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "target": target,
+        "cpu_count": os.cpu_count(),
+        "busy_cores_before": busy,
+        "modes": results,
+        "ratios": ratios,
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=2)
+        log.info("wrote %s", args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
