@@ -30,11 +30,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowRescheduleException,
+)
 
 from rlax_tasks.airflow.triggers import JobStateTrigger, SliceReadyTrigger
 from rlax_tasks.compute import (
@@ -235,7 +239,7 @@ class RlaxJobOperator(_BackendOperator):
     try its state is taken as is (a job that already failed is reported, not restarted), and
     the watch also ends when the ``done_when`` job (the run's controller) has succeeded — the
     operator then stops its own job — or when another started job stays down for
-    ``sibling_grace_s`` (a retryable error; see ``JobStateTrigger``).
+    ``sibling_grace_s`` (the task reschedules itself and uses no retry; see ``JobStateTrigger``).
     """
 
     template_fields = ("slice_handle", "argv", "env", "job_name", "run_root", "started_jobs")
@@ -367,7 +371,11 @@ class RlaxJobOperator(_BackendOperator):
             self.log.info("job %s stopped: %s", event["job"]["name"], event["message"])
             return {"job": event["job"], "exit_code": None, "message": event["message"]}
         if event.get("state") == "SIBLING_LOST":
-            raise JobFailedError(f"{event['message']}; retrying to let its task restart it")
+            # give way without using a retry: the task comes back and watches its job again
+            self.log.warning("%s; rescheduling so that its task can restart it", event["message"])
+            raise AirflowRescheduleException(
+                reschedule_date=datetime.now(UTC) + timedelta(seconds=self.poll_interval_s)
+            )
         raise_for_job_event(event)
         self.log.info("job %s succeeded", event["job"]["name"])
         return {
