@@ -41,25 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks._timing import busy_cores, peak_rss_bytes  # noqa: E402
+from rlax_tasks.run.report import read_jsonl  # noqa: E402
 
 log = logging.getLogger("benchmarks.async_vs_sync")
 
 PRESET = "tiny-arith"
-
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL file (a missing file or a line cut by a crash reads as nothing)."""
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return rows
 
 
 def base_model_dir() -> str:

@@ -78,17 +78,11 @@ class _Progress:
         self.client: Any = None
 
     def _version_time(self, version: int) -> float | None:
-        try:
-            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    if row.get("step") == version and "time" in row:
-                        return float(row["time"])
-        except OSError:
-            pass
+        from rlax_tasks.run.report import read_jsonl
+
+        for row in read_jsonl(os.path.join(self.run_dir, "metrics.jsonl")):
+            if row.get("step") == version and "time" in row:
+                return float(row["time"])
         return None
 
     def record(self, step: int, result: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from rlax_tasks.config import RunConfig
 log = logging.getLogger(__name__)
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The rows of a local JSONL file; a line cut by a crash is skipped; [] when missing."""
     rows = []
     try:
         with open(path) as f:
@@ -102,11 +103,6 @@ class HeldOutEvaluator:
         return result
 
 
-def evaluate_version(cfg: RunConfig, ps: Any | None) -> dict[str, Any]:
-    """Held-out pass@k of the base model (``ps`` None) or the PS's newest version."""
-    return HeldOutEvaluator(cfg).evaluate(ps)
-
-
 def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
     """Writes eval/report.json, eval/report.md and the PNG plots; returns their paths."""
     import matplotlib
@@ -117,9 +113,9 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
     run_dir = cfg.run_dir
     out_dir = os.path.join(run_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
-    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
-    syncs = _read_jsonl(os.path.join(run_dir, "weight_sync.jsonl"))
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    syncs = read_jsonl(os.path.join(run_dir, "weight_sync.jsonl"))
     plots = {}
 
     def save(fig: Any, name: str) -> None:
@@ -137,7 +133,7 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
 
     before, after = report.get("before") or {}, report.get("after") or {}
     ks = [k for k in before if k.startswith("pass@")]
-    progress = _read_jsonl(os.path.join(out_dir, "progress.jsonl"))
+    progress = read_jsonl(os.path.join(out_dir, "progress.jsonl"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if progress:  # eval.every_steps: held-out pass@k per step
         rows = sorted({r["step"]: r for r in progress}.values(), key=lambda r: r["step"])
