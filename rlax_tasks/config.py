@@ -434,6 +434,9 @@ class RunConfig:
     trainer: TrainerConfig = TrainerConfig()
     workers: WorkerSettings = WorkerSettings()
     eval: EvalSettings = EvalSettings()
+    # JAX's persistent compilation cache under run_root/jax-cache: a restarted component (or a
+    # later run of the same shapes) loads its compiled programs instead of compiling again
+    compilation_cache: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not _NAME_RE.match(self.run_id):
@@ -442,6 +445,10 @@ class RunConfig:
             )
         _check_str(self, "run_root")
         _check_int(self, "seed")
+        if not isinstance(self.compilation_cache, bool):
+            raise ConfigError(
+                "compilation_cache", f"must be true or false, got {self.compilation_cache!r}"
+            )
         if not isinstance(self.datasets, list | tuple) or not self.datasets:
             raise ConfigError("datasets", "give at least one dataset")
         _set(self, "datasets", tuple(self.datasets))
@@ -505,8 +512,24 @@ class RunConfig:
             return self.workers.groups_per_worker
         return max(1, self.workers.slots // self.rollout.group_size)
 
+    def objective_overrides(self) -> dict[str, Any]:
+        """``algorithm.overrides`` plus what the run pins: Dr. GRPO's constant L_max.
+
+        ``agg="max_length"`` without ``max_length`` would normalise by the width of each batch's
+        token arrays, which changes with padding; the run fixes it to the generation budget
+        ``rollout.max_new_tokens`` (Dr. GRPO's choice) unless the config sets it.
+        """
+        overrides = dict(self.algorithm.overrides)
+        if (
+            self.algorithm.objective_config().agg == "max_length"
+            and overrides.get("max_length") is None
+        ):
+            overrides["max_length"] = self.rollout.max_new_tokens
+        return overrides
+
     def objective_config(self) -> ObjectiveConfig:
-        return self.algorithm.objective_config()
+        """The objective the trainer builds: ``preset_config(preset, **objective_overrides())``."""
+        return preset_config(self.algorithm.preset, **self.objective_overrides())
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:

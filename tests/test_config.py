@@ -128,3 +128,15 @@ def test_resolved_config_is_written_and_reloads(tmp_path):
     path = save_resolved(cfg)
     assert path == str(tmp_path / "r1" / "config.yaml")
     assert load_config(path) == cfg
+
+
+def test_dr_grpo_runs_normalise_by_the_generation_budget():
+    """agg=max_length without max_length would divide by each batch's padded width."""
+    cfg = load_config("tiny-arith", {"algorithm.preset": "dr_grpo"})
+    assert cfg.objective_overrides()["max_length"] == cfg.rollout.max_new_tokens
+    assert cfg.objective_config().max_length == cfg.rollout.max_new_tokens
+    pinned = load_config(
+        "tiny-arith", {"algorithm.preset": "dr_grpo", "algorithm.overrides": {"max_length": 64}}
+    )
+    assert pinned.objective_config().max_length == 64
+    assert "max_length" not in load_config("tiny-arith").objective_overrides()

@@ -36,6 +36,10 @@ class TrainerConfig:
     # sequences per micro-batch (gradient accumulation); None = the whole batch at once
     micro_batch_size: int | None = None
     remat: str = "none"
+    # token arrays are right-padded to a bucketed width so the jitted step compiles once per
+    # bucket, not once per batch width: the next power of two up to length_bucket, then the next
+    # multiple of it; 0 = no padding (every new width compiles again)
+    length_bucket: int = 128
     logprob_chunk_size: int = 128
     # (data, fsdp, tensor); one entry may be -1 for "the remaining devices"
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
@@ -76,6 +80,7 @@ class TrainerConfig:
         if self.remat not in REMAT_CHOICES:
             raise TrainerConfigError(f"remat={self.remat!r} is not one of {list(REMAT_CHOICES)}")
         _non_negative_int(self, "logprob_chunk_size", positive=True)
+        _non_negative_int(self, "length_bucket")
         shape = tuple(self.mesh_shape) if isinstance(self.mesh_shape, list | tuple) else None
         if (
             shape is None

@@ -230,7 +230,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-    objective = make_objective(cfg.algorithm.preset, **dict(cfg.algorithm.overrides))
+    objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
     run_dir = cfg.run_dir
     trainer = Trainer(policy, objective, cfg.trainer, run_dir)
     ps = None

@@ -127,6 +127,17 @@ class Trainer:
                 self._params
             )
 
+        obj_config = getattr(objective, "config", None)
+        # Dr. GRPO without a fixed max_length divides by the array width: padding would change it
+        self._width_free = not (
+            getattr(obj_config, "agg", None) == "max_length" and obj_config.max_length is None
+        )
+        if config.length_bucket and not self._width_free:
+            log.warning(
+                "agg='max_length' without max_length normalises by each batch's width: batches "
+                "are not padded to buckets, so every new width compiles the step again (set the "
+                "objective's max_length, e.g. to the generation budget)"
+            )
         settings = StepSettings(
             micro_batch_size=config.micro_batch_size,
             remat=config.remat,
@@ -245,6 +256,7 @@ class Trainer:
         }
         out = {}
         mesh_shape = dict(self.mesh.shape)
+        width = self._padded_width(ids.shape[1])
         for key, dtype in dtypes.items():
             x = np.asarray(batch[key])
             want = (b,) if key in ("rewards", "group_ids") else ids.shape
@@ -252,6 +264,8 @@ class Trainer:
                 raise BatchFormatError(f"batch[{key!r}] has shape {x.shape}, expected {want}")
             if key == "group_ids" and not np.issubdtype(x.dtype, np.integer):
                 raise BatchFormatError(f"batch['group_ids'] must be integers, got {x.dtype}")
+            if x.ndim == 2 and width > x.shape[1]:  # masked-out columns: no token, no loss
+                x = np.pad(x, ((0, 0), (0, width - x.shape[1])))
             spec = fit_spec(x.shape, (BATCH,) + (None,) * (x.ndim - 1), mesh_shape)
             out[key] = jax.device_put(x.astype(dtype), NamedSharding(self.mesh, spec))
         mb = self.config.micro_batch_size
@@ -261,6 +275,13 @@ class Trainer:
                 "size or micro_batch_size"
             )
         return out
+
+    def _padded_width(self, width: int) -> int:
+        """The bucketed width [B, T] token arrays are padded to (``config.length_bucket``)."""
+        bucket = self.config.length_bucket
+        if not bucket or not self._width_free:
+            return width
+        return bucketed_width(width, bucket)
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict[str, Any]:
@@ -329,6 +350,17 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def bucketed_width(width: int, bucket: int) -> int:
+    """``width`` rounded up to a power of two while below ``bucket``, else to a multiple of it.
+
+    Bounds the number of distinct shapes (compilations) to about log2(bucket) + T_max / bucket
+    while wasting at most half of a small batch and one bucket of a long one.
+    """
+    if width >= bucket:
+        return -(-width // bucket) * bucket
+    return max(1, 1 << (width - 1).bit_length())
 
 
 def _join(root: str, name: str) -> str:

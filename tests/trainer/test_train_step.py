@@ -110,3 +110,59 @@ def test_sharded_step_matches_single_device(tmp_path, single_device_step, mesh_s
         np.testing.assert_allclose(got_metrics[key], want_metrics[key], atol=1e-5, err_msg=key)
     for k in want_params:
         np.testing.assert_allclose(got_params[k], want_params[k], atol=1e-5, err_msg=k)
+
+
+def test_bucketed_width():
+    from rlax_tasks.trainer.trainer import bucketed_width
+
+    assert [bucketed_width(t, 128) for t in (1, 2, 3, 9, 15, 16, 17, 100)] == [
+        1,
+        2,
+        4,
+        16,
+        16,
+        16,
+        32,
+        128,
+    ]
+    assert [bucketed_width(t, 128) for t in (128, 129, 300)] == [128, 256, 384]
+    assert bucketed_width(13, 8) == 16
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
+def test_bucket_padding_changes_nothing_but_the_compile_count(tmp_path, name):
+    """Batches of widths 11 and 13 share one compiled step (padded to 16) and train exactly like
+    unpadded batches; Dr. GRPO gets a fixed max_length so its normaliser does not move."""
+    objective = make_objective(name, **({"max_length": 8} if name == "dr_grpo" else {}))
+    widths = (11, 13)
+    runs = {}
+    for bucket in (0, 128):
+        trainer = Trainer(
+            tiny_policy(),
+            objective,
+            TrainerConfig(**BASE, mesh_shape=(1, 1, 1), length_bucket=bucket),
+            str(tmp_path / f"b{bucket}"),
+        )
+        metrics = [trainer.step(random_batch(i, seq_len=w)) for i, w in enumerate(widths)]
+        runs[bucket] = (_flat(trainer.params), metrics, trainer._train_step._cache_size())
+    (exact, m_exact, n_exact), (padded, m_padded, n_padded) = runs[0], runs[128]
+    assert (n_exact, n_padded) == (2, 1)
+    for a, b in zip(m_exact, m_padded, strict=True):
+        for key in ("loss", "grad_norm", "tokens", "completion_tokens"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    for k in exact:
+        np.testing.assert_allclose(padded[k], exact[k], atol=1e-6, err_msg=k)
+
+
+def test_dr_grpo_without_max_length_is_not_padded(tmp_path, caplog):
+    """Its normaliser is the array width: padding would silently rescale the loss."""
+    trainer = Trainer(
+        tiny_policy(),
+        make_objective("dr_grpo"),
+        TrainerConfig(**BASE, mesh_shape=(1, 1, 1)),
+        str(tmp_path / "d"),
+    )
+    assert "compiles the step again" in caplog.text
+    for i, w in enumerate((11, 13)):
+        trainer.step(random_batch(i, seq_len=w))
+    assert trainer._train_step._cache_size() == 2
