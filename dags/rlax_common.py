@@ -173,6 +173,7 @@ def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") ->
     """
     from rlax_tasks import storage
     from rlax_tasks.config import ConfigError, load_config, save_resolved
+    from rlax_tasks.run.compilation_cache import cache_env
     from rlax_tasks.run.local_run import ensure_model
 
     run_root = params.get("run_root") or default_run_root()
@@ -227,7 +228,7 @@ def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") ->
         # XComArg["a"]["b"] would look up key "b", not argv["b"])
         **{f"argv_{name}": value for name, value in argv.items()},
         # the parameter server's bearer token (DESIGN §6), handed to the jobs' environment
-        "env": {"RLAX_PS_TOKEN": secrets.token_hex(16), "JAX_PLATFORMS": "cpu"},
+        "env": {"RLAX_PS_TOKEN": secrets.token_hex(16), "JAX_PLATFORMS": "cpu", **cache_env(cfg)},
     }
 
 

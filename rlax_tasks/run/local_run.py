@@ -18,6 +18,7 @@ from typing import Any
 
 from rlax_tasks import storage
 from rlax_tasks.config import RunConfig, save_resolved
+from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.supervisor import Component, Supervisor, free_port
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def run_local(
     ensure_model(cfg)
     config_path = save_resolved(cfg)
     report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
+    enable_in_process(cfg)
     evaluator = None
     if evaluate:
         from rlax_tasks.run.report import HeldOutEvaluator
@@ -150,7 +152,11 @@ def run_local(
         report["before"] = evaluator.evaluate()
 
     token = secrets.token_hex(16)
-    env = {"RLAX_PS_TOKEN": token, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env = {
+        "RLAX_PS_TOKEN": token,
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        **cache_env(cfg),
+    }
     ps_url = f"http://127.0.0.1:{free_port()}"
     trainer_url = f"http://127.0.0.1:{free_port()}"
     s = cfg.staleness
