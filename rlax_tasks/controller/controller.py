@@ -94,7 +94,7 @@ class ControllerSettings:
     max_outstanding_groups: int = 0  # 0 = prompts_per_step
     groups_per_worker: int = 1
     worker_timeout_s: float = 300.0
-    worker_retry_s: float = 5.0
+    worker_retry_s: float = 5.0  # longest wait before a failed worker is tried again
     seed: int = 0
 
     @classmethod
@@ -164,6 +164,7 @@ class Controller:
         self._steps_since_snapshot: list[dict[str, Any]] = []
         self._last_progress: dict[str, float] = {}
         self._down_until: dict[str, float] = {}
+        self._failures: collections.Counter[str] = collections.Counter()  # in a row, per worker
         self.counters: collections.Counter[str] = collections.Counter()
         self._started = False
 
@@ -327,10 +328,17 @@ class Controller:
         try:
             self.pool.submit(worker, [self._request(p) for p in prompts])
         except WORKER_ERRORS as e:
-            log.warning("worker %s refused %d groups: %s", worker, len(prompts), e)
+            log.log(
+                logging.WARNING if self._failures[worker] == 0 else logging.INFO,
+                "worker %s refused %d groups: %s",
+                worker,
+                len(prompts),
+                e,
+            )
             self._worker_failed(worker, also=prompts)
             return
         now = self.clock()
+        self._failures.pop(worker, None)
         if not any(e.worker == worker for e in self._in_flight.values()):
             self._last_progress[worker] = now
         for p in prompts:
@@ -342,15 +350,26 @@ class Controller:
         back = [e.prompt for e in self._in_flight.values() if e.worker == worker]
         for p in back:
             del self._in_flight[p.id]
+        lost = len(back)  # prompts it held (the refused ones, ``also``, it never had)
         back.extend(also)
         # re-issued first, earliest draw first (whichever worker held them)
         self._queue = collections.deque(sorted([*back, *self._queue], key=lambda p: p.seq))
         self.counters["worker_failures"] += 1
         self.counters["reissued"] += len(back)
-        self._down_until[worker] = self.clock() + self.settings.worker_retry_s
+        # tried again soon at first (a worker starting up or restarting is back in seconds),
+        # then less and less often, up to worker_retry_s
+        self._failures[worker] += 1
+        delay = min(self.settings.worker_retry_s, 0.25 * 2 ** (self._failures[worker] - 1))
+        self._down_until[worker] = self.clock() + delay
         self._last_progress.pop(worker, None)
         self._reset_worker(worker)
-        log.warning("worker %s failed: %d prompts go back to the queue front", worker, len(back))
+        log.log(
+            logging.WARNING if lost or self._failures[worker] == 1 else logging.INFO,
+            "worker %s failed: %d prompts go back to the queue front; next try in %.2gs",
+            worker,
+            len(back),
+            delay,
+        )
 
     def _reset_worker(self, worker: str) -> None:
         try:
@@ -372,6 +391,7 @@ class Controller:
             now = self.clock()
             if results:
                 self._last_progress[w] = now
+                self._failures.pop(w, None)
             for r in results:
                 entry = self._in_flight.get(r.prompt_id)
                 if entry is None or entry.worker != w:

@@ -83,6 +83,8 @@ class FakePool:
         self.workers = {w: FakeWorker() for w in ids}
         self.fail_next: set[str] = set()  # results() of these raises once
         self.refuse_next: set[str] = set()  # submit() to these raises once
+        self.down: set[str] = set()  # submit() to these raises until they are removed
+        self.refused: list[str] = []  # every refused submit, by worker
         self.hung: set[str] = set()  # these accept work and never return any
         self.submits: list[tuple[str, list[str]]] = []
         self.resets: list[str] = []
@@ -93,8 +95,9 @@ class FakePool:
         return list(self.workers)
 
     def submit(self, worker_id, groups) -> None:
-        if worker_id in self.refuse_next:
+        if worker_id in self.refuse_next or worker_id in self.down:
             self.refuse_next.discard(worker_id)
+            self.refused.append(worker_id)
             raise ConnectionError(f"{worker_id} is not up yet")
         self.submits.append((worker_id, [g.prompt_id for g in groups]))
         self.workers[worker_id].queue.extend(groups)

@@ -295,3 +295,35 @@ def test_settings_from_run_config():
     t = ControllerSettings.from_run_config(cfg)
     assert t.group_size == cfg.rollout.group_size and not t.dynamic_sampling
     assert t.sampling.max_new_tokens == cfg.rollout.max_new_tokens
+
+
+def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
+    """Start-up and restarts take seconds: retries back off 0.25 s, 0.5 s, 1 s ... up to
+    worker_retry_s; a worker that accepts work is retried quickly again after a later failure."""
+    now = [0.0]
+    world = World()
+    world.pool.down.add("w1")
+    c = make(str(tmp_path / "run"), world, clock=lambda: now[0], worker_retry_s=2.0)
+    c.start()
+    tries = []
+    tick = 1 / 64  # exact in binary, like the delays: no rounding at the boundaries
+    for _ in range(640):  # 10 simulated seconds
+        n = len(world.pool.refused)
+        c.iterate()
+        if len(world.pool.refused) > n:
+            tries.append(now[0])
+        now[0] += tick
+    gaps = [round(b - a, 3) for a, b in zip(tries, tries[1:])]
+    assert gaps[:4] == [0.25, 0.5, 1.0, 2.0] and set(gaps[4:]) == {2.0}, gaps
+    world.pool.down.discard("w1")
+    for _ in range(160):
+        c.iterate()
+        now[0] += tick
+    assert any(w == "w1" for w, _ in world.pool.submits)  # back in use after at most 2 s
+    world.pool.refuse_next.add("w1")  # a later failure starts the back-off from 0.25 s again
+    refused = len(world.pool.refused)
+    while len(world.pool.refused) == refused:
+        c.iterate()
+        now[0] += tick
+    now[0] -= tick
+    assert c._down_until["w1"] - now[0] == pytest.approx(0.25)
