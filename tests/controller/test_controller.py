@@ -313,7 +313,7 @@ def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
         if len(world.pool.refused) > n:
             tries.append(now[0])
         now[0] += tick
-    gaps = [round(b - a, 3) for a, b in zip(tries, tries[1:])]
+    gaps = [round(b - a, 3) for a, b in zip(tries, tries[1:], strict=False)]
     assert gaps[:4] == [0.25, 0.5, 1.0, 2.0] and set(gaps[4:]) == {2.0}, gaps
     world.pool.down.discard("w1")
     for _ in range(160):
