@@ -13,6 +13,7 @@ from rlax_tasks.controller.controller import (
 )
 from rlax_tasks.controller.lineage import LineageWriter, lineage_record, read_lineage
 from rlax_tasks.controller.mixture import MixtureComponent, Prompt, PromptMixture, make_source
+from rlax_tasks.controller.rollouts import read_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotError, SnapshotStore
 from rlax_tasks.controller.staleness import should_reload, within_staleness
 
@@ -38,6 +39,7 @@ __all__ = [
     "lineage_record",
     "make_source",
     "read_lineage",
+    "read_rollouts",
     "should_reload",
     "within_staleness",
 ]

@@ -30,6 +30,7 @@ from rlax_tasks.config import RunConfig
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer, ScoredGroup
 from rlax_tasks.controller.lineage import LineageWriter, lineage_record
 from rlax_tasks.controller.mixture import Prompt, PromptMixture
+from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
 from rlax_tasks.rollout.requests import SamplingParams
 from rlax_tasks.rollout.worker import GroupRequest, GroupResult
@@ -151,8 +152,10 @@ class Controller:
         self.mixture, self.pool, self.scorer = mixture, pool, scorer
         self.train_step, self.encode = train_step, encode
         self.clock, self.idle_sleep_s = clock, idle_sleep_s
+        self.run_dir = run_dir
         self.store = SnapshotStore(run_dir, keep=snapshots_kept)
         self.lineage = LineageWriter(run_dir)
+        self._verifiers = {c.name: c.verifier for c in mixture.components}
         self.buffer = RolloutBuffer(
             settings.prompts_per_step, settings.max_staleness, settings.dynamic_sampling
         )
@@ -469,6 +472,7 @@ class Controller:
         self.version = new_version
         self.counters["trained_groups"] += len(batch.groups)
         self.lineage.append(lineage_record(self.step, batch))
+        write_rollouts(self.run_dir, self.step, batch, self._verifiers)
         self._steps_since_snapshot.append({"step": self.step, "prompt_ids": batch.prompt_ids})
         if self.version % self.settings.reload_every == 0:
             self.snapshot()

@@ -327,3 +327,33 @@ def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
         now[0] += tick
     now[0] -= tick
     assert c._down_until["w1"] - now[0] == pytest.approx(0.25)
+
+
+def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
+    """rollouts/ (DESIGN §7): one row per completion the trainer saw, also across a replay."""
+    from rlax_tasks.controller import read_rollouts
+
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    first = make(run_dir, world)
+    first.start()
+    world.trainer.crash_after_next = True  # step applied, answer lost: the step is replayed
+    with pytest.raises(KeyboardInterrupt):
+        first.run(N, max_iterations=500)
+    second = make(run_dir, world)
+    second.start()
+    second.run(N, max_iterations=500)
+    rows = read_rollouts(run_dir)
+    assert len(rows) == N * 4 * 4  # steps x groups x G, none twice
+    assert rows.equals(read_rollouts(str(tmp_path / "ref")))
+    for batch, (step, got) in zip(world.trainer.batches, rows.groupby("step"), strict=True):
+        assert list(got["prompt_id"][::4]) == batch.prompt_ids
+        assert list(got["weight_version"][::4]) == batch.rollout_versions
+        assert [list(t) for t in got["tokens"]] == [
+            list(c) for g in batch.groups for c in g.completions
+        ]
+        assert list(got["reward"]) == pytest.approx([r for g in batch.groups for r in g.rewards])
+        assert list(got["score"]) == pytest.approx([s for g in batch.groups for s in g.scores])
+        assert set(got["verifier"]) == {"task"} and step == batch.version
+    assert read_rollouts(str(tmp_path / "none")).empty

@@ -1,0 +1,126 @@
+"""``rollouts/``: the scored rollouts of every training step as Parquet (DESIGN §7).
+
+One file per step, ``rollouts/step-<step>.parquet``, one row per completion of the groups that
+step trained on: which prompt and group, the weight version that generated it, the prompt and
+completion tokens, the sampler's behaviour log-probs, the verifier's verdict (``score``), the
+reward the trainer saw (after shaping) and the verifier kind and version. Written whole right
+after the trainer applied the step (beside its ``lineage.jsonl`` line); a replayed step rewrites
+the same file, so a crash leaves neither a partial nor a duplicate file. Groups dropped as stale
+or zero-variance are listed in ``lineage.jsonl``, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+from rlax_tasks import storage
+from rlax_tasks.controller.buffer import Batch
+
+DIR_NAME = "rollouts"
+
+
+def step_path(run_dir: str, step: int) -> str:
+    """Where the rollouts of training step ``step`` live."""
+    return storage.join(run_dir, DIR_NAME, f"step-{step:08d}.parquet")
+
+
+@functools.cache
+def verifier_version() -> str:
+    """The version of the scoring code (the installed rlax-tasks distribution)."""
+    try:
+        return metadata.version("rlax-tasks")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[str, list]:
+    """Columns of the step's rows; ``verifiers`` maps a dataset name to its verifier kind."""
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "step",
+            "prompt_id",
+            "dataset",
+            "group_id",
+            "sample",
+            "seq",
+            "weight_version",
+            "prompt_tokens",
+            "tokens",
+            "behavior_logprobs",
+            "finish_reason",
+            "score",
+            "reward",
+            "verifier",
+            "verifier_version",
+        )
+    }
+    for gid, g in enumerate(batch.groups):
+        dataset = g.prompt_id.split("/", 1)[0]
+        for i in range(g.group_size):
+            cols["step"].append(step)
+            cols["prompt_id"].append(g.prompt_id)
+            cols["dataset"].append(dataset)
+            cols["group_id"].append(gid)
+            cols["sample"].append(i)
+            cols["seq"].append(g.seq)
+            cols["weight_version"].append(g.version)
+            cols["prompt_tokens"].append(list(g.prompt_tokens))
+            cols["tokens"].append(list(g.completions[i]))
+            cols["behavior_logprobs"].append(list(g.logprobs[i]))
+            cols["finish_reason"].append(g.finish_reasons[i])
+            cols["score"].append(g.scores[i])
+            cols["reward"].append(g.rewards[i])
+            cols["verifier"].append(verifiers.get(dataset, "unknown"))
+            cols["verifier_version"].append(verifier_version())
+    return cols
+
+
+def write_step(run_dir: str, step: int, batch: Batch, verifiers: Mapping[str, str]) -> str:
+    """Writes (or rewrites) ``rollouts/step-<step>.parquet``; returns its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = rollout_rows(step, batch, verifiers)
+    schema = pa.schema(
+        [
+            ("step", pa.int64()),
+            ("prompt_id", pa.string()),
+            ("dataset", pa.string()),
+            ("group_id", pa.int32()),
+            ("sample", pa.int32()),
+            ("seq", pa.int64()),
+            ("weight_version", pa.int64()),
+            ("prompt_tokens", pa.list_(pa.int32())),
+            ("tokens", pa.list_(pa.int32())),
+            ("behavior_logprobs", pa.list_(pa.float32())),
+            ("finish_reason", pa.string()),
+            ("score", pa.float32()),
+            ("reward", pa.float32()),
+            ("verifier", pa.string()),
+            ("verifier_version", pa.string()),
+        ]
+    )
+    buf = io.BytesIO()
+    pq.write_table(pa.table(cols, schema=schema), buf)
+    path = step_path(run_dir, step)
+    storage.write_bytes(path, buf.getvalue())
+    return path
+
+
+def read_rollouts(run_dir: str) -> Any:
+    """Every step's rollouts as one pandas DataFrame, in step order (empty when none)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    paths = [  # step-<step>.parquet sorts by step; a writer's temp file starts with ".tmp-"
+        p
+        for p in storage.list_prefix(storage.join(run_dir, DIR_NAME))
+        if p.rsplit("/", 1)[-1].startswith("step-") and p.endswith(".parquet")
+    ]
+    frames = [pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pandas() for p in paths]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
