@@ -30,6 +30,7 @@ from rlax_tasks.config import RunConfig
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer, ScoredGroup
 from rlax_tasks.controller.lineage import LineageWriter, lineage_record
 from rlax_tasks.controller.mixture import Prompt, PromptMixture
+from rlax_tasks.controller.rollouts import read_step_batch, rollouts_dir
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
 from rlax_tasks.rollout.requests import SamplingParams
@@ -76,8 +77,21 @@ class Scorer(Protocol):
     ) -> list[list[float]]: ...
 
 
-# the trainer side: trains on a batch, pushes the new weights and returns their version
+# the trainer side: trains on a batch, pushes the new weights and returns their version; it
+# raises TrainerBehindError when it restarted from a checkpoint older than the previous step
 TrainStep = Callable[[Batch], int]
+
+
+class TrainerBehindError(RuntimeError):
+    """The trainer restarted from the checkpoint of ``trainer_step``, before the step asked for.
+
+    The trainer checkpoints every ``trainer.checkpoint_every`` steps; the controller then gives
+    it the steps since that checkpoint again, rebuilt from ``rollouts/`` (DESIGN §7).
+    """
+
+    def __init__(self, trainer_step: int, message: str = "") -> None:
+        super().__init__(message or f"the trainer is at step {trainer_step}")
+        self.trainer_step = trainer_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,7 +476,11 @@ class Controller:
 
     # ------------------------------------------------------------------ train, record, snapshot
     def _train(self, batch: Batch) -> None:
-        new_version = self.train_step(batch)
+        try:
+            new_version = self.train_step(batch)
+        except TrainerBehindError as e:
+            self._replay_trainer(e.trainer_step)
+            new_version = self.train_step(batch)
         if new_version != batch.version:
             raise RuntimeError(
                 f"the trainer returned version {new_version} for the step producing version "
@@ -476,6 +494,29 @@ class Controller:
         self._steps_since_snapshot.append({"step": self.step, "prompt_ids": batch.prompt_ids})
         if self.version % self.settings.reload_every == 0:
             self.snapshot()
+
+    def _replay_trainer(self, trainer_step: int) -> None:
+        """Gives a trainer restored at ``trainer_step`` the steps after it, up to ours, again.
+
+        Each is rebuilt from ``rollouts/step-<k>.parquet`` (the exact arrays it trained on), so
+        it applies once more onto the restored state and produces the same version.
+        """
+        if not 0 <= trainer_step < self.step:
+            raise RuntimeError(
+                f"the trainer reports step {trainer_step}, the controller is at step {self.step}"
+            )
+        log.warning(
+            "the trainer restarted from its checkpoint of step %d: replaying steps %d-%d from %s",
+            trainer_step,
+            trainer_step + 1,
+            self.step,
+            rollouts_dir(self.run_dir),
+        )
+        for k in range(trainer_step + 1, self.step + 1):
+            version = self.train_step(read_step_batch(self.run_dir, k))
+            if version != k:
+                raise RuntimeError(f"replayed step {k} produced version {version}, not {k}")
+        self.counters["replayed_steps"] += self.step - trainer_step
 
     def snapshot(
         self, pending: Batch | None = None, buffer_state: dict[str, Any] | None = None

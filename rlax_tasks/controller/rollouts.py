@@ -18,14 +18,19 @@ from importlib import metadata
 from typing import Any
 
 from rlax_tasks import storage
-from rlax_tasks.controller.buffer import Batch
+from rlax_tasks.controller.buffer import Batch, ScoredGroup
 
 DIR_NAME = "rollouts"
 
 
+def rollouts_dir(run_dir: str) -> str:
+    """run_dir/rollouts."""
+    return storage.join(run_dir, DIR_NAME)
+
+
 def step_path(run_dir: str, step: int) -> str:
     """Where the rollouts of training step ``step`` live."""
-    return storage.join(run_dir, DIR_NAME, f"step-{step:08d}.parquet")
+    return storage.join(rollouts_dir(run_dir), f"step-{step:08d}.parquet")
 
 
 @functools.cache
@@ -112,6 +117,43 @@ def write_step(run_dir: str, step: int, batch: Batch, verifiers: Mapping[str, st
     return path
 
 
+def read_step_batch(run_dir: str, step: int) -> Batch:
+    """The batch training step ``step`` trained on, rebuilt from its rollouts file.
+
+    Its ``arrays()`` equal those the trainer received (tokens, float32 log-probs and rewards).
+    """
+    import pyarrow.parquet as pq
+
+    path = step_path(run_dir, step)
+    if not storage.exists(path):
+        raise FileNotFoundError(
+            f"cannot give the trainer step {step} again: {path} is missing (the trainer's "
+            "checkpoints are older than the rollouts this run kept)"
+        )
+    cols = pq.read_table(io.BytesIO(storage.read_bytes(path))).to_pydict()
+    rows: dict[int, list[int]] = {}
+    for i, gid in enumerate(cols["group_id"]):
+        rows.setdefault(gid, []).append(i)
+    groups = []
+    for gid in sorted(rows):
+        idx = sorted(rows[gid], key=lambda i: cols["sample"][i])
+        first = idx[0]
+        groups.append(
+            ScoredGroup(
+                prompt_id=cols["prompt_id"][first],
+                seq=cols["seq"][first],
+                version=cols["weight_version"][first],
+                prompt_tokens=tuple(cols["prompt_tokens"][first]),
+                completions=tuple(tuple(cols["tokens"][i]) for i in idx),
+                logprobs=tuple(tuple(cols["behavior_logprobs"][i]) for i in idx),
+                finish_reasons=tuple(cols["finish_reason"][i] for i in idx),
+                scores=tuple(cols["score"][i] for i in idx),
+                rewards=tuple(cols["reward"][i] for i in idx),
+            )
+        )
+    return Batch(step, tuple(groups))
+
+
 def read_rollouts(run_dir: str) -> Any:
     """Every step's rollouts as one pandas DataFrame, in step order (empty when none)."""
     import pandas as pd
@@ -119,7 +161,7 @@ def read_rollouts(run_dir: str) -> Any:
 
     paths = [  # step-<step>.parquet sorts by step; a writer's temp file starts with ".tmp-"
         p
-        for p in storage.list_prefix(storage.join(run_dir, DIR_NAME))
+        for p in storage.list_prefix(rollouts_dir(run_dir))
         if p.rsplit("/", 1)[-1].startswith("step-") and p.endswith(".parquet")
     ]
     frames = [pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pandas() for p in paths]

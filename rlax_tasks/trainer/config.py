@@ -46,7 +46,9 @@ class TrainerConfig:
     seed: int = 0
     # where checkpoints go; None = <run_dir>/checkpoints (a local path or gs://bucket/prefix)
     checkpoint_dir: str | None = None
-    # save automatically every N steps inside Trainer.step (0 = only on explicit save())
+    # save automatically every N steps inside Trainer.step (0 = only on explicit save()); the
+    # trainer service (rlax run, the DAG) checkpoints every max(1, N) steps, and a restarted
+    # trainer gets the steps since its checkpoint again from the controller (rollouts/)
     checkpoint_every: int = 0
     max_to_keep: int | None = 3
     async_checkpointing: bool = True

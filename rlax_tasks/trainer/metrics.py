@@ -34,14 +34,31 @@ class MetricsWriter:
             )
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _cut_torn_last_line(path)
+        rows = read_metrics(path) if os.path.exists(path) else []
+        self.last_step = max((int(r.get("step", 0)) for r in rows), default=0)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        """Appends {"step": step, **metrics}."""
+        """Appends {"step": step, **metrics}; a step already written (a step replayed after a
+        restart from an older checkpoint) keeps its first row."""
+        if step <= self.last_step:
+            return
+        self.last_step = int(step)
         record = {"step": int(step)}
         record.update({k: to_json_value(v) for k, v in metrics.items()})
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, sort_keys=False) + "\n")
             fh.flush()
+
+
+def _cut_torn_last_line(path: str) -> None:
+    """Drops a last line without its newline (a crash mid-write), so appends start clean."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as fh:
+        data = fh.read()
+        if data and not data.endswith(b"\n"):
+            fh.truncate(data.rfind(b"\n") + 1)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

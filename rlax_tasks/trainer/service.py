@@ -1,11 +1,16 @@
 """`rlax trainer`: the trainer as a passive service of the controller, pushing to the PS.
 
 Protocol (DESIGN §2, §7): the controller POSTs the batch of step s (an .npz body) to
-``/v1/steps/<s>``. The service applies it only when it is at step s − 1; it then checkpoints
-synchronously (so a step that was answered is never lost) and pushes version s to the parameter
-server before answering. A step it already applied is answered as a replay without being applied
-again — that is what makes the controller's write-ahead snapshot exact after any crash. Version
-numbers are step numbers (version 0 = the base weights).
+``/v1/steps/<s>``. The service applies it only when it is at step s − 1 and pushes version s to
+the parameter server before answering. A step it already applied is answered as a replay without
+being applied again — that is what makes the controller's write-ahead snapshot exact after any
+crash. Version numbers are step numbers (version 0 = the base weights).
+
+It checkpoints every ``trainer.checkpoint_every`` steps (Orbax, in the background). Restarted
+from the checkpoint of step c, it answers a later step with 409 and ``trainer_step`` = c; the
+controller then sends steps c+1... again from its rollouts (``TrainerBehindError``), which apply
+once onto the restored state. A step is thus never applied twice to the same weights, and a
+big model is not written out at every step.
 
 On start it restores the newest complete checkpoint and makes sure the parameter server holds
 its version (a PS restarted from an older mirror gets it again); a background thread keeps
@@ -15,6 +20,7 @@ checking that. Binds 127.0.0.1; ``RLAX_TRAINER_TOKEN`` (when set) is required as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import io
 import json
@@ -31,6 +37,9 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
+from rlax_tasks.controller.controller import TrainerBehindError as ControllerTrainerBehindError
+from rlax_tasks.paramserver.client import VersionConflictError
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "RLAX_TRAINER_TOKEN"
@@ -40,12 +49,28 @@ class StepConflictError(ValueError):
     """The controller sent a step the trainer cannot apply (not the next one, not a replay)."""
 
 
+class TrainerBehindError(StepConflictError, ControllerTrainerBehindError):
+    """The trainer is at ``trainer_step``, more than one step before the step it was sent."""
+
+    def __init__(self, trainer_step: int, message: str) -> None:
+        ControllerTrainerBehindError.__init__(self, trainer_step, message)
+
+
 class TrainerService:
     """Wraps a ``Trainer``: idempotent steps by number, checkpoint-then-push, PS re-push."""
 
-    def __init__(self, trainer: Any, ps: Any | None = None, repush_every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        ps: Any | None = None,
+        repush_every_s: float = 5.0,
+        checkpoint_every: int = 1,
+    ) -> None:
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.trainer, self.ps = trainer, ps
-        self.repush_every_s = repush_every_s
+        self.repush_every_s, self.checkpoint_every = repush_every_s, checkpoint_every
+        self.saved_step = 0
         self.lock = threading.Lock()
         self.last_metrics: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -57,6 +82,7 @@ class TrainerService:
     def start(self) -> TrainerService:
         """Restores the newest complete checkpoint and publishes its version."""
         restored = self.trainer.restore_latest()
+        self.saved_step = self.step
         log.info("trainer at step %d (%s)", self.step, "restored" if restored else "fresh")
         if self.ps is not None:
             try:
@@ -67,7 +93,12 @@ class TrainerService:
         return self
 
     def stop(self) -> None:
+        """Checkpoints the steps since the last checkpoint (a clean stop loses none), closes."""
         self._stop.set()
+        with self.lock:
+            if self.step > self.saved_step:
+                self.trainer.save()
+                self.saved_step = self.step
         self.trainer.close()
 
     def ensure_published(self) -> None:
@@ -105,21 +136,26 @@ class TrainerService:
                     )
                 return {"version": step, "replayed": True, "metrics": self.last_metrics}
             if step != self.step + 1:
-                raise StepConflictError(
-                    f"step {step} cannot follow the trainer's step {self.step}: steps advance by "
-                    "one (was the trainer's checkpoint directory changed?)"
+                raise TrainerBehindError(
+                    self.step,
+                    f"step {step} cannot follow the trainer's step {self.step}: send steps "
+                    f"{self.step + 1}-{step - 1} first (the trainer restarted from an older "
+                    "checkpoint)",
                 )
             arrays = dict(batch)
             if "completion_mask" not in arrays and "mask" in arrays:
                 arrays["completion_mask"] = arrays.pop("mask")
             metrics = self.trainer.step(arrays)
-            self.trainer.save()
-            self.trainer.wait_for_checkpoint()  # answered ⇒ durable
+            if step % self.checkpoint_every == 0:
+                self.trainer.save()  # in the background; the next save waits for it
+                self.saved_step = step
             if self.ps is not None:
                 t0 = time.perf_counter()
                 try:
                     self.ps.push(step, self.trainer.params)
-                except (ConnectionError, TimeoutError) as e:  # durable already: publish later
+                except VersionConflictError:  # a replayed step: published before the restart
+                    log.info("the parameter server already holds version %d", step)
+                except (ConnectionError, TimeoutError) as e:  # the re-push loop publishes it
                     log.warning("push of version %d failed (%s); the re-push loop retries", step, e)
                 else:
                     metrics["push_s"] = time.perf_counter() - t0
@@ -156,6 +192,8 @@ def create_app(service: TrainerService, token: str | None = None) -> Any:
             raise HTTPException(400, f"the body is not an .npz batch: {e}") from e
         try:
             return await run_in_threadpool(service.train, step, batch)
+        except TrainerBehindError as e:
+            raise HTTPException(409, {"message": str(e), "trainer_step": e.trainer_step}) from e
         except StepConflictError as e:
             raise HTTPException(409, str(e)) from e
         except ValueError as e:  # a malformed batch (BatchFormatError names the key)
@@ -201,6 +239,9 @@ class TrainerClient:
                     return self.last
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")
+                behind = _trainer_step(detail) if e.code == 409 else None
+                if behind is not None:  # restarted from an older checkpoint: replay first
+                    raise ControllerTrainerBehindError(behind, detail) from e
                 if 400 <= e.code < 500 and e.code not in (408, 429):  # ours to fix: no retry
                     raise RuntimeError(
                         f"trainer {self.url} refused step {step} (HTTP {e.code}): {detail}"
@@ -218,6 +259,16 @@ class TrainerClient:
         return int(self.train(batch.version, batch.arrays())["version"])
 
 
+def _trainer_step(detail: str) -> int | None:
+    """``trainer_step`` of a 409 answer from ``TrainerBehindError``, else None."""
+    try:
+        body = json.loads(detail).get("detail")
+    except (ValueError, AttributeError):
+        return None
+    step = body.get("trainer_step") if isinstance(body, dict) else None
+    return step if isinstance(step, int) else None
+
+
 def _trainer_command(args: argparse.Namespace) -> int:
     import socket
 
@@ -232,13 +283,18 @@ def _trainer_command(args: argparse.Namespace) -> int:
     policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
     objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
     run_dir = cfg.run_dir
-    trainer = Trainer(policy, objective, cfg.trainer, run_dir)
+    # the service decides when to checkpoint (trainer.checkpoint_every, at least every step)
+    trainer = Trainer(
+        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=0), run_dir
+    )
     ps = None
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient
 
         ps = ParameterServerClient(args.ps_url)
-    service = TrainerService(trainer, ps).start()
+    service = TrainerService(
+        trainer, ps, checkpoint_every=max(1, cfg.trainer.checkpoint_every)
+    ).start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

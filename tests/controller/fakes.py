@@ -14,6 +14,7 @@ from rlax_tasks.controller import (
     ControllerSettings,
     MixtureComponent,
     PromptMixture,
+    TrainerBehindError,
     should_reload,
 )
 from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
@@ -61,6 +62,8 @@ class FakeTrainer:
         if batch.version <= self.version:  # the trainer service's contract: a replay is a no-op
             self.replays += 1
             return batch.version
+        if batch.version > self.version + 1:  # restarted from an older checkpoint
+            raise TrainerBehindError(self.version)
         self.batches.append(batch)
         self.version += 1
         if self.crash_after_next:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 
+import numpy as np
 import pytest
 
 from rlax_tasks import storage
@@ -357,3 +359,38 @@ def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
         assert list(got["score"]) == pytest.approx([s for g in batch.groups for s in g.scores])
         assert set(got["verifier"]) == {"task"} and step == batch.version
     assert read_rollouts(str(tmp_path / "none")).empty
+
+
+def test_a_trainer_restored_from_an_older_checkpoint_gets_the_missing_steps_again(tmp_path):
+    """trainer.checkpoint_every > 1: a restarted trainer is behind; the controller replays the
+    steps since its checkpoint from rollouts/, exactly the batches it trained on before."""
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    c = make(run_dir, world)
+    c.start()
+    c.run(7, max_iterations=500)
+    first = list(world.trainer.batches)
+    world.trainer.version = 4  # kill -9, restored from the checkpoint of step 4
+    world.trainer.batches = world.trainer.batches[:4]
+    c.run(N, max_iterations=500)
+    assert c.counters["replayed_steps"] == 3
+    replayed = world.trainer.batches[4:7]
+    for got, want in zip(replayed, first[4:7], strict=True):
+        assert got.version == want.version and got.prompt_ids == want.prompt_ids
+        for key, value in want.arrays().items():  # bit for bit what it trained on
+            np.testing.assert_array_equal(got.arrays()[key], value, err_msg=key)
+    assert [b.version for b in world.trainer.batches] == list(range(1, N + 1))
+    assert read_lineage(run_dir) == read_lineage(str(tmp_path / "ref"))  # nothing else changed
+
+
+def test_replay_without_the_rollouts_file_is_a_clear_error(tmp_path):
+    run_dir = str(tmp_path / "run")
+    world = World()
+    c = make(run_dir, world)
+    c.start()
+    c.run(3, max_iterations=500)
+    os.remove(os.path.join(run_dir, "rollouts", "step-00000002.parquet"))
+    world.trainer.version = 1
+    with pytest.raises(FileNotFoundError, match="step 2 again"):
+        c.run(4, max_iterations=500)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from rlax_tasks.config import load_config
+from rlax_tasks.controller import read_rollouts
+from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.models import ModelConfig, Policy
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.run.local_run import run_local
@@ -133,7 +136,11 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
     """On-policy lockstep (j = k = 1): with the trainer and the controller killed mid-run, the
     prompts of every step in lineage.jsonl are those of an uninterrupted run with the seed."""
     monkeypatch.setenv("XLA_FLAGS", "")
-    lockstep = {"staleness.reload_every": 1, "staleness.max_staleness": 1}
+    lockstep = {
+        "staleness.reload_every": 1,
+        "staleness.max_staleness": 1,
+        "trainer.checkpoint_every": 4,
+    }
     reference = small_config(tmp_path / "a", **lockstep)
     run_local(reference, steps=6, evaluate=False)
     cfg = small_config(tmp_path / "b", **lockstep)
@@ -152,3 +159,11 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
     b = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
     assert [r["prompt_ids"] for r in b] == [r["prompt_ids"] for r in a]
     assert [r["step"] for r in b] == list(range(1, 7))
+    # checkpoint_every=4: the trainer killed after step 3 restarted from scratch and was given
+    # steps 1-3 again; on-policy, every token and the final weights match the reference run
+    ra, rb = read_rollouts(reference.run_dir), read_rollouts(cfg.run_dir)
+    assert [list(t) for t in rb["tokens"]] == [list(t) for t in ra["tokens"]]
+    (va, wa), (vb, wb) = mirror_arrays(reference.run_dir, 6), mirror_arrays(cfg.run_dir, 6)
+    assert va == vb == 6 and wa.keys() == wb.keys()
+    for name in wa:
+        np.testing.assert_array_equal(wb[name], wa[name], err_msg=name)

@@ -61,6 +61,10 @@ def test_metrics_writer_appends_one_object_per_step(tmp_path):
     with open(path, "a") as fh:
         fh.write('{"step": 3, "lo')  # a torn line left by a crash is skipped
     assert read_metrics(path) == [{"step": 1, "loss": 0.5, "nan": None}, {"step": 2, "loss": 0.25}]
+    again = MetricsWriter(path)  # a restarted trainer replaying steps 2-3
+    again.write(2, {"loss": 9.0})
+    again.write(3, {"loss": 0.125})
+    assert [r["loss"] for r in read_metrics(path)] == [0.5, 0.25, 0.125]
     with pytest.raises(ValueError, match="must be a local file"):
         MetricsWriter("gs://bucket/run/metrics.jsonl")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 
 from rlax_tasks.algorithms import make_objective
+from rlax_tasks.controller import TrainerBehindError
 from rlax_tasks.paramserver import ParameterServerClient
 from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 from rlax_tasks.trainer.config import TrainerConfig
+from rlax_tasks.trainer.metrics import read_metrics
 from rlax_tasks.trainer.service import (
     StepConflictError,
     TrainerClient,
@@ -26,9 +29,13 @@ from tests.trainer.helpers import random_batch, tiny_policy
 CONFIG = TrainerConfig(learning_rate=1e-3, mesh_shape=(1, 1, 1), async_checkpointing=False)
 
 
-def make_service(run_dir: str, ps: ParameterServerClient | None) -> TrainerService:
+def make_service(
+    run_dir: str, ps: ParameterServerClient | None, checkpoint_every: int = 1
+) -> TrainerService:
     trainer = Trainer(tiny_policy(), make_objective("grpo", kl_beta=0.0), CONFIG, run_dir)
-    return TrainerService(trainer, ps, repush_every_s=0.2).start()
+    return TrainerService(
+        trainer, ps, repush_every_s=0.2, checkpoint_every=checkpoint_every
+    ).start()
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -98,8 +105,9 @@ def test_http_client_retries_until_the_trainer_is_up_and_errors_are_clear(tmp_pa
         out = client.train(1, random_batch(1))
         assert out["version"] == 1 and out["replayed"] is False
         assert client.train(1, random_batch(1))["replayed"] is True
-        with pytest.raises(RuntimeError, match="cannot follow"):
+        with pytest.raises(TrainerBehindError, match="cannot follow") as behind:
             client.train(5, random_batch(5))
+        assert behind.value.trainer_step == 1
         with pytest.raises(RuntimeError, match="403"):
             TrainerClient(url, token="wrong").train(2, random_batch(2))
         bad = random_batch(2)
@@ -110,3 +118,37 @@ def test_http_client_retries_until_the_trainer_is_up_and_errors_are_clear(tmp_pa
         server.should_exit = True
         time.sleep(0.3)
         service.stop()
+
+
+def test_checkpoint_every_n_steps_and_replay_after_a_crash(tmp_path):
+    """checkpoint_every=3: killed after step 5, the trainer restarts at step 3, asks for steps 4
+    and 5 again, and applying them gives bit for bit the weights it had; metrics and the PS
+    keep one record per step."""
+    run_dir = str(tmp_path / "run")
+    batches = {s: random_batch(s) for s in range(1, 7)}
+    with ParameterServer(ServerConfig(token="t", keep_versions=8)) as server:
+        ps = ParameterServerClient(server.address, token="t")
+        service = make_service(run_dir, ps, checkpoint_every=3)
+        for s in range(1, 6):
+            service.train(s, batches[s])
+        at_five = leaves(service.trainer.params)
+        service.trainer.wait_for_checkpoint()  # the save of step 3 finished; then kill -9
+        service._stop.set()  # (its re-push thread dies with it)
+        assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["3"]
+
+        restarted = make_service(run_dir, ps, checkpoint_every=3)
+        assert restarted.step == 3 and ps.latest_version() == 5
+        with pytest.raises(TrainerBehindError) as behind:
+            restarted.train(6, batches[6])
+        assert behind.value.trainer_step == 3
+        for s in (4, 5):
+            assert restarted.train(s, batches[s])["replayed"] is False
+        for a, b in zip(at_five, leaves(restarted.trainer.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+        restarted.train(6, batches[6])
+        assert ps.latest_version() == 6
+        restarted.stop()  # a clean stop checkpoints step 6
+        assert "6" in os.listdir(os.path.join(run_dir, "checkpoints"))
+        steps = [r["step"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+        assert steps == [1, 2, 3, 4, 5, 6]
+        ps.close()
