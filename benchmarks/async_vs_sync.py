@@ -180,9 +180,9 @@ def run_ours(
         label,
         done,
         wall,
-        _f(result["step_interval_median"]),
-        _f((result["before"] or {}).get("pass@1")),
-        _f((result["after"] or {}).get("pass@1")),
+        fmt_value(result["step_interval_median"]),
+        fmt_value((result["before"] or {}).get("pass@1")),
+        fmt_value((result["after"] or {}).get("pass@1")),
     )
     return result
 
@@ -193,8 +193,30 @@ def _passes(r: dict[str, Any] | None) -> dict[str, float] | None:
     return {k: float(v) for k, v in r.items() if k.startswith("pass@")} or None
 
 
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+def fmt_value(x: float | None, fmt: str = "{:.3f}") -> str:
+    """``x`` formatted, or "-" when there is none."""
     return "-" if x is None else fmt.format(x)
+
+
+def after_first_step(r: dict[str, Any]) -> dict[str, Any] | None:
+    """Time to target counted from the run's first finished training step (no start-up)."""
+    t, first = r.get("time_to_target"), r.get("first_step_seconds")
+    if t is None or first is None:
+        return None
+    return {**t, "seconds": t["seconds"] - first}
+
+
+def print_curves(results: dict[str, dict[str, Any]], heading: str) -> None:
+    """Held-out pass@1 per evaluated version, one line per run: "version:pass@1@seconds"."""
+    print(heading)
+    width = max(len(label) for label in results)
+    for label, r in results.items():
+        pts = ", ".join(
+            f"{c['version']}:{c['pass@1']:.3f}"
+            + ("" if c["seconds"] is None else f"@{c['seconds']:.0f}s")
+            for c in r["curve"]
+        )
+        print(f"  {label:{width}s} {pts}")
 
 
 def print_table(
@@ -252,13 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         return "not reached" if t is None else f"{t['seconds']:.1f}s (step {t['step']})"
 
     def ttt_after_first(r: dict[str, Any]) -> str:
-        t, first = r["time_to_target"], r["first_step_seconds"]
-        return "-" if t is None or first is None else f"{t['seconds'] - first:.1f}s"
+        t = after_first_step(r)
+        return "-" if t is None else f"{t['seconds']:.1f}s"
 
     print()
     print(
         f"tiny-arith, {args.steps} steps per run, eval every {args.eval_every} steps, "
-        f"{os.cpu_count()} CPUs (busy before start: {_f(busy, '{:.2f}')}); "
+        f"{os.cpu_count()} CPUs (busy before start: {fmt_value(busy, '{:.2f}')}); "
         f"target held-out pass@1 {target:.3f}"
         + (f" (base {base:.3f} + {args.gain})" if args.target is None and base is not None else "")
     )
@@ -269,30 +291,23 @@ def main(argv: list[str] | None = None) -> int:
         ],
         [
             ("steps done", lambda r: str(r["steps"])),
-            ("s/step (median interval)", lambda r: _f(r["step_interval_median"])),
-            ("s/step (mean interval)", lambda r: _f(r["step_interval_mean"])),
-            ("longest interval s", lambda r: _f(r["step_interval_max"], "{:.1f}")),
-            ("first step done at s", lambda r: _f(r["first_step_seconds"], "{:.1f}")),
-            ("train_seconds / steps", lambda r: _f(r["seconds_per_step_total"])),
-            ("train_seconds", lambda r: _f(r["train_seconds"], "{:.1f}")),
-            ("pass@1 before", lambda r: _f((r["before"] or {}).get("pass@1"))),
-            ("pass@1 after", lambda r: _f((r["after"] or {}).get("pass@1"))),
-            ("pass@8 before", lambda r: _f((r["before"] or {}).get("pass@8"))),
-            ("pass@8 after", lambda r: _f((r["after"] or {}).get("pass@8"))),
-            ("mean reward, last 10 steps", lambda r: _f(r["reward_last10"])),
+            ("s/step (median interval)", lambda r: fmt_value(r["step_interval_median"])),
+            ("s/step (mean interval)", lambda r: fmt_value(r["step_interval_mean"])),
+            ("longest interval s", lambda r: fmt_value(r["step_interval_max"], "{:.1f}")),
+            ("first step done at s", lambda r: fmt_value(r["first_step_seconds"], "{:.1f}")),
+            ("train_seconds / steps", lambda r: fmt_value(r["seconds_per_step_total"])),
+            ("train_seconds", lambda r: fmt_value(r["train_seconds"], "{:.1f}")),
+            ("pass@1 before", lambda r: fmt_value((r["before"] or {}).get("pass@1"))),
+            ("pass@1 after", lambda r: fmt_value((r["after"] or {}).get("pass@1"))),
+            ("pass@8 before", lambda r: fmt_value((r["before"] or {}).get("pass@8"))),
+            ("pass@8 after", lambda r: fmt_value((r["after"] or {}).get("pass@8"))),
+            ("mean reward, last 10 steps", lambda r: fmt_value(r["reward_last10"])),
             ("time to target", ttt),
             ("  of which after the 1st step", ttt_after_first),
         ],
     )
     print()
-    print("held-out pass@1 by step (seconds since the start of the run):")
-    for label, r in results.items():
-        pts = ", ".join(
-            f"{c['version']}:{c['pass@1']:.3f}"
-            + ("" if c["seconds"] is None else f"@{c['seconds']:.0f}s")
-            for c in r["curve"]
-        )
-        print(f"  {label:9s} {pts}")
+    print_curves(results, "held-out pass@1 by step (seconds since the start of the run):")
     print()
     ratios: dict[str, float | None] = {}
     for key, name in (
@@ -302,13 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     ):
         a, s = asyn[key], sync[key]
         ratios[key] = (s / a) if a and s else None
-        print(f"async speed-up per step ({name}): lockstep / async = {_f(ratios[key], '{:.2f}x')}")
+        ratio = fmt_value(ratios[key], "{:.2f}x")
+        print(f"async speed-up per step ({name}): lockstep / async = {ratio}")
     ta, ts = asyn["time_to_target"], sync["time_to_target"]
     ratios["time_to_target"] = ts["seconds"] / ta["seconds"] if ta and ts else None
     print(
         "async speed-up to the target: lockstep time / async time = "
         + (
-            _f(ratios["time_to_target"], "{:.2f}x")
+            fmt_value(ratios["time_to_target"], "{:.2f}x")
             if ratios["time_to_target"] is not None
             else f"n/a (lockstep {ttt(sync)}, async {ttt(asyn)})"
         )

@@ -54,7 +54,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from benchmarks._timing import busy_cores, peak_rss_bytes  # noqa: E402
 from benchmarks.async_vs_sync import (  # noqa: E402
     PRESET,
+    after_first_step,
     base_model_dir,
+    fmt_value,
+    print_curves,
+    print_table,
     run_ours,
     time_to_target,
 )
@@ -382,10 +386,6 @@ def run_trl(
 
 
 # ------------------------------------------------------------------------------------ main
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gain", type=float, default=0.15, help="target = base pass@1 + gain")
@@ -500,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tiny-arith: ours (rlax run, j={s.reload_every}, k={s.max_staleness}, "
         f"{cfg.workers.count} workers) vs TRL GRPOTrainer (PyTorch CPU), {os.cpu_count()} CPUs "
-        f"(busy before start: {_f(busy, '{:.2f}')}); ours' JAX compilation cache: {cache_state}"
+        f"(busy before start: {fmt_value(busy, '{:.2f}')}); "
+        f"ours' JAX compilation cache: {cache_state}"
     )
     print(
         f"target held-out pass@1 {target:.3f}"
@@ -513,32 +514,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{checks['torch_sampled']:.3f}, exact P(answer<eos>) {checks['exact']:.3f} (a gap "
         "beyond ~0.03 means an evaluator's samples are not independent)"
     )
-    print(f"{'':28s}" + "".join(f"{name:>16s}" for name in results))
     lines = [
         ("time to target", lambda r: _ttt(r["time_to_target"])),
         ("  of which after 1st step", lambda r: _ttt(after_first_step(r))),
-        ("steps to target", lambda r: _f((r["time_to_target"] or {}).get("step"), "{}")),
+        ("steps to target", lambda r: fmt_value((r["time_to_target"] or {}).get("step"), "{}")),
         ("steps run", lambda r: str(r["steps"])),
         ("stopped by", lambda r: r["stopped"]),
-        ("training seconds", lambda r: _f(r["train_seconds"], "{:.1f}")),
-        ("first step done at s", lambda r: _f(r["first_step_seconds"], "{:.1f}")),
-        ("s/step (median interval)", lambda r: _f(r["step_interval_median"])),
-        ("s/step (mean interval)", lambda r: _f(r["step_interval_mean"])),
-        ("pass@1 at step 0", lambda r: _f(r["curve"][0]["pass@1"] if r["curve"] else None)),
-        ("best pass@1", lambda r: _f(max((c["pass@1"] for c in r["curve"]), default=None))),
-        ("mean reward, last 10 steps", lambda r: _f(r["reward_last10"])),
+        ("training seconds", lambda r: fmt_value(r["train_seconds"], "{:.1f}")),
+        ("first step done at s", lambda r: fmt_value(r["first_step_seconds"], "{:.1f}")),
+        ("s/step (median interval)", lambda r: fmt_value(r["step_interval_median"])),
+        ("s/step (mean interval)", lambda r: fmt_value(r["step_interval_mean"])),
+        ("pass@1 at step 0", lambda r: fmt_value(r["curve"][0]["pass@1"] if r["curve"] else None)),
+        ("best pass@1", lambda r: fmt_value(max((c["pass@1"] for c in r["curve"]), default=None))),
+        ("mean reward, last 10 steps", lambda r: fmt_value(r["reward_last10"])),
     ]
-    for name, get in lines:
-        print(f"{name:28s}" + "".join(f"{get(r):>16s}" for r in results.values()))
+    print_table(list(results.items()), lines)
     print()
-    print("held-out pass@1 by step (seconds of training when that step's weights existed):")
-    for label, r in results.items():
-        pts = ", ".join(
-            f"{c['version']}:{c['pass@1']:.3f}"
-            + ("" if c["seconds"] is None else f"@{c['seconds']:.0f}s")
-            for c in r["curve"]
-        )
-        print(f"  {label:5s} {pts}")
+    print_curves(
+        results, "held-out pass@1 by step (seconds of training when that step's weights existed):"
+    )
     ratio = None
     ours_t, trl_t = (results.get(k, {}).get("time_to_target") for k in ("ours", "trl"))
     print()
@@ -593,14 +587,6 @@ def base_checks(cfg: Any, model_dir: str) -> dict[str, float]:
         "torch_sampled": TorchHeldOut(cfg, tokenizer).evaluate(model, 0)["pass@1"],
         "exact": exact_pass_at_1(cfg, model, tokenizer),
     }
-
-
-def after_first_step(r: dict[str, Any]) -> dict[str, Any] | None:
-    """Time to target counted from the side's first finished training step (no start-up)."""
-    t, first = r.get("time_to_target"), r.get("first_step_seconds")
-    if t is None or first is None:
-        return None
-    return {**t, "seconds": t["seconds"] - first}
 
 
 def _ttt(t: dict[str, Any] | None) -> str:
