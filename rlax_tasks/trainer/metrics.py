@@ -34,9 +34,7 @@ class MetricsWriter:
             )
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        _cut_torn_last_line(path)
-        rows = read_metrics(path) if os.path.exists(path) else []
-        self.last_step = max((int(r.get("step", 0)) for r in rows), default=0)
+        self.last_step = _last_step_cutting_a_torn_line(path)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Appends {"step": step, **metrics}; a step already written (a step replayed after a
@@ -51,14 +49,22 @@ class MetricsWriter:
             fh.flush()
 
 
-def _cut_torn_last_line(path: str) -> None:
-    """Drops a last line without its newline (a crash mid-write), so appends start clean."""
+def _last_step_cutting_a_torn_line(path: str) -> int:
+    """The step of the file's last complete row (0 for none); a last line without its newline
+    (a crash mid-write) is cut off first, so appends start clean."""
     if not os.path.exists(path):
-        return
+        return 0
     with open(path, "rb+") as fh:
         data = fh.read()
-        if data and not data.endswith(b"\n"):
-            fh.truncate(data.rfind(b"\n") + 1)
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            fh.truncate(end)
+    for line in reversed(data[:end].splitlines()):  # rows are written in step order
+        try:
+            return int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError):
+            continue
+    return 0
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
