@@ -6,11 +6,11 @@ the parameter server before answering. A step it already applied is answered as 
 being applied again — that is what makes the controller's write-ahead snapshot exact after any
 crash. Version numbers are step numbers (version 0 = the base weights).
 
-It checkpoints every ``trainer.checkpoint_every`` steps (Orbax, in the background). Restarted
-from the checkpoint of step c, it answers a later step with 409 and ``trainer_step`` = c; the
-controller then sends steps c+1... again from its rollouts (``TrainerBehindError``), which apply
-once onto the restored state. A step is thus never applied twice to the same weights, and a
-big model is not written out at every step.
+The trainer checkpoints every ``trainer.checkpoint_every`` steps (Orbax, in the background),
+and once more on a clean stop. Restarted from the checkpoint of step c, the service answers a
+later step with 409 and ``trainer_step`` = c; the controller then sends steps c+1... again from
+its rollouts (``TrainerBehindError``), which apply once onto the restored state. A step is thus
+never applied twice to the same weights, and a big model is not written out at every step.
 
 On start it restores the newest complete checkpoint and makes sure the parameter server holds
 its version (a PS restarted from an older mirror gets it again); a background thread keeps
@@ -57,20 +57,11 @@ class TrainerBehindError(StepConflictError, ControllerTrainerBehindError):
 
 
 class TrainerService:
-    """Wraps a ``Trainer``: idempotent steps by number, checkpoint-then-push, PS re-push."""
+    """Wraps a ``Trainer``: idempotent steps by number, push per step, PS re-push."""
 
-    def __init__(
-        self,
-        trainer: Any,
-        ps: Any | None = None,
-        repush_every_s: float = 5.0,
-        checkpoint_every: int = 1,
-    ) -> None:
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    def __init__(self, trainer: Any, ps: Any | None = None, repush_every_s: float = 5.0) -> None:
         self.trainer, self.ps = trainer, ps
-        self.repush_every_s, self.checkpoint_every = repush_every_s, checkpoint_every
-        self.saved_step = 0
+        self.repush_every_s = repush_every_s
         self.lock = threading.Lock()
         self.last_metrics: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -82,7 +73,6 @@ class TrainerService:
     def start(self) -> TrainerService:
         """Restores the newest complete checkpoint and publishes its version."""
         restored = self.trainer.restore_latest()
-        self.saved_step = self.step
         log.info("trainer at step %d (%s)", self.step, "restored" if restored else "fresh")
         if self.ps is not None:
             try:
@@ -96,9 +86,8 @@ class TrainerService:
         """Checkpoints the steps since the last checkpoint (a clean stop loses none), closes."""
         self._stop.set()
         with self.lock:
-            if self.step > self.saved_step:
+            if self.step > self.trainer.saved_step:
                 self.trainer.save()
-                self.saved_step = self.step
         self.trainer.close()
 
     def ensure_published(self) -> None:
@@ -145,10 +134,7 @@ class TrainerService:
             arrays = dict(batch)
             if "completion_mask" not in arrays and "mask" in arrays:
                 arrays["completion_mask"] = arrays.pop("mask")
-            metrics = self.trainer.step(arrays)
-            if step % self.checkpoint_every == 0:
-                self.trainer.save()  # in the background; the next save waits for it
-                self.saved_step = step
+            metrics = self.trainer.step(arrays)  # checkpoints every trainer.checkpoint_every
             if self.ps is not None:
                 t0 = time.perf_counter()
                 try:
@@ -283,18 +269,17 @@ def _trainer_command(args: argparse.Namespace) -> int:
     policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
     objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
     run_dir = cfg.run_dir
-    # the service decides when to checkpoint (trainer.checkpoint_every, at least every step)
+    # checkpoints at least every step: a trainer without any would replay the whole run
+    every = max(1, cfg.trainer.checkpoint_every)
     trainer = Trainer(
-        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=0), run_dir
+        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every), run_dir
     )
     ps = None
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient
 
         ps = ParameterServerClient(args.ps_url)
-    service = TrainerService(
-        trainer, ps, checkpoint_every=max(1, cfg.trainer.checkpoint_every)
-    ).start()
+    service = TrainerService(trainer, ps).start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -111,6 +111,7 @@ class Trainer:
         self._optimizer = make_optimizer(config)
         self._rng = jax.random.key(config.seed)
         self.step_count = 0
+        self.saved_step = 0  # the step of the newest checkpoint started or restored
 
         params: dict[str, Any] = {MODEL: policy.params}
         if objective.needs_values:
@@ -313,6 +314,7 @@ class Trainer:
             # while the next step donates (frees) them: the save gets a private copy
             state = fresh_copy(state, self._state_shardings())
         self.checkpointer.save(self.step_count, state, meta)
+        self.saved_step = self.step_count
 
     def restore_latest(self) -> RestoredCheckpoint | None:
         """Loads the newest COMPLETE checkpoint into the trainer; None when there is none."""
@@ -333,7 +335,7 @@ class Trainer:
         self._params = restored["params"]
         self._opt_state = restored["opt_state"]
         self._rng = jax.random.wrap_key_data(jnp.asarray(restored["rng"]))
-        self.step_count = int(meta["step"])
+        self.step_count = self.saved_step = int(meta["step"])
         log.info("restored step %d from %s", step, self.checkpointer.directory)
         return RestoredCheckpoint(step=self.step_count, data_cursor=meta.get("data_cursor"))
 

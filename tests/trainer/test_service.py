@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -32,10 +33,9 @@ CONFIG = TrainerConfig(learning_rate=1e-3, mesh_shape=(1, 1, 1), async_checkpoin
 def make_service(
     run_dir: str, ps: ParameterServerClient | None, checkpoint_every: int = 1
 ) -> TrainerService:
-    trainer = Trainer(tiny_policy(), make_objective("grpo", kl_beta=0.0), CONFIG, run_dir)
-    return TrainerService(
-        trainer, ps, repush_every_s=0.2, checkpoint_every=checkpoint_every
-    ).start()
+    config = dataclasses.replace(CONFIG, checkpoint_every=checkpoint_every)
+    trainer = Trainer(tiny_policy(), make_objective("grpo", kl_beta=0.0), config, run_dir)
+    return TrainerService(trainer, ps, repush_every_s=0.2).start()
 
 
 def leaves(tree) -> list[np.ndarray]:
