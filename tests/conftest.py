@@ -22,3 +22,20 @@ os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
 for path in (DAGS, PLUGINS):  # as Airflow puts them on sys.path
     if path not in sys.path:
         sys.path.append(path)
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _drop_cli_log_handlers():
+    """`rlax` commands called in-process install a root handler on the stream pytest captures for
+    that test and closes after it; drop it so later tests do not log to a closed file."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)

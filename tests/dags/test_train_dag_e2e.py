@@ -15,7 +15,7 @@ import pytest
 
 from tests.dags.conftest import DAGS
 
-STEPS = 4
+STEPS = 8  # enough steps after the first that the kill lands mid-run at ~0.2 s a step
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -47,7 +47,7 @@ def _kill_when_training(run_dir: str, jobs_dir: str, name: str, killed: list) ->
                 child.send_signal(signal.SIGKILL)
                 killed.append((name, child.pid))
                 return
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 @pytest.fixture
