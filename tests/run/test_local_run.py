@@ -66,6 +66,7 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, **{"eval.every_steps": 3})
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
+    steps = 12  # steps can come in bursts after a restart: room for the kills before the end
     killed = []
 
     def hook(sup):
@@ -78,21 +79,21 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
             killed.append((done, name))
             schedule.pop(0)
 
-    report = run_local(cfg, steps=8, evaluate=True, supervisor_hook=hook)
+    report = run_local(cfg, steps=steps, evaluate=True, supervisor_hook=hook)
     assert [name for _, name in killed] == ["trainer", "controller", "worker-0", "ps"]
     assert all(report["restarts"][name] >= 1 for _, name in killed)
     lineage = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
-    assert [r["step"] for r in lineage] == list(range(1, 9))
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
-    assert len(consumed) == len(set(consumed)) == 8 * 4  # no prompt trained twice
-    assert report["after"]["version"] == 8
+    assert len(consumed) == len(set(consumed)) == steps * 4  # no prompt trained twice
+    assert report["after"]["version"] == steps
     assert os.path.exists(os.path.join(cfg.run_dir, "eval", "report.md"))
     for plot in ("reward", "pass_at_k", "staleness", "weight_sync"):
         assert os.path.getsize(os.path.join(cfg.run_dir, "eval", f"{plot}.png")) > 1000
     # eval.every_steps: held-out pass@k during the run, each row timed by its version's step
     progress = read_jsonl(os.path.join(cfg.run_dir, "eval", "progress.jsonl"))
     assert progress[0]["step"] == 0 and progress[0]["seconds"] == 0
-    assert progress[-1]["version"] == 8 and len(progress) >= 3
+    assert progress[-1]["version"] == steps and len(progress) >= 3
     assert all(0 <= r["pass@1"] <= r["pass@8"] <= 1 for r in progress)
     times = [r["seconds"] for r in progress if r["seconds"] is not None]
     assert times == sorted(times) and len(times) >= 3
