@@ -79,16 +79,16 @@ def sample_token_ids(
 ) -> list[list[list[int]]]:
     """n completions (token ids) per tokenized prompt, from `rlax_tasks.rollout.Sampler`
     (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls)."""
-    from rlax_tasks.rollout import Sampler, SamplingParams, prompt_seeds
+    from rlax_tasks.rollout import Sampler, per_prompt_params
 
     if not prompt_ids:
         return []
     if sampler is None:
         sampler = Sampler(policy, max_slots=max_slots, max_len=max_len)
-    params = [  # a seed per prompt: samples of different prompts are independent
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), seed=s)
-        for s in prompt_seeds(seed, len(prompt_ids))
-    ]
+    # a seed per prompt: samples of different prompts are independent
+    params = per_prompt_params(
+        seed, len(prompt_ids), max_new_tokens=max_new_tokens, temperature=float(temperature)
+    )
     outs = sampler.generate([list(p) for p in prompt_ids], n=n, params=params)
     if len(outs) != len(prompt_ids) * n:
         raise RuntimeError(

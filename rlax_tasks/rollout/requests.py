@@ -98,3 +98,9 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     over many prompts needs a seed per prompt for its samples to be independent.
     """
     return [zlib.crc32(f"{int(seed)}:{i}".encode()) & 0x7FFFFFFF for i in range(count)]
+
+
+def per_prompt_params(seed: int, count: int, **settings: Any) -> list[SamplingParams]:
+    """``count`` SamplingParams with ``settings``, each with its own seed (``prompt_seeds``):
+    what a caller passes as ``Sampler.generate(params=...)`` for independent samples."""
+    return [SamplingParams(seed=s, **settings) for s in prompt_seeds(seed, count)]

@@ -347,7 +347,7 @@ class Sampler:
     ) -> list[Completion]:
         """n completions per prompt, prompt-major. ``params`` (one, or one per prompt) overrides
         the keyword settings. ``seed`` is per request: every prompt given the same seed draws
-        the same random numbers, so pass ``params`` with ``prompt_seeds(seed, len(prompts))``
+        the same random numbers, so pass ``params=per_prompt_params(seed, len(prompts), ...)``
         when the prompts' samples must be independent (evaluation)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")

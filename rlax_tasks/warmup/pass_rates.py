@@ -10,7 +10,7 @@ from typing import Any
 from rlax_tasks.evaluation import mean_pass_at_k
 from rlax_tasks.models import Policy
 from rlax_tasks.rewards.tasks import Problem
-from rlax_tasks.rollout import Sampler, SamplingParams, prompt_seeds
+from rlax_tasks.rollout import Sampler, per_prompt_params
 from rlax_tasks.warmup.tiny_arith import TinyArith
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,10 @@ def evaluate_pass_rates(
     if sampler is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
         sampler = Sampler(policy, max_slots=max_slots, max_len=max(16, longest))
-    params = [  # a seed per prompt: samples of different prompts are independent
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), seed=s)
-        for s in prompt_seeds(seed, len(prompts))
-    ]
+    # a seed per prompt: samples of different prompts are independent
+    params = per_prompt_params(
+        seed, len(prompts), max_new_tokens=max_new_tokens, temperature=float(temperature)
+    )
     outs = sampler.generate(prompts, n=n, params=params)
     expanded = [p for p in problems for _ in range(n)]
     rewards = fmt.score_completions(policy.tokenizer, expanded, [o.tokens for o in outs])
