@@ -42,28 +42,35 @@ def verifier_version() -> str:
         return "unknown"
 
 
+@functools.cache
+def schema() -> Any:
+    """The pyarrow schema of a rollouts file: its columns, in order, with their types."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("step", pa.int64()),
+            ("prompt_id", pa.string()),
+            ("dataset", pa.string()),
+            ("group_id", pa.int32()),
+            ("sample", pa.int32()),
+            ("seq", pa.int64()),
+            ("weight_version", pa.int64()),
+            ("prompt_tokens", pa.list_(pa.int32())),
+            ("tokens", pa.list_(pa.int32())),
+            ("behavior_logprobs", pa.list_(pa.float32())),
+            ("finish_reason", pa.string()),
+            ("score", pa.float32()),
+            ("reward", pa.float32()),
+            ("verifier", pa.string()),
+            ("verifier_version", pa.string()),
+        ]
+    )
+
+
 def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[str, list]:
     """Columns of the step's rows; ``verifiers`` maps a dataset name to its verifier kind."""
-    cols: dict[str, list] = {
-        k: []
-        for k in (
-            "step",
-            "prompt_id",
-            "dataset",
-            "group_id",
-            "sample",
-            "seq",
-            "weight_version",
-            "prompt_tokens",
-            "tokens",
-            "behavior_logprobs",
-            "finish_reason",
-            "score",
-            "reward",
-            "verifier",
-            "verifier_version",
-        )
-    }
+    cols: dict[str, list] = {name: [] for name in schema().names}
     for gid, g in enumerate(batch.groups):
         dataset = g.prompt_id.split("/", 1)[0]
         for i in range(g.group_size):
@@ -90,28 +97,8 @@ def write_step(run_dir: str, step: int, batch: Batch, verifiers: Mapping[str, st
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols = rollout_rows(step, batch, verifiers)
-    schema = pa.schema(
-        [
-            ("step", pa.int64()),
-            ("prompt_id", pa.string()),
-            ("dataset", pa.string()),
-            ("group_id", pa.int32()),
-            ("sample", pa.int32()),
-            ("seq", pa.int64()),
-            ("weight_version", pa.int64()),
-            ("prompt_tokens", pa.list_(pa.int32())),
-            ("tokens", pa.list_(pa.int32())),
-            ("behavior_logprobs", pa.list_(pa.float32())),
-            ("finish_reason", pa.string()),
-            ("score", pa.float32()),
-            ("reward", pa.float32()),
-            ("verifier", pa.string()),
-            ("verifier_version", pa.string()),
-        ]
-    )
     buf = io.BytesIO()
-    pq.write_table(pa.table(cols, schema=schema), buf)
+    pq.write_table(pa.table(rollout_rows(step, batch, verifiers), schema=schema()), buf)
     path = step_path(run_dir, step)
     storage.write_bytes(path, buf.getvalue())
     return path
