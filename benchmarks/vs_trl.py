@@ -133,7 +133,7 @@ class TorchHeldOut:
     def evaluate(self, model: Any, step: int) -> dict[str, Any]:
         import torch
 
-        from rlax_tasks.evaluation import mean_pass_at_k
+        from rlax_tasks.warmup.pass_rates import score_pass_rates
 
         t0 = time.perf_counter()
         was_training = model.training
@@ -149,11 +149,10 @@ class TorchHeldOut:
         completions = out[:, self.input_ids.shape[1] :].tolist()
         eos = self.tokenizer.eos_token_id
         completions = [c[: c.index(eos) + 1] if eos in c else c for c in completions]
-        expanded = [p for p in self.problems for _ in range(self.n)]
-        rewards = self.fmt.score_completions(self.tokenizer, expanded, completions)
-        n = self.n
-        correct = [int(sum(rewards[i * n : (i + 1) * n])) for i in range(len(self.problems))]
-        result = {f"pass@{k}": mean_pass_at_k(n, correct, k) for k in self.ks}
+        scores = score_pass_rates(
+            self.fmt, self.tokenizer, self.problems, completions, self.n, self.ks
+        )
+        result = {k: v for k, v in scores.items() if k.startswith("pass@")}
         result["eval_seconds"] = time.perf_counter() - t0
         return result
 

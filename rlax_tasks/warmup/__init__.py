@@ -12,7 +12,7 @@ without smoothing, the gap is small and RL gained only a few points in 3 minutes
 """
 
 from rlax_tasks.warmup.base_model import MARKER, base_model_name, ensure_base_model, read_marker
-from rlax_tasks.warmup.pass_rates import evaluate_pass_rates
+from rlax_tasks.warmup.pass_rates import evaluate_pass_rates, score_pass_rates
 from rlax_tasks.warmup.recipe import WarmupRecipe, WarmupRecipeError
 from rlax_tasks.warmup.supervised import WarmupStats, train_base_policy, training_problems
 from rlax_tasks.warmup.tiny_arith import FORMAT_VERSION, TinyArith, encode_text
@@ -29,6 +29,7 @@ __all__ = [
     "ensure_base_model",
     "evaluate_pass_rates",
     "read_marker",
+    "score_pass_rates",
     "train_base_policy",
     "training_problems",
 ]

@@ -55,14 +55,24 @@ def evaluate_pass_rates(
         seed, len(prompts), max_new_tokens=max_new_tokens, temperature=float(temperature)
     )
     outs = sampler.generate(prompts, n=n, params=params)
+    result = score_pass_rates(fmt, policy.tokenizer, problems, [o.tokens for o in outs], n, k_list)
+    result.update(num_prompts=len(problems), num_samples=n, seconds=time.perf_counter() - t0)
+    return result
+
+
+def score_pass_rates(
+    fmt: TinyArith,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    completions: Sequence[Sequence[int]],
+    n: int,
+    k_list: Sequence[int],
+) -> dict[str, Any]:
+    """{"pass@k" for k in k_list, "mean_reward"} of ``n`` completions (token ids) per problem,
+    problem-major, scored by the task format (whichever sampler produced them)."""
     expanded = [p for p in problems for _ in range(n)]
-    rewards = fmt.score_completions(policy.tokenizer, expanded, [o.tokens for o in outs])
+    rewards = fmt.score_completions(tokenizer, expanded, completions)
     correct = [int(sum(rewards[i * n : (i + 1) * n])) for i in range(len(problems))]
     result: dict[str, Any] = {f"pass@{k}": mean_pass_at_k(n, correct, k) for k in k_list}
-    result.update(
-        num_prompts=len(problems),
-        num_samples=n,
-        mean_reward=sum(rewards) / len(rewards),
-        seconds=time.perf_counter() - t0,
-    )
+    result["mean_reward"] = sum(rewards) / len(rewards)
     return result
