@@ -8,6 +8,7 @@ JAX array in the result) before the clock stops; the median is the figure report
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import resource
 import statistics
@@ -153,6 +154,15 @@ def busy_cores(interval_s: float = 1.0) -> float | None:
     time.sleep(interval_s)
     b, elapsed = _system_busy_s(), time.perf_counter() - t0
     return None if a is None or b is None else (b - a) / elapsed
+
+
+def log_busy_cores(log: logging.Logger) -> float | None:
+    """``busy_cores()`` logged before a run, with a warning when other work shares the CPU."""
+    busy = busy_cores()
+    log.info("busy cores before start: %s (other work shares the machine when > 0.1)", busy)
+    if busy is not None and busy > 0.2:
+        log.warning("other processes keep %.2f CPUs busy: the timings will be slow and noisy", busy)
+    return busy
 
 
 def peak_rss_bytes() -> int:

@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks._timing import busy_cores, peak_rss_bytes  # noqa: E402
+from benchmarks._timing import log_busy_cores, peak_rss_bytes  # noqa: E402
 from rlax_tasks.run.report import read_jsonl  # noqa: E402
 
 log = logging.getLogger("benchmarks.async_vs_sync")
@@ -58,9 +58,14 @@ def base_model_dir() -> str:
     return ensure_base_model(parent, name=name)
 
 
+def step_times(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    """Unix time each training step was applied (metrics.jsonl "time"), by step."""
+    return {int(m["step"]): float(m["time"]) for m in metrics if "time" in m and "step" in m}
+
+
 def step_intervals(metrics: list[dict[str, Any]]) -> list[float]:
-    """Seconds between consecutive training steps (metrics.jsonl "time": when a step applied)."""
-    by_step = {int(m["step"]): float(m["time"]) for m in metrics if "time" in m and "step" in m}
+    """Seconds between consecutive training steps."""
+    by_step = step_times(metrics)
     times = [by_step[s] for s in sorted(by_step)]
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
@@ -68,7 +73,7 @@ def step_intervals(metrics: list[dict[str, Any]]) -> list[float]:
 def run_start_unix(metrics: list[dict[str, Any]], progress: list[dict[str, Any]]) -> float | None:
     """The unix time the run's clock started: progress.jsonl "seconds" of a version is the
     metrics.jsonl "time" of that step minus the start."""
-    times = {int(m["step"]): float(m["time"]) for m in metrics if "time" in m and "step" in m}
+    times = step_times(metrics)
     starts = [
         times[int(r["version"])] - float(r["seconds"])
         for r in progress
@@ -141,7 +146,7 @@ def run_ours(
     intervals = step_intervals(metrics)
     done = max((int(m["step"]) for m in metrics), default=0)
     start = run_start_unix(metrics, progress)
-    times = [float(m["time"]) for m in metrics if "time" in m]
+    times = list(step_times(metrics).values())
     train_s = report.get("train_seconds")
     if train_s is None and start is not None and times:  # stopped early: until its last step
         train_s = max(times) - start
@@ -244,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    busy = busy_cores()
-    log.info("busy cores before start: %s (other work shares the machine when > 0.1)", busy)
-    if busy is not None and busy > 0.2:
-        log.warning("other processes keep %.2f CPUs busy: the timings will be slow and noisy", busy)
+    busy = log_busy_cores(log)
     model_dir = base_model_dir()
     common = {"eval.every_steps": args.eval_every}
     modes = [

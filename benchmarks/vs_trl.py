@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks._timing import busy_cores, peak_rss_bytes  # noqa: E402
+from benchmarks._timing import log_busy_cores, peak_rss_bytes  # noqa: E402
 from benchmarks.async_vs_sync import (  # noqa: E402
     PRESET,
     after_first_step,
@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    busy = busy_cores()
-    log.info("busy cores before start: %s (other work shares the machine when > 0.1)", busy)
-    if busy is not None and busy > 0.2:
-        log.warning("other processes keep %.2f CPUs busy: the timings will be slow and noisy", busy)
+    busy = log_busy_cores(log)
     model_dir = base_model_dir()
     cache_state = "cold (a fresh cache per run)"
     if args.compilation_cache:
@@ -545,10 +542,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"excluded): TRL / ours = {steady[1]['seconds'] / steady[0]['seconds']:.2f}x"
             )
     elif "ours" in results and "trl" in results:
+        bound = _lower_bound(results)
         print(
             "TRL time / ours: n/a, the target was not reached by "
             + " and ".join(k for k in ("ours", "trl") if results[k]["time_to_target"] is None)
-            + (" (a lower bound: " + _lower_bound(results) + ")" if _lower_bound(results) else "")
+            + (f" (a lower bound: {bound})" if bound else "")
         )
     print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
     if args.json_out:
