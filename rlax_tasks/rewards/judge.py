@@ -2,11 +2,21 @@
 
 Round 1 runs every (program, input) pair in the sandbox; round 2 checks every output, by exact
 or whitespace-token comparison or with a checker program. Reward is 1 only if all tests pass.
+
+Call-based submissions (`fn_name` set, Python only) run a driver that imports the source as a
+module (an `if __name__ == "__main__":` block does not run), reads the JSON argument list from
+stdin, calls `fn_name` (a top-level function, else a method of `Solution()`) and prints the
+JSON return value after a marker; the value is compared with the
+test's expected JSON value (floats within 1e-6; a one-element expected list also accepts its
+element, as APPS's harness does).
 """
 
 from __future__ import annotations
 
+import json
+import keyword
 import logging
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +27,8 @@ from rlax_tasks.rewards.sandbox import ExecResult, Program, SandboxConfig, norma
 logger = logging.getLogger(__name__)
 
 COMPARISONS = ("tokens", "exact")
-# Per-test verdicts; "pass" is the only one that scores.
+# Per-test verdicts; "pass" is the only one that scores. Call-based: an exception or a missing
+# function is "runtime_error", a wrong or missing return value "wrong_answer".
 VERDICTS = (
     "pass",
     "wrong_answer",
@@ -28,11 +39,42 @@ VERDICTS = (
     "output_limit",
     "checker_error",
 )
+# Call-based judging: the driver runs the source as a module and prints the JSON return value on
+# a last line after this marker, so that the program's own prints cannot be taken for the result.
+_RESULT_MARKER = "@@rlax-call-result-6f1d2c@@ "
+_FLOAT_TOLERANCE = 1e-6
+_CALL_DRIVER = """
+def _rlax_call_driver(source, fn_name, marker):
+    import json, sys, types
+    module = types.ModuleType("solution")  # imported, as APPS's harness does: no __main__ block
+    module.__file__ = "solution.py"
+    sys.modules["solution"] = module
+    exec(compile(source, "solution.py", "exec"), module.__dict__)
+    namespace = module.__dict__
+    fn = namespace.get(fn_name)
+    if not callable(fn):
+        cls = namespace.get("Solution")
+        fn = getattr(cls(), fn_name, None) if isinstance(cls, type) else None
+    if not callable(fn):
+        sys.stderr.write(f"no function {fn_name!r} and no method Solution.{fn_name}\\n")
+        sys.exit(1)
+    result = fn(*json.loads(sys.stdin.read()))
+    try:
+        text = json.dumps(result)
+    except (TypeError, ValueError) as exc:
+        sys.stderr.write(f"the return value is not JSON ({exc}): {repr(result)[:200]}\\n")
+        sys.exit(1)
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + marker + text + "\\n")
+    sys.stdout.flush()
+
+
+"""
 
 
 @dataclass(frozen=True)
 class TestCase:
-    """One stdin input and the expected stdout."""
+    """One stdin input and the expected stdout (call-based: JSON arguments and return value)."""
 
     __test__ = False  # not a pytest test class
 
@@ -53,7 +95,8 @@ class Checker:
 
 @dataclass(frozen=True)
 class Submission:
-    """A program to judge and its tests."""
+    """A program to judge and its tests; with `fn_name`, a Python function judged call-based
+    (`comparison` and `checker` then do not apply)."""
 
     source: str
     tests: tuple[TestCase, ...]
@@ -62,6 +105,7 @@ class Submission:
     checker: Checker | None = None
     timeout_s: float = 2.0
     memory_mb: int = 256
+    fn_name: str | None = None
 
 
 @dataclass
@@ -108,8 +152,10 @@ def outputs_match(output: str, expected: str, comparison: str = "tokens") -> boo
     raise ValueError(f"unknown comparison {comparison!r}; supported: {', '.join(COMPARISONS)}")
 
 
-def _validate(sub: Submission) -> Submission:
-    normalize_language(sub.language)
+def validate_submission(sub: Submission) -> Submission:
+    """The submission with its tests as `TestCase`s; ValueError says what is wrong (language,
+    comparison, limits, tests, call-based fields), so callers can reject it before judging."""
+    language = normalize_language(sub.language)
     if sub.comparison not in COMPARISONS:
         raise ValueError(
             f"unknown comparison {sub.comparison!r}; supported: {', '.join(COMPARISONS)}"
@@ -118,15 +164,57 @@ def _validate(sub: Submission) -> Submission:
         normalize_language(sub.checker.language)
     if not sub.tests:
         raise ValueError("a submission needs at least one test case")
+    for name in ("timeout_s", "memory_mb"):
+        value = getattr(sub, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    tests = tuple(_as_test(t) for t in sub.tests)
+    if sub.fn_name is not None:
+        _validate_call_based(sub, language, tests)
     return Submission(
         sub.source,
-        tuple(_as_test(t) for t in sub.tests),
+        tests,
         sub.language,
         sub.comparison,
         sub.checker,
         sub.timeout_s,
         sub.memory_mb,
+        sub.fn_name,
     )
+
+
+def _validate_call_based(sub: Submission, language: str, tests: tuple[TestCase, ...]) -> None:
+    name = sub.fn_name
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"fn_name must be a Python identifier, got {name!r}")
+    if language != "python":
+        raise ValueError(
+            f"call-based judging (fn_name {name!r}) supports only Python, not {sub.language!r}"
+        )
+    if sub.checker is not None:
+        raise ValueError(f"a call-based submission (fn_name {name!r}) cannot have a checker")
+    for j, test in enumerate(tests):
+        if not isinstance(_json_field(test.input, j, "input"), list):
+            raise ValueError(f"test {j}: a call-based input is a JSON list of arguments")
+        _json_field(test.expected, j, "expected")
+
+
+def _json_field(text: str, index: int, name: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"test {index}: call-based {name} is not valid JSON ({exc.msg}): {text[:80]!r}"
+        ) from exc
+
+
+def _program_source(sub: Submission) -> str:
+    """What runs in the sandbox: the source itself, or (call-based) the driver, which runs the
+    source as a module named "solution" and calls its function."""
+    if sub.fn_name is None:
+        return sub.source
+    call = f"_rlax_call_driver({sub.source!r}, {sub.fn_name!r}, {_RESULT_MARKER!r})\n"
+    return _CALL_DRIVER + call
 
 
 def _run_verdict(result: ExecResult) -> str:
@@ -141,7 +229,7 @@ def judge_batch(
 ) -> list[JudgeResult]:
     """Judge many submissions: compile all, run all (program, input) pairs, then check all
     outputs; at most `max_parallel` sandboxes at a time (default: CPU count)."""
-    subs = [_validate(s) for s in submissions]
+    subs = [validate_submission(s) for s in submissions]
     if not subs:
         return []
     parallel = max(1, max_parallel or os.cpu_count() or 1)
@@ -150,7 +238,9 @@ def judge_batch(
     try:
         with ThreadPoolExecutor(parallel, thread_name_prefix="rlax-judge") as ex:
             # Round 0: build programs and checkers (compiles C++ once per program).
-            futures = [ex.submit(Program, s.source, s.language, config=config) for s in subs]
+            futures = [
+                ex.submit(Program, _program_source(s), s.language, config=config) for s in subs
+            ]
             errors = []
             for i, fut in enumerate(futures):
                 try:
@@ -213,6 +303,8 @@ def _check_output(
     sub: Submission, index: int, out: ExecResult, checker: Program | None
 ) -> tuple[str, str]:
     test = sub.tests[index]
+    if sub.fn_name is not None:
+        return _check_return_value(out.stdout, test.expected)
     if checker is None:
         ok = outputs_match(out.stdout, test.expected, sub.comparison)
         return ("pass" if ok else "wrong_answer"), ""
@@ -238,6 +330,43 @@ def _check_output(
     return "checker_error", f"checker {res.status} (exit {res.exit_code}): {res.stderr[-400:]}"
 
 
+def _check_return_value(stdout: str, expected: str) -> tuple[str, str]:
+    """Verdict of a call-based run from the value after the last result marker."""
+    _, found, rest = stdout.rpartition(_RESULT_MARKER)
+    if not found:
+        return "wrong_answer", "no return value: the program ended before the function returned"
+    text = rest.split("\n", 1)[0]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return "wrong_answer", f"unreadable return value {text[:200]!r}"
+    want = json.loads(expected)
+    if _json_equal(value, want) or (
+        isinstance(want, list) and len(want) == 1 and _json_equal(value, want[0])
+    ):
+        return "pass", ""
+    return "wrong_answer", f"expected {expected[:200]}, got {text[:200]}"
+
+
+def _json_equal(got: object, expected: object) -> bool:
+    """Equality of parsed JSON values (a returned tuple arrives as a list): numbers within 1e-6
+    (relative or absolute) unless both are ints, booleans never equal to numbers."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(got, int | float) and isinstance(expected, int | float):
+        if isinstance(got, int) and isinstance(expected, int):
+            return got == expected
+        try:
+            return math.isclose(got, expected, rel_tol=_FLOAT_TOLERANCE, abs_tol=_FLOAT_TOLERANCE)
+        except OverflowError:
+            return False
+    if isinstance(got, list) and isinstance(expected, list):
+        return len(got) == len(expected) and all(map(_json_equal, got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(_json_equal(got[k], expected[k]) for k in got)
+    return type(got) is type(expected) and got == expected
+
+
 def judge(
     source: str,
     tests: Sequence[TestCase | tuple[str, str]],
@@ -249,8 +378,9 @@ def judge(
     memory_mb: int = 256,
     max_parallel: int | None = None,
     config: SandboxConfig | None = None,
+    fn_name: str | None = None,
 ) -> JudgeResult:
-    """Judge one program on its tests (see `judge_batch`)."""
+    """Judge one program on its tests (see `judge_batch`; `fn_name`: call-based)."""
     sub = Submission(
         source,
         tuple(_as_test(t) for t in tests),
@@ -259,5 +389,6 @@ def judge(
         checker,
         timeout_s,
         memory_mb,
+        fn_name,
     )
     return judge_batch([sub], max_parallel, config=config)[0]

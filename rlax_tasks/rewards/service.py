@@ -83,6 +83,7 @@ def create_app(
         checker: CheckerModel | None = None
         timeout_s: float = Field(2.0, gt=0, le=60)
         memory_mb: int = Field(256, gt=0, le=16384)
+        fn_name: str | None = Field(None, max_length=200)  # call-based (Python) when set
 
     class JudgeRequest(BaseModel):
         submissions: list[SubmissionModel] = Field(max_length=_MAX_ITEMS)
@@ -123,6 +124,7 @@ def create_app(
                 Checker(**s.checker.model_dump()) if s.checker else None,
                 s.timeout_s,
                 s.memory_mb,
+                s.fn_name,
             )
             for s in req.submissions
         ]
@@ -282,6 +284,7 @@ class VerifierClient:
                     },
                     "timeout_s": s.timeout_s,
                     "memory_mb": s.memory_mb,
+                    "fn_name": s.fn_name,
                 }
                 for s in submissions
             ]

@@ -87,9 +87,12 @@ def test_service_math_code_and_judge(server):
         [
             Submission("print(sum(map(int, input().split())))", (TestCase("1 2", "3"),)),
             Submission("print(0)", (TestCase("1 2", "3"),)),
+            # call-based: judged on the return value (fn_name travels with the submission)
+            Submission("def add(a, b):\n    return a + b\n", (TestCase("[1, 2]", "3"),),
+                       fn_name="add"),
         ]
-    )
-    assert [j.reward for j in judged] == [1.0, 0.0]
+    )  # fmt: skip
+    assert [j.reward for j in judged] == [1.0, 0.0, 1.0]
     assert judged[1].tests[0].verdict == "wrong_answer"
     with pytest.raises(VerifierError, match="400.*cobol"):
         server.run("x", language="cobol")
