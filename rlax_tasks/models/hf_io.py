@@ -111,6 +111,34 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(path: str) -> dict[str, Any]:
+    """generation_config.json of an HF directory ({} when absent; broken JSON is an error)."""
+    gen_path = os.path.join(path, GENERATION_CONFIG)
+    if not os.path.exists(gen_path):
+        return {}
+    try:
+        with open(gen_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{gen_path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{gen_path}: expected a JSON object")
+    return data
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` value (int, list of ints or null) as a tuple of ids."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(f"{where}: eos_token_id must be token ids, got {value!r}")
+    return tuple(values)
+
+
 def _tensor_files(path: str) -> dict[str, str]:
     """Tensor name -> safetensors file, from the sharded index or the single file."""
     index = os.path.join(path, INDEX_FILE)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +61,15 @@ class Policy:
     mesh: Mesh | None = None
     # keys of the source config.json we do not model (kept on save)
     extra_hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the source generation_config.json (kept on save); its eos_token_id also ends generation
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a completion: config.json's and generation_config.json's EOS
+        (instruct checkpoints list their end-of-turn token only in the latter)."""
+        extra = hf_io.token_ids(self.generation_config.get("eos_token_id"), hf_io.GENERATION_CONFIG)
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *extra)))
 
     @classmethod
     def init(
@@ -130,6 +141,9 @@ class Policy:
         hf_io.write_hf(
             path, self.config, self.params, self.dtype, self.extra_hf_config, max_shard_bytes
         )
+        if self.generation_config:
+            with open(os.path.join(path, hf_io.GENERATION_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(self.generation_config, f, indent=2, sort_keys=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         log.info("saved %s policy (%s) to %s", self.config.model_type, self.dtype, path)
@@ -162,6 +176,8 @@ def load_pretrained(path: str, dtype: str = "float32", mesh: Mesh | None = None)
         log.warning("%s has no tokenizer files; policy.tokenizer is None", path)
     known = set(config.to_hf_dict())
     extra = {k: v for k, v in raw.items() if k not in known and k != "transformers_version"}
+    generation = hf_io.read_generation_config(path)
+    hf_io.token_ids(generation.get("eos_token_id"), os.path.join(path, hf_io.GENERATION_CONFIG))
     log.info(
         "loaded %s (%.1fM params, %s) from %s",
         config.model_type,
@@ -169,4 +185,4 @@ def load_pretrained(path: str, dtype: str = "float32", mesh: Mesh | None = None)
         dtype,
         path,
     )
-    return Policy(config, graphdef, params, dtype, tokenizer, mesh, extra)
+    return Policy(config, graphdef, params, dtype, tokenizer, mesh, extra, generation)

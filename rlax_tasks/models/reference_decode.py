@@ -34,7 +34,7 @@ def greedy_decode(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    stop = set(policy.config.eos_token_ids if stop_ids is None else stop_ids)
+    stop = set(policy.eos_token_ids if stop_ids is None else stop_ids)
     b, p = len(prompts), max(len(x) for x in prompts)
     ids = np.zeros((b, p + max_new_tokens), np.int32)
     mask = np.zeros_like(ids)

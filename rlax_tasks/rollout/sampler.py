@@ -383,7 +383,7 @@ class Sampler:
 
     # ------------------------------------------------------------------ internals
     def _stop_set(self, p: SamplingParams) -> frozenset[int]:
-        eos = () if p.ignore_eos else self.policy.config.eos_token_ids
+        eos = () if p.ignore_eos else self.policy.eos_token_ids
         return frozenset(eos) | frozenset(p.stop_token_ids)
 
     def _admit(self, finished: list[Completion]) -> None:
@@ -436,7 +436,7 @@ class Sampler:
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
         for row, (request, slot) in enumerate(zip(take, free, strict=False)):
-            eos = frozenset(() if request.params.ignore_eos else self.policy.config.eos_token_ids)
+            eos = frozenset(() if request.params.ignore_eos else self.policy.eos_token_ids)
             state = _Slot(request, [], [], self._stop_set(request.params), eos)
             self._slots[slot] = state
             self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
