@@ -180,7 +180,7 @@ def python_minhash(texts: list[str], config) -> np.ndarray:  # noqa: ANN001
 
 def minhash_race(n: int) -> dict:
     from rlax_tasks.curation.dedup import MinHashConfig, minhash_signatures
-    from rlax_tasks.curation.normalize import dedup_key
+    from rlax_tasks.data.normalize import dedup_key
 
     texts = [dedup_key(r["prompt"]) for r in make_rows(n, seed=5)]
     config = MinHashConfig()

@@ -8,6 +8,7 @@ import sys
 
 from rlax_tasks.airflow.local_dag_run import add_airflow_parser
 from rlax_tasks.curation.cli import add_curate_parser
+from rlax_tasks.data.cli import add_data_parser
 from rlax_tasks.evaluation.cli import add_eval_parser
 from rlax_tasks.models import CheckpointError, ModelConfigError
 from rlax_tasks.paramserver import add_ps_parser
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     add_verify_parser(sub)
     add_curate_parser(sub)
+    add_data_parser(sub)
     add_eval_parser(sub)
     add_ps_parser(sub)
     add_worker_parser(sub)

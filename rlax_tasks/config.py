@@ -26,6 +26,7 @@ from rlax_tasks import storage
 from rlax_tasks.algorithms import ObjectiveConfig, ObjectiveConfigError, preset_config
 from rlax_tasks.algorithms.config import FIELD_NAMES as OBJECTIVE_FIELDS
 from rlax_tasks.algorithms.config import PRESETS as OBJECTIVE_PRESETS
+from rlax_tasks.data.prompts import PromptSettings, PromptSettingsError
 from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
 
 PRESET_PACKAGE = "rlax_tasks.presets"
@@ -283,20 +284,38 @@ class SyntheticSource:
 
 @dataclasses.dataclass(frozen=True)
 class FileSource:
-    """A Parquet/JSONL file (local or gs://) in the curated schema: prompt + answer or tests."""
+    """A dataset file (JSONL/Parquet/CSV, local or gs://) in a layout ``format`` reads
+    (DESIGN §11: rlax, gsm8k, math, dapo, messages, code, or columns with ``columns``);
+    ``verifier`` defaults to the format's (code for code, else math)."""
 
     path: str
-    verifier: str = "math"
+    verifier: str | None = None
+    format: str = "rlax"
+    columns: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str(self, "path")
-        from rlax_tasks.curation.io import file_format
+        from rlax_tasks.data.files import file_format
+        from rlax_tasks.data.formats import FORMAT_NAMES, get_format
 
         if not self.path.endswith("/"):
             try:
                 file_format(self.path)
             except ValueError as e:
                 raise ConfigError("path", str(e)) from None
+        _check_str(self, "format", FORMAT_NAMES)
+        if self.columns is not None and not isinstance(self.columns, Mapping):
+            raise ConfigError(
+                "columns", f"must be a mapping of fields to columns, got {self.columns!r}"
+            )
+        try:
+            fmt = get_format(self.format, self.columns)
+        except ValueError as e:
+            raise ConfigError("columns", str(e).removeprefix("columns: ")) from None
+        if self.columns is not None:
+            _set(self, "columns", dict(self.columns))
+        if self.verifier is None:
+            _set(self, "verifier", fmt.verifier)
         _check_str(self, "verifier", FILE_VERIFIERS)
 
 
@@ -337,7 +356,9 @@ def _source_from(raw: Mapping[str, Any]) -> SyntheticSource | FileSource:
     if "path" in raw:
         return _build(FileSource, raw, "source")
     raise ConfigError(
-        "source", "needs task: <arithmetic|countdown> (synthetic) or path: <file.parquet|.jsonl>"
+        "source",
+        "needs task: <arithmetic|countdown> (synthetic) or path: <file.parquet|.jsonl> "
+        "(with format: gsm8k, math, dapo, messages, code, columns or rlax)",
     )
 
 
@@ -434,6 +455,8 @@ class RunConfig:
     trainer: TrainerConfig = TrainerConfig()
     workers: WorkerSettings = WorkerSettings()
     eval: EvalSettings = EvalSettings()
+    # how every prompt is rendered: training, held-out evaluation, rlax eval, the DAGs (§11)
+    prompt: PromptSettings = PromptSettings()
     # JAX's persistent compilation cache under run_root/jax-cache: a restarted component (or a
     # later run of the same shapes) loads its compiled programs instead of compiling again
     compilation_cache: bool = True
@@ -589,6 +612,13 @@ def _build(cls: type, raw: Any, path: str) -> Any:
                     values["trainer"] = _trainer_from(values["trainer"])
                 except ConfigError as e:
                     raise e.under("trainer") from None
+            if "prompt" in values and not isinstance(values["prompt"], PromptSettings):
+                if not isinstance(values["prompt"], Mapping):
+                    raise ConfigError("prompt", f"must be a mapping, got {values['prompt']!r}")
+                try:
+                    values["prompt"] = PromptSettings.from_dict(values["prompt"])
+                except PromptSettingsError as e:
+                    raise ConfigError(f"prompt.{e.field}", e.message) from None
             if "datasets" in values:
                 items = values["datasets"]
                 if not isinstance(items, list | tuple):
@@ -697,6 +727,7 @@ __all__ = [
     "EvalSettings",
     "FileSource",
     "ModelSettings",
+    "PromptSettings",
     "RolloutSettings",
     "RunConfig",
     "StalenessSettings",

@@ -39,3 +39,12 @@ def _drop_cli_log_handlers():
         if handler not in before and type(handler) is logging.StreamHandler:
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A tiny Qwen2 chat checkpoint (BOS-adding tokenizer, template in tokenizer_config.json,
+    two EOS ids in generation_config.json); see tests/data/chat_model.py."""
+    from tests.data.chat_model import build_chat_model
+
+    return build_chat_model(str(tmp_path_factory.mktemp("chat-model")))

@@ -9,9 +9,13 @@ def _run(args: argparse.Namespace) -> int:
     from rlax_tasks.curation.dedup import MinHashConfig
     from rlax_tasks.curation.pipeline import CurationConfig, run_curation
     from rlax_tasks.curation.report import write_outputs
+    from rlax_tasks.data.cli import parse_columns
 
+    columns = parse_columns(args.columns)
     config = CurationConfig(
         inputs=tuple(args.inputs),
+        format=args.format,
+        columns=tuple(sorted(columns.items())) if columns else (),
         eval_sets=tuple(args.eval_set or ()),
         split_date=args.split_date,
         ngram=args.ngram,
@@ -44,13 +48,18 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_curate_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax curate`."""
+    from rlax_tasks.data.cli import add_format_args
     from rlax_tasks.evaluation.cli import add_generation_args
 
     p = sub.add_parser("curate", help="curate datasets: validate, dedup, filter, split")
     p.add_argument("inputs", nargs="+", help="JSONL/Parquet/CSV files, directories or gs:// paths")
+    add_format_args(p)
     p.add_argument("--out", required=True, help="output directory (local or gs://)")
     p.add_argument(
-        "--eval-set", action="append", help="evaluation set to decontaminate against (repeatable)"
+        "--eval-set",
+        action="append",
+        help="evaluation set to decontaminate against (repeatable; read in --format when it "
+        "fits, else as the row schema)",
     )
     p.add_argument(
         "--split-date", default=None, help="ISO date: rows before it go to train, the rest to test"

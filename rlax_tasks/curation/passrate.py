@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from rlax_tasks.evaluation.generation import GenerateFn
-from rlax_tasks.evaluation.scoring import score_completions
+from rlax_tasks.rewards.scoring import score_completions
 
 logger = logging.getLogger(__name__)
 

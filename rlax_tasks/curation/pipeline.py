@@ -19,11 +19,13 @@ import pandas as pd
 
 from rlax_tasks.curation import dedup, filters
 from rlax_tasks.curation.decontam import NgramIndex
-from rlax_tasks.curation.ingest import Rejected, read_inputs, snippet
-from rlax_tasks.curation.io import expand_inputs
-from rlax_tasks.curation.normalize import dedup_key, normalize_text
 from rlax_tasks.curation.passrate import measure_pass_rates
-from rlax_tasks.curation.schema import validate
+from rlax_tasks.data.dataset import read_dataset
+from rlax_tasks.data.files import expand_inputs
+from rlax_tasks.data.formats import get_format
+from rlax_tasks.data.normalize import dedup_key, normalize_prompt, normalize_text
+from rlax_tasks.data.readers import Rejected, snippet
+from rlax_tasks.data.schema import prompt_text
 from rlax_tasks.evaluation.generation import GenerateFn
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,13 @@ QUARANTINE_STAGES = ("ingest", "validate")
 
 @dataclasses.dataclass(frozen=True)
 class CurationConfig:
-    """What to curate and how; `split_date`: rows dated before it train, the rest test;
-    `pass_rate_k` > 0 turns on the pass-rate filter (needs a generator)."""
+    """What to curate and how; `format` (and `columns` for the "columns" format) maps the input
+    layout to rows; `split_date`: rows dated before it train, the rest test; `pass_rate_k` > 0
+    turns on the pass-rate filter (needs a generator)."""
 
     inputs: tuple[str, ...]
+    format: str = "rlax"
+    columns: tuple[tuple[str, str], ...] = ()
     eval_sets: tuple[str, ...] = ()
     split_date: str | None = None
     ngram: int = 13
@@ -52,6 +57,7 @@ class CurationConfig:
             raise ValueError("inputs: give at least one input path (a list of paths)")
         if isinstance(self.eval_sets, str):
             raise ValueError("eval_sets must be a list of paths, not a string")
+        get_format(self.format, dict(self.columns) or None)  # unknown names fail here
         if self.split_date is not None:
             try:
                 dt.date.fromisoformat(self.split_date)
@@ -177,20 +183,24 @@ def _near_dedup(track: _Tracker, config: dedup.MinHashConfig) -> None:
     track.drop("near_dedup", "prompt", reasons)
 
 
-def _load_eval_prompts(path: str) -> list[str]:
-    raw = read_inputs(expand_inputs(path))
-    if "prompt" not in raw.frame.columns:
-        cols = sorted(c for c in raw.frame.columns if not c.startswith("_"))
-        raise ValueError(f"eval set {path}: no 'prompt' column (columns: {', '.join(cols)})")
-    prompts = [p for p in raw.frame["prompt"].tolist() if isinstance(p, str) and p.strip()]
-    if raw.rejected or len(prompts) < len(raw.frame):
+def _load_eval_prompts(path: str, config: CurationConfig) -> list[str]:
+    """The problem texts of an evaluation set (read in the inputs' format when it fits, else
+    as the row schema), normalized."""
+    try:
+        rows = read_dataset(path, config.format, dict(config.columns) or None)
+        if not len(rows.frame):
+            raise ValueError("no rows in the inputs' format")
+    except ValueError:
+        rows = read_dataset(path)
+    if rows.rejected:
         logger.warning(
-            "eval set %s: %d unreadable rows and %d rows without a prompt skipped",
+            "eval set %s: %d unreadable or invalid rows skipped (first: row %d: %s)",
             path,
-            len(raw.rejected),
-            len(raw.frame) - len(prompts),
+            len(rows.rejected),
+            rows.rejected[0].row,
+            rows.rejected[0].reason,
         )
-    return [normalize_text(p) for p in prompts]
+    return [normalize_text(prompt_text(p)) for p in rows.frame["prompt"].tolist()]
 
 
 def run_curation(
@@ -205,29 +215,39 @@ def run_curation(
     files = [f for path in config.inputs for f in expand_inputs(path)]
     eval_index = NgramIndex(config.ngram)
     for path in config.eval_sets:  # load eval sets first: a bad path fails before the work
-        eval_index.add(_load_eval_prompts(path), path)
+        eval_index.add(_load_eval_prompts(path, config), path)
 
-    raw = read_inputs(files)
-    rows_read = raw.rows_read
-    frame, invalid = validate(raw)
-    rejected = [*raw.rejected, *invalid]
+    rows = read_dataset(files, config.format, dict(config.columns) or None)
+    rows_read, frame, rejected = rows.rows_read, rows.frame, rows.rejected
+    unreadable = sum(r.stage == "ingest" for r in rejected)
     stages = [
-        StageCount("ingest", rows_read, len(raw.rejected)),
-        StageCount("validate", len(raw.frame), len(invalid)),
+        StageCount("ingest", rows_read, unreadable),
+        StageCount("validate", rows_read - unreadable, len(rejected) - unreadable),
     ]
-    del raw
+    del rows
+    if config.split_date is not None:
+        undated = [i for i, d in enumerate(frame["date"].tolist()) if d is None]
+        if undated:
+            i = undated[0]
+            raise ValueError(
+                f"--split-date: {len(undated)} of {len(frame)} rows have no date (first: "
+                f"{frame['origin_file'].iat[i]} row {frame['origin_row'].iat[i]}); a time split "
+                "needs a date on every row: add a date column or leave out --split-date"
+            )
 
     # object columns: Python strings are made once, not again at every .tolist()
-    prompts = [normalize_text(p) for p in frame["prompt"].tolist()]
+    prompts = [normalize_prompt(p) for p in frame["prompt"].tolist()]
     frame["prompt"] = pd.Series(prompts, dtype=object)
-    frame["_key"] = pd.Series([dedup_key(p) for p in prompts], dtype=object)
-    del prompts
+    texts = [prompt_text(p) for p in prompts]
+    frame["_text"] = pd.Series(texts, dtype=object)
+    frame["_key"] = pd.Series([dedup_key(t) for t in texts], dtype=object)
+    del prompts, texts
     track = _Tracker(frame)
     del frame  # the tracker holds the only reference: dropped rows can be freed
     track.drop(
         "normalize",
         "prompt",
-        [None if p else "empty after normalization" for p in track.frame["prompt"].tolist()],
+        [None if t.strip() else "empty after normalization" for t in track.frame["_text"].tolist()],
     )
     track.drop(
         "missing_reference",
@@ -242,15 +262,15 @@ def run_curation(
     track.drop(
         "non_english",
         "prompt",
-        [filters.non_english(p, config.language_min_words) for p in track.frame["prompt"].tolist()],
+        [filters.non_english(t, config.language_min_words) for t in track.frame["_text"].tolist()],
     )
     track.drop(
         "interactive",
         "prompt",
         [
-            filters.interactive(p, m)
-            for p, m in zip(
-                track.frame["prompt"].tolist(), track.frame["metadata"].tolist(), strict=True
+            filters.interactive(t, m)
+            for t, m in zip(
+                track.frame["_text"].tolist(), track.frame["metadata"].tolist(), strict=True
             )
         ],
     )
@@ -262,7 +282,8 @@ def run_curation(
         [hashlib.sha1(k.encode("utf-8")).hexdigest()[:16] for k in frame["_key"].tolist()],
         dtype=object,
     )
-    frame = frame.drop(columns=["_key"])
+    texts = frame["_text"]
+    frame = frame.drop(columns=["_key", "_text"])
 
     if config.split_date is not None:
         is_test = (frame["date"] >= config.split_date).to_numpy(bool)
@@ -287,8 +308,8 @@ def run_curation(
 
     track = _Tracker(train)
     if config.decontaminate_against_test and len(test):
-        eval_index.add(test["prompt"].tolist(), "test split")
-    track.drop("decontaminate", "prompt", eval_index.match_many(train["prompt"].tolist()))
+        eval_index.add(texts[is_test].tolist(), "test split")
+    track.drop("decontaminate", "prompt", eval_index.match_many(texts[~is_test].tolist()))
 
     train = track.frame
     train["pass_rate"] = pd.Series([None] * len(train), dtype=object)

@@ -14,18 +14,35 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlax_tasks.curation.io import join, write_bytes
 from rlax_tasks.curation.pipeline import CurationConfig, CurationResult
+from rlax_tasks.data.files import join, write_bytes
+from rlax_tasks.data.schema import prompt_text
 
 logger = logging.getLogger(__name__)
 
-TEST_TYPE = pa.list_(pa.struct([("input", pa.string()), ("output", pa.string())]))
+# chat prompts go to `messages` (prompt is null there); text prompts to `prompt`
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+# a code test suite (rlax_tasks.data.code_tests)
+TESTS_TYPE = pa.struct(
+    [
+        (
+            "cases",
+            pa.list_(
+                pa.struct([("input", pa.string()), ("output", pa.string()), ("public", pa.bool_())])
+            ),
+        ),
+        ("fn_name", pa.string()),
+        ("time_limit_s", pa.float64()),
+        ("memory_mb", pa.int64()),
+    ]
+)
 PARQUET_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
         ("prompt", pa.string()),
+        ("messages", MESSAGES_TYPE),
         ("answer", pa.string()),
-        ("tests", TEST_TYPE),
+        ("tests", TESTS_TYPE),
         ("source", pa.string()),
         ("date", pa.date32()),
         ("metadata", pa.string()),
@@ -43,11 +60,13 @@ def to_arrow(frame: pd.DataFrame) -> pa.Table:
     def col(name: str) -> list:
         return frame[name].tolist() if n else []
 
+    prompts = col("prompt")
     arrays = {
         "id": pa.array(col("id"), pa.string()),
-        "prompt": pa.array(col("prompt"), pa.string()),
+        "prompt": pa.array([p if isinstance(p, str) else None for p in prompts], pa.string()),
+        "messages": pa.array([None if isinstance(p, str) else p for p in prompts], MESSAGES_TYPE),
         "answer": pa.array(col("answer"), pa.string()),
-        "tests": pa.array(col("tests"), TEST_TYPE),
+        "tests": pa.array(col("tests"), TESTS_TYPE),
         "source": pa.array(col("source"), pa.string()),
         "date": pa.array(col("date"), pa.string()).cast(pa.date32()),
         "metadata": pa.array(
@@ -108,7 +127,9 @@ def _histograms(result: CurationResult) -> dict[str, bytes]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for split, frame in (("train", result.train), ("test", result.test)):
         if len(frame):
-            lengths = np.fromiter((len(p) for p in frame["prompt"]), np.int64, len(frame))
+            lengths = np.fromiter(
+                (len(prompt_text(p)) for p in frame["prompt"]), np.int64, len(frame)
+            )
             ax.hist(lengths, bins=50, alpha=0.6, label=f"{split} (n={len(frame)})")
     ax.set_xlabel("prompt length (characters)")
     ax.set_ylabel("rows")

@@ -1,4 +1,4 @@
-"""Input discovery and file access for curation, local or gs:// (through rlax_tasks.storage)."""
+"""Finding dataset files and reading or writing them, local or gs:// (rlax_tasks.storage)."""
 
 from __future__ import annotations
 

@@ -32,3 +32,10 @@ def dedup_key(text: str) -> str:
     if not text.isascii():
         text = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text))
     return " ".join(text.casefold().split())
+
+
+def normalize_prompt(prompt: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+    """``normalize_text`` of a prompt text, or of each message's content."""
+    if isinstance(prompt, str):
+        return normalize_text(prompt)
+    return [{"role": m["role"], "content": normalize_text(m["content"])} for m in prompt]

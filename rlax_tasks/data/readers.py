@@ -19,7 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlax_tasks.curation.io import file_format, read_bytes
+from rlax_tasks.data.files import file_format, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,16 @@ def _parquet_frame(path: str, data: bytes) -> pd.DataFrame:
     return frame
 
 
+def _object_frame(records: list[dict]) -> pd.DataFrame:
+    """Records as object columns, values as parsed: no dtype inference, which would turn the
+    integers of a column with a missing value into floats (42 -> 42.0)."""
+    if not records:
+        return pd.DataFrame()
+    names = dict.fromkeys(k for r in records for k in r)
+    frame = pd.DataFrame({k: pd.Series([r.get(k) for r in records], dtype=object) for k in names})
+    return frame.where(frame.notna(), None)
+
+
 def read_file(path: str) -> RawTable:
     """One input file as a raw table plus the records that could not be read."""
     fmt = file_format(path)
@@ -188,8 +198,7 @@ def read_file(path: str) -> RawTable:
     else:
         parse = _jsonl_records if fmt == "jsonl" else _csv_records
         records, rows, rejected = parse(path, data)
-        frame = pd.DataFrame.from_records(records) if records else pd.DataFrame()
-        frame = frame.astype(object).where(frame.notna(), None) if len(frame) else frame
+        frame = _object_frame(records)
     frame = frame.reset_index(drop=True)
     frame["_file"] = path
     frame["_row"] = list(rows)

@@ -1,8 +1,10 @@
-"""The curated row schema and per-row validation of raw input rows.
+"""The dataset row schema (DESIGN §11) and per-row validation of raw input rows.
 
-A curated row has: prompt (str), answer (str) and/or tests (list of {input, output} strings),
-source (str), date (ISO date), metadata (a JSON object; unknown input columns are kept in it).
-Validation turns each raw row into a clean row or a quarantine entry naming every bad field.
+A row has: ``prompt`` (text, or chat messages: a list of {role, content} ending with a user
+message), ``answer`` (the reference) and/or ``tests`` (a code test suite,
+``rlax_tasks.data.code_tests``), and optional ``source`` (str), ``date`` (ISO date) and
+``metadata`` (a JSON object; unknown input columns are kept in it). Validation turns each raw row
+into a clean row or a quarantine entry naming every bad field.
 """
 
 from __future__ import annotations
@@ -10,32 +12,23 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from rlax_tasks.curation.ingest import RawTable, Rejected, snippet
+from rlax_tasks.data.code_tests import CodeTests
+from rlax_tasks.data.errors import FieldError
+from rlax_tasks.data.readers import RawTable, Rejected, snippet
 
 SCHEMA_FIELDS = ("prompt", "answer", "tests", "source", "date", "metadata")
-REQUIRED = ("prompt", "source", "date")
-# columns of a curated dataset, in output order (pass_rate is added by the pass-rate filter)
-OUTPUT_COLUMNS = (
-    "id",
-    "prompt",
-    "answer",
-    "tests",
-    "source",
-    "date",
-    "metadata",
-    "origin_file",
-    "origin_row",
-)
+REQUIRED = ("prompt",)
+ROLES = ("system", "user", "assistant")
 
-
-class FieldError(ValueError):
-    """A raw value that does not fit its field."""
+# a chat prompt: [{"role": "system" | "user" | "assistant", "content": str}, ...]
+Messages = list[dict[str, str]]
+Prompt = str | Messages
 
 
 def is_missing(value: object) -> bool:
@@ -63,15 +56,69 @@ def _text(value: object, what: str = "a string") -> str:
     return value
 
 
-def check_prompt(value: object) -> str:
+def _check_text(value: object) -> str:
     text = _text(value)
     if not text.strip():
         raise FieldError("empty")
     return text
 
 
+def check_messages(value: object) -> Messages:
+    """A chat prompt: non-empty {role, content} messages whose last one is the user's."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, list | tuple) or not value:
+        raise FieldError(f"expected a non-empty list of chat messages, got {snippet(value)}")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise FieldError(f"message {i}: expected {{role, content}}, got {snippet(message)}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise FieldError(f"message {i}: role must be one of {list(ROLES)}, got {role!r}")
+        if content is None or (isinstance(content, float) and math.isnan(content)):
+            raise FieldError(f"message {i} ({role}) has no content")
+        try:
+            out.append({"role": role, "content": _check_text(content)})
+        except FieldError as exc:
+            raise FieldError(f"message {i} ({role}) content: {exc}") from None
+    if out[-1]["role"] != "user":
+        raise FieldError(
+            f"the last message is from the {out[-1]['role']}; a prompt ends with a user message "
+            "(the model writes the assistant's reply)"
+        )
+    return out
+
+
+def check_prompt(value: object) -> Prompt:
+    """Prompt text, or chat messages (a list, or its JSON text starting with '[')."""
+    if isinstance(value, list | tuple | np.ndarray):
+        return check_messages(value)
+    text = _check_text(value)
+    if text.lstrip().startswith("[{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return text
+        if (
+            isinstance(parsed, list)
+            and parsed
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in parsed)
+        ):
+            return check_messages(parsed)
+    return text
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The problem text of a prompt: itself, or its user messages joined (what dedup,
+    decontamination and filters read; a shared system message is not part of the problem)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(m["content"] for m in prompt if m["role"] == "user")
+
+
 def check_source(value: object) -> str:
-    return check_prompt(value)
+    return _check_text(value)
 
 
 def check_answer(value: object) -> str | None:
@@ -87,35 +134,11 @@ def check_answer(value: object) -> str | None:
     return text or None
 
 
-def check_tests(value: object) -> list[dict[str, str]] | None:
-    if isinstance(value, str | bytes):
-        text = _text(value)
-        if not text.strip():
-            return None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FieldError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if not isinstance(value, list | tuple):
-        raise FieldError(
-            f"expected a list of {{input, output}} objects, got {type(value).__name__}"
-        )
-    tests = []
-    for i, case in enumerate(value):
-        if not isinstance(case, dict):
-            raise FieldError(
-                f"tests[{i}] must be an object with input and output, got {type(case).__name__}"
-            )
-        missing = [k for k in ("input", "output") if k not in case or is_missing(case[k])]
-        if missing:
-            raise FieldError(f"tests[{i}] has no {' or '.join(missing)}")
-        try:
-            tests.append({"input": _text(case["input"]), "output": _text(case["output"])})
-        except FieldError as exc:
-            raise FieldError(f"tests[{i}]: {exc}") from exc
-    return tests or None
+def check_tests(value: object) -> dict[str, Any] | None:
+    """A code test suite as plain data (``CodeTests.to_dict``); empty text means none."""
+    if isinstance(value, str | bytes) and not _text(value).strip():
+        return None
+    return CodeTests.from_value(value).to_dict()
 
 
 def check_date(value: object) -> str:

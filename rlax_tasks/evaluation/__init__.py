@@ -1,7 +1,7 @@
 """Evaluation: pass@k (unbiased estimator), maj@k, an evaluator over datasets, reports."""
 
 from rlax_tasks.evaluation.checkpoints import load_model, register_loader, unregister_loader
-from rlax_tasks.evaluation.evaluator import EvalConfig, EvalResult, evaluate, load_dataset
+from rlax_tasks.evaluation.evaluator import EvalConfig, EvalResult, evaluate
 from rlax_tasks.evaluation.generation import GenerateFn, PolicyGenerator
 from rlax_tasks.evaluation.metrics import maj_at_k, majority_answer, mean_pass_at_k, pass_at_k
 from rlax_tasks.evaluation.report import write_eval_outputs
@@ -12,7 +12,6 @@ __all__ = [
     "GenerateFn",
     "PolicyGenerator",
     "evaluate",
-    "load_dataset",
     "load_model",
     "maj_at_k",
     "majority_answer",

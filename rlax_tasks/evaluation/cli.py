@@ -18,7 +18,9 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 
 def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
-    """Sampling flags shared by `rlax eval` and `rlax curate`."""
+    """Sampling and prompt-rendering flags shared by `rlax eval` and `rlax curate`."""
+    from rlax_tasks.data.cli import add_prompt_args
+
     p.add_argument(
         "--weights-from",
         default=None,
@@ -31,36 +33,36 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-len", type=int, default=2048, help="prompt + completion tokens")
     p.add_argument("--max-slots", type=int, default=32, help="sampler batch slots")
-    p.add_argument(
-        "--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template"
-    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_prompt_args(p)
 
 
 def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
-    """A PolicyGenerator for the model at `model_dir` with the sampling flags of `args`."""
+    """A PolicyGenerator for the model at `model_dir` with the sampling and prompt flags."""
+    from rlax_tasks.data.cli import prompt_settings
     from rlax_tasks.evaluation.checkpoints import load_model
     from rlax_tasks.evaluation.generation import PolicyGenerator
 
-    generator = PolicyGenerator(
-        None,
+    settings = prompt_settings(args)  # a bad flag fails before the model loads
+    return PolicyGenerator(
+        load_model(model_dir, weights_from, args.dtype),
         args.max_new_tokens,
         args.temperature,
         args.seed,
         args.max_slots,
         args.max_len,
-        args.chat_template,
+        settings,
     )
-    generator.policy = load_model(model_dir, weights_from, args.dtype)
-    return generator
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlax_tasks.evaluation.evaluator import EvalConfig, evaluate, load_dataset
+    from rlax_tasks.data.cli import parse_columns
+    from rlax_tasks.data.dataset import load_dataset
+    from rlax_tasks.evaluation.evaluator import EvalConfig, evaluate
     from rlax_tasks.evaluation.report import write_eval_outputs
 
     config = EvalConfig(n=args.n, ks=parse_ks(args.k), limit=args.limit)
-    frame = load_dataset(args.dataset, config.limit)
+    dataset = load_dataset(args.dataset, args.format, parse_columns(args.columns), config.limit)
     models = [(args.model_dir, args.weights_from)]
     if args.compare:
         models.append((args.compare, args.compare_weights_from))
@@ -72,20 +74,31 @@ def _run(args: argparse.Namespace) -> int:
         )
         if any(r.name == name for r in results):
             name = f"{name} (compare)"
-        results.append(evaluate(frame, generator, config, name))
+        results.append(evaluate(dataset.frame, generator, config, name, generator.unusable))
     data = write_eval_outputs(results, args.dataset, args.out)
     for model in data["models"]:
         o = model["overall"]
         metrics = ", ".join(
-            f"{k}={o[k]:.3f}" for k in o if k not in ("prompts", "maj_prompts") and o[k] is not None
+            f"{k}={o[k]:.3f}"
+            for k in o
+            if k not in ("prompts", "maj_prompts", "skipped") and o[k] is not None
         )
-        print(f"{model['name']}: {o['prompts']} prompts, {metrics}")
+        skipped = f" ({o['skipped']} skipped: too long or not encodable)" if o["skipped"] else ""
+        print(f"{model['name']}: {o['prompts']} prompts{skipped}, {metrics}")
+    if dataset.rejected:
+        first = dataset.rejected[0]
+        print(
+            f"{len(dataset.rejected)} dataset row(s) could not be read as {dataset.format.name} "
+            f"and were left out; first: {first.file} row {first.row}: {first.reason}"
+        )
     print(f"results in {args.out}")
     return 0
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax eval`."""
+    from rlax_tasks.data.cli import add_format_args
+
     p = sub.add_parser("eval", help="pass@k / maj@k evaluation of a model on a dataset")
     p.add_argument("--model-dir", required=True, help="HF model directory")
     p.add_argument("--compare", default=None, help="a second HF model directory, side by side")
@@ -96,6 +109,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="parameter-server mirror weights for the --compare model",
     )
     p.add_argument("--dataset", required=True, help="Parquet/JSONL/CSV file or directory")
+    add_format_args(p)
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--k", default="1,8", help="comma-separated k values for pass@k and maj@k")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")

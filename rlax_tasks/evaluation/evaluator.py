@@ -7,19 +7,15 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from rlax_tasks.curation.ingest import read_inputs
-from rlax_tasks.curation.io import expand_inputs
-from rlax_tasks.curation.normalize import normalize_text
-from rlax_tasks.curation.schema import validate
 from rlax_tasks.evaluation.generation import GenerateFn
 from rlax_tasks.evaluation.metrics import maj_at_k, pass_at_k
-from rlax_tasks.evaluation.scoring import score_completions
+from rlax_tasks.rewards.scoring import score_completions
 
 logger = logging.getLogger(__name__)
 
@@ -45,37 +41,6 @@ class EvalConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-
-
-def load_dataset(path: str, limit: int | None = None) -> pd.DataFrame:
-    """Rows of an evaluation dataset (curated Parquet, or JSONL/CSV/Parquet in the curation
-    schema); any unreadable or invalid row is an error naming it."""
-    raw = read_inputs(expand_inputs(path))
-    frame, invalid = validate(raw)
-    problems = [*raw.rejected, *invalid]
-    if problems:
-        first = problems[0]
-        raise ValueError(
-            f"dataset {path}: {len(problems)} invalid row(s); first: {first.file} row "
-            f"{first.row}: {first.reason} (run `rlax curate` to quarantine them)"
-        )
-    no_ref = [
-        i
-        for i, (a, t) in enumerate(zip(frame["answer"], frame["tests"], strict=True))
-        if a is None and not t
-    ]
-    if no_ref:
-        i = no_ref[0]
-        raise ValueError(
-            f"dataset {path}: {len(no_ref)} row(s) without answer or tests; first: "
-            f"{frame['origin_file'].iat[i]} row {frame['origin_row'].iat[i]}"
-        )
-    if len(frame) == 0:
-        raise ValueError(f"dataset {path} has no rows")
-    frame["prompt"] = [normalize_text(p) for p in frame["prompt"].tolist()]
-    if limit is not None:
-        frame = frame.head(limit).reset_index(drop=True)
-    return frame
 
 
 def difficulty_of(metadata: dict[str, Any]) -> str:
@@ -118,6 +83,8 @@ class EvalResult:
     overall: dict[str, Any]
     by_source: dict[str, dict[str, Any]]
     by_difficulty: dict[str, dict[str, Any]]
+    # rows that could not be sampled (e.g. a prompt longer than max_len): id and reason
+    skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,14 +94,33 @@ class EvalResult:
             "overall": self.overall,
             "by_source": self.by_source,
             "by_difficulty": self.by_difficulty,
+            "skipped": self.skipped,
         }
 
 
 def evaluate(
-    frame: pd.DataFrame, generate: GenerateFn, config: EvalConfig, name: str = "model"
+    frame: pd.DataFrame,
+    generate: GenerateFn,
+    config: EvalConfig,
+    name: str = "model",
+    unusable: Callable[[Sequence[Any]], list[str | None]] | None = None,
 ) -> EvalResult:
-    """Samples `config.n` completions per row with `generate`, scores them, and aggregates."""
+    """Samples `config.n` completions per row with `generate`, scores them, and aggregates;
+    rows `unusable` names a reason for (a prompt too long to sample) are skipped and listed."""
     rows: list[dict] = []
+    skipped: list[dict[str, Any]] = []
+    if unusable is not None:
+        reasons = unusable(frame["prompt"].tolist())
+        bad = [i for i, r in enumerate(reasons) if r is not None]
+        skipped = [{"id": _row_id(frame, i), "reason": reasons[i]} for i in bad]
+        if bad:
+            logger.warning(
+                "%s: %d of %d prompts skipped; first: %s", name, len(bad), len(frame),
+                skipped[0]["reason"],
+            )  # fmt: skip
+            frame = frame.drop(index=frame.index[bad]).reset_index(drop=True)
+    if len(frame) == 0:
+        raise ValueError(f"{name}: no prompt can be sampled ({skipped[0]['reason']})")
     prompts = frame["prompt"].tolist()
     answers = frame["answer"].tolist()
     tests = frame["tests"].tolist()
@@ -150,10 +136,8 @@ def evaluate(
             rewards = [s.reward for s in row_scores]
             rows.append(
                 {
-                    "id": meta.get(
-                        "id", f"{frame['origin_file'].iat[r]}:{frame['origin_row'].iat[r]}"
-                    ),
-                    "source": frame["source"].iat[r],
+                    "id": _row_id(frame, r),
+                    "source": frame["source"].iat[r] or "(no source)",
                     "difficulty": difficulty_of(meta),
                     "has_answer": answers[r] is not None,
                     "correct": int(sum(x > 0 for x in rewards)),
@@ -171,11 +155,20 @@ def evaluate(
     for r in rows:
         groups["source"][r["source"]].append(r)
         groups["difficulty"][r["difficulty"]].append(r)
+    overall = _summary(rows, config.ks, config.n)
+    overall["skipped"] = len(skipped)
     return EvalResult(
         name,
         config,
         rows,
-        _summary(rows, config.ks, config.n),
+        overall,
         {s: _summary(rs, config.ks, config.n) for s, rs in sorted(groups["source"].items())},
         {d: _summary(rs, config.ks, config.n) for d, rs in sorted(groups["difficulty"].items())},
+        skipped,
     )
+
+
+def _row_id(frame: pd.DataFrame, r: int) -> str:
+    if "id" in frame.columns and frame["id"].iat[r] is not None:
+        return str(frame["id"].iat[r])
+    return f"{frame['origin_file'].iat[r]}:{frame['origin_row'].iat[r]}"

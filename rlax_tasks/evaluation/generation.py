@@ -12,48 +12,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlax_tasks.data.prompts import PromptRenderer, PromptSettings
+from rlax_tasks.data.schema import Prompt
+
 logger = logging.getLogger(__name__)
 
-# (prompts, n) -> n completion texts per prompt, prompt-major
-GenerateFn = Callable[[Sequence[str], int], list[list[str]]]
-
-
-def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool = False) -> list[int]:
-    """Token ids of one prompt (through the tokenizer's chat template when asked)."""
-    if tokenizer is None:
-        raise ValueError("the model has no tokenizer files; save one next to config.json")
-    if chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat-template given but the tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+# (prompts, n) -> n completion texts per prompt, prompt-major; a prompt is text or chat messages
+GenerateFn = Callable[[Sequence[Prompt], int], list[list[str]]]
 
 
 def encode_prompts(
-    tokenizer: Any, prompts: Sequence[str], max_prompt_tokens: int, chat_template: bool = False
+    renderer: PromptRenderer, prompts: Sequence[Prompt], max_prompt_tokens: int
 ) -> tuple[list[list[int] | None], list[str | None]]:
-    """(ids, errors) per prompt: ids is None and errors says why when a prompt cannot be
-    encoded (characters outside the vocabulary) or is longer than `max_prompt_tokens`."""
+    """(ids, errors) per prompt, rendered by ``renderer``: ids is None and errors says why when
+    a prompt cannot be encoded or is longer than ``max_prompt_tokens``."""
     ids: list[list[int] | None] = []
     errors: list[str | None] = []
     for prompt in prompts:
         try:
-            tokens = encode_prompt(tokenizer, prompt, chat_template)
-        except ValueError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - tokenizers raise plain Exception
+            tokens = renderer.encode(prompt)
+        except ValueError as exc:
             ids.append(None)
-            errors.append(f"the tokenizer cannot encode the prompt ({exc})")
+            errors.append(str(exc))
             continue
-        if not tokens:
-            ids.append(None)
-            errors.append("the prompt encodes to no tokens")
-        elif len(tokens) > max_prompt_tokens:
+        if len(tokens) > max_prompt_tokens:
             ids.append(None)
             errors.append(
                 f"prompt has {len(tokens)} tokens, more than {max_prompt_tokens} "
@@ -76,6 +58,7 @@ def sample_token_ids(
     max_slots: int = 32,
     max_len: int = 2048,
     sampler: Any = None,
+    stop_strings: Sequence[str] = (),
 ) -> list[list[list[int]]]:
     """n completions (token ids) per tokenized prompt, from `rlax_tasks.rollout.Sampler`
     (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls)."""
@@ -87,7 +70,11 @@ def sample_token_ids(
         sampler = Sampler(policy, max_slots=max_slots, max_len=max_len)
     # a seed per prompt: samples of different prompts are independent
     params = per_prompt_params(
-        seed, len(prompt_ids), max_new_tokens=max_new_tokens, temperature=float(temperature)
+        seed,
+        len(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        stop_strings=tuple(stop_strings),
     )
     outs = sampler.generate([list(p) for p in prompt_ids], n=n, params=params)
     if len(outs) != len(prompt_ids) * n:
@@ -99,7 +86,8 @@ def sample_token_ids(
 
 @dataclass
 class PolicyGenerator:
-    """A `GenerateFn` sampling from `policy`, plus `unusable` to screen prompts first."""
+    """A `GenerateFn` sampling from `policy`, prompts rendered by ``prompt`` settings with the
+    policy's tokenizer; `unusable` screens prompts first (too long, not encodable)."""
 
     policy: Any
     max_new_tokens: int = 256
@@ -107,7 +95,8 @@ class PolicyGenerator:
     seed: int = 0
     max_slots: int = 32
     max_len: int = 2048
-    chat_template: bool = False
+    prompt: PromptSettings = dataclasses.field(default_factory=PromptSettings)
+    renderer: PromptRenderer = dataclasses.field(init=False, repr=False)
     _sampler: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,18 +108,19 @@ class PolicyGenerator:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # a chat template the tokenizer lacks fails here, before any work
+        self.renderer = PromptRenderer(self.prompt, self.policy.tokenizer)
 
-    def _encode(self, prompts: Sequence[str]) -> tuple[list[list[int] | None], list[str | None]]:
-        return encode_prompts(
-            self.policy.tokenizer, prompts, self.max_len - self.max_new_tokens, self.chat_template
-        )
+    def encode(self, prompts: Sequence[Prompt]) -> tuple[list[list[int] | None], list[str | None]]:
+        """(token ids, why not) per prompt, exactly as the sampler receives them."""
+        return encode_prompts(self.renderer, prompts, self.max_len - self.max_new_tokens)
 
-    def unusable(self, prompts: Sequence[str]) -> list[str | None]:
+    def unusable(self, prompts: Sequence[Prompt]) -> list[str | None]:
         """Per prompt, why it cannot be sampled (None when it can)."""
-        return self._encode(prompts)[1]
+        return self.encode(prompts)[1]
 
-    def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
-        ids, errors = self._encode(prompts)
+    def __call__(self, prompts: Sequence[Prompt], n: int) -> list[list[str]]:
+        ids, errors = self.encode(prompts)
         bad = [(i, e) for i, e in enumerate(errors) if e is not None]
         if bad:
             i, err = bad[0]
@@ -149,6 +139,7 @@ class PolicyGenerator:
             max_slots=self.max_slots,
             max_len=self.max_len,
             sampler=self._sampler,
+            stop_strings=self.prompt.stop,
         )
         decode = self.policy.tokenizer.decode
         return [[decode(t, skip_special_tokens=True) for t in per_prompt] for per_prompt in tokens]

@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any
 
-from rlax_tasks.curation.io import join, write_bytes
+from rlax_tasks.data.files import join, write_bytes
 from rlax_tasks.evaluation.evaluator import EvalResult
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,9 @@ def results_dict(results: list[EvalResult], dataset: str) -> dict[str, Any]:
         out["delta"] = {
             key: (b[key] - a[key])
             for key in a
-            if key not in ("prompts", "maj_prompts") and a[key] is not None and b[key] is not None
+            if key not in ("prompts", "maj_prompts", "skipped")
+            and a[key] is not None
+            and b[key] is not None
         }
     return out
 
@@ -44,7 +46,12 @@ def summary_markdown(results: list[EvalResult], dataset: str) -> str:
         "# Evaluation",
         "",
         f"Dataset `{dataset}`: {first.overall['prompts']} prompts, n={first.config.n} samples "
-        f"each; maj@k over the {first.overall['maj_prompts']} prompts with an answer.",
+        f"each; maj@k over the {first.overall['maj_prompts']} prompts with an answer."
+        + (
+            f" {len(first.skipped)} prompt(s) skipped (first: {first.skipped[0]['reason']})."
+            if first.skipped
+            else ""
+        ),
         "",
         "| metric | "
         + " | ".join(f"`{r.name}`" for r in results)

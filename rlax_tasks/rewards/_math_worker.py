@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any
 
-from rlax_tasks.rewards.tasks.extract import last_boxed
+from rlax_tasks.data.answers import last_boxed
 
 _MAX_ANSWER_CHARS = 2000
 

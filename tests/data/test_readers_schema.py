@@ -8,8 +8,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlax_tasks.curation import CurationConfig, run_curation, write_outputs
-from rlax_tasks.curation.ingest import read_file, read_inputs
-from rlax_tasks.curation.schema import validate
+from rlax_tasks.data.readers import read_file, read_inputs
+from rlax_tasks.data.schema import validate
+
+# a legacy list of {input, output} tests, as the canonical suite it reads as
+SUITE = {
+    "cases": [{"input": "1 2", "output": "3", "public": True}],
+    "fn_name": None,
+    "time_limit_s": None,
+    "memory_mb": None,
+}
 
 
 def good(i, **over):
@@ -81,7 +89,7 @@ def test_wrong_types_name_every_bad_field(tmp_path):
     assert rej[3].field == "answer,date"
     assert "expected a string or number, got list" in rej[3].reason
     assert "not an ISO date" in rej[3].reason and "'yesterday'" in rej[3].reason
-    assert rej[4].field == "tests" and "tests[0] has no output" in rej[4].reason
+    assert rej[4].field == "tests" and "cases[0] has no output" in rej[4].reason
     assert rej[5].field == "tests" and "not valid JSON" in rej[5].reason
     assert rej[6].field == "metadata" and "not valid JSON" in rej[6].reason
     assert rej[7].field == "source" and "empty" in rej[7].reason
@@ -96,13 +104,20 @@ def test_wrong_types_name_every_bad_field(tmp_path):
 
 def test_missing_column_is_reported_per_row_and_per_file(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [good(1), good(2)])
-    b = write_jsonl(tmp_path / "b.jsonl", [{k: v for k, v in good(3).items() if k != "source"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{k: v for k, v in good(3).items() if k != "prompt"}])
     frame, rejected = validate(read_inputs([a, b]))
     assert len(frame) == 2
     assert len(rejected) == 1
     (r,) = rejected
-    assert r.file == b and r.row == 1 and r.field == "source"
-    assert f"{b} has no 'source' column" in r.reason
+    assert r.file == b and r.row == 1 and r.field == "prompt"
+    assert f"{b} has no 'prompt' column" in r.reason
+
+
+def test_source_and_date_are_optional(tmp_path):
+    bare = {k: v for k, v in good(1).items() if k not in ("source", "date")}
+    frame, rejected = validate(read_inputs([write_jsonl(tmp_path / "a.jsonl", [bare])]))
+    assert rejected == []
+    assert frame["source"].tolist() == [None] and frame["date"].tolist() == [None]
 
 
 def test_csv_field_counts_encoding_and_json_cells(tmp_path):
@@ -122,7 +137,7 @@ def test_csv_field_counts_encoding_and_json_cells(tmp_path):
     assert "not valid UTF-8" in rej[3].reason and rej[3].field == "prompt"
     frame, invalid = validate(raw)
     assert [r.row for r in invalid] == [5] and "not an ISO date" in invalid[0].reason
-    assert frame["tests"].iloc[0] == [{"input": "1 2", "output": "3"}]
+    assert frame["tests"].iloc[0] == SUITE
     assert frame["metadata"].iloc[0] == {"a": 1}
     assert frame["answer"].iloc[0] is None
     assert frame["date"].tolist() == ["2024-05-01", "2024-05-02"]
@@ -146,7 +161,7 @@ def test_parquet_typed_columns_and_bad_bytes(tmp_path):
     assert sorted(rej) == [2, 3]
     assert "not valid UTF-8" in rej[2].reason and rej[2].field == "prompt"
     assert rej[3].reason == "prompt: missing"
-    assert frame["tests"].iloc[0] == [{"input": "1 2", "output": "3"}]
+    assert frame["tests"].iloc[0] == SUITE
     assert frame["date"].iloc[0] == "2024-01-01"
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from rlax_tasks.cli import main
+from rlax_tasks.data import load_dataset
 from rlax_tasks.evaluation import (
     EvalConfig,
     evaluate,
-    load_dataset,
     load_model,
     pass_at_k,
     write_eval_outputs,
@@ -41,7 +41,7 @@ def dataset(tmp_path):
 
 def test_metrics_overall_and_per_group(dataset):
     path, rows = dataset
-    frame = load_dataset(path)
+    frame = load_dataset(path).frame
     a = [r["answer"] for r in rows]
     plan = {
         frame["prompt"][0]: [a[0], a[0], a[0], a[0]],  # 4 correct
@@ -68,7 +68,7 @@ def test_metrics_overall_and_per_group(dataset):
 
 def test_outputs_and_side_by_side_comparison(dataset, tmp_path):
     path, rows = dataset
-    frame = load_dataset(path)
+    frame = load_dataset(path).frame
     good = {p: [r["answer"]] * 2 for p, r in zip(frame["prompt"], rows, strict=True)}
     bad = {p: ["-99999", None] for p in frame["prompt"]}
     config = EvalConfig(n=2, ks=(1, 2))
@@ -95,7 +95,13 @@ def test_dataset_errors_name_the_row(tmp_path):
     rows = arithmetic_rows(3)
     rows[1]["date"] = "someday"
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"bad.jsonl row 2: date: not an ISO date"):
+    loaded = load_dataset(path)  # the bad row is left out and listed, the others evaluate
+    assert len(loaded.frame) == 2 and [r.row for r in loaded.rejected] == [2]
+    assert loaded.rejected[0].reason.startswith("date: not an ISO date")
+    for r in rows:
+        r["date"] = "someday"
+    write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError, match=r"no usable rows; first: .*bad.jsonl row 1: date"):
         load_dataset(path)
     with pytest.raises(ValueError, match="k must lie"):
         EvalConfig(n=4, ks=(1, 8))
@@ -198,7 +204,7 @@ def test_curated_parquet_is_an_eval_dataset_with_pass_rate_difficulty(tmp_path):
 
     config = CurationConfig(inputs=(write_jsonl(tmp_path / "in.jsonl", rows),), pass_rate_k=4)
     write_outputs(run_curation(config, generate), config, str(tmp_path / "cur"))
-    frame = load_dataset(str(tmp_path / "cur" / "train.parquet"))
+    frame = load_dataset(str(tmp_path / "cur" / "train.parquet")).frame
     assert len(frame) == 4 and frame["answer"].tolist() == [r["answer"] for r in rows]
     result = evaluate(frame, generate, EvalConfig(n=4, ks=(1,)), "m")
     assert result.overall["pass@1"] == pytest.approx((1 + 3 + 2 + 1) / 16)

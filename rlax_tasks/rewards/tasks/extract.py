@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import re
 
+from rlax_tasks.data.answers import last_boxed
+
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _INT_RE = re.compile(r"[-−]?\d[\d,]*")
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} / \fbox{...} with balanced braces, or None."""
-    for match in reversed(list(_BOXED_RE.finditer(text))):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-    return None
 
 
 def final_answer(text: str) -> str | None:
