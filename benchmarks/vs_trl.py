@@ -78,7 +78,7 @@ def training_prompts(cfg: Any, n: int) -> list[tuple[str, str]]:
     from rlax_tasks.controller.mixture import PromptMixture
 
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
-    return [(p.text, p.reference) for p in mixture.take(n)]
+    return [(p.content, p.reference) for p in mixture.take(n)]
 
 
 def heldout(cfg: Any) -> tuple[Any, list[Any]]:

@@ -1,7 +1,13 @@
 """The controller (DESIGN §2, §3, §7): prompt mixture, rollout buffer under the staleness rules,
 snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer."""
 
-from rlax_tasks.controller.buffer import Batch, DroppedGroup, RolloutBuffer, ScoredGroup
+from rlax_tasks.controller.buffer import (
+    Batch,
+    DroppedGroup,
+    RolloutBuffer,
+    ScoredGroup,
+    SkippedPrompt,
+)
 from rlax_tasks.controller.controller import (
     Controller,
     ControllerSettings,
@@ -30,6 +36,7 @@ __all__ = [
     "RolloutBuffer",
     "ScoredGroup",
     "Scorer",
+    "SkippedPrompt",
     "ScorerError",
     "Snapshot",
     "SnapshotError",

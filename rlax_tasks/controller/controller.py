@@ -18,9 +18,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import numbers
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,12 +71,21 @@ class WorkerPool(Protocol):
         ...
 
 
+def reward_and_verdict(score: Any) -> tuple[float, str]:
+    """A ``Scorer``'s score as (reward, verdict): a bare reward (any real number, numpy's
+    too) has the verdict ""."""
+    if isinstance(score, numbers.Real):
+        return float(score), ""
+    return float(score.reward), str(score.verdict)
+
+
 class Scorer(Protocol):
-    """Verifier verdicts: one list of G scores per (prompt, result) pair."""
+    """Verifier verdicts: one list of G scores per (prompt, result) pair; a score is a reward
+    (float) or has ``.reward`` and ``.verdict`` (``rlax_tasks.rewards.scoring.SampleScore``)."""
 
     def score(
         self, prompts: Sequence[Prompt], results: Sequence[GroupResult]
-    ) -> list[list[float]]: ...
+    ) -> list[list[Any]]: ...
 
 
 # the trainer side: trains on a batch, pushes the new weights and returns their version; it
@@ -111,6 +122,11 @@ class ControllerSettings:
     worker_timeout_s: float = 300.0
     worker_retry_s: float = 5.0  # longest wait before a failed worker is tried again
     seed: int = 0
+    # longest prompt a worker can take (workers.max_len - rollout.max_new_tokens); longer ones
+    # are skipped and counted, never sent (None: no limit)
+    max_prompt_tokens: int | None = None
+    # scoring jobs in flight on threads beside the controller's (0: score in its own thread)
+    scoring_threads: int = 0
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> ControllerSettings:
@@ -123,6 +139,7 @@ class ControllerSettings:
                 temperature=r.temperature,
                 top_p=r.top_p,
                 top_k=r.top_k,
+                stop_strings=cfg.prompt.stop,
             ),
             reload_every=cfg.staleness.reload_every,
             max_staleness=cfg.staleness.max_staleness,
@@ -135,6 +152,8 @@ class ControllerSettings:
             groups_per_worker=cfg.groups_per_worker,
             worker_timeout_s=cfg.workers.timeout_s,
             seed=cfg.seed,
+            max_prompt_tokens=cfg.workers.max_len - r.max_new_tokens,
+            scoring_threads=1,
         )
 
 
@@ -177,7 +196,15 @@ class Controller:
         self.version = 0
         self._queue: collections.deque[Prompt] = collections.deque()
         self._in_flight: dict[str, _InFlight] = {}  # insertion order = dispatch order
-        self._unscored: list[tuple[Prompt, GroupResult]] = []
+        self._unscored: list[tuple[Prompt, GroupResult]] = []  # not handed to the scorer yet
+        self._scoring: list[tuple[list[tuple[Prompt, GroupResult]], Future]] = []  # in order
+        self._scorer_threads = (
+            ThreadPoolExecutor(settings.scoring_threads, thread_name_prefix="rlax-score")
+            if settings.scoring_threads
+            else None
+        )
+        self._encoded: dict[str, tuple[int, ...]] = {}  # prompt id -> tokens, until submitted
+        self._skipped_in_a_row = 0
         self._steps_since_snapshot: list[dict[str, Any]] = []
         self._last_progress: dict[str, float] = {}
         self._down_until: dict[str, float] = {}
@@ -272,7 +299,7 @@ class Controller:
         before = self.buffer.state_dict()
         pending = [p.seq for p in self._queue]
         pending += [e.prompt.seq for e in self._in_flight.values()]
-        pending += [p.seq for p, _ in self._unscored]
+        pending += [p.seq for p, _ in self._not_in_buffer()]
         batch = self.buffer.take(self.version + 1, pending)
         if batch is None:
             return got > 0
@@ -288,7 +315,12 @@ class Controller:
     @property
     def outstanding(self) -> int:
         """Prompts drawn and not yet trained or dropped: queued, in flight, unscored, buffered."""
-        return len(self._queue) + len(self._in_flight) + len(self._unscored) + len(self.buffer)
+        unscored = len(self._not_in_buffer())
+        return len(self._queue) + len(self._in_flight) + unscored + len(self.buffer)
+
+    def _not_in_buffer(self) -> list[tuple[Prompt, GroupResult]]:
+        """Generated groups not scored yet (being scored first, in order)."""
+        return [item for items, _ in self._scoring for item in items] + self._unscored
 
     @property
     def queued_ids(self) -> list[str]:
@@ -309,7 +341,7 @@ class Controller:
             if entry.worker in load:
                 load[entry.worker] += 1
         plan: dict[str, list[Prompt]] = {w: [] for w in live}
-        drawn = 0
+        drawn = kept = 0
         outstanding = self.outstanding  # a prompt taken off the queue below stays outstanding
         while live:
             w = min(live, key=lambda x: (load[x], live.index(x)))
@@ -317,9 +349,14 @@ class Controller:
                 break
             if self._queue:
                 prompt = self._queue.popleft()
-            elif outstanding + drawn < budget:
+            elif outstanding + kept < budget:
                 prompt = self.mixture.next()
                 drawn += 1
+                problem = self._unusable(prompt)
+                if problem is not None:
+                    self._skip(prompt, problem)
+                    continue
+                kept += 1
             else:
                 break
             plan[w].append(prompt)
@@ -329,12 +366,46 @@ class Controller:
             if plan[w]:
                 self._submit(w, plan[w])
 
+    def _unusable(self, prompt: Prompt) -> str | None:
+        """Why a drawn prompt cannot be generated (None when it can; its tokens are kept)."""
+        try:
+            tokens = tuple(int(t) for t in self.encode(prompt.content))
+        except ValueError as e:
+            return f"cannot be encoded: {e}"
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and len(tokens) > limit:
+            return (
+                f"prompt has {len(tokens)} tokens, more than the {limit} a worker takes "
+                "(workers.max_len - rollout.max_new_tokens)"
+            )
+        self._encoded[prompt.id] = tokens
+        self._skipped_in_a_row = 0
+        return None
+
+    def _skip(self, prompt: Prompt, reason: str) -> None:
+        """Skips a prompt for good: counted, and listed in the next step's lineage record."""
+        self.buffer.skip(prompt.id, reason)
+        self.counters["skipped_prompts"] += 1
+        self._skipped_in_a_row += 1
+        skipped = self.counters["skipped_prompts"]
+        if skipped <= 10 or skipped % 100 == 0:
+            log.warning("prompt %s skipped (%d so far): %s", prompt.id, skipped, reason)
+        if self._skipped_in_a_row >= max(64, 4 * self.settings.prompts_per_step):
+            raise ValueError(
+                f"the last {self._skipped_in_a_row} prompts drawn were all skipped; the last, "
+                f"{prompt.id}: {reason}. Check workers.max_len, rollout.max_new_tokens, the "
+                "datasets and the tokenizer (`rlax data preview FILE --model-dir DIR`)"
+            )
+
     def _request(self, prompt: Prompt) -> GroupRequest:
         seed = zlib.crc32(f"{self.settings.seed}:{prompt.id}".encode()) & 0x7FFFFFFF
         k = self.settings.max_staleness
+        tokens = self._encoded.pop(prompt.id, None)
+        if tokens is None:
+            tokens = tuple(int(t) for t in self.encode(prompt.content))
         return GroupRequest(
             prompt.id,
-            tuple(int(t) for t in self.encode(prompt.text)),
+            tokens,
             self.settings.group_size,
             dataclasses.replace(self.settings.sampling, seed=seed),
             # trains at version + 1 at the earliest: older rollouts would only be dropped
@@ -342,8 +413,25 @@ class Controller:
         )
 
     def _submit(self, worker: str, prompts: list[Prompt]) -> None:
+        requests, sendable = [], []
+        for p in prompts:  # re-issued prompts were not screened by _unusable in this process
+            try:
+                requests.append(self._request(p))
+                sendable.append(p)
+            except ValueError as e:
+                self._skip(p, f"cannot be encoded: {e}")
+        if not requests:
+            return
+        prompts = sendable
         try:
-            self.pool.submit(worker, [self._request(p) for p in prompts])
+            self.pool.submit(worker, requests)
+        except ValueError as e:  # the worker refused a request as invalid (HTTP 400)
+            if len(prompts) > 1:  # find which: the others go through
+                for p in prompts:
+                    self._submit(worker, [p])
+                return
+            self._skip(prompts[0], f"worker {worker} rejected it: {e}")
+            return
         except WORKER_ERRORS as e:
             log.log(
                 logging.WARNING if self._failures[worker] == 0 else logging.INFO,
@@ -433,29 +521,54 @@ class Controller:
         return got
 
     def _score(self) -> None:
+        """Hands the unscored groups to the scorer (on its threads when there are any) and
+        buffers the scores of finished jobs, in the order they were handed over."""
+        while self._scoring and self._scoring[0][1].done():
+            items, job = self._scoring.pop(0)
+            try:
+                self._buffer_scored(items, job.result())
+            except SCORER_ERRORS as e:
+                self._scorer_failed(items, e)
         if not self._unscored:
             return
-        prompts = [p for p, _ in self._unscored]
-        results = [r for _, r in self._unscored]
-        try:
-            scores = self.scorer.score(prompts, results)
-        except SCORER_ERRORS as e:
-            self.counters["scorer_failures"] += 1
-            log.warning("scoring %d groups failed (%s); retrying next round", len(results), e)
-            return
-        if len(scores) != len(results):
-            raise RuntimeError(
-                f"the scorer returned {len(scores)} score lists for {len(results)} groups"
+        items, self._unscored = self._unscored, []
+        prompts, results = [p for p, _ in items], [r for _, r in items]
+        if self._scorer_threads is None:
+            try:
+                self._buffer_scored(items, self.scorer.score(prompts, results))
+            except SCORER_ERRORS as e:
+                self._scorer_failed(items, e)
+        elif len(self._scoring) < self.settings.scoring_threads:
+            self._scoring.append(
+                (items, self._scorer_threads.submit(self.scorer.score, prompts, results))
             )
-        self._unscored = []
-        for p, r, s in zip(prompts, results, scores, strict=True):
+        else:
+            self._unscored = items  # every scoring thread is busy: next round
+
+    def _scorer_failed(self, items: list[tuple[Prompt, GroupResult]], e: Exception) -> None:
+        self.counters["scorer_failures"] += 1
+        log.warning("scoring %d groups failed (%s); retrying next round", len(items), e)
+        self._unscored = items + self._unscored
+
+    def _buffer_scored(self, items: list[tuple[Prompt, GroupResult]], scores: list) -> None:
+        if len(scores) != len(items):
+            raise RuntimeError(
+                f"the scorer returned {len(scores)} score lists for {len(items)} groups"
+            )
+        for (p, r), s in zip(items, scores, strict=True):
             self.buffer.add(self._scored(p, r, s))
 
-    def _scored(self, prompt: Prompt, result: GroupResult, scores: Sequence[float]) -> ScoredGroup:
+    def close(self) -> None:
+        """Stops the scoring threads (a scoring job under way finishes first)."""
+        if self._scorer_threads is not None:
+            self._scorer_threads.shutdown(wait=True, cancel_futures=True)
+
+    def _scored(self, prompt: Prompt, result: GroupResult, raw: Sequence[Any]) -> ScoredGroup:
         s = self.settings
         comps = result.completions
-        if len(scores) != len(comps):
-            raise RuntimeError(f"{prompt.id}: {len(scores)} scores for {len(comps)} completions")
+        if len(raw) != len(comps):
+            raise RuntimeError(f"{prompt.id}: {len(raw)} scores for {len(comps)} completions")
+        scores, verdicts = zip(*(reward_and_verdict(x) for x in raw), strict=True)
         rewards = np.asarray(scores, dtype=np.float64)
         if s.overlong_cache_len is not None:
             lengths = np.array([len(c.tokens) for c in comps])
@@ -470,8 +583,9 @@ class Controller:
             completions=tuple(tuple(int(t) for t in c.tokens) for c in comps),
             logprobs=tuple(tuple(float(x) for x in c.logprobs) for c in comps),
             finish_reasons=tuple(c.finish_reason for c in comps),
-            scores=tuple(float(x) for x in scores),
+            scores=tuple(scores),
             rewards=tuple(float(x) for x in rewards),
+            verdicts=tuple(verdicts) if any(verdicts) else (),
         )
 
     # ------------------------------------------------------------------ train, record, snapshot
@@ -526,7 +640,7 @@ class Controller:
         With ``pending`` it is the write-ahead record of a training step about to happen:
         ``buffer_state`` is the buffer before that batch was taken.
         """
-        queued = [p for p, _ in self._unscored] + list(self._queue)  # unscored: regenerate
+        queued = [p for p, _ in self._not_in_buffer()] + list(self._queue)  # regenerate
         counters = dict(self.counters)
         snap = Snapshot(
             step=self.step,
@@ -559,4 +673,5 @@ class Controller:
             "buffered": len(self.buffer),
             "dropped_stale": self.buffer.counts["stale"],
             "dropped_zero_variance": self.buffer.counts["zero_variance"],
+            "scoring": len(self._not_in_buffer()),
         }

@@ -1,9 +1,10 @@
 """``lineage.jsonl``: one JSON line per training step (DESIGN §7).
 
 Each record names the step, the version it produced, the prompt ids consumed (batch order), the
-rollout version of each, and the groups dropped since the previous step (stale or
-zero-variance) with their ids. Writing is idempotent on resume: a step already in the file is not
-appended again, and a truncated last line (a crash mid-write) is cut off when the file is opened.
+rollout version of each, the groups dropped since the previous step (stale or zero-variance)
+with their ids, and the prompts skipped since then without generating (with the reason).
+Writing is idempotent on resume: a step already in the file is not appended again, and a
+truncated last line (a crash mid-write) is cut off when the file is opened.
 Locally lines are appended (fsync'd); on gs:// the object is rewritten whole (objects are
 immutable), which is fine for the few KB a step adds.
 """
@@ -40,6 +41,7 @@ def lineage_record(step: int, batch: Batch) -> dict[str, Any]:
             for d in batch.dropped
             if d.reason == "zero_variance"
         ],
+        "skipped_prompts": [s.to_dict() for s in batch.skipped],
     }
 
 

@@ -11,7 +11,6 @@ uninterrupted mixture would have drawn.
 from __future__ import annotations
 
 import dataclasses
-import json
 import zlib
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -25,24 +24,26 @@ STATE_FORMAT = 1
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One drawn prompt: stable ``id``, draw number ``seq``, text and what scores a response."""
+    """One drawn prompt: stable ``id``, draw number ``seq``, ``content`` (the problem: text, or
+    chat messages) and what scores a response (``reference``: an answer, or a code test suite
+    as JSON)."""
 
     id: str
     seq: int
     dataset: str
     index: int
     epoch: int
-    text: str
+    content: str | list[dict[str, str]]
     reference: str
     verifier: str  # "task" (the synthetic task's scorer), "math" or "code"
 
 
 class PromptSource(Protocol):
-    """A fixed, indexable list of (prompt text, reference) pairs."""
+    """A fixed, indexable list of (prompt, reference) pairs; a prompt is text or messages."""
 
     def __len__(self) -> int: ...
 
-    def get(self, index: int) -> tuple[str, str]: ...
+    def get(self, index: int) -> tuple[Any, str]: ...
 
 
 class SyntheticPrompts:
@@ -83,39 +84,40 @@ class SyntheticPrompts:
 
 
 class FilePrompts:
-    """Rows of a curated Parquet/JSONL file: the prompt and its answer (math) or tests (code)."""
+    """Rows of a dataset file read through its format (rlax_tasks.data): the prompt and its
+    answer (math) or test suite (code). Rows that cannot be used are in ``rejected``."""
 
     def __init__(self, spec: FileSource) -> None:
-        from rlax_tasks.evaluation.evaluator import load_dataset
+        from rlax_tasks.data.code_tests import CodeTests
+        from rlax_tasks.data.dataset import load_dataset
 
-        frame = load_dataset(spec.path)
-        self.spec = spec
-        self.prompts = [str(p) for p in frame["prompt"].tolist()]
+        rows = load_dataset(spec.path, spec.format, spec.columns)
+        frame = rows.frame
+        self.spec, self.rejected = spec, list(rows.rejected)
         if spec.verifier == "code":
-            self.references = [json.dumps(_plain_tests(t)) for t in frame["tests"].tolist()]
-            missing = [i for i, t in enumerate(frame["tests"].tolist()) if not _plain_tests(t)]
+            column = frame["tests"].tolist()
+            ok = [i for i, t in enumerate(column) if t]
+            self.references = [CodeTests.from_value(column[i]).to_json() for i in ok]
         else:
-            answers = frame["answer"].tolist()
-            self.references = ["" if a is None else str(a) for a in answers]
-            missing = [i for i, a in enumerate(answers) if a is None]
-        if missing:
+            column = frame["answer"].tolist()
+            ok = [i for i, a in enumerate(column) if a is not None]
+            self.references = [str(column[i]) for i in ok]
+        if len(ok) < len(frame):
+            missing = next(i for i in range(len(frame)) if i not in set(ok))
             raise ValueError(
-                f"dataset {spec.path}: {len(missing)} row(s) have no "
+                f"dataset {spec.path}: {len(frame) - len(ok)} row(s) have no "
                 f"{'tests' if spec.verifier == 'code' else 'answer'} for verifier "
-                f"{spec.verifier!r}; first: row {missing[0]}"
+                f"{spec.verifier!r}; first: {frame['origin_file'].iat[missing]} row "
+                f"{frame['origin_row'].iat[missing]} (set the dataset's verifier to match)"
             )
+        prompts = frame["prompt"].tolist()
+        self.prompts = [prompts[i] for i in ok]
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def get(self, index: int) -> tuple[str, str]:
+    def get(self, index: int) -> tuple[Any, str]:
         return self.prompts[index], self.references[index]
-
-
-def _plain_tests(tests: Any) -> list:
-    if tests is None:
-        return []
-    return [dict(t) for t in list(tests)]
 
 
 def make_source(spec: DatasetSpec) -> PromptSource:

@@ -2,8 +2,9 @@
 
 One file per step, ``rollouts/step-<step>.parquet``, one row per completion of the groups that
 step trained on: which prompt and group, the weight version that generated it, the prompt and
-completion tokens, the sampler's behaviour log-probs, the verifier's verdict (``score``), the
-reward the trainer saw (after shaping) and the verifier kind and version. Written whole right
+completion tokens, the sampler's behaviour log-probs, the verifier's reward (``score``) and
+``verdict`` (e.g. "correct", "wrong_answer", "verifier_error"), the reward the trainer saw (after
+shaping) and the verifier kind and version. Written whole right
 after the trainer applied the step (beside its ``lineage.jsonl`` line); a replayed step rewrites
 the same file, so a crash leaves neither a partial nor a duplicate file. Groups dropped as stale
 or zero-variance are listed in ``lineage.jsonl``, not here.
@@ -61,6 +62,7 @@ def schema() -> Any:
             ("behavior_logprobs", pa.list_(pa.float32())),
             ("finish_reason", pa.string()),
             ("score", pa.float32()),
+            ("verdict", pa.string()),
             ("reward", pa.float32()),
             ("verifier", pa.string()),
             ("verifier_version", pa.string()),
@@ -86,6 +88,7 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             cols["behavior_logprobs"].append(list(g.logprobs[i]))
             cols["finish_reason"].append(g.finish_reasons[i])
             cols["score"].append(g.scores[i])
+            cols["verdict"].append(g.verdicts[i] if g.verdicts else None)
             cols["reward"].append(g.rewards[i])
             cols["verifier"].append(verifiers.get(dataset, "unknown"))
             cols["verifier_version"].append(verifier_version())
@@ -136,6 +139,9 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 finish_reasons=tuple(cols["finish_reason"][i] for i in idx),
                 scores=tuple(cols["score"][i] for i in idx),
                 rewards=tuple(cols["reward"][i] for i in idx),
+                verdicts=tuple(cols["verdict"][i] or "" for i in idx)
+                if "verdict" in cols and any(cols["verdict"][i] for i in idx)
+                else (),
             )
         )
     return Batch(step, tuple(groups))

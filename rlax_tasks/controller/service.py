@@ -3,12 +3,13 @@
 Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` that the supervisor
 rewrites when a worker (re)starts, so workers can join, leave or move; the trainer is a
 ``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
-the math verifier or the code judge (``rlax_tasks.evaluation.scoring``), per dataset.
+the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks.controller.controller import Controller, ControllerSettings, WorkerError
+from rlax_tasks.controller.controller import (
+    Controller,
+    ControllerSettings,
+    ScorerError,
+    WorkerError,
+)
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
 from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
 from rlax_tasks.rollout.service import WorkerClient
@@ -99,45 +105,62 @@ def _group_result(r: dict[str, Any]) -> GroupResult:
 
 
 class RewardScorer:
-    """The ``Scorer``: synthetic tasks score themselves; math answers and code tests go to the
-    verifiers (math-verify in worker processes, the bubblewrap judge)."""
+    """The ``Scorer``: synthetic tasks score themselves; math answers and code test suites go to
+    the verifiers (math-verify in worker processes, the bubblewrap judge with each problem's
+    limits, at most ``max_parallel`` sandboxes at a time). A verifier that fails on a row scores
+    it 0 with its verdict; a broken sandbox is a ``ScorerError`` (retried, never scored)."""
 
-    def __init__(self, mixture: PromptMixture) -> None:
+    # math-verify's own failure verdicts, named as verifier failures in rollouts and metrics
+    MATH_FAILURES = {"error": "verifier_error", "timeout": "verifier_timeout"}
+
+    def __init__(self, mixture: PromptMixture, max_parallel: int | None = None) -> None:
         self.tasks = {
             c.name: c.source.task
             for c in mixture.components
             if isinstance(c.source, SyntheticPrompts)
         }
+        self.max_parallel = max_parallel
 
-    def score(self, prompts: Sequence[Prompt], results: Sequence[GroupResult]) -> list[list[float]]:
-        from rlax_tasks.evaluation.scoring import score_completions
+    def score(self, prompts: Sequence[Prompt], results: Sequence[GroupResult]) -> list[list[Any]]:
+        from rlax_tasks.rewards.sandbox import SandboxError
+        from rlax_tasks.rewards.scoring import score_completions
         from rlax_tasks.rewards.tasks import Problem
 
-        out: list[list[float] | None] = [None] * len(prompts)
+        out: list[list[Any] | None] = [None] * len(prompts)
         verify_rows = []
         for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
             texts = r.texts or [""] * len(r.completions)
             if p.verifier == "task":
                 task = self.tasks[p.dataset]
-                problem = Problem(task.name, p.id, p.text, p.reference)
+                problem = Problem(task.name, p.id, p.content, p.reference)
                 out[i] = [float(task.score(problem, t)) for t in texts]
             else:
                 verify_rows.append((i, p, texts))
         if verify_rows:
             answers = [p.reference if p.verifier == "math" else None for _, p, _ in verify_rows]
-            tests = [
-                json.loads(p.reference) if p.verifier == "code" else None for _, p, _ in verify_rows
-            ]
-            scores = score_completions(answers, tests, [t for _, _, t in verify_rows])
-            for (i, _, _), row in zip(verify_rows, scores, strict=True):
-                out[i] = [s.reward for s in row]
+            tests = [p.reference if p.verifier == "code" else None for _, p, _ in verify_rows]
+            try:
+                scores = score_completions(
+                    answers,
+                    tests,
+                    [t for _, _, t in verify_rows],
+                    max_parallel=self.max_parallel,
+                )
+            except SandboxError as e:
+                raise ScorerError(f"the code sandbox is broken: {e}") from e
+            for (i, p, _), row in zip(verify_rows, scores, strict=True):
+                # (the judge's "timeout" is a program over its time limit: the model's failure)
+                renamed = self.MATH_FAILURES if p.verifier == "math" else {}
+                out[i] = [
+                    dataclasses.replace(s, verdict=renamed.get(s.verdict, s.verdict)) for s in row
+                ]
         return [x if x is not None else [] for x in out]
 
 
 def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controller:
-    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet."""
-    from transformers import AutoTokenizer
-
+    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet; prompts
+    render through ``cfg.prompt`` with the model's tokenizer (DESIGN §11)."""
+    from rlax_tasks.data.prompts import PromptRenderer
     from rlax_tasks.trainer.service import TrainerClient
 
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
@@ -146,16 +169,16 @@ def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controlle
             f"model.path: {cfg.model.path!r} is not a directory (expected an HF model directory)"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model.path: no tokenizer loads from {cfg.model.path!r}: {e}") from None
+        renderer = PromptRenderer.for_model(cfg.prompt, cfg.model.path)
+    except ValueError as e:
+        raise ValueError(f"model.path / prompt: {e}") from None
     return Controller(
         ControllerSettings.from_run_config(cfg),
         mixture,
         HttpWorkerPool(workers_file),
         RewardScorer(mixture),
         TrainerClient(trainer_url),
-        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        renderer.encode,
         cfg.run_dir,
     )
 
@@ -177,6 +200,7 @@ def _controller_command(args: argparse.Namespace) -> int:
             last = time.monotonic()
             log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))
     log.info("controller done at step %d: %s", controller.step, controller.status())
+    controller.close()
     return 0
 
 

@@ -37,43 +37,85 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 class HeldOutEvaluator:
     """Held-out pass@k of the run's base model or of weights pulled from the parameter server.
 
-    Compiles one Sampler and swaps weights into it, so evaluating during a run (eval.every_steps)
-    costs generation only.
+    The first ``eval.num_prompts`` rows of ``eval.dataset`` (a synthetic task or a file in any
+    format), rendered by the run's ``prompt`` section and scored by the training scorer, so the
+    model sees the tokens it sees in training. Prompts too long for ``workers.max_len`` are
+    skipped and counted. Compiles one Sampler and swaps weights into it, so evaluating during a
+    run (eval.every_steps) costs generation only.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
-        from rlax_tasks.config import SyntheticSource
+        from rlax_tasks.controller.mixture import MixtureComponent, PromptMixture, make_source
+        from rlax_tasks.controller.service import RewardScorer
+        from rlax_tasks.data.prompts import PromptRenderer
+        from rlax_tasks.evaluation.generation import encode_prompts
         from rlax_tasks.models import load_pretrained
         from rlax_tasks.rollout import Sampler
-        from rlax_tasks.warmup import TinyArith
 
         spec = cfg.eval.dataset
         if spec is None:
             raise ValueError("eval.dataset: give a held-out dataset to report pass@k on")
-        source = spec.source
-        if not (isinstance(source, SyntheticSource) and source.prompt_format == "compact"):
-            raise ValueError(
-                "eval.dataset: the run report evaluates compact synthetic arithmetic; for other "
-                "datasets use `rlax eval` on the run's weights (--weights-from RUN_DIR)"
-            )
         self.cfg, self.name = cfg, spec.name
         self.policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.base_params = self.policy.params
-        self.format = TinyArith(dict(source.knobs))
-        self.problems = self.format.problems(cfg.eval.num_prompts, seed=source.seed)
-        longest = max(
-            len(self.format.encode_prompt(self.policy.tokenizer, p)) for p in self.problems
+        mixture = PromptMixture(
+            [MixtureComponent(spec.name, 1.0, make_source(spec), spec.verifier)]
         )
+        count = min(cfg.eval.num_prompts, len(mixture.components[0].source))
+        prompts = [mixture.prompt(f"{spec.name}/0/{i}", i) for i in range(count)]
+        self.renderer = PromptRenderer(cfg.prompt, self.policy.tokenizer)
+        ids, errors = encode_prompts(
+            self.renderer,
+            [p.content for p in prompts],
+            cfg.workers.max_len - cfg.rollout.max_new_tokens,
+        )
+        self.skipped = [
+            {"prompt_id": p.id, "reason": e} for p, e in zip(prompts, errors, strict=True) if e
+        ]
+        if self.skipped:
+            log.warning(
+                "held-out %s: %d of %d prompts skipped; first: %s",
+                spec.name, len(self.skipped), count, self.skipped[0]["reason"],
+            )  # fmt: skip
+        self.prompts = [p for p, e in zip(prompts, errors, strict=True) if e is None]
+        self.prompt_ids = [list(t) for t in ids if t is not None]
+        if not self.prompts:
+            raise ValueError(
+                f"eval.dataset {spec.name}: no prompt fits ({self.skipped[0]['reason']})"
+            )
+        self.scorer = RewardScorer(mixture)
+        longest = max(len(t) for t in self.prompt_ids)
         self.sampler = Sampler(
             self.policy,
             max_slots=cfg.workers.slots,
             max_len=max(16, longest + cfg.rollout.max_new_tokens),
         )
 
+    def sample(self, params: Any) -> list[list[Any]]:
+        """``eval.num_samples`` completions of every prompt with ``params`` (per-prompt seeds)."""
+        from rlax_tasks.rollout import per_prompt_params
+
+        e = self.cfg.eval
+        self.sampler.set_params(params)
+        settings = per_prompt_params(
+            0,
+            len(self.prompt_ids),
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            temperature=float(e.temperature),
+            stop_strings=self.cfg.prompt.stop,
+        )
+        outs = self.sampler.generate(self.prompt_ids, n=e.num_samples, params=settings)
+        n = e.num_samples
+        return [outs[i * n : (i + 1) * n] for i in range(len(self.prompt_ids))]
+
     def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:
         """pass@k of the base model (``ps`` None), else of the newest version (at least
         ``version`` when given)."""
-        from rlax_tasks.warmup import evaluate_pass_rates
+        import time
+
+        from rlax_tasks.controller.controller import reward_and_verdict
+        from rlax_tasks.evaluation import mean_pass_at_k
+        from rlax_tasks.rollout.worker import GroupResult
 
         if ps is None:
             got, params = 0, self.base_params
@@ -81,19 +123,29 @@ class HeldOutEvaluator:
             got, params = ps.pull(like=self.base_params)
         else:  # the trainer records a step just before it pushes that version: wait for it
             got, params = ps.pull(min_version=version, like=self.base_params, timeout_s=60.0)
-        self.sampler.set_params(params)
+        t0 = time.perf_counter()
+        groups = self.sample(params)
+        decode = self.policy.tokenizer.decode
+        results = [
+            GroupResult(p.id, got, tuple(ids), comps,
+                        [decode(c.tokens, skip_special_tokens=True) for c in comps], 0.0)
+            for p, ids, comps in zip(self.prompts, self.prompt_ids, groups, strict=True)
+        ]  # fmt: skip
+        scores = self.scorer.score(self.prompts, results)
+        rewards = [[reward_and_verdict(x)[0] for x in row] for row in scores]
         e = self.cfg.eval
-        result = evaluate_pass_rates(
-            self.policy.with_params(params),
-            self.problems,
-            n=e.num_samples,
-            k_list=e.ks,
-            temperature=e.temperature,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            task_format=self.format,
-            sampler=self.sampler,
+        correct = [sum(r > 0 for r in row) for row in rewards]
+        result: dict[str, Any] = {
+            f"pass@{k}": mean_pass_at_k(e.num_samples, correct, k) for k in e.ks
+        }
+        result["mean_reward"] = float(np.mean(rewards))
+        result.update(
+            num_prompts=len(self.prompts),
+            num_samples=e.num_samples,
+            skipped=len(self.skipped),
+            seconds=time.perf_counter() - t0,
+            version=got,
         )
-        result["version"] = got
         log.info(
             "held-out %s at version %d: %s",
             self.name,

@@ -43,6 +43,9 @@ from rlax_tasks.paramserver.client import VersionConflictError
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "RLAX_TRAINER_TOKEN"
+# scalars sent beside a batch's arrays (the controller's per-step counts, e.g. prompts skipped):
+# written to that step's metrics row, never trained on
+STAT_PREFIX = "stat_"
 
 
 class StepConflictError(ValueError):
@@ -131,10 +134,16 @@ class TrainerService:
                     f"{self.step + 1}-{step - 1} first (the trainer restarted from an older "
                     "checkpoint)",
                 )
-            arrays = dict(batch)
+            arrays = {k: v for k, v in batch.items() if not k.startswith(STAT_PREFIX)}
+            stats = {
+                k[len(STAT_PREFIX) :]: float(v)
+                for k, v in batch.items()
+                if k.startswith(STAT_PREFIX)
+            }
             if "completion_mask" not in arrays and "mask" in arrays:
                 arrays["completion_mask"] = arrays.pop("mask")
-            metrics = self.trainer.step(arrays)  # checkpoints every trainer.checkpoint_every
+            # checkpoints every trainer.checkpoint_every
+            metrics = self.trainer.step(arrays, extra_metrics=stats)
             if self.ps is not None:
                 t0 = time.perf_counter()
                 try:
@@ -241,8 +250,10 @@ class TrainerClient:
             time.sleep(self.retry_s)
 
     def __call__(self, batch: Any) -> int:
-        """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version``."""
-        return int(self.train(batch.version, batch.arrays())["version"])
+        """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version`` (its
+        per-step counts travel along, for the metrics)."""
+        stats = {f"{STAT_PREFIX}{k}": np.float64(v) for k, v in batch.stats().items()}
+        return int(self.train(batch.version, {**batch.arrays(), **stats})["version"])
 
 
 def _trainer_step(detail: str) -> int | None:

@@ -199,10 +199,16 @@ class Trainer:
         return dataclasses.replace(self._template, params=self._params[MODEL])
 
     # ------------------------------------------------------------------ training
-    def step(self, batch: dict[str, Any], data_cursor: dict[str, Any] | None = None) -> dict:
+    def step(
+        self,
+        batch: dict[str, Any],
+        data_cursor: dict[str, Any] | None = None,
+        extra_metrics: dict[str, float] | None = None,
+    ) -> dict:
         """One optimizer update on ``batch`` (numpy arrays, BATCH_KEYS); returns its metrics.
 
-        ``data_cursor`` is stored with the automatic checkpoint when ``checkpoint_every`` hits.
+        ``data_cursor`` is stored with the automatic checkpoint when ``checkpoint_every`` hits;
+        ``extra_metrics`` (e.g. the controller's counts for the step) join the metrics row.
         """
         arrays = self._place_batch(batch)
         t0 = time.perf_counter()
@@ -222,6 +228,7 @@ class Trainer:
         metrics["tokens_per_s"] = metrics["tokens"] / elapsed
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
         metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
+        metrics.update(extra_metrics or {})
         if not math.isfinite(metrics["loss"]):
             log.warning("step %d: non-finite loss %s", self.step_count, metrics["loss"])
         if self.metrics_writer is not None:

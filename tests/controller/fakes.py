@@ -8,17 +8,23 @@ is reproducible from the controller's calls alone.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 import zlib
 
 from rlax_tasks.controller import (
+    Controller,
     ControllerSettings,
     MixtureComponent,
     PromptMixture,
     TrainerBehindError,
     should_reload,
 )
+from rlax_tasks.rewards.scoring import SampleScore
 from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
 from rlax_tasks.rollout.worker import GroupResult
+
+UNENCODABLE = "<unencodable>"  # ``encode`` refuses a prompt containing this
 
 
 def _h(*parts: object) -> int:
@@ -26,26 +32,40 @@ def _h(*parts: object) -> int:
 
 
 class ListSource:
-    """A prompt source of ``n`` synthetic prompts."""
+    """A prompt source of ``n`` synthetic prompts; ``contents`` replaces some by index."""
 
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
+    def __init__(self, name: str, n: int, contents: dict[int, object] | None = None) -> None:
+        self.name, self.n, self.contents = name, n, contents or {}
 
     def __len__(self) -> int:
         return self.n
 
-    def get(self, index: int) -> tuple[str, str]:
-        return f"{self.name} prompt {index}", str(index)
+    def get(self, index: int) -> tuple[object, str]:
+        return self.contents.get(index, f"{self.name} prompt {index}"), str(index)
 
 
-def mixture(seed: int = 0, sizes: dict[str, tuple[int, float]] | None = None) -> PromptMixture:
+def mixture(
+    seed: int = 0,
+    sizes: dict[str, tuple[int, float]] | None = None,
+    contents: dict[str, dict[int, object]] | None = None,
+) -> PromptMixture:
+    """Datasets name -> (size, weight); ``contents``: name -> {index: prompt} overrides."""
     sizes = sizes or {"a": (13, 2.0), "b": (7, 1.0)}
+    contents = contents or {}
     return PromptMixture(
-        [MixtureComponent(n, w, ListSource(n, size)) for n, (size, w) in sizes.items()], seed
+        [
+            MixtureComponent(n, w, ListSource(n, size, contents.get(n)))
+            for n, (size, w) in sizes.items()
+        ],
+        seed,
     )
 
 
-def encode(text: str) -> list[int]:
+def encode(content) -> list[int]:
+    """One token per character (chat messages: of their contents); ValueError on UNENCODABLE."""
+    text = content if isinstance(content, str) else "".join(m["content"] for m in content)
+    if UNENCODABLE in text:
+        raise ValueError("the chat template cannot render this prompt")
     return [1] + [3 + (ord(c) % 60) for c in text]
 
 
@@ -89,6 +109,10 @@ class FakePool:
         self.down: set[str] = set()  # submit() to these raises until they are removed
         self.refused: list[str] = []  # every refused submit, by worker
         self.hung: set[str] = set()  # these accept work and never return any
+        # prompt id -> why: a submit holding one of these is refused whole with ValueError
+        # (HTTP 400), as a real worker validates every group before queuing any
+        self.invalid: dict[str, str] = {}
+        self.rejected: list[tuple[str, list[str]]] = []  # submits refused with ValueError
         self.submits: list[tuple[str, list[str]]] = []
         self.resets: list[str] = []
         self.lost: list[str] = []  # what the last failed worker held
@@ -102,6 +126,10 @@ class FakePool:
             self.refuse_next.discard(worker_id)
             self.refused.append(worker_id)
             raise ConnectionError(f"{worker_id} is not up yet")
+        bad = [self.invalid[g.prompt_id] for g in groups if g.prompt_id in self.invalid]
+        if bad:
+            self.rejected.append((worker_id, [g.prompt_id for g in groups]))
+            raise ValueError(bad[0])
         self.submits.append((worker_id, [g.prompt_id for g in groups]))
         self.workers[worker_id].queue.extend(groups)
 
@@ -136,30 +164,53 @@ class FakePool:
 
 
 class FakeScorer:
-    """Score 1 for about a third of the completions, by hash; counts failures to inject."""
+    """Score 1 for about a third of the completions, by hash; counts failures to inject.
 
-    def __init__(self) -> None:
+    ``verdicts``: scores are ``SampleScore``s ("correct", "wrong_answer", and some of the
+    zeros "verifier_error"). ``gate``: each call waits until the event is set; ``delay_s``: each
+    call takes that long. Every call records the thread it ran on and the prompt ids it scored.
+    """
+
+    def __init__(
+        self, verdicts: bool = False, gate: threading.Event | None = None, delay_s: float = 0.0
+    ) -> None:
         self.fail_next = 0
         self.calls = 0
+        self.verdicts, self.gate, self.delay_s = verdicts, gate, delay_s
+        self.threads: list[str] = []
+        self.scored: list[list[str]] = []  # prompt ids of each call, failed ones too
 
     def score(self, prompts, results):
         self.calls += 1
+        self.threads.append(threading.current_thread().name)
+        self.scored.append([p.id for p in prompts])
+        if self.gate is not None and not self.gate.wait(timeout=30):
+            raise RuntimeError("the test never released the scorer")
+        time.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("verifier down")
         return [
-            [1.0 if _h(p.id, r.version, i) % 3 == 0 else 0.0 for i in range(len(r.completions))]
+            [self._score(p.id, r.version, i) for i in range(len(r.completions))]
             for p, r in zip(prompts, results, strict=True)
         ]
+
+    def _score(self, prompt_id: str, version: int, i: int):
+        reward = 1.0 if _h(prompt_id, version, i) % 3 == 0 else 0.0
+        if not self.verdicts:
+            return reward
+        if reward == 0.0 and _h(prompt_id, version, i, "broken") % 7 == 0:
+            return SampleScore(0.0, "verifier_error", None, "checker crashed")
+        return SampleScore(reward, "correct" if reward else "wrong_answer")
 
 
 class World:
     """The fakes wired together: trainer, workers, scorer."""
 
-    def __init__(self, reload_every: int = 2, rate: int = 3, version: int = 0) -> None:
+    def __init__(self, reload_every: int = 2, rate: int = 3, version: int = 0, scorer=None) -> None:
         self.trainer = FakeTrainer(version)
         self.pool = FakePool(self.trainer, reload_every=reload_every, rate=rate)
-        self.scorer = FakeScorer()
+        self.scorer = scorer if scorer is not None else FakeScorer()
 
 
 def settings(**overrides) -> ControllerSettings:
@@ -176,3 +227,22 @@ def settings(**overrides) -> ControllerSettings:
     )
     base.update(overrides)
     return ControllerSettings(**base)
+
+
+def controller(run_dir: str, world: World, mix: PromptMixture | None = None, **kwargs):
+    """A Controller on ``world``'s fakes; ``kwargs`` are settings() overrides, plus the
+    Controller's ``encode`` (default: ``encode``), ``clock`` and ``idle_sleep_s`` (default 0)."""
+    encoder = kwargs.pop("encode", encode)
+    extra = {"idle_sleep_s": kwargs.pop("idle_sleep_s", 0.0)}
+    if "clock" in kwargs:
+        extra["clock"] = kwargs.pop("clock")
+    return Controller(
+        settings(**kwargs),
+        mix if mix is not None else mixture(seed=3),
+        world.pool,
+        world.scorer,
+        world.trainer,
+        encoder,
+        run_dir,
+        **extra,
+    )

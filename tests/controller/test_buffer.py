@@ -59,7 +59,7 @@ def test_k_rule_freshest_first_and_stale_drops_counted():
     batch = buf.take(5)  # producing v5: u must be >= 3; "old" (u=1) is dropped
     assert batch.prompt_ids == ["new-a", "new-b"]  # freshest, then in draw order
     assert [(d.prompt_id, d.reason) for d in batch.dropped] == [("old", "stale")]
-    assert buf.counts == {"stale": 1, "zero_variance": 0}
+    assert buf.counts == {"stale": 1, "zero_variance": 0, "skipped_prompts": 0}
     assert buf.prompt_ids == ["mid", "m2"]
     batch = buf.take(6)  # u >= 4 needed: both v3 groups are too old now
     assert batch is None and buf.counts["stale"] == 3 and len(buf) == 0

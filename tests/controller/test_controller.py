@@ -297,6 +297,9 @@ def test_settings_from_run_config():
     t = ControllerSettings.from_run_config(cfg)
     assert t.group_size == cfg.rollout.group_size and not t.dynamic_sampling
     assert t.sampling.max_new_tokens == cfg.rollout.max_new_tokens
+    # longer prompts are skipped (DESIGN §11); a run scores beside the controller's thread
+    assert t.max_prompt_tokens == cfg.workers.max_len - cfg.rollout.max_new_tokens
+    assert t.scoring_threads == 1
 
 
 def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):

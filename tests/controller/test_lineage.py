@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from rlax_tasks import storage
-from rlax_tasks.controller import Batch, DroppedGroup, LineageWriter, lineage_record, read_lineage
+from rlax_tasks.controller import (
+    Batch,
+    DroppedGroup,
+    LineageWriter,
+    SkippedPrompt,
+    lineage_record,
+    read_lineage,
+)
 from tests.controller.test_buffer import group
 from tests.paramserver.helpers import gcs_emulator
 
@@ -15,6 +22,7 @@ def record(step: int) -> dict:
         step,
         (group(f"a/0/{step}", step - 1, step), group(f"b/0/{step}", step - 2, step + 100)),
         (DroppedGroup("old", 0, "stale"), DroppedGroup("z", step - 1, "zero_variance")),
+        (SkippedPrompt("long/0/9", "prompt has 900 tokens, more than 384"),),
     )
     return lineage_record(step, batch)
 
@@ -28,6 +36,9 @@ def test_record_fields():
         "rollout_versions": [2, 1],
         "dropped_stale": [{"prompt_id": "old", "version": 0}],
         "dropped_zero_variance": [{"prompt_id": "z", "version": 2}],
+        "skipped_prompts": [
+            {"prompt_id": "long/0/9", "reason": "prompt has 900 tokens, more than 384"}
+        ],
     }
 
 

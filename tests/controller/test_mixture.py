@@ -73,9 +73,10 @@ def test_from_specs_synthetic_and_file(tmp_path):
     arith = [p for p in prompts if p.dataset == "arith"]
     assert files and arith
     assert all(
-        p.verifier == "math" and p.reference == str(int(p.text.split()[2][:-3]) + 1) for p in files
+        p.verifier == "math" and p.reference == str(int(p.content.split()[2][:-3]) + 1)
+        for p in files
     )
-    assert all(p.verifier == "task" and "Compute" in p.text for p in arith)
+    assert all(p.verifier == "task" and "Compute" in p.content for p in arith)
 
 
 def test_synthetic_source_leaves_out_the_held_out_stream():

@@ -152,3 +152,37 @@ def test_checkpoint_every_n_steps_and_replay_after_a_crash(tmp_path):
         steps = [r["step"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
         assert steps == [1, 2, 3, 4, 5, 6]
         ps.close()
+
+
+def test_stat_scalars_go_to_the_metrics_row_not_to_the_train_step(tmp_path, monkeypatch):
+    """The controller's per-step counts travel with the batch as ``stat_*`` scalars (prompts
+    skipped, verifier errors): they join that step's metrics row and are never trained on."""
+    from rlax_tasks.controller import Batch, SkippedPrompt
+    from tests.controller.test_buffer import group
+
+    run_dir = str(tmp_path / "run")
+    service = make_service(run_dir, None)
+    seen = []
+    step = service.trainer.step
+
+    def spy(batch, *args, **kwargs):
+        seen.append(sorted(batch))
+        return step(batch, *args, **kwargs)
+
+    monkeypatch.setattr(service.trainer, "step", spy)
+    # what TrainerClient sends for a Batch: its arrays and its stats()
+    sent = {}
+    client = TrainerClient("http://127.0.0.1:9")
+    monkeypatch.setattr(client, "train", lambda step, arrays: sent.update(arrays) or {"version": 1})
+    skipped = (SkippedPrompt("a/0/1", "too long"), SkippedPrompt("a/0/2", "too long"))
+    scored = dataclasses.replace(group("b/0/0", 0, 3), verdicts=("verifier_timeout", "correct"))
+    assert client(Batch(1, (scored,), skipped=skipped)) == 1
+    stats = {k: v for k, v in sent.items() if k.startswith("stat_")}
+    assert stats == {"stat_prompts_skipped": 2.0, "stat_verifier_errors": 1.0}
+    out = service.train(1, {**random_batch(1), **stats})
+    assert seen == [sorted(random_batch(1))]  # no stat_ key reached the train step
+    assert out["metrics"]["prompts_skipped"] == 2.0 and out["metrics"]["verifier_errors"] == 1.0
+    (row,) = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert row["step"] == 1 and row["prompts_skipped"] == 2.0 and row["verifier_errors"] == 1.0
+    assert np.isfinite(row["loss"])
+    service.stop()
