@@ -55,6 +55,8 @@ ALGORITHMS = (
     "gspo",
     "ppo",
 )
+# DESIGN §11 dataset formats (tests/dags checks this against rlax_tasks.data.formats)
+DATA_FORMATS = ("rlax", "gsm8k", "math", "dapo", "messages", "code", "columns")
 # run ids double as Cloud label values (rlax-run-id) and directory names
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 STATUS_FILE = "status.json"
@@ -139,7 +141,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _overrides(params: dict[str, Any], run_root: str, run_id: str, dataset: str) -> dict:
+def _overrides(
+    params: dict[str, Any], run_root: str, run_id: str, dataset: str, verifier: str
+) -> dict:
     out: dict[str, Any] = {"run_root": run_root, "run_id": run_id}
     overrides = params.get("overrides") or {}
     if not isinstance(overrides, dict):
@@ -158,18 +162,20 @@ def _overrides(params: dict[str, Any], run_root: str, run_id: str, dataset: str)
         out["workers.count"] = params["num_workers"]
     if dataset:
         out["datasets"] = [
-            {"name": "curated", "weight": 1.0, "source": {"path": dataset, "verifier": "math"}}
+            {"name": "curated", "weight": 1.0, "source": {"path": dataset, "verifier": verifier}}
         ]
     return out
 
 
-def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") -> dict[str, Any]:
+def plan_training(
+    params: dict[str, Any], dag_run_id: str, dataset: str = "", verifier: str = "math"
+) -> dict[str, Any]:
     """Validates the Params into a run config, writes run_dir/config.yaml, builds the base model
     if the config asks for it, and returns every job's ``rlax`` command line (JSON-able).
 
     The services listen on 127.0.0.1 ports chosen here: the local backend runs every job on
     this machine. ``dataset`` (a curated file, e.g. from the rlax_curate Asset) replaces the
-    preset's datasets.
+    preset's datasets (``verifier``: "math" or "code", as rlax_curate published it).
     """
     from rlax_tasks import storage
     from rlax_tasks.config import ConfigError, load_config, save_resolved
@@ -181,7 +187,7 @@ def plan_training(params: dict[str, Any], dag_run_id: str, dataset: str = "") ->
     if not re.match(RUN_ID_PATTERN, run_id):
         raise PlanError(f"run_id: {run_id!r} must be lowercase letters, digits, '_', '-'")
     try:
-        cfg = load_config(params["preset"], _overrides(params, run_root, run_id, dataset))
+        cfg = load_config(params["preset"], _overrides(params, run_root, run_id, dataset, verifier))
     except ConfigError as e:
         raise PlanError(f"run config: {e}") from None
     steps = params.get("steps") or cfg.trainer.total_steps
@@ -263,17 +269,25 @@ def eval_dataset_file(cfg: Any) -> str:
     today = dt.date.today().isoformat()
     lines = [
         json.dumps({"prompt": q, "answer": a, "source": spec.name, "date": today}) for q, a in rows
-    ]
+    ]  # the row schema (format rlax)
     storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
     return path
 
 
 def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
     """`rlax eval` of weight ``version`` mirrored under the run, into run_dir/eval/v<version>/
-    (the directory the dashboard reads pass@k from)."""
+    (the directory the dashboard reads pass@k from): the dataset read in its format, prompts
+    rendered by the run's own `prompt` section (its config.yaml), as in training."""
     from rlax_tasks import storage
+    from rlax_tasks.config import FileSource
 
     e = cfg.eval
+    source = e.dataset.source if e.dataset is not None else None
+    data_format = []
+    if isinstance(source, FileSource):
+        data_format = ["--format", source.format]
+        if source.columns:
+            data_format += ["--columns", ",".join(f"{k}={v}" for k, v in source.columns.items())]
     return [
         "eval", "--model-dir", cfg.model.path, "--weights-from", f"{cfg.run_dir}@{version}",
         "--dataset", dataset, "--n", str(e.num_samples), "--k", ",".join(map(str, e.ks)),
@@ -281,6 +295,7 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
         "--max-new-tokens", str(cfg.rollout.max_new_tokens),
         "--max-len", str(cfg.workers.max_len), "--max-slots", str(cfg.workers.slots),
         "--dtype", cfg.model.dtype, "--out", storage.join(cfg.run_dir, "eval", f"v{version}"),
+        "--prompt-config", storage.join(cfg.run_dir, "config.yaml"), *data_format,
     ]  # fmt: skip
 
 

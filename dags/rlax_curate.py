@@ -8,10 +8,12 @@ import rlax_common as rc
 
 DOC = """
 ### rlax_curate
-Runs `rlax curate` (validate, deduplicate, decontaminate against the eval sets, optional
+Runs `rlax curate` (read the inputs in their `format` — gsm8k, math, dapo, messages, code,
+columns or the row schema — validate, deduplicate, decontaminate against the eval sets, optional
 pass-rate filter, date split) on a compute slice, writes `<out>/train.parquet` and
 `<out>/test.parquet`, and publishes the Asset **rlax_curated_dataset** with
-`{"path": "<out>/train.parquet"}` — `rlax_train` is scheduled on it and trains on that file.
+`{"path": "<out>/train.parquet", "verifier": "math" | "code"}` — `rlax_train` is scheduled on
+it and trains on that file.
 The slice is deleted by a teardown task whatever happens.
 """
 
@@ -29,6 +31,16 @@ The slice is deleted by a teardown task whatever happens.
         "inputs": Param(
             [], type="array", items={"type": "string"}, minItems=1,
             description="JSONL/Parquet/CSV files or directories (local or gs://)",
+        ),
+        "format": Param(
+            "rlax", type="string", enum=list(rc.DATA_FORMATS),
+            description="input layout (DESIGN §11): gsm8k, math, dapo, messages, code, "
+            "columns (with the columns mapping) or rlax (the row schema)",
+        ),
+        "columns": Param(
+            {}, type="object",
+            description='format columns: field -> column, e.g. {"prompt": "question", '
+            '"answer": "final_answer"}',
         ),
         "out": Param(
             "", type="string",
@@ -52,14 +64,26 @@ def rlax_curate():
 
         rid = rc.dag_run_run_id(run_id)
         out = params["out"] or storage.join(params["run_root"], "datasets", rid)
-        argv = ["curate", *params["inputs"], "--out", out]
+        argv = ["curate", *params["inputs"], "--out", out, "--format", params["format"]]
+        if params.get("columns"):
+            argv += ["--columns", ",".join(f"{k}={v}" for k, v in params["columns"].items())]
         # the janitor leaves this run's slice alone while the status is fresh
         rc.write_status(storage.join(rc.default_run_root(), rid), "running", run_id)
         for e in params["eval_sets"]:
             argv += ["--eval-set", e]
         if params.get("split_date"):
             argv += ["--split-date", params["split_date"]]
-        return {"slice": rc.slice_name(rid, "curate"), "run_id": rid, "argv": argv, "out": out}
+        from rlax_tasks.data.formats import get_format
+
+        # a bad format/columns fails here, naming it, before any slice is provisioned
+        verifier = get_format(params["format"], params.get("columns") or None).verifier
+        return {
+            "slice": rc.slice_name(rid, "curate"),
+            "run_id": rid,
+            "argv": argv,
+            "out": out,
+            "verifier": verifier,
+        }
 
     @task(outlets=[rc.CURATED_DATASET])
     def publish(p: dict, outlet_events=None) -> str:
@@ -68,7 +92,7 @@ def rlax_curate():
         path = storage.join(p["out"], "train.parquet")
         if not storage.exists(path):
             raise FileNotFoundError(f"rlax curate wrote no {path}")
-        outlet_events[rc.CURATED_DATASET].extra = {"path": path}
+        outlet_events[rc.CURATED_DATASET].extra = {"path": path, "verifier": p["verifier"]}
         return path
 
     p = plan()

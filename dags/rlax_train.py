@@ -83,12 +83,13 @@ def rlax_train():
     def plan(params: dict, run_id: str, triggering_asset_events=None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
-        dataset = ""
+        dataset, verifier = "", "math"
         for events in (triggering_asset_events or {}).values():
             for event in events:
                 dataset = (event.extra or {}).get("path", dataset)
+                verifier = (event.extra or {}).get("verifier", verifier)
         try:
-            p = rc.plan_training(dict(params), run_id, dataset)
+            p = rc.plan_training(dict(params), run_id, dataset, verifier)
         except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
             raise AirflowFailException(str(e)) from None
         p["slice"] = rc.slice_name(p["run_id"], "main")

@@ -67,6 +67,13 @@ def test_algorithm_choices_match_the_objective_presets():
     assert set(rlax_common.ALGORITHMS) == set(PRESETS)
 
 
+def test_data_format_choices_match_the_dataset_formats():
+    import rlax_common
+    from rlax_tasks.data.formats import FORMAT_NAMES
+
+    assert rlax_common.DATA_FORMATS == FORMAT_NAMES
+
+
 def test_train_graph_shape(dagbag):
     dag = dagbag.dags["rlax_train"]
     ids = set(dag.task_ids)
