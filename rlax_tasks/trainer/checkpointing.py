@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 STATE_ITEM = "state"
 META_ITEM = "meta"
 ORBAX_METADATA_FILE = "_CHECKPOINT_METADATA"
+# what Orbax appends to a step directory's name while writing it (renamed away when it commits)
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # files each item's handler writes when it finishes
 ITEM_METADATA_FILES = {STATE_ITEM: "_METADATA", META_ITEM: "metadata"}
 
@@ -83,9 +85,16 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def _remove_incomplete(self) -> None:
+        """Removes step directories that are not complete and Orbax's temporary ones, now:
+        Orbax's own clean-up of the latter runs on a background thread, so a directory listed
+        right after opening could still show them."""
         for _, path in sorted(self._step_dirs().items()):
             if not is_complete_checkpoint(path):
                 log.warning("removing incomplete checkpoint %s (left by an interrupted save)", path)
+                path.rmtree()
+        for path in self.directory.iterdir():
+            if ORBAX_TMP_SUFFIX in path.name and path.is_dir():
+                log.warning("removing %s (left by an interrupted save)", path)
                 path.rmtree()
 
     # ------------------------------------------------------------------ save / restore
