@@ -94,24 +94,19 @@ class FilePrompts:
         rows = load_dataset(spec.path, spec.format, spec.columns)
         frame = rows.frame
         self.spec, self.rejected = spec, list(rows.rejected)
-        if spec.verifier == "code":
-            column = frame["tests"].tolist()
-            ok = [i for i, t in enumerate(column) if t]
-            self.references = [CodeTests.from_value(column[i]).to_json() for i in ok]
-        else:
-            column = frame["answer"].tolist()
-            ok = [i for i, a in enumerate(column) if a is not None]
-            self.references = [str(column[i]) for i in ok]
-        if len(ok) < len(frame):
-            missing = next(i for i in range(len(frame)) if i not in set(ok))
+        code = spec.verifier == "code"
+        values = frame["tests" if code else "answer"].tolist()
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            i = missing[0]
             raise ValueError(
-                f"dataset {spec.path}: {len(frame) - len(ok)} row(s) have no "
-                f"{'tests' if spec.verifier == 'code' else 'answer'} for verifier "
-                f"{spec.verifier!r}; first: {frame['origin_file'].iat[missing]} row "
-                f"{frame['origin_row'].iat[missing]} (set the dataset's verifier to match)"
+                f"dataset {spec.path}: {len(missing)} row(s) have no "
+                f"{'tests' if code else 'answer'} for verifier {spec.verifier!r}; first: "
+                f"{frame['origin_file'].iat[i]} row {frame['origin_row'].iat[i]} (set the "
+                "dataset's verifier to match)"
             )
-        prompts = frame["prompt"].tolist()
-        self.prompts = [prompts[i] for i in ok]
+        self.prompts = frame["prompt"].tolist()
+        self.references = [CodeTests.from_value(v).to_json() if code else str(v) for v in values]
 
     def __len__(self) -> int:
         return len(self.prompts)
