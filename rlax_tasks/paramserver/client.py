@@ -19,6 +19,21 @@ Every call has timeouts (connect and each socket read/write: ``timeout_s``; a pu
 A push first reserves room on the server; when the server's ``keep_bytes`` is full of versions
 workers still hold, it waits (at most ``push_wait_s`` in all, then PushTimeoutError) for them to
 acknowledge newer ones.
+
+Multi-host trainers (several processes joined by ``jax.distributed``): every host calls the same
+``c.push(version, params)`` with the same global arrays. When a leaf is a ``jax.Array`` that spans
+hosts (not fully addressable), each host's push is one *part* of the version -- part
+``jax.process_index()`` of ``jax.process_count()``, in the ``X-RLAX-Push-Part`` /
+``X-RLAX-Push-Parts`` headers of its reserve and PUT -- holding the blocks of its addressable
+shards whose ``replica_id`` is 0 (replica ids are global, so exactly one host sends each region;
+host-local leaves, which must then be equal on every host, are sent by process 0). Every part
+carries the manifest of the whole version. Each host's push returns once the server has every
+part and made the version visible, exactly like a single-host push; when a host's part never
+comes the push fails after the server's ``assembly_timeout_s`` (PushAssemblyTimeoutError, naming
+the version and the parts that arrived); the wait for the reply is bounded by that timeout (from
+the reserve reply) plus ``timeout_s``. A single-process push sends no part headers. A push the
+server refuses before reading all of it (the version is stale, a part's manifest differs) raises
+with the server's reason, not as a broken connection.
 """
 
 from __future__ import annotations
@@ -39,7 +54,13 @@ import jax
 import numpy as np
 
 from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
-from rlax_tasks.paramserver.server import TOKEN_ENV, VERSION_HEADER, WORKER_HEADER
+from rlax_tasks.paramserver.server import (
+    PART_HEADER,
+    PARTS_HEADER,
+    TOKEN_ENV,
+    VERSION_HEADER,
+    WORKER_HEADER,
+)
 from rlax_tasks.paramserver.store import VersionConflictError
 from rlax_tasks.paramserver.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -66,6 +87,7 @@ log = logging.getLogger(__name__)
 
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException, EOFError)
 _RESERVE_POLL_S = 30.0  # longest one reserve request may be held (a stalled server: no hang)
+_ASSEMBLY_TIMEOUT_S = 600.0  # the server's default, if its reserve reply does not say
 
 
 class ParameterServerError(RuntimeError):
@@ -90,6 +112,11 @@ class PullTimeoutError(ParameterServerError, TimeoutError):
 
 class PushTimeoutError(ParameterServerError, TimeoutError):
     """The server had no room for a pushed version within ``push_wait_s`` (workers held it)."""
+
+
+class PushAssemblyTimeoutError(PushTimeoutError):
+    """A multi-host push: not every host's part reached the server within its
+    ``assembly_timeout_s`` (HTTP 408); the partial version was discarded."""
 
 
 class ParameterServerClient:
@@ -193,29 +220,37 @@ class ParameterServerClient:
         server's latest. When the server's ``keep_bytes`` has no room yet, waits up to
         ``push_wait_s`` for workers to acknowledge newer versions (PushTimeoutError after);
         a version that can never fit is a ParameterServerError (HTTP 413) at once.
+
+        On a multi-host trainer (leaves are global ``jax.Array``s spanning hosts) every host
+        calls this with the same version and arrays: each sends the blocks of its own shards as
+        one part, and every host's call returns once all parts are in and the version is
+        visible (PushAssemblyTimeoutError when some host's part does not come in time).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         named = flatten_named(params)
+        part = _push_part(named.values())
         specs, plan = [], []
         for index, (name, leaf) in enumerate(named.items()):
-            spec, blocks = _plan_leaf(index, name, leaf, self.chunk_bytes)
+            spec, blocks = _plan_leaf(index, name, leaf, self.chunk_bytes, part)
             specs.append(spec)
             plan.extend(blocks)
         manifest = Manifest(version, tuple(specs), len(plan))
         head = manifest.encode()
         length = len(head) + END_FRAME_SIZE
         length += sum(block_header_size(len(b.start)) + b.nbytes for b in plan)
+        what = f"version {version}" + ("" if part is None else f" (part {part[0]} of {part[1]})")
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.push_wait_s
         digests: list[bytes] = []
         for attempt in range(self.retries + 1):
             try:
-                self._reserve(version, manifest.nbytes, deadline)
-                self._push_once(version, head, plan, length, digests)
+                reply = self._reserve(version, manifest.nbytes, deadline, part)
+                hold_s = _assembly_timeout(reply)
+                self._push_once(version, head, plan, length, digests, part, hold_s)
                 break
             except VersionConflictError:
-                if attempt and digests and self._latest_digest() == (version, digests[-1]):
+                if attempt and digests and self._committed_earlier(version, digests[-1], part):
                     break  # an earlier attempt did commit; the connection died before the reply
                 raise
             except PushTimeoutError:
@@ -223,14 +258,14 @@ class ParameterServerClient:
             except _TRANSPORT_ERRORS as e:
                 if attempt == self.retries:
                     raise ServerUnavailableError(
-                        f"push of version {version} to {self.url} failed: {e!r}"
+                        f"push of {what} to {self.url} failed: {e!r}"
                     ) from e
-                log.warning("push of version %d failed (%r); retrying", version, e)
+                log.warning("push of %s failed (%r); retrying", what, e)
                 time.sleep(min(0.2 * 2**attempt, 2.0))
         log.info(
-            "pushed version %d (%.1f MB, %d blocks) in %.2fs",
-            version,
-            manifest.nbytes / 1e6,
+            "pushed %s (%.1f MB, %d blocks) in %.2fs",
+            what,
+            sum(b.nbytes for b in plan) / 1e6,
             len(plan),
             time.perf_counter() - t0,
         )
@@ -242,47 +277,74 @@ class ParameterServerClient:
         plan: list[_PlannedBlock],
         length: int,
         digests: list[bytes],
+        part: tuple[int, int] | None = None,
+        hold_s: float = 0.0,
     ) -> None:
+        what = f"push of version {version}"
+        if part is not None:
+            what += f" (part {part[0]} of {part[1]})"
         conn = self._connection(self.timeout_s)
         try:
-            conn.putrequest("PUT", f"/v1/versions/{version}", skip_accept_encoding=True)
-            for key, value in self._headers().items():
-                conn.putheader(key, value)
-            conn.putheader("Content-Type", "application/octet-stream")
-            conn.putheader("Content-Length", str(length))
-            conn.endheaders()
-            conn.send(head)
-            hashes = []
-            window: collections.deque = collections.deque()
-            lookahead = 2 * self._pool._max_workers
-
-            def send_oldest() -> None:
-                block, view, future = window.popleft()
-                sha = future.result()
-                hashes.append(sha)
-                conn.send(
-                    BlockHeader(block.array, block.start, block.stop, block.nbytes, sha).encode()
-                )
-                conn.send(view)
-
-            for block in plan:
-                view = block.fetch()
-                window.append((block, view, self._pool.submit(_sha256, view)))
-                if len(window) >= lookahead:
-                    send_oldest()
-            while window:
-                send_oldest()
-            digest = version_digest(hashes)
-            digests.append(digest)
-            conn.send(end_frame(len(hashes), digest))
+            try:
+                self._send_stream(conn, version, head, plan, length, digests, part)
+            except _TRANSPORT_ERRORS:
+                early = _early_reply(conn, min(self.timeout_s, 5.0))
+                if early is None or early[0] < 300:
+                    raise
+                self._raise_for_status(*early, what)  # refused before the end: say why
+            if part is not None:  # the reply waits until every host's part is in
+                conn.sock.settimeout(self.timeout_s + hold_s)
             resp = conn.getresponse()
             body = resp.read()
         finally:
             conn.close()
-        self._raise_for_status(resp.status, body, f"push of version {version}")
+        self._raise_for_status(resp.status, body, what)
 
-    def _reserve(self, version: int, nbytes: int, deadline: float) -> None:
-        """Room for ``nbytes`` of ``version`` on the server, waiting (long polls) until deadline.
+    def _send_stream(
+        self,
+        conn: http.client.HTTPConnection,
+        version: int,
+        head: bytes,
+        plan: list[_PlannedBlock],
+        length: int,
+        digests: list[bytes],
+        part: tuple[int, int] | None,
+    ) -> None:
+        """The PUT's headers and wire stream, hashing blocks ahead of sending them."""
+        conn.putrequest("PUT", f"/v1/versions/{version}", skip_accept_encoding=True)
+        for key, value in self._headers(part).items():
+            conn.putheader(key, value)
+        conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("Content-Length", str(length))
+        conn.endheaders()
+        conn.send(head)
+        hashes = []
+        window: collections.deque = collections.deque()
+        lookahead = 2 * self._pool._max_workers
+
+        def send_oldest() -> None:
+            block, view, future = window.popleft()
+            sha = future.result()
+            hashes.append(sha)
+            conn.send(BlockHeader(block.array, block.start, block.stop, block.nbytes, sha).encode())
+            conn.send(view)
+
+        for block in plan:
+            view = block.fetch()
+            window.append((block, view, self._pool.submit(_sha256, view)))
+            if len(window) >= lookahead:
+                send_oldest()
+        while window:
+            send_oldest()
+        digest = version_digest(hashes)
+        digests.append(digest)
+        conn.send(end_frame(len(hashes), digest))
+
+    def _reserve(
+        self, version: int, nbytes: int, deadline: float, part: tuple[int, int] | None = None
+    ) -> dict:
+        """Room for ``nbytes`` of ``version`` on the server, waiting (long polls) until deadline;
+        the server's reply. The parts of a multi-host version share one reservation.
 
         Also fails fast on a bad token or a stale version number, before any block is sent.
         """
@@ -291,13 +353,21 @@ class ParameterServerClient:
             left = min(max(deadline - time.monotonic(), 0.0), _RESERVE_POLL_S)
             query = urllib.parse.urlencode({"wait_s": f"{left:.3f}"})
             status, raw = self._request(
-                "POST", f"{path}?{query}", {"nbytes": int(nbytes)}, self.timeout_s + left
+                "POST",
+                f"{path}?{query}",
+                {"nbytes": int(nbytes)},
+                self.timeout_s + left,
+                self._headers(part),
             )
             if status != 503:
                 self._raise_for_status(status, raw, f"push of version {version}")
                 if waited:
                     log.info("version %d has room on %s now: pushing", version, self.url)
-                return
+                try:
+                    reply = json.loads(raw)
+                except ValueError:
+                    reply = None
+                return reply if isinstance(reply, dict) else {}
             message = _error_message(raw)
             if time.monotonic() >= deadline:
                 raise PushTimeoutError(
@@ -309,10 +379,16 @@ class ParameterServerClient:
                 waited = True
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
 
-    def _latest_digest(self) -> tuple[int | None, bytes | None]:
-        status = self._call("GET", "/v1/latest")
-        digest = status.get("digest")
-        return status["version"], bytes.fromhex(digest) if digest else None
+    def _committed_earlier(self, version: int, digest: bytes, part: tuple[int, int] | None) -> bool:
+        """Whether the newest version is ``version`` as pushed with ``digest`` (of this part's
+        blocks, for a part of a multi-host version)."""
+        latest = self._call("GET", "/v1/latest")
+        if latest.get("version") != version:
+            return False
+        if part is None:
+            return latest.get("digest") == digest.hex()
+        parts = latest.get("parts") or []
+        return len(parts) == part[1] and parts[part[0]] == digest.hex()
 
     # ------------------------------------------------------------------ pull
     def pull(
@@ -489,10 +565,12 @@ class ParameterServerClient:
             raise ValueError("this call needs a worker_id: ParameterServerClient(..., worker_id=)")
         return self.worker_id
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, part: tuple[int, int] | None = None) -> dict[str, str]:
         headers = {"Authorization": f"Bearer {self._token}"}
         if self.worker_id:
             headers[WORKER_HEADER] = self.worker_id
+        if part is not None:
+            headers[PART_HEADER], headers[PARTS_HEADER] = str(part[0]), str(part[1])
         return headers
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
@@ -505,11 +583,16 @@ class ParameterServerClient:
         return json.loads(raw) if raw else None
 
     def _request(
-        self, method: str, path: str, body: dict | None, timeout_s: float
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        timeout_s: float,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         """(status, body) of one small JSON request, retried on transport errors."""
         data = None if body is None else json.dumps(body).encode()
-        headers = self._headers()
+        headers = dict(headers or self._headers())
         if data is not None:
             headers["Content-Type"] = "application/json"
         for attempt in range(self.retries + 1):
@@ -536,7 +619,22 @@ class ParameterServerClient:
             raise AuthenticationError(text)
         if status == 409:
             raise VersionConflictError(text)
+        if status == 408:
+            raise PushAssemblyTimeoutError(text)
         raise ParameterServerError(text)
+
+
+def _early_reply(conn: http.client.HTTPConnection, timeout_s: float) -> tuple[int, bytes] | None:
+    """(status, body) of a reply the server sent before it stopped reading the request (it
+    refused the push early and closed), or None when there is none to read."""
+    if conn.sock is None:
+        return None
+    try:
+        conn.sock.settimeout(timeout_s)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (*_TRANSPORT_ERRORS, http.client.HTTPException):
+        return None
 
 
 def _error_message(body: bytes) -> str:
@@ -563,17 +661,33 @@ class _PlannedBlock:
         )
 
 
+def _push_part(leaves: Any) -> tuple[int, int] | None:
+    """(this process's index, process count) when some leaf is a jax.Array spanning hosts: the
+    push is then one part of a multi-host version; None for a whole version."""
+    if any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable for leaf in leaves):
+        return jax.process_index(), jax.process_count()
+    return None
+
+
+def _assembly_timeout(reply: dict) -> float:
+    """How long the server may hold a part's reply (its ``assembly_timeout_s``)."""
+    value = reply.get("assembly_timeout_s")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return _ASSEMBLY_TIMEOUT_S
+    return float(value)
+
+
 def _plan_leaf(
-    index: int, name: str, leaf: Any, chunk_bytes: int
+    index: int, name: str, leaf: Any, chunk_bytes: int, part: tuple[int, int] | None = None
 ) -> tuple[ArraySpec, list[_PlannedBlock]]:
-    """The spec of one array and its blocks: per unique addressable shard for a jax.Array."""
+    """The spec of one array and its blocks: per unique addressable shard for a jax.Array.
+
+    In a part of a multi-host push (``part``), a global array contributes the blocks of this
+    host's shards with replica_id 0 (exactly one host holds each region's replica 0), and a
+    host-local leaf (numpy, or a fully addressable jax.Array) is sent by part 0 only."""
     if isinstance(leaf, jax.Array):
-        if not leaf.is_fully_addressable:
-            raise ValueError(
-                f"array {name!r} spans several hosts: push it from a single-host trainer "
-                "(multi-host push is not supported)"
-            )
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        local = leaf.is_fully_addressable
         shards = []
         for shard in leaf.addressable_shards:
             if shard.replica_id != 0:
@@ -585,8 +699,10 @@ def _plan_leaf(
             shards.append((offset, shard.data))
     else:
         host = np.asarray(leaf)
-        shape, dtype = tuple(host.shape), host.dtype
+        shape, dtype, local = tuple(host.shape), host.dtype, True
         shards = [((0,) * host.ndim, host)]
+    if part is not None and local and part[0] != 0:
+        shards = []  # the same on every host: part 0 sends it
     spec = ArraySpec(name, dtype.name if dtype.name != "void" else str(dtype), shape)
     if resolve_dtype(spec.dtype) != dtype:
         raise ValueError(f"array {name!r} has dtype {dtype} that cannot travel by name")

@@ -2,7 +2,9 @@
 
 Each mirrored version holds ``blocks.bin`` (the wire stream of the version, block hashes
 included), then ``COMMIT`` written last: a version without ``COMMIT`` is incomplete and ignored
-(and removed at the next start). Mirroring runs on a background thread so a push never waits for
+(and removed at the next start). A version assembled from several trainer hosts' parts is
+mirrored like any other: its stream is the assembled one (blocks grouped by array); ``COMMIT``
+also records each part's digest. Mirroring runs on a background thread so a push never waits for
 storage; if versions arrive faster than storage takes them, only the newest pending one is
 written. A restarted server loads the newest committed version, verifying every block's sha256.
 """
@@ -53,6 +55,7 @@ def write_version(run_root: str, weights: WeightVersion) -> None:
     marker = {
         "version": weights.version,
         "digest": weights.digest.hex(),
+        "parts": [d.hex() for d in weights.part_digests],  # a multi-host version's parts
         "bytes": weights.stream_length(),
         "time": time.time(),
     }
@@ -89,8 +92,8 @@ def read_version(run_root: str, version: int) -> WeightVersion:
                 raise ChecksumError(f"{prefix}: block {i} fails its sha256")
             blocks.append(Block(header, data))
         read_end(fh, manifest, [b.header.sha256 for b in blocks])
-    weights = WeightVersion(manifest, blocks, bytes.fromhex(marker["digest"]))
-    return weights
+    parts = tuple(bytes.fromhex(d) for d in marker.get("parts") or ())
+    return WeightVersion(manifest, blocks, bytes.fromhex(marker["digest"]), parts)
 
 
 def load_latest(run_root: str) -> WeightVersion | None:

@@ -9,20 +9,39 @@ generated stubs -- no protoc here -- and copies each message into protobuf bytes
 Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``; missing -> 401, wrong -> 403):
 
     GET    /v1/status                      versions, workers, mirror state (JSON)
-    GET    /v1/latest                      {"version": newest or null}
+    GET    /v1/latest                      {"version": newest or null, "digest", "parts"}
     GET    /v1/pull?min_version=&wait_s=   newest version >= min_version (long poll; 204 if none)
     GET    /v1/versions/<v>                that version (404 when not held)
     POST   /v1/versions/<v>/reserve?wait_s=   {"nbytes": n}: room for a push (see below)
-    PUT    /v1/versions/<v>                push (wire stream; 409 unless newer than the latest)
+    PUT    /v1/versions/<v>                push (wire stream; 409 unless newer than the latest);
+                                           a part of a multi-host push (see below)
     POST   /v1/workers/<id>/register | heartbeat | ack {"version": v}
     DELETE /v1/workers/<id>                deregister
 Requests may carry ``X-RLAX-Worker: <id>``: it registers the worker and counts as a heartbeat.
 
 With ``keep_bytes`` a push first reserves room for its payload: the server holds the reserve
 request up to ``wait_s`` (at most ``max_wait_s``) while workers still hold the older versions,
-then answers 200 (reserved for ``io_timeout_s``: the PUT claims it), 503 + Retry-After (still no
-room; the message says what is held and by which workers: ask again) or 413 (the version can
-never fit). A PUT without a reservation gets room at once or 503 before its body is read.
+then answers 200 (reserved for ``io_timeout_s``: the PUT claims it; the reply also gives the
+server's ``assembly_timeout_s``), 503 + Retry-After (still no room; the message says what is held
+and by which workers: ask again) or 413 (the version can never fit). A PUT without a reservation
+gets room at once or 503 before its body is read. Every PUT also verifies that its blocks tile
+every array exactly (no overlap, no gap), else 400 naming the array.
+
+Multi-host pushes (DESIGN §6): a reserve and a PUT carrying ``X-RLAX-Push-Part: i`` and
+``X-RLAX-Push-Parts: n`` (0 <= i < n) are part i of n of the version: one trainer host's stream
+of the blocks of its own shards, under the manifest of the whole version (global shapes, the same
+on every host; its own ``num_blocks`` and end-frame digest). The parts of a version share one
+reservation of the whole version's bytes. Each part's PUT is answered only when the version is
+decided: 200 to every part once the last part arrived and the blocks of all parts tile every
+array; otherwise the version is abandoned (its blocks discarded) and every part waiting on it gets
+400 (a part's manifest differs from the first part's, the parts disagree on n, or the regions
+overlap or leave a gap: the message names the array), 422 (a corrupted block), 408 (not every
+part arrived within ``assembly_timeout_s`` of the first: the message names the version and the
+parts that arrived) or 409 (a newer version committed meanwhile). A part sent again (a client's
+retry) replaces the earlier copy; a part of a version already committed gets 409. The committed
+version is served like any other, its blocks ordered by (array, part, stream order); its digest is
+over their hashes in that order and ``/v1/latest`` also lists each part's own digest ("parts").
+``/v1/status`` shows the versions being assembled ("assembling").
 """
 
 from __future__ import annotations
@@ -46,8 +65,10 @@ import numpy as np
 
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver.store import (
+    Assembly,
     Block,
     NoRoomError,
+    PartsMissingError,
     UnknownVersionError,
     VersionConflictError,
     VersionStore,
@@ -56,7 +77,9 @@ from rlax_tasks.paramserver.store import (
 )
 from rlax_tasks.paramserver.wire import (
     ChecksumError,
+    Manifest,
     WireError,
+    check_coverage,
     check_sha256,
     read_block_header,
     read_end,
@@ -70,6 +93,9 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "RLAX_PS_TOKEN"
 WORKER_HEADER = "X-RLAX-Worker"
 VERSION_HEADER = "X-RLAX-Version"
+PART_HEADER = "X-RLAX-Push-Part"  # this push is part i (0-based) ...
+PARTS_HEADER = "X-RLAX-Push-Parts"  # ... of n parts of a multi-host version
+MAX_PARTS = 65536
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
@@ -90,6 +116,7 @@ class ServerConfig:
     max_wait_s: float = 30.0  # longest server-side long poll of one pull request
     verify_push: bool = True  # check every pushed block's sha256 before the version is visible
     hash_threads: int = 0  # 0: min(4, cpu count)
+    assembly_timeout_s: float = 600.0  # every part of a multi-host push within this of the first
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -105,7 +132,7 @@ class ServerConfig:
             or self.keep_bytes < 1
         ):
             raise ValueError(f"keep_bytes must be an int >= 1 or None, got {self.keep_bytes!r}")
-        for name in ("worker_timeout_s", "io_timeout_s", "max_wait_s"):
+        for name in ("worker_timeout_s", "io_timeout_s", "max_wait_s", "assembly_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.hash_threads < 0:
@@ -127,7 +154,10 @@ class ParameterServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.store = VersionStore(
-            config.keep_versions, config.worker_timeout_s, keep_bytes=config.keep_bytes
+            config.keep_versions,
+            config.worker_timeout_s,
+            keep_bytes=config.keep_bytes,
+            assembly_timeout_s=config.assembly_timeout_s,
         )
         self.mirror = (
             mirror_mod.Mirror(config.run_root, config.mirror_every, config.mirror_keep)
@@ -184,6 +214,7 @@ class ParameterServer:
         period = min(1.0, self.config.worker_timeout_s / 4)
         while not self._stop.wait(period):
             self.store.expire_workers()
+            self.store.expire_assemblies()
 
     def status(self) -> dict[str, Any]:
         latest = self.store.latest()
@@ -194,6 +225,7 @@ class ParameterServer:
             "workers": self.store.workers(),
             "bytes": None if latest is None else latest.manifest.nbytes,
             **self.store.memory(),  # keep_bytes, bytes_held, bytes_in_flight, pushes, waiting
+            "assembling": self.store.assemblies(),  # multi-host versions: parts received
             "mirror": None
             if self.mirror is None
             else {"last_committed": self.mirror.last_committed, "errors": self.mirror.errors},
@@ -206,55 +238,95 @@ class ParameterServer:
         try:
             t0 = time.perf_counter()
             reader = _Bounded(body, length)
-            manifest = read_manifest(reader)
-            if manifest.version != version:
-                raise WireError(f"manifest is for version {manifest.version}, URL for {version}")
+            manifest = self._read_manifest(reader, version)
             self.store.fit_push(version, manifest.nbytes)  # its room, before any block arrives
-            blocks: list[Block] = []
-            checks = []
-            covered = [0] * len(manifest.arrays)
-            for _ in range(manifest.num_blocks):
-                header = read_block_header(reader, manifest)
-                if covered[header.array] + header.nbytes > manifest.arrays[header.array].nbytes:
-                    spec = manifest.arrays[header.array]
-                    raise WireError(f"blocks of array {spec.name!r} exceed its {spec.nbytes} bytes")
-                data = np.empty(header.nbytes, np.uint8)
-                read_into(reader, memoryview(data))
-                covered[header.array] += header.nbytes
-                blocks.append(Block(header, data))
-                if self.config.verify_push:
-                    checks.append(
-                        self._hash_pool.submit(check_sha256, memoryview(data), header.sha256)
-                    )
-            read_end(reader, manifest, [b.header.sha256 for b in blocks])
-            if reader.left:
-                raise WireError(f"{reader.left} bytes after the end frame")
-            for spec, got in zip(manifest.arrays, covered, strict=True):
-                if got != spec.nbytes:
-                    raise WireError(
-                        f"array {spec.name!r}: blocks cover {got} of {spec.nbytes} bytes"
-                    )
-            for i, ok in enumerate(checks):
-                if not ok.result():
-                    spec = manifest.arrays[blocks[i].header.array]
-                    raise ChecksumError(f"block {i} (array {spec.name!r}) fails its sha256")
+            blocks = self._read_blocks(reader, manifest)
+            check_coverage(manifest, (b.header for b in blocks))
             weights = WeightVersion(
                 manifest, blocks, version_digest([b.header.sha256 for b in blocks])
             )
             self.store.commit(weights)
-            dt = time.perf_counter() - t0
-            log.info(
-                "version %d committed: %d arrays, %.1f MB in %.2fs",
-                version,
-                len(manifest.arrays),
-                manifest.nbytes / 1e6,
-                dt,
-            )
-            if self.mirror is not None:
-                self.mirror.submit(weights)
+            self._committed(weights, time.perf_counter() - t0)
             return weights
         finally:
             self.store.end_push(version)
+
+    def receive_part(
+        self, version: int, part: int, parts: int, body: Any, length: int
+    ) -> WeightVersion:
+        """Reads part ``part`` of ``parts`` of a multi-host version; returns once the version is
+        committed (this part or another was the last), raises once it is abandoned."""
+        t0 = time.perf_counter()
+        assembly = self.store.begin_part(version, part, parts)
+        try:
+            reader = _Bounded(body, length)
+            try:
+                manifest = self._read_manifest(reader, version)
+                self.store.start_part(assembly, part, manifest)
+                blocks = self._read_blocks(reader, manifest, assembly)
+            except (ChecksumError, WireError) as e:  # a broken or corrupted part: no retry fixes it
+                self.store.fail_part(assembly, part, e)  # raises the version's error
+                raise
+            digest = version_digest([b.header.sha256 for b in blocks])
+            weights = self.store.add_part(assembly, part, blocks, digest)
+        finally:
+            self.store.end_part_stream(assembly, part)
+        if weights is None:
+            log.info("version %d: part %d of %d in; waiting for the others", version, part, parts)
+            return self.store.wait_assembled(assembly)
+        self._committed(weights, time.perf_counter() - t0)
+        return weights
+
+    def _committed(self, weights: WeightVersion, seconds: float) -> None:
+        log.info(
+            "version %d committed: %d arrays, %.1f MB in %.2fs%s",
+            weights.version,
+            len(weights.manifest.arrays),
+            weights.manifest.nbytes / 1e6,
+            seconds,
+            f" (last of {len(weights.part_digests)} parts)" if weights.part_digests else "",
+        )
+        if self.mirror is not None:
+            self.mirror.submit(weights)
+
+    @staticmethod
+    def _read_manifest(reader: _Bounded, version: int) -> Manifest:
+        manifest = read_manifest(reader)
+        if manifest.version != version:
+            raise WireError(f"manifest is for version {manifest.version}, URL for {version}")
+        return manifest
+
+    def _read_blocks(
+        self, reader: _Bounded, manifest: Manifest, assembly: Assembly | None = None
+    ) -> list[Block]:
+        """The blocks of one stream up to its end frame, each sha256-verified (verify_push).
+
+        Stops early when the version being assembled is abandoned meanwhile (its error)."""
+        blocks: list[Block] = []
+        checks = []
+        covered = [0] * len(manifest.arrays)
+        for _ in range(manifest.num_blocks):
+            if assembly is not None and assembly.error is not None:
+                kind, message = assembly.error
+                raise kind(message)
+            header = read_block_header(reader, manifest)
+            if covered[header.array] + header.nbytes > manifest.arrays[header.array].nbytes:
+                spec = manifest.arrays[header.array]
+                raise WireError(f"blocks of array {spec.name!r} exceed its {spec.nbytes} bytes")
+            data = np.empty(header.nbytes, np.uint8)
+            read_into(reader, memoryview(data))
+            covered[header.array] += header.nbytes
+            blocks.append(Block(header, data))
+            if self.config.verify_push:
+                checks.append(self._hash_pool.submit(check_sha256, memoryview(data), header.sha256))
+        read_end(reader, manifest, [b.header.sha256 for b in blocks])
+        if reader.left:
+            raise WireError(f"{reader.left} bytes after the end frame")
+        for i, ok in enumerate(checks):
+            if not ok.result():
+                spec = manifest.arrays[blocks[i].header.array]
+                raise ChecksumError(f"block {i} (array {spec.name!r}) fails its sha256")
+        return blocks
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -325,8 +397,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if method == "GET" and route == ["latest"]:
             latest = ps.store.latest()
             if latest is None:
-                return self._send_json(200, {"version": None, "digest": None})
-            return self._send_json(200, {"version": latest.version, "digest": latest.digest.hex()})
+                return self._send_json(200, {"version": None, "digest": None, "parts": None})
+            parts = [d.hex() for d in latest.part_digests] or None
+            return self._send_json(
+                200, {"version": latest.version, "digest": latest.digest.hex(), "parts": parts}
+            )
         if method == "GET" and route == ["pull"]:
             min_version = _int_param(query, "min_version")
             wait_s = _float_param(query, "wait_s", 0.0)
@@ -386,22 +461,46 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise _HTTPError(400, 'reserve body must be {"nbytes": <int >= 0>}')
         wait_s = min(max(_float_param(query, "wait_s", 0.0), 0.0), self.ps.config.max_wait_s)
+        part = self._part()
         try:
-            self.ps.store.reserve(version, nbytes, wait_s, lease_s=self.ps.config.io_timeout_s)
+            self.ps.store.reserve(
+                version,
+                nbytes,
+                wait_s,
+                lease_s=self.ps.config.io_timeout_s,
+                parts=None if part is None else part[1],
+            )
         except VersionConflictError as e:
             raise _HTTPError(409, str(e)) from None
+        except WireError as e:
+            raise _HTTPError(400, f"push of version {version} rejected: {e}") from None
         except VersionTooLargeError as e:
             raise _HTTPError(413, f"push of version {version} refused: {e}") from None
         except NoRoomError as e:
             raise _HTTPError(503, str(e), headers={"Retry-After": "1"}) from None
-        self._send_json(200, {"version": version, "reserved": nbytes})
+        self._send_json(
+            200,
+            {
+                "version": version,
+                "reserved": nbytes,
+                "assembly_timeout_s": self.ps.config.assembly_timeout_s,
+            },
+        )
 
     def _push(self, version: int) -> None:
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise _HTTPError(411, "push needs a Content-Length", close=True)
+        part = self._part(close=True)
+        what = f"push of version {version}"
         try:
-            weights = self.ps.receive_push(version, self.rfile, int(length))
+            if part is None:
+                weights = self.ps.receive_push(version, self.rfile, int(length))
+            else:
+                what += f" (part {part[0]} of {part[1]})"
+                weights = self.ps.receive_part(version, *part, self.rfile, int(length))
+        except PartsMissingError as e:
+            raise _HTTPError(408, f"{what} failed: {e}", close=True) from None
         except VersionConflictError as e:
             raise _HTTPError(409, str(e), close=True) from None
         except VersionTooLargeError as e:
@@ -409,14 +508,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except NoRoomError as e:
             raise _HTTPError(503, str(e), close=True, headers={"Retry-After": "1"}) from None
         except ChecksumError as e:
-            raise _HTTPError(422, f"push of version {version} rejected: {e}", close=True) from None
+            raise _HTTPError(422, f"{what} rejected: {e}", close=True) from None
         except WireError as e:
-            raise _HTTPError(400, f"push of version {version} rejected: {e}", close=True) from None
+            raise _HTTPError(400, f"{what} rejected: {e}", close=True) from None
         except (TimeoutError, ConnectionError, EOFError) as e:
-            log.warning("push of version %d abandoned and discarded: %r", version, e)
+            log.warning("%s broke off and was discarded: %r", what, e)
             self.close_connection = True
             return
-        self._send_json(200, {"version": weights.version, "bytes": weights.manifest.nbytes})
+        reply = {"version": weights.version, "bytes": weights.manifest.nbytes}
+        if part is not None:
+            reply.update(part=part[0], parts=part[1])
+        self._send_json(200, reply)
+
+    def _part(self, close: bool = False) -> tuple[int, int] | None:
+        """(part, parts) of a multi-host push from its headers; None for a single-host push."""
+        raw = self.headers.get(PART_HEADER), self.headers.get(PARTS_HEADER)
+        if raw == (None, None):
+            return None
+        try:
+            part, parts = int(raw[0] or ""), int(raw[1] or "")
+        except ValueError:
+            part = parts = -1
+        if not (1 <= parts <= MAX_PARTS and 0 <= part < parts):
+            raise _HTTPError(
+                400,
+                f"{PART_HEADER}: {str(raw[0])[:16]} / {PARTS_HEADER}: {str(raw[1])[:16]}: send "
+                f"both, integers with 0 <= part < parts <= {MAX_PARTS}",
+                close=close,
+            )
+        return part, parts
 
     def _send_version(self, weights: WeightVersion) -> None:
         self.send_response(200)
@@ -518,6 +638,14 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-verify-push", action="store_true", help="skip the server-side sha256 check of pushes"
     )
+    p.add_argument(
+        "--assembly-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a multi-host push is discarded unless every trainer host's part arrives within "
+        "this many seconds of the first (default 600)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         token = os.environ.get(TOKEN_ENV, "")
@@ -535,6 +663,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
             worker_timeout_s=args.worker_timeout,
             io_timeout_s=args.io_timeout,
             verify_push=not args.no_verify_push,
+            assembly_timeout_s=args.assembly_timeout,
         )
         return serve_forever(config)
 

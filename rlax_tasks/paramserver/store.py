@@ -13,10 +13,23 @@ no worker needs are deleted; when the rest is still held, the push waits for ack
 (or deregistrations / timeouts) -- lowest version first -- and proceeds as soon as it fits. A
 version that can never fit (larger than ``keep_bytes``, or too large to sit beside the newest
 version, which stays until a newer one commits) is refused at once (VersionTooLargeError).
+
+Multi-host pushes (DESIGN §6): every trainer host sends one *part* of a version (the blocks of its
+own shards, under the manifest of the whole version). The parts of a version accumulate in an
+``Assembly``: every part's manifest must equal the first part's, all must agree on the number of
+parts, and a part that arrives again (a client's retry) replaces the earlier one. When the last
+part arrives the blocks must tile every array exactly (``wire.check_coverage``); the version then
+commits like any other, its blocks grouped by array (array, part, stream order) and its digest
+over their hashes in that order. A version one of whose parts fails (a bad manifest, a corrupted
+block, regions that overlap or leave a gap) is abandoned at once; one whose parts do not all arrive
+within ``assembly_timeout_s`` of the first is abandoned then (PartsMissingError). Either way its
+blocks are discarded and every part waiting on it gets the error. Its room in ``keep_bytes`` is
+reserved once per version (the manifest's ``nbytes``), shared by its parts.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -29,8 +42,11 @@ from rlax_tasks.paramserver.wire import (
     END_FRAME_SIZE,
     BlockHeader,
     Manifest,
+    WireError,
     block_header_size,
+    check_coverage,
     end_frame,
+    version_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +68,11 @@ class NoRoomError(RuntimeError):
     """A push does not fit in ``keep_bytes`` yet: workers still hold the older versions."""
 
 
+class PartsMissingError(RuntimeError):
+    """Not every part of a multi-host version arrived within ``assembly_timeout_s`` of the first
+    (the message names the version and the parts received and missing); it was discarded."""
+
+
 @dataclasses.dataclass
 class Block:
     header: BlockHeader
@@ -60,11 +81,16 @@ class Block:
 
 @dataclasses.dataclass
 class WeightVersion:
-    """One complete version: manifest, blocks in stream order, and the version digest."""
+    """One complete version: manifest, blocks in stream order, and the version digest.
+
+    ``part_digests``: for a version assembled from several hosts' parts, the digest of each part's
+    own stream (what each host's end frame carried), by part; empty for a single-host push.
+    """
 
     manifest: Manifest
     blocks: list[Block]
     digest: bytes
+    part_digests: tuple[bytes, ...] = ()
 
     @property
     def version(self) -> int:
@@ -100,6 +126,22 @@ class _Push:
     expires: float = float("inf")  # a reservation no stream has claimed lapses then (clock)
 
 
+@dataclasses.dataclass(eq=False)
+class Assembly:
+    """A multi-host version being assembled from its parts (one per trainer host)."""
+
+    version: int
+    parts: int
+    started: float  # time.monotonic() when the first part's stream began
+    deadline: float  # every part must have arrived by then
+    manifest: Manifest | None = None  # the first part's: every part must send the same arrays
+    received: dict[int, tuple[list[Block], bytes]] = dataclasses.field(default_factory=dict)
+    arrivals: int = 0  # complete part streams received, repeats included
+    streaming: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    weights: WeightVersion | None = None  # once committed
+    error: tuple[type[Exception], str] | None = None  # once abandoned: what every part gets
+
+
 def format_bytes(n: int) -> str:
     """``68719476736`` -> ``'68719476736 bytes (64.0 GiB)'``: exact, and readable."""
     if n < 1024:
@@ -121,19 +163,24 @@ class VersionStore:
         worker_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         keep_bytes: int | None = None,
+        assembly_timeout_s: float = 600.0,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         if keep_bytes is not None and keep_bytes < 1:
             raise ValueError(f"keep_bytes must be >= 1 (or None: no limit), got {keep_bytes}")
+        if not assembly_timeout_s > 0:
+            raise ValueError(f"assembly_timeout_s must be > 0, got {assembly_timeout_s}")
         self.keep_versions = keep_versions
+        self.assembly_timeout_s = assembly_timeout_s
         self.keep_bytes = keep_bytes
         self.worker_timeout_s = worker_timeout_s
         self._clock = clock
         self._cond = threading.Condition()
         self._versions: dict[int, WeightVersion] = {}
         self._pushing: dict[int, _Push] = {}
-        self._waiting: set[int] = set()  # versions waiting for room
+        self._assemblies: dict[int, Assembly] = {}  # multi-host versions being assembled
+        self._waiting: collections.Counter = collections.Counter()  # versions waiting for room
         self._workers: dict[str, WorkerState] = {}
         self._latest: int | None = None
 
@@ -169,27 +216,45 @@ class VersionStore:
             return self._versions[self._latest]
 
     def reserve(
-        self, version: int, nbytes: int, wait_s: float = 0.0, lease_s: float = 30.0
+        self,
+        version: int,
+        nbytes: int,
+        wait_s: float = 0.0,
+        lease_s: float = 30.0,
+        parts: int | None = None,
     ) -> None:
         """Reserves ``nbytes`` for a push of ``version`` ahead of its stream.
 
         Waits up to ``wait_s`` for room; a stream must claim the reservation with ``begin_push``
-        within ``lease_s``, or it lapses. NoRoomError if it still does not fit (the message says
-        what is held and by whom), VersionConflictError unless newer than the latest,
-        VersionTooLargeError if it can never fit.
+        (or ``begin_part``) within ``lease_s``, or it lapses. NoRoomError if it still does not fit
+        (the message says what is held and by whom), VersionConflictError unless newer than the
+        latest, VersionTooLargeError if it can never fit. ``parts``: the reservation is for one
+        part of a multi-host version; its parts share one reservation, so a part of a version
+        already being assembled has its room at once.
         """
         deadline = time.monotonic() + max(wait_s, 0.0)
         with self._cond:
             self._check_newer_locked(version)
+            if self._joins_assembly_locked(version, parts):
+                return
             push = self._pushing.get(version)
             if push is not None and push.receiving:
                 raise VersionConflictError(f"version {version} is already being pushed")
             if not self._make_room_locked(version, nbytes, deadline):
                 raise NoRoomError(self._describe_locked(version, nbytes))
+            if self._joins_assembly_locked(version, parts):  # its first part began meanwhile
+                return
             push = self._pushing.get(version)  # a stream may have started while we waited
             if push is not None and push.receiving:
                 raise VersionConflictError(f"version {version} is already being pushed")
             self._pushing[version] = _Push(nbytes, False, self._clock() + lease_s)
+
+    def _joins_assembly_locked(self, version: int, parts: int | None) -> bool:
+        assembly = self._assemblies.get(version)
+        if parts is None or assembly is None:
+            return False
+        self._check_parts_locked(assembly, parts)
+        return True
 
     def begin_push(self, version: int) -> None:
         """A push stream of ``version`` starts (claims its reservation, if any).
@@ -232,19 +297,225 @@ class VersionStore:
         """Makes a complete version visible (wakes waiting pulls); returns GC'd version numbers.
 
         A version committed without a push (a restored mirror) must fit in keep_bytes at once.
+        Multi-host versions still being assembled that are not newer are abandoned.
         """
         with self._cond:
-            v = weights.version
-            self._check_newer_locked(v)
-            if v not in self._pushing and not self._make_room_locked(
-                v, weights.manifest.nbytes, 0.0
-            ):
-                raise NoRoomError(self._describe_locked(v, weights.manifest.nbytes))
-            self._pushing.pop(v, None)  # its room now counts as a held version
-            self._versions[v] = weights
-            self._latest = v
+            return self._commit_locked(weights)
+
+    def _commit_locked(self, weights: WeightVersion) -> list[int]:
+        v = weights.version
+        self._check_newer_locked(v)
+        if v not in self._pushing and not self._make_room_locked(v, weights.manifest.nbytes, 0.0):
+            raise NoRoomError(self._describe_locked(v, weights.manifest.nbytes))
+        self._pushing.pop(v, None)  # its room now counts as a held version
+        self._versions[v] = weights
+        self._latest = v
+        for older in [a for a in self._assemblies.values() if a.version <= v]:
+            self._abandon_locked(
+                older,
+                VersionConflictError,
+                f"version {older.version} can no longer be committed: version {v} was committed",
+            )
+        self._cond.notify_all()
+        return self._gc_locked()
+
+    # ------------------------------------------------------------------ multi-host parts
+    def begin_part(self, version: int, part: int, parts: int) -> Assembly:
+        """A stream of part ``part`` of ``parts`` of ``version`` starts; returns its assembly.
+
+        The first part's stream starts the assembly (claiming the version's reservation, if any)
+        and its ``assembly_timeout_s``. VersionConflictError if not newer than the latest or
+        being received as a single-host push; WireError if ``parts`` disagrees with the
+        assembly's (which is then abandoned).
+        """
+        if not 0 <= part < parts:
+            raise ValueError(f"part must be in [0, {parts}), got {part}")
+        with self._cond:
+            self._check_newer_locked(version)
+            assembly = self._assemblies.get(version)
+            if assembly is None:
+                push = self._pushing.get(version)
+                if push is not None and push.receiving:
+                    raise VersionConflictError(
+                        f"version {version} is already being pushed by a single-host push"
+                    )
+                if push is None:
+                    push = self._pushing[version] = _Push()
+                push.receiving, push.expires = True, float("inf")
+                now = time.monotonic()
+                assembly = Assembly(version, parts, now, now + self.assembly_timeout_s)
+                self._assemblies[version] = assembly
+                log.info("version %d: assembling %d parts (part %d first)", version, parts, part)
+            self._check_parts_locked(assembly, parts)
+            assembly.streaming[part] += 1
+            return assembly
+
+    def start_part(self, assembly: Assembly, part: int, manifest: Manifest) -> None:
+        """A part's manifest arrived: the first sizes the version's room (at once, or
+        NoRoomError), every later one must equal it (WireError naming the array). Either failure
+        abandons the version."""
+        with self._cond:
+            self._raise_if_over_locked(assembly)
+            v = assembly.version
+            if assembly.manifest is not None:
+                problem = _manifest_difference(assembly.manifest, manifest)
+                if problem is not None:
+                    self._abandon_locked(
+                        assembly,
+                        WireError,
+                        f"part {part}'s manifest differs from the first part's: {problem}",
+                    )
+                    self._raise_if_over_locked(assembly)
+                return
+            push = self._pushing[v]
+            try:
+                if manifest.nbytes > push.nbytes and not self._make_room_locked(
+                    v, manifest.nbytes, 0.0
+                ):
+                    raise NoRoomError(self._describe_locked(v, manifest.nbytes))
+            except (NoRoomError, VersionTooLargeError, VersionConflictError) as e:
+                self._abandon_locked(assembly, type(e), str(e))
+                raise
+            push.nbytes = manifest.nbytes
+            assembly.manifest = manifest
+            self._cond.notify_all()  # a smaller version frees room for the others
+
+    def end_part_stream(self, assembly: Assembly, part: int) -> None:
+        """A stream of ``part`` ended (arrived, broke or failed): no longer shown as streaming."""
+        with self._cond:
+            assembly.streaming[part] -= 1
+            if assembly.streaming[part] <= 0:
+                del assembly.streaming[part]
+
+    def add_part(
+        self, assembly: Assembly, part: int, blocks: list[Block], digest: bytes
+    ) -> WeightVersion | None:
+        """Part ``part`` arrived complete and verified (replacing an earlier copy of it).
+
+        Returns the committed version when it was the last part (None while others are missing);
+        raises the version's error if it was abandoned (or WireError, abandoning it, when the
+        parts' regions overlap or leave a gap), VersionConflictError if it already committed.
+        """
+        with self._cond:
+            self._raise_if_over_locked(assembly)
+            v = assembly.version
+            if part in assembly.received:
+                log.info("version %d: part %d arrived again: it replaces the earlier copy", v, part)
+            assembly.received[part] = (blocks, digest)
+            assembly.arrivals += 1
+            if len(assembly.received) < assembly.parts:
+                return None
+            try:
+                weights = _assemble(assembly)
+            except WireError as e:
+                self._abandon_locked(assembly, WireError, str(e))
+                raise
+            del self._assemblies[v]  # committed below, not abandoned as an older assembly
+            try:
+                self._commit_locked(weights)
+            except Exception as e:
+                self._pushing.pop(v, None)
+                self._abandon_locked(assembly, type(e), str(e))
+                raise
+            assembly.weights = weights
             self._cond.notify_all()
-            return self._gc_locked()
+            log.info(
+                "version %d assembled from %d parts in %.2fs",
+                assembly.version,
+                assembly.parts,
+                time.monotonic() - assembly.started,
+            )
+            return weights
+
+    def wait_assembled(self, assembly: Assembly) -> WeightVersion:
+        """Waits until the version of ``assembly`` commits (returns it) or is abandoned (raises
+        its error); abandons it (PartsMissingError) once its ``assembly_timeout_s`` is over."""
+        with self._cond:
+            while True:
+                self._raise_if_over_locked(assembly, committed_ok=True)
+                if assembly.weights is not None:
+                    return assembly.weights
+                left = assembly.deadline - time.monotonic()
+                if left <= 0:
+                    self._abandon_locked(
+                        assembly, PartsMissingError, self._missing_message_locked(assembly)
+                    )
+                    continue
+                self._cond.wait(left)
+
+    def fail_part(self, assembly: Assembly, part: int, error: Exception) -> None:
+        """A part's stream was malformed or corrupted: the version is abandoned with
+        ``error``'s type, and every part waiting on it gets it; raises it here too."""
+        with self._cond:
+            if assembly.error is None and assembly.weights is None:
+                self._abandon_locked(assembly, type(error), f"part {part}: {error}")
+            self._raise_if_over_locked(assembly)
+
+    def expire_assemblies(self) -> list[int]:
+        """Abandons the versions whose parts did not all arrive in time; returns them."""
+        with self._cond:
+            now = time.monotonic()
+            late = [a for a in self._assemblies.values() if now >= a.deadline]
+            for assembly in late:
+                self._abandon_locked(
+                    assembly, PartsMissingError, self._missing_message_locked(assembly)
+                )
+            return [a.version for a in late]
+
+    def assemblies(self) -> dict[str, dict]:
+        """Versions being assembled: parts expected, received (and how many part streams
+        arrived, repeats included) and streaming, bytes, age and time left."""
+        with self._cond:
+            now = time.monotonic()
+            return {
+                str(v): {
+                    "parts": a.parts,
+                    "received": sorted(a.received),
+                    "arrivals": a.arrivals,
+                    "streaming": sorted(a.streaming),
+                    "bytes": None if a.manifest is None else a.manifest.nbytes,
+                    "age_s": round(now - a.started, 3),
+                    "timeout_in_s": round(max(a.deadline - now, 0.0), 3),
+                }
+                for v, a in sorted(self._assemblies.items())
+            }
+
+    def _check_parts_locked(self, assembly: Assembly, parts: int) -> None:
+        if parts != assembly.parts:
+            self._abandon_locked(
+                assembly,
+                WireError,
+                f"a part says version {assembly.version} has {parts} parts, an earlier one "
+                f"{assembly.parts} (every host must push with the same process count)",
+            )
+            self._raise_if_over_locked(assembly)
+
+    def _raise_if_over_locked(self, assembly: Assembly, committed_ok: bool = False) -> None:
+        if assembly.error is not None:
+            kind, message = assembly.error
+            raise kind(message)
+        if assembly.weights is not None and not committed_ok:
+            raise VersionConflictError(f"version {assembly.version} is already committed")
+
+    def _abandon_locked(self, assembly: Assembly, kind: type[Exception], message: str) -> None:
+        """Discards a version being assembled: its blocks and room go, its parts get ``kind``."""
+        assembly.error = (kind, message)
+        assembly.received.clear()
+        if self._assemblies.get(assembly.version) is assembly:
+            del self._assemblies[assembly.version]
+            self._pushing.pop(assembly.version, None)
+        log.warning("version %d abandoned: %s", assembly.version, message)
+        self._cond.notify_all()
+
+    def _missing_message_locked(self, assembly: Assembly) -> str:
+        got = sorted(assembly.received)
+        missing = [p for p in range(assembly.parts) if p not in assembly.received]
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        return (
+            f"version {assembly.version} abandoned: {len(got)} of {assembly.parts} parts arrived "
+            f"within assembly_timeout_s={self.assembly_timeout_s:g}s of the first (missing parts: "
+            f"{shown}; a trainer host did not push it); the partial version was discarded"
+        )
 
     def memory(self) -> dict:
         """Bytes of versions held and of pushes in flight, the limit, and who waits for room."""
@@ -358,7 +629,7 @@ class VersionStore:
         if self.keep_bytes is None:
             return True
         t0, warned = time.monotonic(), False
-        self._waiting.add(version)
+        self._waiting[version] += 1  # several parts of one version may wait at once
         try:
             while True:
                 self._expire_reservations_locked()
@@ -382,7 +653,9 @@ class VersionStore:
                     return False
                 self._cond.wait(left)
         finally:
-            self._waiting.discard(version)
+            self._waiting[version] -= 1
+            if self._waiting[version] <= 0:
+                del self._waiting[version]
             self._cond.notify_all()  # the next waiting version may go now
 
     def _check_fits_ever_locked(self, version: int, nbytes: int) -> None:
@@ -450,3 +723,41 @@ class VersionStore:
         if any(a is None for a in acks):
             return -(2**63)
         return min(acks)  # type: ignore[type-var]
+
+
+def _manifest_difference(first: Manifest, other: Manifest) -> str | None:
+    """Where a part's manifest differs from the first part's (naming the array), or None."""
+    if first.arrays == other.arrays:
+        return None
+    for i, spec in enumerate(first.arrays):
+        if i >= len(other.arrays):
+            return f"array {spec.name!r} is missing"
+        got = other.arrays[i]
+        if got.name != spec.name:
+            return f"array #{i} is {got.name!r}, in the first part {spec.name!r}"
+        if got != spec:
+            return (
+                f"array {spec.name!r} is {got.dtype}{list(got.shape)}, in the first part "
+                f"{spec.dtype}{list(spec.shape)}"
+            )
+    return f"array {other.arrays[len(first.arrays)].name!r} is not in the first part's manifest"
+
+
+def _assemble(assembly: Assembly) -> WeightVersion:
+    """The complete version of an assembly: blocks ordered by (array, part, stream order), so
+    each array's blocks are contiguous in the served stream; WireError unless they tile every
+    array exactly."""
+    manifest = assembly.manifest
+    assert manifest is not None  # a part's blocks arrive after its manifest
+    ordered = [
+        (block.header.array, part, i, block)
+        for part, (blocks, _) in assembly.received.items()
+        for i, block in enumerate(blocks)
+    ]
+    ordered.sort(key=lambda t: t[:3])
+    blocks = [t[3] for t in ordered]
+    check_coverage(manifest, (b.header for b in blocks))
+    whole = Manifest(manifest.version, manifest.arrays, len(blocks))
+    digest = version_digest([b.header.sha256 for b in blocks])
+    parts = tuple(assembly.received[p][1] for p in range(assembly.parts))
+    return WeightVersion(whole, blocks, digest, parts)

@@ -14,6 +14,12 @@ A block is a rectangular region of the global array that is contiguous in its so
 (fixed leading indices, a range on one axis, full trailing axes), so a sharded jax.Array is sent
 shard by shard without ever being gathered, and a receiver writes each block straight into its
 place. All lengths are known before the first byte is sent (Content-Length, no chunked encoding).
+
+A version's blocks tile every array exactly (``check_coverage``): no two regions overlap and
+together they cover it. On a multi-host trainer each host sends a stream of the same shape holding
+only its own shards' blocks (a *part*, with the manifest of the whole version but its own
+``num_blocks`` and digest); the server serves the assembled version as one stream, blocks grouped
+by array.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import numpy as np
@@ -172,6 +178,48 @@ def version_digest(block_hashes: Sequence[bytes]) -> bytes:
     for b in block_hashes:
         h.update(b)
     return h.digest()
+
+
+def check_coverage(manifest: Manifest, headers: Iterable[BlockHeader]) -> None:
+    """WireError naming the array unless the blocks tile every array exactly: no two regions
+    overlap and together they cover it (an empty array has no blocks)."""
+    regions: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = [[] for _ in manifest.arrays]
+    for header in headers:
+        regions[header.array].append((header.start, header.stop))
+    for spec, boxes in zip(manifest.arrays, regions, strict=True):
+        overlap = _first_overlap(boxes)
+        if overlap is not None:
+            (a0, a1), (b0, b1) = overlap
+            raise WireError(
+                f"array {spec.name!r}: regions {list(a0)}:{list(a1)} and {list(b0)}:{list(b1)} "
+                "overlap (two blocks, or two hosts, sent the same elements)"
+            )
+        covered = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True)) for lo, hi in boxes)
+        if covered != math.prod(spec.shape):
+            raise WireError(
+                f"array {spec.name!r}: blocks cover {covered} of its "
+                f"{math.prod(spec.shape)} elements {list(spec.shape)}"
+            )
+
+
+def _first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple | None:
+    """Two overlapping boxes [start, stop) of ``boxes``, or None: a sweep along the axis with
+    the most distinct starts, comparing each box only with those still open on that axis."""
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return boxes[0], boxes[1]  # two blocks of a scalar
+    axis = max(range(ndim), key=lambda d: len({lo[d] for lo, _ in boxes}))
+    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in sorted(boxes, key=lambda b: b[0][axis]):
+        lo, hi = box
+        open_boxes = [o for o in open_boxes if o[1][axis] > lo[axis]]
+        for other in open_boxes:
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, other[0], other[1], strict=True)):
+                return other, box
+        open_boxes.append(box)
+    return None
 
 
 def split_blocks(
