@@ -15,15 +15,34 @@ Served (JSON, as the real API; errors as ``{"error": {code, message, status}}``)
 - ``GET    /v2/{parent}/operations/OP``                        operation polling
 
 Life of a queued resource: ACCEPTED → (after ``--provision-delay`` s) ACTIVE with its node READY.
-When the node becomes READY the fake does what ``infra/tpu/startup.sh`` does on a real node,
-minus Docker: it starts the node agent (``python -m rlax_tasks.compute.agent``) with the slice
-root and entrypoint from the node metadata (``--no-agents`` turns this off).
+A node has as many hosts as its accelerator type (``rlax_tasks.compute.tpu_types``: v4-16 → 2),
+one ``networkEndpoints`` entry each (127.0.0.1); an unknown type is refused (400). When the node
+becomes READY every host runs the node's ``startup-script`` metadata — the real
+``infra/tpu/startup.sh`` — with bash, its own metadata server (served here, below) and
+stand-ins for docker, tini and gcloud (``infra/fakes/tpu_vm.py``, ``infra/fakes/docker_cli.py``):
+so the script pulls the image and runs the node agent "in" it exactly as on a TPU VM, and a
+script or image that would not work there does not work here. ``--no-agents`` runs no scripts.
+
+The registry of the docker stand-in holds the images given with ``--image`` (repeatable) or
+registered through ``POST /fake/images``; pulling any other image fails ("manifest unknown"), so
+a test points the backend's ``image`` setting at a registered name. Host files (the script's
+log, the containers' logs) go under ``--log-dir`` (default: a temporary directory).
+
+Metadata server (per node and host, as ``http://metadata.google.internal/computeMetadata/v1``;
+``Metadata-Flavor: Google`` required, else 403):
+- ``GET /fake/metadata/{node name}/hosts/{K}/computeMetadata/v1/instance/attributes/{key}``:
+  the node's metadata, plus ``agent-worker-number`` (K) and ``accelerator-type``;
+- ``.../computeMetadata/v1/instance/network-interfaces/0/ip``: 127.0.0.1.
 
 Control endpoints (not part of the real API):
-- ``POST /fake/preempt {"name": ID}``: kills the node's agent and jobs (SIGKILL), node → PREEMPTED,
-  queued resource → SUSPENDED by SERVICE, as a spot reclaim does.
+- ``POST /fake/preempt {"name": ID}``: SIGKILLs every process of every host of the node (startup
+  scripts, containers, agents, jobs) at once, node → PREEMPTED, queued resource → SUSPENDED by
+  SERVICE, as a spot reclaim does. Deleting a queued resource kills them too.
 - ``POST /fake/fail-capacity {"name": ID}``: queued resource → FAILED by SERVICE.
-- ``GET  /fake/state``: every queued resource, node state and agent pid.
+- ``POST /fake/images {"image": IMAGE}``: the registry holds IMAGE from now on.
+- ``GET  /fake/state``: every queued resource and node state; ``hosts``: per node, each host's
+  startup script, containers and live pids; ``agents``: per node, the pids of its live
+  containers (nodes without any are left out).
 """
 
 from __future__ import annotations
@@ -35,13 +54,16 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from infra.fakes.tpu_vm import HOST_ADDRESS, FakeTpuVm, kill_hosts
+from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 
 log = logging.getLogger("fake_cloud_tpu")
 
@@ -68,18 +90,27 @@ class FakeCloudTpu:
         run_agents: bool = True,
         log_dir: str | None = None,
         python: str = sys.executable,
+        images: list[str] | tuple[str, ...] = (),
+        url: str = "",
     ) -> None:
         self.provision_delay_s = provision_delay_s
         self.run_agents = run_agents
-        self.log_dir = log_dir
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="fake-cloud-tpu-")
         self.python = python
+        self.url = url  # where the fake is served (for the hosts' metadata servers)
         self.lock = threading.RLock()
         self.qrs: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.ops: dict[str, dict[str, Any]] = {}
-        self.agents: dict[str, subprocess.Popen] = {}
+        self.hosts: dict[str, list[FakeTpuVm]] = {}
+        self.images: list[str] = []
+        self.registry_path = os.path.join(self.log_dir, "registry.json")
+        for image in images:
+            self.add_image(image)
+        self._write_registry()
         self._created_at: dict[str, float] = {}
         self._op_counter = 0
+        self._boots = 0
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="fake-tpu-ticker", daemon=True)
         self._ticker.start()
@@ -114,6 +145,10 @@ class FakeCloudTpu:
         for field in ("acceleratorType", "runtimeVersion"):
             if not node.get(field):
                 raise ApiError(400, "INVALID_ARGUMENT", f"tpu.nodeSpec[0].node.{field} is required")
+        try:
+            tpu_type(node["acceleratorType"])
+        except UnknownAcceleratorError as e:
+            raise ApiError(400, "INVALID_ARGUMENT", str(e)) from None
         name = f"{parent}/queuedResources/{qr_id}"
         with self.lock:
             if name in self.qrs:
@@ -149,7 +184,8 @@ class FakeCloudTpu:
                 raise ApiError(
                     400, "FAILED_PRECONDITION", f"{name} has a node: delete it or use force=true"
                 )
-            self._kill_agent(node_name)
+            self._kill_hosts(node_name)
+            self.hosts.pop(node_name, None)
             self.nodes.pop(node_name, None)
             del self.qrs[name]
             parent = name.split("/queuedResources/")[0]
@@ -167,7 +203,43 @@ class FakeCloudTpu:
                 raise ApiError(404, "NOT_FOUND", f"{name} not found")
             return self.ops[name]
 
+    def metadata(self, node_name: str, host: int, path: str) -> str:
+        """The metadata server of host ``host`` of ``node_name``: the value at ``path``."""
+        with self.lock:
+            node = self.nodes.get(node_name)
+            if node is None or host >= len(node.get("networkEndpoints", [])):
+                raise ApiError(404, "NOT_FOUND", f"no host {host} of {node_name}")
+            attributes = {
+                **node.get("metadata", {}),
+                "agent-worker-number": str(host),
+                "accelerator-type": node["acceleratorType"],
+            }
+            if path.startswith("instance/attributes/"):
+                key = path[len("instance/attributes/") :]
+                if key in attributes:
+                    return attributes[key]
+            elif path == "instance/network-interfaces/0/ip":
+                return node["networkEndpoints"][host]["ipAddress"]
+            raise ApiError(404, "NOT_FOUND", f"metadata {path!r} not found")
+
     # ------------------------------------------------------------------ control
+    def add_image(self, image: str) -> dict:
+        """The docker stand-in's registry holds ``image`` from now on."""
+        if not isinstance(image, str) or not image:
+            raise ApiError(400, "INVALID_ARGUMENT", "image must be a non-empty string")
+        with self.lock:
+            if image not in self.images:
+                self.images.append(image)
+            self._write_registry()
+            return {"images": list(self.images)}
+
+    def _write_registry(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        tmp = self.registry_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.images, fh)
+        os.replace(tmp, self.registry_path)
+
     def _find(self, short_or_full: str) -> str:
         for name in self.qrs:
             if name == short_or_full or name.rsplit("/", 1)[-1] == short_or_full:
@@ -179,7 +251,7 @@ class FakeCloudTpu:
         with self.lock:
             name = self._find(qr_id)
             node_name = self._node_name(self.qrs[name])
-            self._kill_agent(node_name)
+            self._kill_hosts(node_name)
             if node_name in self.nodes:
                 self.nodes[node_name]["state"] = "PREEMPTED"
             self.qrs[name]["state"] = {"state": "SUSPENDED", "stateInitiator": "SERVICE"}
@@ -189,17 +261,26 @@ class FakeCloudTpu:
     def fail_capacity(self, qr_id: str) -> dict:
         with self.lock:
             name = self._find(qr_id)
-            self._kill_agent(self._node_name(self.qrs[name]))
+            self._kill_hosts(self._node_name(self.qrs[name]))
+            self.hosts.pop(self._node_name(self.qrs[name]), None)
             self.nodes.pop(self._node_name(self.qrs[name]), None)
             self.qrs[name]["state"] = {"state": "FAILED", "stateInitiator": "SERVICE"}
             return {"name": name, "state": self.qrs[name]["state"]}
 
     def state(self) -> dict:
         with self.lock:
+            hosts = {n: [h.state() for h in hs] for n, hs in self.hosts.items()}
+            agents = {}
+            for n, states in hosts.items():
+                pids = [c["pid"] for h in states for c in h["containers"].values() if c["running"]]
+                if pids:
+                    agents[n] = pids
             return {
                 "queuedResources": {n: q["state"] for n, q in self.qrs.items()},
                 "nodes": {n: nd["state"] for n, nd in self.nodes.items()},
-                "agents": {n: p.pid for n, p in self.agents.items() if p.poll() is None},
+                "hosts": hosts,
+                "agents": agents,
+                "images": list(self.images),
             }
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,66 +300,55 @@ class FakeCloudTpu:
                     qr["state"] = {"state": "ACTIVE", "stateInitiator": "USER"}
                     node_name = self._node_name(qr)
                     node = dict(qr["tpu"]["nodeSpec"][0]["node"])
+                    n_hosts = tpu_type(node["acceleratorType"]).hosts
                     node.update(
                         name=node_name,
                         state="READY",
                         createTime=_now(),
                         queuedResource=name,
                         health="HEALTHY",
+                        networkEndpoints=[
+                            {"ipAddress": HOST_ADDRESS, "port": 8470} for _ in range(n_hosts)
+                        ],
                     )
                     self.nodes[node_name] = node
-                    self._start_agent(node_name, node)
+                    self._boot_hosts(node_name, node)
 
-    def _start_agent(self, node_name: str, node: dict) -> None:
-        """What the startup script does on a real node, without Docker."""
-        md = node.get("metadata", {})
-        if not self.run_agents or "rlax-slice-root" not in md:
+    def _boot_hosts(self, node_name: str, node: dict) -> None:
+        """Every host of the node runs its startup script, as TPU VMs do when they boot."""
+        script = node.get("metadata", {}).get("startup-script")
+        if not self.run_agents or not script:
             return
-        cmd = [
-            self.python,
-            "-m",
-            "rlax_tasks.compute.agent",
-            "--slice-root",
-            md["rlax-slice-root"],
-            "--entrypoint",
-            md.get("rlax-entrypoint", '["rlax"]'),
-            "--poll",
-            md.get("rlax-agent-poll-s", "2"),
-            "--worker",
-            "0",
+        self._boots += 1
+        short = node_name.rsplit("/", 1)[-1]
+        hosts = [
+            FakeTpuVm(
+                node_name,
+                k,
+                os.path.join(self.log_dir, f"{short}-{self._boots}", f"host-{k}"),
+                f"{self.url}/fake/metadata/{node_name}/hosts/{k}/computeMetadata/v1",
+                self.registry_path,
+                self.python,
+            )
+            for k in range(len(node["networkEndpoints"]))
         ]
-        out = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            short = node_name.rsplit("/", 1)[-1]
-            out = open(os.path.join(self.log_dir, f"agent-{short}.log"), "ab")  # noqa: SIM115
-        self.agents[node_name] = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-        )
-        log.info("node %s READY; agent pid %d", node_name, self.agents[node_name].pid)
+        self.hosts[node_name] = hosts
+        for host in hosts:
+            host.boot(script)
+        log.info("node %s READY; %d host(s) booting (%s)", node_name, len(hosts), self.log_dir)
 
-    def _kill_agent(self, node_name: str) -> None:
-        proc = self.agents.pop(node_name, None)
-        if proc is None:
-            return
-        import psutil
-
-        try:
-            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            family = []
-        for p in family:  # SIGKILL every process of the node at once, as a reclaim does
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait()
+    def _kill_hosts(self, node_name: str) -> None:
+        """SIGKILLs every process of every host of the node at once, as a reclaim does."""
+        hosts = self.hosts.get(node_name, [])
+        if hosts:
+            killed = kill_hosts(hosts)
+            log.info("killed %d process(es) on the hosts of %s", len(killed), node_name)
 
     def close(self) -> None:
         self._stop.set()
         with self.lock:
-            for node_name in list(self.agents):
-                self._kill_agent(node_name)
+            for node_name in list(self.hosts):
+                self._kill_hosts(node_name)
 
 
 # ---------------------------------------------------------------------- HTTP
@@ -291,8 +361,15 @@ _ROUTES = [
     ("GET", re.compile(rf"^/v2/(?P<name>{_PARENT}/operations/[^/]+)$"), "get_operation"),
     ("POST", re.compile(r"^/fake/preempt$"), "preempt"),
     ("POST", re.compile(r"^/fake/fail-capacity$"), "fail_capacity"),
+    ("POST", re.compile(r"^/fake/images$"), "add_image"),
     ("GET", re.compile(r"^/fake/state$"), "state"),
 ]
+
+
+_METADATA = re.compile(
+    rf"^/fake/metadata/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)"
+    r"/computeMetadata/v1/(?P<path>.*)$"
+)
 
 
 def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
@@ -327,6 +404,8 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
                         out = fake.delete(g["name"], query.get("force", "") in ("true", "1"))
                     elif action in ("preempt", "fail_capacity"):
                         out = getattr(fake, action)(body.get("name", ""))
+                    elif action == "add_image":
+                        out = fake.add_image(body.get("image", ""))
                     elif action == "state":
                         out = fake.state()
                     else:
@@ -339,7 +418,28 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
                     e.code, {"error": {"code": e.code, "message": e.message, "status": e.status}}
                 )
 
+        def _metadata(self, m: re.Match) -> None:
+            """The metadata server of one host: text values, as the real one serves them."""
+            if self.headers.get("Metadata-Flavor") != "Google":
+                code, text = 403, "Missing Metadata-Flavor:Google header.\n"
+            else:
+                try:
+                    code, text = 200, fake.metadata(m["node"], int(m["host"]), m["path"])
+                except ApiError as e:
+                    code, text = e.code, e.message + "\n"
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/text")
+            self.send_header("Metadata-Flavor", "Google")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            m = _METADATA.match(urllib.parse.urlsplit(self.path).path)
+            if m is not None:
+                self._metadata(m)
+                return
             self._dispatch("GET")
 
         def do_POST(self) -> None:  # noqa: N802
@@ -359,6 +459,7 @@ class FakeCloudTpuServer:
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self.fake))
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self.fake.url = self.url
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def start(self) -> FakeCloudTpuServer:
@@ -376,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--provision-delay", type=float, default=0.5, help="ACCEPTED → ACTIVE seconds")
-    p.add_argument("--no-agents", action="store_true", help="do not run node agents")
-    p.add_argument("--log-dir", default=None, help="where node agents' logs go")
+    p.add_argument("--no-agents", action="store_true", help="do not run the startup scripts")
+    p.add_argument("--log-dir", default=None, help="where the hosts' files and logs go")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image the registry holds (repeatable): the one the backend's image setting names",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -388,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         provision_delay_s=args.provision_delay,
         run_agents=not args.no_agents,
         log_dir=args.log_dir,
+        images=args.image,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

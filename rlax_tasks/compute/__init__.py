@@ -6,6 +6,8 @@ backend = get_backend("local", run_root="runs")          # or get_backend("cloud
 handle = backend.provision(SliceSpec(name="w0", labels={"rlax-run-id": "r1"}))  # idempotent
 backend.slice_state(handle)            # SliceState: PROVISIONING/READY/PREEMPTED/FAILED/DELETED
 job = backend.start_job(handle, JobSpec(name="trainer", argv=["trainer", ...]))  # `rlax <argv>`
+# on a multi-host slice (cloud_tpu, e.g. v4-16 = 2 hosts): one process group over its hosts
+job = backend.start_job(handle, JobSpec(name="trainer", argv=[...], hosts=(0, 1)))
 backend.job_state(job)                 # JobStatus(state=JobState.RUNNING|SUCCEEDED|FAILED|
                                        #           PREEMPTED, message, exit_code)
 backend.stop_job(job); backend.teardown(handle)           # teardown is idempotent
@@ -14,7 +16,11 @@ backend.list_slices({"rlax-managed": "true"})             # for the janitor
 Handles are JSON-serialisable (``to_dict``/``from_dict``); every method also accepts the dict.
 A job is PREEMPTED when its slice was taken away, its process was killed (SIGKILL/SIGTERM) or its
 heartbeat stopped for ``JobSpec.heartbeat_timeout_s``; FAILED with exit code 2 is a
-configuration error (``JobStatus.is_config_error``), which retrying cannot fix.
+configuration error (``JobStatus.is_config_error``), which retrying cannot fix. A job on several
+hosts (``JobSpec.hosts``) gets ``RLAX_PROCESS_ID``, ``RLAX_NUM_PROCESSES`` and
+``RLAX_COORDINATOR_ADDRESS`` on each (what ``jax.distributed.initialize`` needs; the names are
+``PROCESS_ID_ENV``, ``NUM_PROCESSES_ENV``, ``COORDINATOR_ADDRESS_ENV``); it fails or is
+preempted as soon as one host's process does.
 
 This package imports neither JAX nor the Cloud client at import time (the Airflow triggerer
 imports it).
@@ -27,8 +33,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from rlax_tasks.compute.types import (
     CONFIG_ERROR_EXIT_CODE,
+    COORDINATOR_ADDRESS_ENV,
+    COORDINATOR_PORT_ENV,
+    DEFAULT_COORDINATOR_PORT,
+    HOST_ADDRESS_ENV,
     MANAGED_LABEL,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
     RUN_ID_LABEL,
+    WORKER_ID_ENV,
     JobHandle,
     JobSpec,
     JobState,
@@ -41,8 +54,15 @@ from rlax_tasks.compute.types import (
 __all__ = [
     "BACKENDS",
     "CONFIG_ERROR_EXIT_CODE",
+    "COORDINATOR_ADDRESS_ENV",
+    "COORDINATOR_PORT_ENV",
+    "DEFAULT_COORDINATOR_PORT",
+    "HOST_ADDRESS_ENV",
     "MANAGED_LABEL",
+    "NUM_PROCESSES_ENV",
+    "PROCESS_ID_ENV",
     "RUN_ID_LABEL",
+    "WORKER_ID_ENV",
     "Backend",
     "JobHandle",
     "JobSpec",

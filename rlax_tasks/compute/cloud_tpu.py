@@ -1,11 +1,15 @@
 """The ``cloud_tpu`` backend: Cloud TPU queued resources (spot) through ``google-cloud-tpu``.
 
 A slice is a queued resource holding one TPU node whose metadata carries the startup script
-(``infra/tpu/startup.sh``). The script pulls the runtime image and runs the node agent
-(``rlax_tasks.compute.agent``) in it; the agent watches the slice's control directory
-``<run_root>/<run_id>/slices/<name>/<instance id>/jobs/`` for job specs and runs each one through
-the job runner, which heartbeats and writes the exit code there (``jobstatus``). So
-``start_job`` writes one JSON object, and ``job_state`` reads objects plus the node state.
+(``infra/tpu/startup.sh``). The script runs on every host of the node: it pulls the runtime image
+and runs the node agent (``rlax_tasks.compute.agent``) in it; each host's agent watches the
+slice's control directory ``<run_root>/<run_id>/slices/<name>/<instance id>/jobs/`` for job specs
+and runs the ones meant for its host (``JobSpec.hosts``) through the job runner, which heartbeats
+and writes the exit code there (``jobstatus``). So ``start_job`` writes one JSON object, and
+``job_state`` reads objects plus the node state. A job on several hosts is one process group:
+RUNNING while every host's process runs, SUCCEEDED when all exited 0, FAILED/PREEMPTED as soon
+as one host's process failed or was lost (``jobstatus.read_group_status``); ``stop_job`` stops
+it on every host.
 
 API version: the queued-resource API with the Spot tier and the state initiator is GA in
 ``tpu_v2``. In google-cloud-tpu 1.28 ``tpu_v2alpha1`` ships only gRPC transports, while the
@@ -18,9 +22,12 @@ A queued resource FAILED (no capacity) makes the slice FAILED: the retry provisi
 
 Settings (``get_backend("cloud_tpu", **settings)``): ``project``, ``zone`` (defaults for specs
 that leave them empty), ``run_root`` (``gs://bucket/prefix``; a local path only for tests with the
-fake API), ``image`` (runtime image the startup script runs), ``entrypoint`` (the `rlax` command
-inside the image, default ``["rlax"]``), ``api_endpoint`` (e.g. ``http://127.0.0.1:PORT`` for
-``infra/fakes/cloud_tpu.py``: the REST transport accepts an http:// scheme in the endpoint),
+fake API), ``image`` (required: the runtime image the startup script pulls and runs, e.g.
+``us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG``, built from ``infra/Dockerfile`` with the
+``tpu`` extra; with the fake API, an image its registry holds), ``entrypoint`` (the `rlax`
+command inside the image, default ``["rlax"]``), ``api_endpoint`` (e.g.
+``http://127.0.0.1:PORT`` for ``infra/fakes/cloud_tpu.py``: the REST transport accepts an
+http:// scheme in the endpoint),
 ``anonymous`` (AnonymousCredentials, for the fake), ``startup_script_path``,
 ``operation_timeout_s``, ``agent_poll_s``.
 """
@@ -39,6 +46,7 @@ from typing import Any
 from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
+from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, slice_hosts
 from rlax_tasks.compute.types import (
     MANAGED_LABEL,
     JobHandle,
@@ -74,7 +82,7 @@ class CloudTpuBackend:
         run_root: str,
         project: str = "",
         zone: str = "",
-        image: str = "rlax-tasks:latest",
+        image: str = "",
         entrypoint: list[str] | None = None,
         api_endpoint: str | None = None,
         anonymous: bool = False,
@@ -85,8 +93,13 @@ class CloudTpuBackend:
         if not isinstance(run_root, str) or not run_root:
             raise ValueError("cloud_tpu backend: run_root must be a gs://bucket/prefix URI")
         self.run_root = run_root if storage.is_gcs(run_root) else os.path.abspath(run_root)
+        if not isinstance(image, str) or not image.strip():
+            raise ValueError(
+                'cloud_tpu backend: set "image" in RLAX_BACKEND_SETTINGS to the runtime image '
+                "TPU VMs pull (e.g. us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG)"
+            )
         self.project, self.zone = project, zone
-        self.image = image
+        self.image = image.strip()
         self.entrypoint = list(entrypoint) if entrypoint else ["rlax"]
         self.api_endpoint = api_endpoint
         self.anonymous = bool(anonymous)
@@ -303,6 +316,7 @@ class CloudTpuBackend:
     def start_job(self, handle: SliceHandle | dict, job: JobSpec) -> JobHandle:
         """Submits ``job`` to the slice's agent (a job of that name still running is returned)."""
         handle = SliceHandle.from_dict(handle)
+        _check_hosts(handle, job)
         state, why = self._slice_state(handle)
         if state is not SliceState.READY:
             raise RuntimeError(f"slice {handle.name} is {state.value} ({why}), not READY")
@@ -323,6 +337,7 @@ class CloudTpuBackend:
             status_dir=status_dir,
             heartbeat_timeout_s=job.heartbeat_timeout_s,
             submitted_at=time.time(),
+            hosts=job.hosts,
         )
         env = dict(job.env)
         if job.run_root:
@@ -335,13 +350,19 @@ class CloudTpuBackend:
                 "handle": job_handle.to_dict(),
             },
         )
-        log.info("submitted job %s (attempt %d) to slice %s", job.name, attempt, handle.name)
+        log.info(
+            "submitted job %s (attempt %d) to slice %s, hosts %s",
+            job.name,
+            attempt,
+            handle.name,
+            list(job.hosts),
+        )
         return job_handle
 
     def job_state(self, job: JobHandle | dict) -> JobStatus:
         job = JobHandle.from_dict(job)
-        status = jobstatus.read_job_status(
-            job.status_dir, job.heartbeat_timeout_s, job.submitted_at
+        status = jobstatus.read_group_status(
+            job.status_dir, job.hosts, job.heartbeat_timeout_s, job.submitted_at
         )
         if status.exit_code is not None or status.state in (JobState.SUCCEEDED, JobState.FAILED):
             return status  # it ended by itself: its exit code says how
@@ -352,6 +373,21 @@ class CloudTpuBackend:
         return status
 
     def stop_job(self, job: JobHandle | dict) -> None:
-        """Asks the node agent to stop the job (SIGTERM, then SIGKILL after its grace period)."""
+        """Asks the node agents to stop the job on every host of it (SIGTERM, then SIGKILL after
+        their grace period)."""
         job = JobHandle.from_dict(job)
         jobstatus.write_json(storage.join(job.status_dir, jobstatus.STOP), {"time": time.time()})
+
+
+def _check_hosts(handle: SliceHandle, job: JobSpec) -> None:
+    """ValueError when ``job.hosts`` names a host the slice does not have."""
+    accelerator = handle.slice_spec.accelerator_type
+    try:
+        n = slice_hosts(accelerator)
+    except UnknownAcceleratorError:
+        return  # a type the table does not know yet: the agents simply never see such hosts
+    if max(job.hosts) >= n:
+        raise ValueError(
+            f"job {job.name}: hosts={list(job.hosts)} but slice {handle.name} ({accelerator}) "
+            f"has {n} host(s), numbered 0 to {n - 1}"
+        )

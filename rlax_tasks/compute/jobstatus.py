@@ -10,6 +10,8 @@ heartbeat     {"time": unix seconds}, rewritten every few seconds while the comm
 exit.json     {"returncode", "finished_at"}: written once when the command ends
 stop          marker: a stop was requested (the job is not to be retried as preempted)
 stdout.log, stderr.log
+worker-K/     host K's runner.json, heartbeat, exit.json and logs (host K > 0 of a job that runs
+              on several hosts, JobSpec.hosts; host 0 writes the directory itself)
 ```
 Because the state is derived from these files alone, any process (an Airflow worker, the
 triggerer, a worker restarted after a crash) can tell how a job is doing.
@@ -33,6 +35,8 @@ EXIT = "exit.json"
 STOP = "stop"
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
+# beside jobs/ in a slice's control directory: one record per host (see host_record_path)
+HOSTS = "hosts"
 
 # signals that mean "the machine/process was taken away", not "the program is broken"
 _PREEMPTION_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
@@ -100,35 +104,46 @@ def _runner_gone(runner: dict[str, Any]) -> bool:
 
 
 def read_job_status(
-    status_dir: str, heartbeat_timeout_s: float, submitted_at: float, now: float | None = None
+    status_dir: str,
+    heartbeat_timeout_s: float,
+    submitted_at: float,
+    now: float | None = None,
+    stopped: bool | None = None,
 ) -> JobStatus:
     """The state of the job whose runner writes ``status_dir``.
 
     Finished → classified by exit code (0 ok, 2 configuration error, SIGKILL/SIGTERM preempted).
     Unfinished → PREEMPTED when its runner vanished (same host) or its heartbeat (or, before the
     first heartbeat, its submission) is older than ``heartbeat_timeout_s``; else RUNNING.
+    ``stopped``: whether a stop was requested (default: a ``stop`` marker in ``status_dir``).
     """
-    now = time.time() if now is None else now
-    stopped = storage.exists(storage.join(status_dir, STOP))
+    return _read_status(status_dir, heartbeat_timeout_s, submitted_at, now, stopped)[0]
 
-    def finished() -> JobStatus | None:
+
+def _read_status(
+    status_dir: str,
+    heartbeat_timeout_s: float,
+    submitted_at: float,
+    now: float | None,
+    stopped: bool | None,
+) -> tuple[JobStatus, float]:
+    """(status, when it ended: exit time, or the last sign of life of a lost job)."""
+    now = time.time() if now is None else now
+    if stopped is None:
+        stopped = storage.exists(storage.join(status_dir, STOP))
+
+    def finished() -> tuple[JobStatus, float] | None:
         ex = read_json(storage.join(status_dir, EXIT))
         if ex is None:
             return None
-        return classify_exit(
+        status = classify_exit(
             int(ex["returncode"]), stopped, _tail(storage.join(status_dir, STDERR))
         )
+        return status, float(ex.get("finished_at", now))
 
     if (done := finished()) is not None:
         return done
     runner = read_json(storage.join(status_dir, RUNNER))
-    if runner is not None and _runner_gone(runner):
-        # it may have written its exit code just before exiting
-        if (done := finished()) is not None:
-            return done
-        if stopped:
-            return JobStatus(JobState.FAILED, "stopped by request")
-        return JobStatus(JobState.PREEMPTED, "runner process vanished without an exit code")
     beat = read_json(storage.join(status_dir, HEARTBEAT))
     if beat is not None:
         last, what = float(beat["time"]), "heartbeat"
@@ -136,12 +151,72 @@ def read_job_status(
         last, what = float(runner["started_at"]), "start of the runner (no heartbeat yet)"
     else:
         last, what = submitted_at, "submission (the job never started)"
+    if runner is not None and _runner_gone(runner):
+        # it may have written its exit code just before exiting
+        if (done := finished()) is not None:
+            return done
+        if stopped:
+            return JobStatus(JobState.FAILED, "stopped by request"), last
+        return JobStatus(JobState.PREEMPTED, "runner process vanished without an exit code"), last
     age = max(0.0, now - last)
     if age > heartbeat_timeout_s:
         if stopped:
-            return JobStatus(JobState.FAILED, "stopped by request")
+            return JobStatus(JobState.FAILED, "stopped by request"), last
         return JobStatus(
             JobState.PREEMPTED,
             f"no heartbeat for {age:.0f}s since the {what} (timeout {heartbeat_timeout_s:g}s)",
+        ), last
+    return JobStatus(JobState.RUNNING, f"last {what} {age:.0f}s ago"), now
+
+
+def host_status_dir(job_dir: str, host: int) -> str:
+    """Where host ``host`` of a job's slice writes its status: the job's own directory for
+    host 0, ``<job_dir>/worker-<host>/`` for the others."""
+    return job_dir if host == 0 else storage.join(job_dir, f"worker-{host}")
+
+
+def host_record_path(slice_root: str, host: int) -> str:
+    """``<slice_root>/hosts/<host>.json``: {"address", "worker", "time"}, published by the node
+    agent of that host when it starts (a multi-host job's coordinator is on its first host)."""
+    return storage.join(slice_root, HOSTS, f"{host}.json")
+
+
+# when two hosts end abnormally at the same moment, the more telling cause wins
+_CAUSE_RANK = {JobState.FAILED: 1, JobState.PREEMPTED: 2}
+
+
+def read_group_status(
+    job_dir: str,
+    hosts: tuple[int, ...] | list[int],
+    heartbeat_timeout_s: float,
+    submitted_at: float,
+    now: float | None = None,
+) -> JobStatus:
+    """The state of a job that runs on ``hosts`` of its slice (one process group).
+
+    SUCCEEDED when every host's process exited 0; RUNNING while none ended abnormally and some
+    still run. As soon as one host ended abnormally the job did: a configuration error (exit
+    code 2) on any host says why, else the first host to end (failed, killed, heartbeat lost):
+    the others' ends are its consequences (the node agents stop a group whose member failed).
+    A single-host job on host 0 is read exactly as ``read_job_status(job_dir)``.
+    """
+    hosts = tuple(hosts)
+    if hosts == (0,):
+        return read_job_status(job_dir, heartbeat_timeout_s, submitted_at, now)
+    stopped = storage.exists(storage.join(job_dir, STOP))
+    ended, running = [], 0
+    for host in hosts:
+        status, when = _read_status(
+            host_status_dir(job_dir, host), heartbeat_timeout_s, submitted_at, now, stopped
         )
-    return JobStatus(JobState.RUNNING, f"last {what} {age:.0f}s ago")
+        if status.state in (JobState.FAILED, JobState.PREEMPTED):
+            rank = 0 if status.is_config_error else _CAUSE_RANK[status.state]
+            ended.append((rank > 0, when, rank, host, status))
+        running += status.state is JobState.RUNNING
+    if ended:
+        *_, host, status = min(ended)
+        more = f" ({len(ended) - 1} other host(s) ended too)" if len(ended) > 1 else ""
+        return JobStatus(status.state, f"host {host}: {status.message}{more}", status.exit_code)
+    if running:
+        return JobStatus(JobState.RUNNING, f"{running} of {len(hosts)} hosts running")
+    return JobStatus(JobState.SUCCEEDED, f"exit code 0 on all {len(hosts)} hosts", 0)

@@ -152,6 +152,11 @@ class LocalBackend:
         """Starts ``job`` on the slice; a job of that name that is still running is returned
         as is (so a task that restarts between start and wait does not start it twice)."""
         handle = SliceHandle.from_dict(handle)
+        if job.hosts != (0,):
+            raise ValueError(
+                f"job {job.name}: hosts={list(job.hosts)} but a local slice has one host (0); "
+                "jobs on several hosts need the cloud_tpu backend"
+            )
         state = self.slice_state(handle)
         if state is not SliceState.READY:
             raise RuntimeError(f"slice {handle.name} is {state.value}, not READY")

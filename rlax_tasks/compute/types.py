@@ -46,6 +46,18 @@ class JobState(enum.StrEnum):
 # the exit code of `rlax` for a user/configuration error (see rlax_tasks/cli.py)
 CONFIG_ERROR_EXIT_CODE = 2
 
+# The environment the node agent (rlax_tasks.compute.agent) gives every job it starts. A job on
+# several hosts (JobSpec.hosts) is one process group over them: these are what the trainer reads
+# to call jax.distributed.initialize (rlax_tasks/trainer/process_group.py).
+WORKER_ID_ENV = "RLAX_WORKER_ID"  # this host's index in its slice
+HOST_ADDRESS_ENV = "RLAX_HOST_ADDRESS"  # this host's address (where a service can be reached)
+PROCESS_ID_ENV = "RLAX_PROCESS_ID"  # this host's index in JobSpec.hosts (multi-host jobs)
+NUM_PROCESSES_ENV = "RLAX_NUM_PROCESSES"  # len(JobSpec.hosts) (multi-host jobs)
+COORDINATOR_ADDRESS_ENV = "RLAX_COORDINATOR_ADDRESS"  # "<address of hosts[0]>:<port>"
+# the coordinator's port, read from the job's own env (default DEFAULT_COORDINATOR_PORT)
+COORDINATOR_PORT_ENV = "RLAX_COORDINATOR_PORT"
+DEFAULT_COORDINATOR_PORT = 8482
+
 
 def validate_name(field: str, value: str) -> str:
     """``value`` if it is a valid slice/job name, else ValueError naming ``field``."""
@@ -102,15 +114,48 @@ class SliceSpec:
         return cls(**_known_fields(cls, d, "SliceSpec"))
 
 
+def validate_hosts(field: str, value: Any) -> tuple[int, ...]:
+    """``value`` as a tuple of host indices (non-empty, distinct, non-negative ints), else
+    ValueError naming ``field``."""
+    hosts = tuple(value) if isinstance(value, (list, tuple)) else None
+    if (
+        not hosts
+        or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hosts)
+        or len(set(hosts)) != len(hosts)
+    ):
+        raise ValueError(
+            f"{field}={value!r} must be a non-empty list of distinct host indices (ints >= 0), "
+            "e.g. [0] or [0, 1]"
+        )
+    return hosts
+
+
+def coordinator_port(env: dict[str, str]) -> int:
+    """The port of a multi-host job's coordinator: ``RLAX_COORDINATOR_PORT`` in ``env``, or the
+    default; ValueError naming the variable when it is not a port number."""
+    raw = env.get(COORDINATOR_PORT_ENV, "")
+    if raw == "":
+        return DEFAULT_COORDINATOR_PORT
+    if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
+        raise ValueError(f"env[{COORDINATOR_PORT_ENV!r}]={raw!r} is not a port number (1-65535)")
+    return int(raw)
+
+
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """What to run on a slice: ``rlax <argv>`` with extra environment variables."""
+    """What to run on a slice: ``rlax <argv>`` with extra environment variables.
+
+    ``hosts``: the hosts of the slice the job runs on (indices as in the TPU VM's
+    ``agent-worker-number``). A job on several hosts is one process group: the same command on
+    each, with ``RLAX_PROCESS_ID``/``RLAX_NUM_PROCESSES``/``RLAX_COORDINATOR_ADDRESS`` set.
+    """
 
     name: str
     argv: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     run_root: str = ""
     heartbeat_timeout_s: float = 60.0
+    hosts: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         validate_name("job name", self.name)
@@ -120,13 +165,15 @@ class JobSpec:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise ValueError("env must map strings to strings")
         object.__setattr__(self, "env", dict(self.env))
+        coordinator_port(self.env)
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(
                 f"heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s!r}"
             )
+        object.__setattr__(self, "hosts", validate_hosts("hosts", self.hosts))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "hosts": list(self.hosts)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -161,7 +208,8 @@ class SliceHandle:
 
 @dataclasses.dataclass(frozen=True)
 class JobHandle:
-    """A started job: where its status lives (``status_dir``) and the slice it runs on."""
+    """A started job: where its status lives (``status_dir``; host K > 0 of a multi-host job
+    writes ``<status_dir>/worker-K/``) and the slice it runs on."""
 
     backend: str
     name: str
@@ -169,9 +217,13 @@ class JobHandle:
     status_dir: str
     heartbeat_timeout_s: float
     submitted_at: float
+    hosts: tuple[int, ...] = (0,)  # the slice's hosts it runs on (JobSpec.hosts)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hosts", validate_hosts("hosts", self.hosts))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "hosts": list(self.hosts)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | JobHandle) -> JobHandle:

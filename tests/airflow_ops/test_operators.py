@@ -30,7 +30,14 @@ from rlax_tasks.airflow import (
     start_jobs,
 )
 from rlax_tasks.compute import JobState, SliceState, get_backend
-from tests.compute.helpers import ENTRYPOINT, fake_cloud_tpu, preempt, read_counter, wait_for
+from tests.compute.helpers import (
+    ENTRYPOINT,
+    FAKE_IMAGE,
+    fake_cloud_tpu,
+    preempt,
+    read_counter,
+    wait_for,
+)
 
 
 class _TI:
@@ -274,6 +281,7 @@ def test_cloud_tpu_preemption_mid_run_reprovisions_and_resumes(tmp_path):
             "zone": "us-east5-a",
             "api_endpoint": url,
             "anonymous": True,
+            "image": FAKE_IMAGE,
             "entrypoint": ENTRYPOINT,
             "agent_poll_s": 0.2,
         }

@@ -14,6 +14,9 @@ JOB_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "job_prog
 # `<entrypoint> <argv>` runs the stand-in program instead of the (slow to import) rlax CLI
 ENTRYPOINT = [sys.executable, JOB_PROGRAM]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the image the fake Cloud TPU API's registry holds (the cloud_tpu backend's `image` setting):
+# its hosts pull it and run it through the docker stand-in, as TPU VMs do
+FAKE_IMAGE = "us-docker.pkg.dev/rlax-test/rlax/rlax-tasks:test"
 
 
 def wait_for(fn: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.1) -> Any:
@@ -29,8 +32,12 @@ def wait_for(fn: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.
 
 
 @contextlib.contextmanager
-def fake_cloud_tpu(log_dir: str, provision_delay_s: float = 0.3) -> Iterator[str]:
-    """``python -m infra.fakes.cloud_tpu --port 0`` as a process; yields its URL."""
+def fake_cloud_tpu(
+    log_dir: str, provision_delay_s: float = 0.3, image: str = FAKE_IMAGE
+) -> Iterator[str]:
+    """``python -m infra.fakes.cloud_tpu --port 0`` as a process (its registry holding
+    ``image``); yields its URL. Its hosts' files (startup.log, docker/containers/*.log) are
+    under ``log_dir``."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -42,6 +49,8 @@ def fake_cloud_tpu(log_dir: str, provision_delay_s: float = 0.3) -> Iterator[str
             str(provision_delay_s),
             "--log-dir",
             log_dir,
+            "--image",
+            image,
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -71,3 +80,27 @@ def read_counter(path: str) -> int:
             return int(fh.read() or 0)
     except FileNotFoundError:
         return 0
+
+
+def fake_state(url: str) -> dict:
+    """``GET /fake/state`` of the fake Cloud TPU API."""
+    import requests
+
+    reply = requests.get(f"{url}/fake/state", timeout=10)
+    reply.raise_for_status()
+    return reply.json()
+
+
+def host_record(slice_root: str, host: int) -> dict | None:
+    """What the node agent of ``host`` published (``<slice root>/hosts/<host>.json``)."""
+    from rlax_tasks.compute import jobstatus
+
+    return jobstatus.read_json(jobstatus.host_record_path(slice_root, host))
+
+
+def read_vars(path: str) -> dict[str, str]:
+    """The NAME=value lines a job printed (``job_program.py env``/``group``)."""
+    from rlax_tasks import storage
+
+    text = storage.read_bytes(path).decode()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)

@@ -3,6 +3,10 @@
 ``job_program.py exit K``          exits with code K
 ``job_program.py env NAME``        prints NAME=<its value in the environment>
 ``job_program.py sleep S``         sleeps S seconds, then exits 0
+``job_program.py group S [P K]``   prints the variables the node agent sets (worker, host address,
+                                   process id/count, coordinator) as NAME=value lines, then
+                                   sleeps S seconds and exits 0; the process with
+                                   RLAX_PROCESS_ID P exits with code K at once instead
 ``job_program.py count PATH N S``  a resumable job: continues counting from the last step saved
                                    in PATH (its "checkpoint") up to N, one step every S seconds,
                                    then exits 0; prints "resumed from step K" first
@@ -12,6 +16,22 @@ import os
 import sys
 import time
 
+from rlax_tasks.compute.types import (
+    COORDINATOR_ADDRESS_ENV,
+    HOST_ADDRESS_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    WORKER_ID_ENV,
+)
+
+GROUP_VARS = (
+    WORKER_ID_ENV,
+    HOST_ADDRESS_ENV,
+    PROCESS_ID_ENV,
+    NUM_PROCESSES_ENV,
+    COORDINATOR_ADDRESS_ENV,
+)
+
 
 def main(argv: list[str]) -> int:
     cmd = argv[0]
@@ -20,6 +40,14 @@ def main(argv: list[str]) -> int:
         return int(argv[1])
     if cmd == "env":
         print(f"{argv[1]}={os.environ.get(argv[1], '')}")
+        return 0
+    if cmd == "group":
+        for name in GROUP_VARS:
+            print(f"{name}={os.environ.get(name, '')}", flush=True)
+        if len(argv) > 3 and os.environ.get(PROCESS_ID_ENV) == argv[2]:
+            print(f"process {argv[2]} exiting with {argv[3]}", file=sys.stderr)
+            return int(argv[3])
+        time.sleep(float(argv[1]))
         return 0
     if cmd == "sleep":
         time.sleep(float(argv[1]))

@@ -8,7 +8,14 @@ import requests
 
 from rlax_tasks import storage
 from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
-from tests.compute.helpers import ENTRYPOINT, fake_cloud_tpu, preempt, read_counter, wait_for
+from tests.compute.helpers import (
+    ENTRYPOINT,
+    FAKE_IMAGE,
+    fake_cloud_tpu,
+    preempt,
+    read_counter,
+    wait_for,
+)
 from tests.paramserver.helpers import gcs_emulator
 
 pytestmark = pytest.mark.slow
@@ -34,6 +41,7 @@ def tpu(tmp_path):
             anonymous=True,
             entrypoint=ENTRYPOINT,
             agent_poll_s=0.2,
+            image=FAKE_IMAGE,
         )
         yield backend, url
 
@@ -55,6 +63,8 @@ def test_lifecycle_and_outcomes(tpu):
     assert backend.provision(SPEC) == handle  # idempotent by name
     assert backend.slice_state(handle) in (SliceState.PROVISIONING, SliceState.READY)
     wait_for(lambda: ready(backend, handle))
+    with pytest.raises(ValueError, match=r"hosts=\[0, 1\] but slice w0 \(v5litepod-8\) has 1"):
+        backend.start_job(handle, JobSpec(name="two", argv=["exit", "0"], hosts=(0, 1)))
 
     ok = backend.start_job(handle, JobSpec(name="ok", argv=["env", "RLAX_X"], env={"RLAX_X": "7"}))
     bad = backend.start_job(handle, JobSpec(name="bad", argv=["exit", "2"]))
@@ -117,7 +127,9 @@ def test_capacity_failure_and_api_errors(tpu):
     assert again.instance_id != handle.instance_id
     with pytest.raises(ValueError, match="runtime_version"):
         backend.provision(SliceSpec(name="w1", accelerator_type="v5litepod-8"))
-    no_zone = get_backend("cloud_tpu", run_root="gs://b/x", project="p", api_endpoint=url)
+    no_zone = get_backend(
+        "cloud_tpu", run_root="gs://b/x", project="p", api_endpoint=url, image=FAKE_IMAGE
+    )
     with pytest.raises(ValueError, match="zone"):
         no_zone.provision(SPEC)
     backend.teardown(again)

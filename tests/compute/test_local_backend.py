@@ -174,3 +174,8 @@ def test_job_state_is_readable_from_another_process(backend, slice_):
         check=True,
     )
     assert out.stdout.strip() == "SUCCEEDED"
+
+
+def test_a_local_slice_has_one_host(backend, slice_):
+    with pytest.raises(ValueError, match=r"hosts=\[0, 1\] but a local slice has one host"):
+        backend.start_job(slice_, JobSpec(name="two", argv=["exit", "0"], hosts=(0, 1)))

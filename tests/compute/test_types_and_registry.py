@@ -67,3 +67,27 @@ def test_get_backend_rejects_unknown_names_and_settings(tmp_path):
         get_backend("local", run_root=str(tmp_path), colour="red")
     with pytest.raises(ValueError, match="gs://"):
         get_backend("local", run_root="gs://bucket/x")
+
+
+def test_job_spec_hosts_are_validated_and_round_trip():
+    spec = JobSpec(name="t", argv=["trainer"], hosts=[0, 1], env={"RLAX_COORDINATOR_PORT": "9000"})
+    assert spec.hosts == (0, 1) and JobSpec(name="t", argv=[]).hosts == (0,)
+    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    for bad in ([], [0, 0], [-1], [True], "01", [1.5], None):
+        with pytest.raises(ValueError, match="hosts"):
+            JobSpec(name="t", argv=[], hosts=bad)
+    with pytest.raises(ValueError, match="RLAX_COORDINATOR_PORT"):
+        JobSpec(name="t", argv=[], env={"RLAX_COORDINATOR_PORT": "http"})
+    h = JobHandle("cloud_tpu", "t", {}, "gs://b/j", 30.0, 1.0, hosts=[1, 0])
+    assert JobHandle.from_dict(json.loads(json.dumps(h.to_dict()))) == h and h.hosts == (1, 0)
+    old = {k: v for k, v in h.to_dict().items() if k != "hosts"}  # a handle from before hosts
+    assert JobHandle.from_dict(old).hosts == (0,)
+
+
+def test_cloud_tpu_backend_requires_an_image():
+    with pytest.raises(ValueError, match="image") as err:
+        get_backend("cloud_tpu", run_root="gs://b/x", project="p", zone="z")
+    message = str(err.value)
+    assert '"image" in RLAX_BACKEND_SETTINGS' in message and "\n" not in message
+    backend = get_backend("cloud_tpu", run_root="gs://b/x", image="us-docker.pkg.dev/p/r/i:t")
+    assert backend.image == "us-docker.pkg.dev/p/r/i:t"

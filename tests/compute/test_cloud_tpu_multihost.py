@@ -1,0 +1,189 @@
+"""A 2-host slice (v4-16) through the cloud_tpu backend (real google-cloud-tpu REST client)
+against the fake API: every host runs the real infra/tpu/startup.sh, which pulls the image and
+runs the node agent through the docker stand-in; jobs run on the hosts their spec names."""
+
+import os
+import signal
+
+import psutil
+import pytest
+import requests
+
+from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
+from tests.compute.helpers import (
+    ENTRYPOINT,
+    FAKE_IMAGE,
+    fake_cloud_tpu,
+    fake_state,
+    host_record,
+    preempt,
+    read_vars,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+SPEC = SliceSpec(
+    name="t0",
+    accelerator_type="v4-16",
+    runtime_version="tpu-ubuntu2204-base",
+    labels={"rlax-run-id": "r1"},
+)
+NODE = "projects/proj/locations/us-central2-b/nodes/t0"
+
+
+@pytest.fixture
+def tpu(tmp_path):
+    """(backend, fake URL, handle of a READY v4-16 slice whose 2 agents have published)."""
+    with fake_cloud_tpu(str(tmp_path / "fake")) as url:
+        backend = get_backend(
+            "cloud_tpu",
+            run_root=str(tmp_path / "control"),
+            project="proj",
+            zone="us-central2-b",
+            api_endpoint=url,
+            anonymous=True,
+            entrypoint=ENTRYPOINT,
+            agent_poll_s=0.2,
+            image=FAKE_IMAGE,
+        )
+        handle = backend.provision(SPEC)
+        wait_for(lambda: backend.slice_state(handle) is SliceState.READY)
+        wait_for(lambda: host_record(handle.root, 0) and host_record(handle.root, 1), 60)
+        yield backend, url, handle
+        backend.teardown(handle)
+
+
+def finished(backend, job):
+    status = backend.job_state(job)
+    return status if status.state is not JobState.RUNNING else None
+
+
+def output(job, host):
+    sub = "" if host == 0 else f"worker-{host}"
+    return read_vars(os.path.join(job.status_dir, sub, "stdout.log"))
+
+
+def exit_code(job, host):
+    from rlax_tasks.compute import jobstatus
+
+    sub = jobstatus.host_status_dir(job.status_dir, host)
+    record = jobstatus.read_json(os.path.join(sub, jobstatus.EXIT))
+    return None if record is None else record["returncode"]
+
+
+def beating(job, host):
+    sub = "" if host == 0 else f"worker-{host}"
+    return os.path.exists(os.path.join(job.status_dir, sub, "heartbeat"))
+
+
+def test_every_host_runs_the_startup_script_and_its_agent(tpu):
+    backend, url, handle = tpu
+    node = backend.client.get_node(name=NODE)
+    assert [e.ip_address for e in node.network_endpoints] == ["127.0.0.1", "127.0.0.1"]
+    hosts = fake_state(url)["hosts"][NODE]
+    assert [h["host"] for h in hosts] == [0, 1]
+    for k, host in enumerate(hosts):
+        assert host["startup"]["returncode"] == 0  # the real startup.sh, to its end
+        agent = host["containers"]["rlax-agent"]
+        assert agent["running"] and agent["restarts"] == 0
+        assert agent["command"][:5] == ["tini", "--", "python", "-m", "rlax_tasks.compute.agent"]
+        flags = dict(zip(agent["command"][5::2], agent["command"][6::2], strict=True))
+        assert flags["--worker"] == str(k) and flags["--slice-root"] == handle.root
+        assert host_record(handle.root, k) == {
+            "address": "127.0.0.1",
+            "worker": k,
+            "time": host_record(handle.root, k)["time"],
+        }
+    # each host's metadata server, as the real one: the header is required
+    md = f"{url}/fake/metadata/{NODE}/hosts/1/computeMetadata/v1/instance"
+    assert requests.get(f"{md}/attributes/agent-worker-number", timeout=5).status_code == 403
+    google = {"Metadata-Flavor": "Google"}
+    assert requests.get(f"{md}/attributes/agent-worker-number", headers=google).text == "1"
+    assert requests.get(f"{md}/network-interfaces/0/ip", headers=google).text == "127.0.0.1"
+    assert requests.get(f"{md}/attributes/rlax-image", headers=google).text == FAKE_IMAGE
+
+
+def test_a_group_job_runs_on_both_hosts_and_a_default_job_on_host_0(tpu):
+    backend, _, handle = tpu
+    group = backend.start_job(handle, JobSpec(name="train", argv=["group", "0"], hosts=(0, 1)))
+    status = wait_for(lambda: finished(backend, group))
+    assert status.state is JobState.SUCCEEDED and status.message == "exit code 0 on all 2 hosts"
+    first, second = output(group, 0), output(group, 1)
+    assert (first["RLAX_PROCESS_ID"], second["RLAX_PROCESS_ID"]) == ("0", "1")
+    assert first["RLAX_NUM_PROCESSES"] == second["RLAX_NUM_PROCESSES"] == "2"
+    assert first["RLAX_COORDINATOR_ADDRESS"] == second["RLAX_COORDINATOR_ADDRESS"]
+    assert first["RLAX_COORDINATOR_ADDRESS"] == "127.0.0.1:8482"
+    assert (first["RLAX_WORKER_ID"], second["RLAX_WORKER_ID"]) == ("0", "1")
+    assert first["RLAX_HOST_ADDRESS"] == second["RLAX_HOST_ADDRESS"] == "127.0.0.1"
+
+    single = backend.start_job(handle, JobSpec(name="ps", argv=["group", "0"]))
+    # submitted after `single`: once host 1 ran it, host 1's agent has seen `single` too
+    later = backend.start_job(handle, JobSpec(name="probe", argv=["exit", "0"], hosts=(1,)))
+    assert wait_for(lambda: finished(backend, later)).state is JobState.SUCCEEDED
+    assert wait_for(lambda: finished(backend, single)).state is JobState.SUCCEEDED
+    out = output(single, 0)
+    assert out["RLAX_WORKER_ID"] == "0" and out["RLAX_NUM_PROCESSES"] == ""
+    assert not os.path.exists(os.path.join(single.status_dir, "worker-1"))
+    assert not os.path.exists(os.path.join(later.status_dir, "runner.json"))  # not on host 0
+
+
+@pytest.mark.parametrize(
+    ("how", "state", "why"),
+    [
+        ("killed", JobState.PREEMPTED, "host 1: killed by SIGKILL"),
+        ("exit 3", JobState.FAILED, "host 1: exit code 3"),
+        ("exit 2", JobState.FAILED, "host 1: configuration error"),
+    ],
+)
+def test_one_host_ending_ends_the_job_on_every_host(tpu, how, state, why):
+    backend, _, handle = tpu
+    argv = ["group", "60"] if how == "killed" else ["group", "60", "1", how.split()[1]]
+    job = backend.start_job(handle, JobSpec(name="train", argv=argv, hosts=(0, 1)))
+    wait_for(lambda: beating(job, 0) and (beating(job, 1) or exit_code(job, 1) is not None))
+    if how == "killed":
+        pid = wait_for(lambda: _heartbeat_pid(job, 1))
+        os.kill(pid, signal.SIGKILL)
+    status = wait_for(lambda: finished(backend, job))
+    assert status.state is state and status.message.startswith(why)
+    assert status.is_config_error is (how == "exit 2")
+    # host 0's agent sees host 1's end and stops its own process of the broken group
+    wait_for(lambda: exit_code(job, 0) is not None, timeout_s=30)
+    assert exit_code(job, 0) == -signal.SIGTERM
+    assert backend.job_state(job).message.startswith(why)  # still the first host to end
+
+
+def _heartbeat_pid(job, host):
+    from rlax_tasks.compute import jobstatus
+
+    sub = jobstatus.host_status_dir(job.status_dir, host)
+    return (jobstatus.read_json(os.path.join(sub, jobstatus.HEARTBEAT)) or {}).get("pid")
+
+
+def test_stop_then_preemption_kill_every_host(tpu):
+    backend, url, handle = tpu
+    stopped = backend.start_job(handle, JobSpec(name="a", argv=["group", "60"], hosts=(0, 1)))
+    wait_for(lambda: beating(stopped, 0) and beating(stopped, 1))
+    backend.stop_job(stopped)
+    status = wait_for(lambda: finished(backend, stopped))
+    assert status.state is JobState.FAILED and "stopped by request" in status.message
+    wait_for(lambda: exit_code(stopped, 0) is not None and exit_code(stopped, 1) is not None)
+
+    job = backend.start_job(handle, JobSpec(name="b", argv=["group", "60"], hosts=(0, 1)))
+    wait_for(lambda: beating(job, 0) and beating(job, 1))
+    programs = [_heartbeat_pid(job, 0), _heartbeat_pid(job, 1)]
+    before = {p for h in fake_state(url)["hosts"][NODE] for p in h["pids"]}
+    assert set(programs) <= before  # the jobs are processes of the hosts, agents too
+    preempt(url, "t0")
+    status = wait_for(lambda: finished(backend, job))
+    assert status.state is JobState.PREEMPTED and "SUSPENDED by SERVICE" in status.message
+    assert not [p for p in before if _alive(p)]  # SIGKILLed at once, on both hosts
+    assert [h["pids"] for h in fake_state(url)["hosts"][NODE]] == [[], []]
+    assert fake_state(url)["agents"] == {}
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
