@@ -680,6 +680,15 @@ class RunConfig:
         from rlax_tasks.run.placement import resolve_mesh
 
         p = self.placement
+        if p.hosts > 1:  # GPU nodes that each carry a share of the trainer and their workers
+            if self.trainer.hosts == 1:
+                _set(self, "trainer", dataclasses.replace(self.trainer, hosts=p.hosts))
+            elif self.trainer.hosts != p.hosts:
+                raise ConfigError(
+                    "trainer.hosts",
+                    f"is {self.trainer.hosts} but placement.hosts is {p.hosts}: the trainer spans "
+                    "every host of the placement (leave trainer.hosts out, or make them equal)",
+                )
         if p.workers is not None and p.hosts * len(p.workers) != self.workers.count:
             per_host = f"{p.hosts} hosts × {len(p.workers)}" if p.hosts > 1 else len(p.workers)
             raise ConfigError(
@@ -688,14 +697,14 @@ class RunConfig:
                 f"one device list per worker{' of a host' if p.hosts > 1 else ''}",
             )
         if p.trainer is not None:
-            n = p.hosts * len(p.trainer)
+            n = self.trainer.hosts * len(p.trainer)
             try:
                 resolve_mesh(self.trainer.mesh_shape, n)
             except ValueError as e:
                 raise ConfigError(
                     "trainer.mesh_shape",
                     f"{e}: the trainer has {n} device(s) (placement.trainer"
-                    f"{' × placement.hosts' if p.hosts > 1 else ''})",
+                    f"{' × trainer.hosts' if self.trainer.hosts > 1 else ''})",
                 ) from None
         for i, devices in enumerate(p.workers or ()):
             try:

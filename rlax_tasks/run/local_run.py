@@ -16,11 +16,11 @@ import secrets
 import time
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
-from rlax_tasks.run.placement import describe, job_envs
+from rlax_tasks.run.placement import describe
 from rlax_tasks.run.supervisor import Component, Supervisor, free_port
+from rlax_tasks.run.topology import Ports, plan_topology, write_workers_file
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,6 @@ def ensure_model(cfg: RunConfig) -> None:
     # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
     parent, name = os.path.split(os.path.abspath(cfg.model.path))
     ensure_base_model(parent, name=name)
-
-
-def mesh_arg(cfg: RunConfig) -> str:
-    """``--mesh-shape=D,F,T`` of `rlax worker` (one token: a leading -1 is not an option)."""
-    return "--mesh-shape=" + ",".join(str(s) for s in cfg.workers.mesh_shape)
 
 
 def _last_json_line(path: str) -> dict[str, Any] | None:
@@ -168,12 +163,17 @@ def run_local(
         report["before"] = evaluator.evaluate()
 
     token = secrets.token_hex(16)
-    base_env = {"RLAX_PS_TOKEN": token, **cache_env(cfg)}
-    # each job's own devices (DESIGN §12): rlax_tasks.run.placement
-    env = {job: {**base_env, **devices} for job, devices in job_envs(cfg).items()}
-    ps_url = f"http://127.0.0.1:{free_port()}"
-    trainer_url = f"http://127.0.0.1:{free_port()}"
-    s = cfg.staleness
+    ports = Ports(
+        ps=free_port(),
+        trainer=free_port(),
+        workers=tuple(free_port() for _ in range(cfg.workers.count)),
+        coordinator=free_port(),
+    )
+    topology = plan_topology(
+        cfg, steps, config_path, ports, plan.ps.argv(), token, base_env=cache_env(cfg)
+    )
+    write_workers_file(cfg, topology)
+    ps_url = topology.ps_url
     sup = Supervisor(os.path.join(run_dir, "logs"))
     t0 = time.monotonic()
     progress = None
@@ -181,89 +181,11 @@ def run_local(
         progress = _Progress(evaluator, run_dir, ps_url, token, time.time())
         progress.record(0, report["before"])
     try:
-        sup.add(
-            Component(
-                "ps",
-                [
-                    "ps",
-                    "serve",
-                    "--port",
-                    ps_url.rsplit(":", 1)[1],
-                    "--run-root",
-                    run_dir,
-                    *plan.ps.argv(),  # --keep-versions, --keep-bytes from the model's size
-                    "--worker-timeout",
-                    "60",
-                ],
-                env["ps"],
-            )
-        )
-        sup.add(
-            Component(
-                "trainer",
-                [
-                    "trainer",
-                    "--config",
-                    config_path,
-                    "--ps-url",
-                    ps_url,
-                    "--port",
-                    trainer_url.rsplit(":", 1)[1],
-                ],
-                env["trainer"],
-            )
-        )
-        workers = {}
-        for i in range(cfg.workers.count):
-            wid = f"worker-{i}"
-            port = free_port()
-            workers[wid] = f"http://127.0.0.1:{port}"
-            sup.add(
-                Component(
-                    wid,
-                    [
-                        "worker",
-                        "--model-dir",
-                        cfg.model.path,
-                        "--ps-url",
-                        ps_url,
-                        "--worker-id",
-                        wid,
-                        "--port",
-                        str(port),
-                        "--dtype",
-                        cfg.model.dtype,
-                        "--max-slots",
-                        str(cfg.workers.slots),
-                        "--max-len",
-                        str(cfg.workers.max_len),
-                        "--reload-every",
-                        str(s.reload_every),
-                        mesh_arg(cfg),
-                    ],
-                    env[wid],
-                )
-            )
-        workers_file = os.path.join(run_dir, "workers.json")
-        storage.write_bytes(workers_file, json.dumps(workers).encode())
-        sup.add(
-            Component(
-                "controller",
-                [
-                    "controller",
-                    "--config",
-                    config_path,
-                    "--trainer-url",
-                    trainer_url,
-                    "--workers-file",
-                    workers_file,
-                    "--steps",
-                    str(steps),
-                ],
-                env["controller"],
-                restart=False,
-            )
-        )  # exit 0 = done; a crash is still restarted
+        for name, job, env in topology.processes():
+            # exit 0 of the controller = done (a crash is still restarted); the hosts of a
+            # multi-host trainer restart together
+            group = job.name if len(job.hosts) > 1 else None
+            sup.add(Component(name, job.argv, env, restart=job.service, group=group))
         last = 0.0
         while True:
             finished = sup.poll()

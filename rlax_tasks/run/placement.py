@@ -226,7 +226,7 @@ def job_mesh(cfg: Any, job: str) -> tuple[int, int, int] | None:
     if job in CPU_JOBS or devices is None:
         return None
     if job == "trainer":
-        return resolve_mesh(cfg.trainer.mesh_shape, cfg.placement.hosts * len(devices))
+        return resolve_mesh(cfg.trainer.mesh_shape, cfg.trainer.hosts * len(devices))
     return resolve_mesh(cfg.workers.mesh_shape, len(devices))
 
 
@@ -245,8 +245,8 @@ def describe_devices(cfg: Any, job: str) -> str:
         else _ids(ids)
     )
     text = f"{p.platform} {text}"
-    if job == "trainer" and p.hosts > 1:
-        text += f" × {p.hosts} hosts"
+    if job == "trainer" and cfg.trainer.hosts > 1:
+        text += f" × {cfg.trainer.hosts} hosts"
     elif p.hosts > 1 and p.workers:
         text += f" of host {int(job.rsplit('-', 1)[1]) // len(p.workers)}"
     return text

@@ -408,7 +408,7 @@ def _advice(cfg: Any, job: str) -> str:
     if job == "trainer":
         remat = "" if cfg.trainer.remat == "full" else "trainer.remat: full, "
         return (
-            "give it more devices (placement.trainer, placement.hosts) or shards "
+            "give it more devices (placement.trainer, trainer.hosts) or shards "
             f"(trainer.mesh_shape fsdp/tensor), a smaller trainer.micro_batch_size, {remat}"
             "or a smaller workers.max_len"
         )
@@ -432,7 +432,7 @@ def memory_plan(cfg: Any, model_config: str | None = None, offline: bool = True)
         devices = job_devices(cfg, job)
         count = len(devices) if devices is not None else 1
         if job == "trainer":
-            count *= cfg.placement.hosts
+            count *= cfg.trainer.hosts
         usable, how = _usable(cfg, job)
         entry = JobMemory(job, describe_devices(cfg, job), count, parts, usable)
         jobs.append(entry)

@@ -35,6 +35,9 @@ class Component:
     argv: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     restart: bool = True
+    # components of one group (the hosts of a multi-host trainer) live and die together: when
+    # one dies the others are killed, and all restart
+    group: str | None = None
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -89,9 +92,23 @@ class Supervisor:
                 raise RuntimeError(f"{c.name} died {c.restarts} times; giving up")
             if time.monotonic() - c.started_at < self.backoff_s:
                 continue
-            c.restarts += 1
-            log.warning("%s exited with %s: restarting it (restart %d)", c.name, code, c.restarts)
-            self._spawn(c)
+            members = [
+                m for m in self.components.values() if c.group is not None and m.group == c.group
+            ] or [c]
+            for m in members:
+                if m is not c and m.proc is not None and m.proc.poll() is None:
+                    log.warning("%s exited: stopping %s of the same group", c.name, m.name)
+                    _kill_group(m.proc)
+            for m in members:
+                m.restarts += 1
+                log.warning(
+                    "%s exited with %s: restarting %s (restart %d)",
+                    c.name,
+                    code,
+                    m.name,
+                    m.restarts,
+                )
+                self._spawn(m)
         return finished
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -116,3 +133,11 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 os.killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -43,6 +43,9 @@ class TrainerConfig:
     logprob_chunk_size: int = 128
     # (data, fsdp, tensor); one entry may be -1 for "the remaining devices"
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
+    # processes (hosts) of the trainer: > 1 is one jax.distributed group over every host's
+    # devices (DESIGN §10); the mesh spans all of them
+    hosts: int = 1
     seed: int = 0
     # where checkpoints go; None = <run_dir>/checkpoints (a local path or gs://bucket/prefix)
     checkpoint_dir: str | None = None
@@ -96,6 +99,7 @@ class TrainerConfig:
                 f"of them -1 for 'the remaining devices'; got {self.mesh_shape!r}"
             )
         object.__setattr__(self, "mesh_shape", shape)
+        _non_negative_int(self, "hosts", positive=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise TrainerConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.checkpoint_dir is not None and (

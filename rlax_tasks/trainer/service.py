@@ -15,6 +15,10 @@ never applied twice to the same weights, and a big model is not written out at e
 On start it restores the newest complete checkpoint and makes sure the parameter server holds
 its version (a PS restarted from an older mirror gets it again); a background thread keeps
 checking that. Binds 127.0.0.1; ``RLAX_TRAINER_TOKEN`` (when set) is required as a bearer token.
+
+With ``trainer.hosts`` > 1 the same command runs on every host of the trainer's slice, joined by
+``jax.distributed`` (rlax_tasks.trainer.process_group): host 0 serves and sends the group's
+device work through a ``CommandChannel``; the other hosts follow it and serve nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import io
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -64,11 +69,24 @@ class TrainerService:
 
     Versions are pushed in the policy's compute dtype (``model.dtype``: what workers hold), not
     in the trainer's master dtype (DESIGN §6).
+
+    On a multi-host trainer (``channel`` given) every process runs a TrainerService: host 0
+    serves the controller, decides (step order, replays, re-pushes) and sends each piece of
+    device work — a step with its batch, a push, the final checkpoint — through the channel;
+    the other hosts run ``follow()``, doing the same work in the same order. Each host pushes
+    its own shards; the parameter server commits the version once every host's are in.
     """
 
-    def __init__(self, trainer: Any, ps: Any | None = None, repush_every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        ps: Any | None = None,
+        repush_every_s: float = 5.0,
+        channel: Any | None = None,
+    ) -> None:
         self.trainer, self.ps = trainer, ps
         self.repush_every_s = repush_every_s
+        self.channel = channel
         self.lock = threading.Lock()
         self.last_metrics: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -77,11 +95,16 @@ class TrainerService:
     def step(self) -> int:
         return self.trainer.step_count
 
+    @property
+    def is_leader(self) -> bool:
+        """Host 0 (or the only host): serves the controller and sends the group's work."""
+        return self.channel is None or self.channel.process_id == 0
+
     def start(self) -> TrainerService:
-        """Restores the newest complete checkpoint and publishes its version."""
+        """Restores the newest complete checkpoint (every host) and publishes its version."""
         restored = self.trainer.restore_latest()
         log.info("trainer at step %d (%s)", self.step, "restored" if restored else "fresh")
-        if self.ps is not None:
+        if self.ps is not None and self.is_leader:
             try:
                 self.ensure_published()
             except (ConnectionError, TimeoutError) as e:  # the PS may be restarting
@@ -90,20 +113,62 @@ class TrainerService:
         return self
 
     def stop(self) -> None:
-        """Checkpoints the steps since the last checkpoint (a clean stop loses none), closes."""
+        """Checkpoints the steps since the last checkpoint (a clean stop loses none), closes;
+        on a multi-host trainer, on every host."""
         self._stop.set()
         with self.lock:
+            self._group_work("stop", {})
+
+    def follow(self) -> None:
+        """A host other than 0: does the work host 0 sends, until it sends ``stop``."""
+        while True:
+            seq, command, payload = self.channel.receive()
+            op = command.pop("op")
+            batch = _decode_batch(payload) if payload else None
+            try:
+                self._execute(op, command, batch)
+            except ValueError as e:  # the same deterministic refusal as on host 0
+                log.warning("%s %s refused: %s", op, command, e)
+            finally:
+                self.channel.done(seq)
+            if op == "stop":
+                return
+
+    def _group_work(
+        self, op: str, args: dict[str, Any], batch: dict[str, np.ndarray] | None = None
+    ) -> Any:
+        """Device work: sent to the other hosts first (multi-host), then done here."""
+        if self.channel is None:
+            return self._execute(op, args, batch)
+        payload = _encode_batch(batch) if batch is not None else b""
+        seq = self.channel.send({"op": op, **args}, payload)
+        try:
+            return self._execute(op, args, batch)
+        finally:
+            self.channel.done(seq)
+
+    def _execute(self, op: str, args: dict[str, Any], batch: dict[str, np.ndarray] | None) -> Any:
+        if op == "step":
+            return self._apply(int(args["step"]), batch or {})
+        if op == "push":
+            return self._push(int(args["version"]))
+        if op == "stop":
             if self.step > self.trainer.saved_step:
                 self.trainer.save()
-        self.trainer.close()
+            self.trainer.close()
+            return None
+        raise ValueError(f"unknown trainer command {op!r}")
 
     def ensure_published(self) -> None:
         """Pushes the current version when the parameter server does not hold it."""
         with self.lock:
             latest = self.ps.latest_version()
             if latest is None or latest < self.step:
-                self.ps.push(self.step, self._published_params())
+                self._group_work("push", {"version": self.step})
                 log.info("pushed version %d (the parameter server had %s)", self.step, latest)
+
+    def _push(self, version: int) -> None:
+        self.ps.push(version, self._published_params())
 
     def _published_params(self) -> Any:
         """The current weights as the parameter server carries them: in the compute dtype."""
@@ -115,7 +180,7 @@ class TrainerService:
     def _record_sync(self, step: int, seconds: float) -> None:
         """Appends the push time of a version to run_dir/weight_sync.jsonl (for the plots)."""
         run_dir = self.trainer.run_dir
-        if "://" in run_dir:
+        if "://" in run_dir or not self.is_leader:
             return
         with open(os.path.join(run_dir, "weight_sync.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "push_s": round(seconds, 4)}) + "\n")
@@ -145,29 +210,43 @@ class TrainerService:
                     f"{self.step + 1}-{step - 1} first (the trainer restarted from an older "
                     "checkpoint)",
                 )
-            arrays = {k: v for k, v in batch.items() if not k.startswith(STAT_PREFIX)}
-            stats = {
-                k[len(STAT_PREFIX) :]: float(v)
-                for k, v in batch.items()
-                if k.startswith(STAT_PREFIX)
-            }
-            if "completion_mask" not in arrays and "mask" in arrays:
-                arrays["completion_mask"] = arrays.pop("mask")
-            # checkpoints every trainer.checkpoint_every
-            metrics = self.trainer.step(arrays, extra_metrics=stats)
-            if self.ps is not None:
-                t0 = time.perf_counter()
-                try:
-                    self.ps.push(step, self._published_params())
-                except VersionConflictError:  # a replayed step: published before the restart
-                    log.info("the parameter server already holds version %d", step)
-                except (ConnectionError, TimeoutError) as e:  # the re-push loop publishes it
-                    log.warning("push of version %d failed (%s); the re-push loop retries", step, e)
-                else:
-                    metrics["push_s"] = time.perf_counter() - t0
-                    self._record_sync(step, metrics["push_s"])
+            metrics = self._group_work("step", {"step": step}, batch)
             self.last_metrics = metrics
             return {"version": step, "replayed": False, "metrics": metrics}
+
+    def _apply(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One training step and its push (on every host of the group)."""
+        arrays = {k: v for k, v in batch.items() if not k.startswith(STAT_PREFIX)}
+        stats = {
+            k[len(STAT_PREFIX) :]: float(v) for k, v in batch.items() if k.startswith(STAT_PREFIX)
+        }
+        if "completion_mask" not in arrays and "mask" in arrays:
+            arrays["completion_mask"] = arrays.pop("mask")
+        # checkpoints every trainer.checkpoint_every
+        metrics = self.trainer.step(arrays, extra_metrics=stats)
+        if self.ps is not None:
+            t0 = time.perf_counter()
+            try:
+                self._push(step)
+            except VersionConflictError:  # a replayed step: published before the restart
+                log.info("the parameter server already holds version %d", step)
+            except (ConnectionError, TimeoutError) as e:  # the re-push loop publishes it
+                log.warning("push of version %d failed (%s); the re-push loop retries", step, e)
+            else:
+                metrics["push_s"] = time.perf_counter() - t0
+                self._record_sync(step, metrics["push_s"])
+        return metrics
+
+
+def _encode_batch(batch: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **batch)
+    return buf.getvalue()
+
+
+def _decode_batch(payload: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
 
 
 def create_app(service: TrainerService, token: str | None = None) -> Any:
@@ -192,8 +271,7 @@ def create_app(service: TrainerService, token: str | None = None) -> Any:
     async def train(step: int, request: Request) -> dict:
         body = await request.body()
         try:
-            with np.load(io.BytesIO(body), allow_pickle=False) as npz:
-                batch = {k: npz[k] for k in npz.files}
+            batch = _decode_batch(body)
         except (ValueError, OSError) as e:
             raise HTTPException(400, f"the body is not an .npz batch: {e}") from e
         try:
@@ -285,9 +363,13 @@ def _trainer_command(args: argparse.Namespace) -> int:
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
     from rlax_tasks.models import load_pretrained
+    from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
     from rlax_tasks.trainer.trainer import Trainer
 
     cfg = load_config(args.config)
+    group = ProcessGroup.from_env(cfg.trainer.hosts)
+    if group is not None:  # before anything touches a device
+        group.initialize()
     policy = load_pretrained(
         cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
     )
@@ -303,7 +385,14 @@ def _trainer_command(args: argparse.Namespace) -> int:
         from rlax_tasks.paramserver import ParameterServerClient
 
         ps = ParameterServerClient(args.ps_url)
-    service = TrainerService(trainer, ps).start()
+    channel = CommandChannel() if group is not None else None
+    service = TrainerService(trainer, ps, channel=channel).start()
+    if not service.is_leader:  # host 0 serves the controller; this host does what it sends
+        # a stop reaches every host from host 0 (with the group's final checkpoint); a SIGTERM
+        # here would leave host 0 waiting in a collective
+        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: host 0 stops the group"))
+        service.follow()
+        return 0
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

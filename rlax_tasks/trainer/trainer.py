@@ -79,8 +79,17 @@ def fresh_copy(tree: Any, shardings: Any) -> Any:
     caller's policy, the frozen reference, an in-flight checkpoint) needs its own buffers;
     ``device_put`` may reuse a source buffer for one of the shards.
     """
-    placed = jax.device_put(tree, shardings)
+    placed = jax.tree.map(place_global, tree, shardings)
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
+
+
+def place_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` placed on ``sharding``; on a multi-host mesh each process builds its own shards
+    from its host copy of ``x`` (every process holds the same value: a loaded model, a batch)."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 class Trainer:
@@ -91,7 +100,9 @@ class Trainer:
     When the objective has a KL term, the policy given here is the frozen reference: pass the
     base model also when resuming (``restore_latest`` then loads the trained weights).
     One optimizer update per ``step`` (the PPO clip only matters across updates, so its clip
-    fraction is ~0 here); batches are placed from one host (single-process meshes).
+    fraction is ~0 here). On a multi-host mesh (``jax.distributed``) every process constructs the
+    Trainer and calls the same methods in the same order with the same batch; each places and
+    checkpoints only its own shards, and only process 0 writes metrics.
     """
 
     def __init__(
@@ -117,6 +128,7 @@ class Trainer:
         params: dict[str, Any] = {MODEL: policy.params}
         if objective.needs_values:
             params[VALUE_HEAD] = init_value_head(policy.config.hidden_size)
+        self._replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._param_shardings = param_shardings(params, self.mesh)
         self._params = fresh_copy(params, self._param_shardings)
         self._ref_params = None
@@ -151,7 +163,8 @@ class Trainer:
         self._train_step = jax.jit(
             make_train_step(self._graphdef, objective, self._optimizer, settings),
             donate_argnums=(0, 1),
-            out_shardings=(self._param_shardings, self._opt_shardings, None),
+            # metrics replicated: every host of a multi-host mesh reads them
+            out_shardings=(self._param_shardings, self._opt_shardings, self._replicated),
         )
         self._ref_logprobs = jax.jit(make_logprobs_fn(self._graphdef, settings))
 
@@ -159,7 +172,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             ckpt_dir, max_to_keep=config.max_to_keep, async_save=config.async_checkpointing
         )
-        if metrics_writer is None:  # a local file, or a gs:// object rewritten every few seconds
+        if metrics_writer is None and jax.process_index() == 0:
+            # a local file, or a gs:// object rewritten every few seconds (by host 0 only)
             metrics_writer = MetricsWriter(_join(run_dir, "metrics.jsonl"))
         self.metrics_writer = metrics_writer
         log.info(
@@ -276,7 +290,7 @@ class Trainer:
             if x.ndim == 2 and width > x.shape[1]:  # masked-out columns: no token, no loss
                 x = np.pad(x, ((0, 0), (0, width - x.shape[1])))
             spec = fit_spec(x.shape, (BATCH,) + (None,) * (x.ndim - 1), mesh_shape)
-            out[key] = jax.device_put(x.astype(dtype), NamedSharding(self.mesh, spec))
+            out[key] = place_global(x.astype(dtype), NamedSharding(self.mesh, spec))
         mb = self.config.micro_batch_size
         if mb is not None and b % mb:
             raise BatchFormatError(
@@ -297,7 +311,7 @@ class Trainer:
         return {
             "params": self._params,
             "opt_state": self._opt_state,
-            "rng": jax.random.key_data(self._rng),
+            "rng": place_global(jax.random.key_data(self._rng), self._replicated),
         }
 
     def _state_shardings(self) -> dict[str, Any]:

@@ -261,7 +261,7 @@ def test_rlax_run_refuses_a_placement_across_hosts(tmp_path, monkeypatch):
 
 
 def test_dag_plan_gives_each_job_its_own_devices(tmp_path):
-    import rlax_common as rc
+    from rlax_tasks.airflow import dag_support as rc
 
     _small(tmp_path)
     params = {"preset": "tiny-arith", "run_root": str(tmp_path / "runs"), "steps": 2,

@@ -203,7 +203,7 @@ def test_a_plan_that_cannot_fit_exits_2_before_anything_starts(tmp_path, capsys,
 
 
 def test_the_dag_plan_refuses_it_too(tmp_path, no_network):
-    import rlax_common as rc
+    from rlax_tasks.airflow import dag_support as rc
 
     params = {
         "preset": "qwq-32b-code", "run_root": str(tmp_path / "runs"), "steps": 4,

@@ -47,9 +47,13 @@ def _train(dtype: str, param_dtype: str, lr: float, steps: int, tmp_path) -> tup
         )
     changed = sum(int((a != b).sum()) for a, b in zip(initial, final, strict=True))
     fraction = changed / sum(a.size for a in initial)
-    return fraction, np.asarray(losses), param_dtypes, moment_dtypes, logprobs * held_out[
-        "completion_mask"
-    ]
+    return (
+        fraction,
+        np.asarray(losses),
+        param_dtypes,
+        moment_dtypes,
+        logprobs * held_out["completion_mask"],
+    )
 
 
 def test_bfloat16_compute_keeps_float32_master_weights_and_moments(tmp_path) -> None:  # noqa: ANN001
