@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from airflow.sdk import Param, dag, task
 
-import rlax_common as rc
+from rlax_tasks.airflow import dag_support as rc
 
 DOC = """
 ### rlax_curate

@@ -6,7 +6,7 @@ import logging
 
 from airflow.sdk import Param, dag, task
 
-import rlax_common as rc
+from rlax_tasks.airflow import dag_support as rc
 
 log = logging.getLogger(__name__)
 

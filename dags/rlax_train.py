@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from airflow.sdk import Param, dag, task
 
-import rlax_common as rc
+from rlax_tasks.airflow import dag_support as rc
 
 DOC = """
 ### rlax_train
@@ -15,8 +15,11 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    field fails the run at once, naming it), logs each job's devices (`placement`) and the memory
    per device, refuses a plan that does not fit the accelerator named there, writes
    `<run_root>/<run_id>/config.yaml`, builds the tiny base model when the preset asks for it,
-   picks the services' addresses. When the run was triggered by the **rlax_curated_dataset**
-   Asset, the curated file replaces the preset's data.
+   picks the services' addresses. On `cloud_tpu` it also refuses, before anything is
+   provisioned, an `accelerator_type` that is not a Cloud TPU type, a malformed
+   `runtime_version` (empty = the default image of the accelerator's family) and a type whose
+   hosts differ from the run config's `trainer.hosts`. When the run was triggered by the
+   **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
 2. **provision** (setup) — the slice the jobs run on.
 3. **start_services** starts every job at once; **ps**, **trainer**, **worker** (mapped over
    the worker index) and **controller** watch them — long-running `rlax` jobs watched by
@@ -63,6 +66,11 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
         "accelerator_type": Param(
             "cpu", type="string", minLength=1,
             description="slice accelerator, e.g. v5litepod-8 (cpu for the local backend)",
+        ),
+        "runtime_version": Param(
+            None, type=["null", "string"], pattern=rc.RUNTIME_VERSION_PATTERN,
+            description="TPU VM runtime version; empty = the accelerator family's default "
+            "(cpu needs none)",
         ),
         "num_workers": Param(2, type="integer", minimum=1, maximum=256),
         "steps": Param(20, type="integer", minimum=1, description="training steps in total"),
@@ -139,8 +147,9 @@ def rlax_train():
     p = plan()
     root = rc.default_run_root()
     slice_ = rc.provision(
-        "provision", root, p["slice"], p["run_id"], "{{ params.accelerator_type }}"
-    )
+        "provision", root, p["slice"], p["run_id"], "{{ params.accelerator_type }}",
+        runtime_version=p["runtime_version"],  # checked and defaulted by plan
+    )  # fmt: skip
     h = slice_.output
     started = start_services(p, h)
     watch = {"started_jobs": started, "done_when": "controller"}

@@ -19,9 +19,8 @@ os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", DAGS)
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", PLUGINS)
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
-for path in (DAGS, PLUGINS):  # as Airflow puts them on sys.path
-    if path not in sys.path:
-        sys.path.append(path)
+if PLUGINS not in sys.path:  # as Airflow puts it on sys.path (the DAG files need nothing added)
+    sys.path.append(PLUGINS)
 
 import logging  # noqa: E402
 

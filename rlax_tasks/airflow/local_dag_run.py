@@ -30,8 +30,6 @@ def _setup_env(airflow_home: str, dags_folder: str, run_root: str) -> None:
     os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
     os.environ["RLAX_RUN_ROOT"] = run_root
     os.environ.setdefault("RLAX_RUN_ROOTS", run_root)
-    if dags_folder not in sys.path:
-        sys.path.append(dags_folder)  # the DAG files import rlax_common from there
 
 
 def run_train_dag(

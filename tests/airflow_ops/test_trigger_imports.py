@@ -1,20 +1,32 @@
-"""The triggerer imports the trigger module: it must stay light (no JAX, no cloud client, no
-operator module) and every trigger must round-trip through serialize()."""
+"""The triggerer imports the trigger module and the scheduler parses the DAG files (which import
+dag_support): both must stay light (no JAX, no cloud client, no operator module, no run config),
+and every trigger must round-trip through serialize()."""
 
+import json
 import subprocess
 import sys
 
 from rlax_tasks.airflow import JobStateTrigger, SliceReadyTrigger
 
 
-def test_trigger_module_imports_no_heavy_modules():
+def _loaded_by(module: str, candidates: tuple[str, ...]) -> list[str]:
+    """Which of ``candidates`` a fresh interpreter has loaded after ``import module``."""
     code = (
-        "import sys, rlax_tasks.airflow.triggers; "
-        "heavy = [m for m in ('jax', 'google.cloud.tpu_v2', 'rlax_tasks.airflow.operators', "
-        "'rlax_tasks.models') if m in sys.modules]; print(heavy)"
+        f"import json, sys, {module}; "
+        f"print(json.dumps([m for m in {list(candidates)!r} if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"  # Airflow may log lines before it
+    return json.loads(out.stdout.strip().splitlines()[-1])  # Airflow may log lines before it
+
+
+def test_trigger_module_imports_no_heavy_modules():
+    heavy = ("jax", "google.cloud.tpu_v2", "rlax_tasks.airflow.operators", "rlax_tasks.models")
+    assert _loaded_by("rlax_tasks.airflow.triggers", heavy) == []
+
+
+def test_dag_support_module_imports_no_heavy_modules():
+    heavy = ("jax", "flax", "rlax_tasks.config", "google.cloud.tpu_v2", "rlax_tasks.models")
+    assert _loaded_by("rlax_tasks.airflow.dag_support", heavy) == []
 
 
 def test_triggers_serialize_to_their_own_class_path():

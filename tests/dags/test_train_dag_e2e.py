@@ -3,10 +3,10 @@ processes, one job killed with SIGKILL mid-run, detected and resumed by Airflow'
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -64,6 +64,7 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     from airflow.dag_processing.dagbag import DagBag
     from airflow.utils.state import DagRunState, TaskInstanceState
 
+    from rlax_tasks.airflow import dag_support
     from tests.run.test_local_run import tiny_model
 
     run_root = str(tmp_path / "runs")
@@ -72,7 +73,7 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "20")
     monkeypatch.setenv("XLA_FLAGS", "")  # the jobs run on one device each
     monkeypatch.chdir(tmp_path)
-    sys.modules.pop("rlax_common", None)  # re-read the settings above
+    importlib.reload(dag_support)  # re-read the settings above (retry delay, run root)
     dag = DagBag(dag_folder=DAGS).dags["rlax_train"]
     model = str(tmp_path / "model")
     tiny_model(model)

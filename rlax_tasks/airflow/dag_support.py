@@ -1,8 +1,9 @@
-"""What the RLAX DAG files share: defaults, Param schemas, backend settings and run planning.
+"""What the RLAX DAG files share: defaults, Param schemas, backend settings, slice checks, run
+planning and the operator factories.
 
-Not a DAG file (listed in dags/.airflowignore); Airflow puts dags/ on sys.path, so the DAG files
-import it as ``rlax_common``. Heavy imports (the run config, which imports JAX) happen inside the
-functions, which run in tasks, never at DAG parse time.
+The DAG files only wire tasks: ``from rlax_tasks.airflow import dag_support as rc``. Importing
+this module is light (Airflow's scheduler parses the DAGs): heavy imports (the run config, which
+imports JAX) happen inside the functions, which run in tasks, never at DAG parse time.
 
 Environment (all optional):
 - ``RLAX_RUN_ROOT``: default run root of the DAGs' Params (local directory or gs:// URI; "runs").
@@ -61,6 +62,8 @@ ALGORITHMS = (
 DATA_FORMATS = ("rlax", "gsm8k", "math", "dapo", "messages", "code", "columns")
 # run ids double as Cloud label values (rlax-run-id) and directory names
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+# TPU VM runtime versions (images), e.g. "v2-alpha-tpuv5-lite", "tpu-ubuntu2204-base"
+RUNTIME_VERSION_PATTERN = r"^[a-z0-9][a-z0-9.-]*$"
 STATUS_FILE = "status.json"
 ACTIVE_STATES = ("provisioning", "running")
 
@@ -115,6 +118,68 @@ def dag_run_run_id(dag_run_id: str) -> str:
     """An RLAX run id derived from an Airflow DAG run id (e.g. "manual__2025-...")."""
     text = re.sub(r"[^a-z0-9_-]+", "-", dag_run_id.lower()).strip("-_")
     return (text or "run")[:63]
+
+
+# --------------------------------------------------------------------------- slice checks
+def check_slice(
+    accelerator_type: str, runtime_version: str | None, trainer_hosts: int, backend: str
+) -> str:
+    """Checks the training slice before anything is provisioned; returns the runtime version to
+    provision it with ("" where none is needed).
+
+    On the cloud_tpu backend ``accelerator_type`` must be a Cloud TPU type
+    (``rlax_tasks.compute.tpu_types``) with as many hosts as the run config's
+    ``trainer.hosts``, and a ``runtime_version`` of None is the default of its family. The local
+    backend runs every job on this machine whatever type is named (as it always has): no type
+    check, no default runtime. A given ``runtime_version`` must look like one, on any backend.
+    PlanError names the Param or config field at fault.
+    """
+    from rlax_tasks.compute import tpu_types
+
+    if backend == "cloud_tpu":
+        try:
+            default = tpu_types.tpu_type(accelerator_type).runtime_version
+        except tpu_types.UnknownAcceleratorError as e:
+            raise PlanError(
+                f"accelerator_type: {e}; the cloud_tpu backend provisions Cloud TPU types only"
+            ) from None
+    if runtime_version is not None and not re.match(RUNTIME_VERSION_PATTERN, runtime_version):
+        raise PlanError(
+            f"runtime_version: {runtime_version!r} is not a TPU runtime version (lowercase "
+            "letters, digits, '.', '-', e.g. 'v2-alpha-tpuv5-lite'); leave it empty (null) for "
+            "the accelerator's default"
+        )
+    if backend != "cloud_tpu":
+        return runtime_version or ""
+    hosts = tpu_types.slice_hosts(accelerator_type)
+    if hosts != trainer_hosts:
+        other = _type_with_hosts(accelerator_type, trainer_hosts)
+        pick = f" or pick a {trainer_hosts}-host type ({other})" if other else ""
+        fix = json.dumps({"trainer.hosts": hosts})
+        raise PlanError(
+            f"accelerator_type: {accelerator_type} has {_hosts(hosts)} but trainer.hosts is "
+            f"{trainer_hosts}: set overrides {fix}{pick}"
+        )
+    return runtime_version or default
+
+
+def _hosts(n: int) -> str:
+    return f"{n} host" if n == 1 else f"{n} hosts"
+
+
+def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
+    """The largest type of ``accelerator_type``'s family with ``hosts`` hosts (None: none)."""
+    from rlax_tasks.compute import tpu_types
+
+    prefix = accelerator_type.rsplit("-", 1)[0]
+    best = None
+    for n in range(1, 16 * hosts + 1):  # at most 8 chips a host, 2 TensorCores a chip
+        try:
+            if tpu_types.slice_hosts(f"{prefix}-{n}") == hosts:
+                best = f"{prefix}-{n}"
+        except tpu_types.UnknownAcceleratorError:
+            continue
+    return best
 
 
 # --------------------------------------------------------------------------- status
@@ -177,18 +242,21 @@ def plan_training(
     job's ``rlax`` command line and environment (JSON-able).
 
     A plan that does not fit the accelerator named in ``placement`` is refused here, before
-    anything starts (PlanError with the plan's message). Each job's environment gives it its own
-    devices (rlax_tasks.run.placement). The services listen on 127.0.0.1 ports chosen here: the
-    local backend runs every job on this machine. ``dataset`` (a curated file, e.g. from the
-    rlax_curate Asset) replaces the preset's datasets (``verifier``: "math" or "code", as
-    rlax_curate published it).
+    anything starts (PlanError with the plan's message), and so is a slice the backend cannot
+    provision for it (``check_slice``: Params ``accelerator_type``, ``runtime_version``; the
+    returned ``runtime_version`` is the one to provision with). Each job's environment gives it
+    its own devices (rlax_tasks.run.placement). The services listen on 127.0.0.1 ports chosen
+    here: the local backend runs every job on this machine. ``dataset`` (a curated file, e.g.
+    from the rlax_curate Asset) replaces the preset's datasets (``verifier``: "math" or "code",
+    as rlax_curate published it).
     """
     from rlax_tasks import storage
     from rlax_tasks.config import ConfigError, load_config, save_resolved
     from rlax_tasks.run.compilation_cache import cache_env
-    from rlax_tasks.run.local_run import ensure_model, mesh_arg
-    from rlax_tasks.run.placement import describe, job_envs
+    from rlax_tasks.run.local_run import ensure_model
+    from rlax_tasks.run.placement import describe
     from rlax_tasks.run.plan import memory_plan
+    from rlax_tasks.run.topology import Ports, plan_topology, write_workers_file
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -198,15 +266,22 @@ def plan_training(
         cfg = load_config(params["preset"], _overrides(params, run_root, run_id, dataset, verifier))
     except ConfigError as e:
         raise PlanError(f"run config: {e}") from None
+    runtime_version = check_slice(
+        params.get("accelerator_type") or "cpu",
+        params.get("runtime_version"),
+        cfg.trainer.hosts,
+        backend_name(),
+    )
     steps = params.get("steps") or cfg.trainer.total_steps
     if not steps:
         raise PlanError("steps: give the number of training steps (the preset has none)")
     if storage.is_gcs(cfg.run_root) and backend_name() == "local":
         raise PlanError("run_root: the local backend needs a local run root, not gs://")
-    if cfg.placement.hosts > 1 and backend_name() == "local":
+    if cfg.trainer.hosts > 1 and backend_name() == "local":
         raise PlanError(
-            f"placement.hosts: the local backend runs every job on this machine, the placement "
-            f"spans {cfg.placement.hosts} hosts"
+            f"trainer.hosts: the local backend runs one process per job, the trainer spans "
+            f"{cfg.trainer.hosts} hosts (simulate it on this machine with `rlax run`, or use a "
+            "multi-host backend)"
         )
     try:
         memory = memory_plan(cfg, offline=False)
@@ -219,31 +294,29 @@ def plan_training(
         os.makedirs(cfg.run_dir, exist_ok=True)
     ensure_model(cfg)
     config_path = save_resolved(cfg)
-    s = cfg.staleness
-    ps_url = f"http://127.0.0.1:{_free_port()}"
-    trainer_url = f"http://127.0.0.1:{_free_port()}"
-    workers = {f"worker-{i}": f"http://127.0.0.1:{_free_port()}" for i in range(cfg.workers.count)}
-    workers_file = storage.join(cfg.run_dir, "workers.json")
-    storage.write_bytes(workers_file, json.dumps(workers).encode())
-    argv = {
-        "ps": ["ps", "serve", "--port", ps_url.rsplit(":", 1)[1], "--run-root", cfg.run_dir,
-               *memory.ps.argv(), "--worker-timeout", "60"],
-        "trainer": ["trainer", "--config", config_path, "--ps-url", ps_url,
-                    "--port", trainer_url.rsplit(":", 1)[1]],
-        "controller": ["controller", "--config", config_path, "--trainer-url", trainer_url,
-                       "--workers-file", workers_file, "--steps", str(steps)],
-        "workers": [
-            ["worker", "--model-dir", cfg.model.path, "--ps-url", ps_url, "--worker-id", wid,
-             "--port", url.rsplit(":", 1)[1], "--dtype", cfg.model.dtype,
-             "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
-             "--reload-every", str(s.reload_every), mesh_arg(cfg)]
-            for wid, url in workers.items()
-        ],
-    }  # fmt: skip
+    ports = Ports(
+        ps=_free_port(),
+        trainer=_free_port(),
+        workers=tuple(_free_port() for _ in range(cfg.workers.count)),
+        coordinator=_free_port(),
+    )
     # the bearer token of the run's services (DESIGN §6, §13) and its compilation cache, plus
-    # each job's own devices (DESIGN §12)
-    base = {"RLAX_PS_TOKEN": secrets.token_hex(16), **cache_env(cfg)}
-    envs = {job: {**base, **devices} for job, devices in job_envs(cfg).items()}
+    # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
+    topology = plan_topology(
+        cfg, int(steps), config_path, ports, memory.ps.argv(), secrets.token_hex(16),
+        base_env=cache_env(cfg),
+    )  # fmt: skip
+    write_workers_file(cfg, topology)
+    jobs = {job.name: job for job in topology.jobs}
+    workers = [jobs[w] for w in topology.workers]
+    argv = {
+        "ps": jobs["ps"].argv,
+        "trainer": jobs["trainer"].argv,
+        "controller": jobs["controller"].argv,
+        "workers": [w.argv for w in workers],
+    }
+    envs = {name: job.env for name, job in jobs.items()}
+    ps_url = topology.ps_url
     return {
         "run_id": cfg.run_id,
         "run_root": cfg.run_root,
@@ -252,6 +325,7 @@ def plan_training(
         "steps": int(steps),
         "num_workers": cfg.workers.count,
         "ps_url": ps_url,
+        "runtime_version": runtime_version,
         "argv": argv,
         # one top-level key per job: the DAG reads them as XComs (plan has multiple outputs, and
         # XComArg["a"]["b"] would look up key "b", not argv["b"])
@@ -410,9 +484,18 @@ def slice_run_dir(handle: dict[str, Any]) -> str | None:
 
 # --------------------------------------------------------------------------- operators
 # One place that knows the rlax_tasks.airflow operator signatures (see its module docstring).
-def provision(task_id: str, run_root: str, name: str, run_id: str, accelerator_type: str, **kw):
+def provision(
+    task_id: str,
+    run_root: str,
+    name: str,
+    run_id: str,
+    accelerator_type: str,
+    runtime_version: Any = "",
+    **kw: Any,
+):
     """A ProvisionSliceOperator for slice ``name`` of run ``run_id`` (labelled for the janitor);
-    ``name``/``run_id`` may be templates or XComArgs."""
+    ``name``/``run_id``/``runtime_version`` may be templates or XComArgs ("": none, which only
+    the local backend accepts)."""
     from rlax_tasks.airflow import ProvisionSliceOperator
     from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
 
@@ -422,6 +505,7 @@ def provision(task_id: str, run_root: str, name: str, run_id: str, accelerator_t
         backend_settings=backend_settings(run_root),
         name=name,
         accelerator_type=accelerator_type,
+        runtime_version=runtime_version,
         labels={MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
         **kw,
     )
