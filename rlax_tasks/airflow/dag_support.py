@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import time
 from importlib import resources
 from typing import Any
@@ -202,12 +201,6 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------- training plan
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _overrides(
     params: dict[str, Any], run_root: str, run_id: str, dataset: str, verifier: str
 ) -> dict:
@@ -256,7 +249,7 @@ def plan_training(
     from rlax_tasks.run.local_run import ensure_model
     from rlax_tasks.run.placement import describe
     from rlax_tasks.run.plan import memory_plan
-    from rlax_tasks.run.topology import Ports, plan_topology, write_workers_file
+    from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -294,16 +287,10 @@ def plan_training(
         os.makedirs(cfg.run_dir, exist_ok=True)
     ensure_model(cfg)
     config_path = save_resolved(cfg)
-    ports = Ports(
-        ps=_free_port(),
-        trainer=_free_port(),
-        workers=tuple(_free_port() for _ in range(cfg.workers.count)),
-        coordinator=_free_port(),
-    )
     # the bearer token of the run's services (DESIGN §6, §13) and its compilation cache, plus
     # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
     topology = plan_topology(
-        cfg, int(steps), config_path, ports, memory.ps.argv(), secrets.token_hex(16),
+        cfg, int(steps), config_path, free_ports(cfg), memory.ps.argv(), secrets.token_hex(16),
         base_env=cache_env(cfg),
     )  # fmt: skip
     write_workers_file(cfg, topology)

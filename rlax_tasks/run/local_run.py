@@ -19,8 +19,8 @@ from typing import Any
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe
-from rlax_tasks.run.supervisor import Component, Supervisor, free_port
-from rlax_tasks.run.topology import Ports, plan_topology, write_workers_file
+from rlax_tasks.run.supervisor import Component, Supervisor
+from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +163,8 @@ def run_local(
         report["before"] = evaluator.evaluate()
 
     token = secrets.token_hex(16)
-    ports = Ports(
-        ps=free_port(),
-        trainer=free_port(),
-        workers=tuple(free_port() for _ in range(cfg.workers.count)),
-        coordinator=free_port(),
-    )
     topology = plan_topology(
-        cfg, steps, config_path, ports, plan.ps.argv(), token, base_env=cache_env(cfg)
+        cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token, base_env=cache_env(cfg)
     )
     write_workers_file(cfg, topology)
     ps_url = topology.ps_url

@@ -3,7 +3,7 @@
 One planner for both launchers — ``rlax run`` (local processes under a supervisor) and the
 rlax_train DAG (jobs on slices through a compute backend) — so a job is described once:
 
-    topo = plan_topology(cfg, steps, config_path, ports=free_ports(cfg))
+    topo = plan_topology(cfg, steps, config_path, free_ports(cfg), ps_args, token)
     topo.jobs          # [Job(name, argv, env, slice, hosts)], in start order
     topo.processes()   # [(process name, job, env)]: one per host of a multi-host job
 
@@ -38,6 +38,18 @@ class Ports:
     coordinator: int  # the trainer group's jax.distributed coordinator (trainer.hosts > 1)
 
 
+def free_ports(cfg: Any) -> Ports:
+    """Ports free on this machine now for every service of ``cfg`` (the jobs bind them soon)."""
+    from rlax_tasks.run.supervisor import free_port
+
+    return Ports(
+        ps=free_port(),
+        trainer=free_port(),
+        workers=tuple(free_port() for _ in range(cfg.workers.count)),
+        coordinator=free_port(),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One job of the run: ``rlax <argv>`` with ``env`` on ``hosts`` of slice ``slice``."""
@@ -49,9 +61,6 @@ class Job:
     hosts: tuple[int, ...] = (0,)
     # False: the job may finish (exit 0 = done, the controller); services run until stopped
     service: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "hosts": list(self.hosts)}
 
 
 @dataclasses.dataclass(frozen=True)
