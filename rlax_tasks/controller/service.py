@@ -1,7 +1,8 @@
 """`rlax controller`: the Controller wired to real components over HTTP.
 
-Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` that the supervisor
-rewrites when a worker (re)starts, so workers can join, leave or move; the trainer is a
+Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` (or, on slices, each
+worker's service file, rlax_tasks.endpoints) that the launcher rewrites when a worker (re)starts,
+so workers can join, leave or move; the trainer is a
 ``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
 the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset.
 """
@@ -17,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_tasks import storage
 from rlax_tasks.controller.controller import (
     Controller,
     ControllerSettings,
@@ -24,6 +26,7 @@ from rlax_tasks.controller.controller import (
     WorkerError,
 )
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
+from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
 from rlax_tasks.rollout.service import WorkerClient
 from rlax_tasks.rollout.worker import GroupRequest, GroupResult
@@ -36,26 +39,26 @@ class HttpWorkerPool:
 
     def __init__(self, workers_file: str, timeout_s: float = 10.0) -> None:
         self.workers_file, self.timeout_s = workers_file, timeout_s
-        self._mtime: float | None = None
+        self._generation: int | None = None
         self._clients: dict[str, WorkerClient] = {}
 
     def _refresh(self) -> None:
-        try:
-            mtime = os.stat(self.workers_file).st_mtime
-        except FileNotFoundError:
+        info = storage.stat(self.workers_file)  # local or gs://
+        if info is None:
             self._clients = {}
+            self._generation = None
             return
-        if mtime == self._mtime:
+        if info.generation == self._generation:
             return
-        with open(self.workers_file) as f:
-            urls = json.load(f)
+        # {worker id: URL, or the service file the worker publishes its address to}
+        addresses = json.loads(storage.read_bytes(self.workers_file))
         self._clients = {
             w: self._clients[w]
-            if w in self._clients and self._clients[w].url == u.rstrip("/")
-            else WorkerClient(u, timeout_s=self.timeout_s)
-            for w, u in sorted(urls.items())
+            if w in self._clients and self._clients[w].endpoint.spec == Endpoint(a).spec
+            else WorkerClient(a, timeout_s=self.timeout_s)
+            for w, a in sorted(addresses.items())
         }
-        self._mtime = mtime
+        self._generation = info.generation
 
     def worker_ids(self) -> list[str]:
         self._refresh()
@@ -211,8 +214,16 @@ def add_controller_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax controller`."""
     p = sub.add_parser("controller", help="the controller: drives workers and the trainer")
     p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    p.add_argument("--trainer-url", required=True)
-    p.add_argument("--workers-file", required=True, help='JSON {"worker-id": "http://..."}')
+    p.add_argument(
+        "--trainer-url",
+        required=True,
+        help="the trainer's URL, or the service file it publishes its address to",
+    )
+    p.add_argument(
+        "--workers-file",
+        required=True,
+        help='JSON {"worker-id": URL or service file}, local or gs:// (re-read when it changes)',
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
     p.add_argument("--status-every-s", type=float, default=10.0)
     p.set_defaults(func=_controller_command)

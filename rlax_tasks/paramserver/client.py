@@ -53,6 +53,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
 from rlax_tasks.paramserver.server import (
     PART_HEADER,
@@ -133,9 +134,8 @@ class ParameterServerClient:
         hash_threads: int = 0,
         push_wait_s: float = 600.0,
     ) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-            raise ValueError(f"url must look like http://HOST:PORT, got {url!r}")
+        # a URL, or the service file the PS publishes its address to (followed when it moves)
+        self._endpoint = Endpoint(url)
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not token:
             raise ValueError(f"token is empty: pass token= or set {TOKEN_ENV}")
@@ -147,8 +147,7 @@ class ParameterServerClient:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if push_wait_s < 0:
             raise ValueError(f"push_wait_s must be >= 0, got {push_wait_s}")
-        self.url, self.worker_id = url.rstrip("/"), worker_id
-        self._host, self._port = parsed.hostname, parsed.port
+        self.worker_id = worker_id
         self._token = token
         self.timeout_s, self.chunk_bytes, self.retries = timeout_s, chunk_bytes, retries
         self.push_wait_s = push_wait_s
@@ -573,8 +572,14 @@ class ParameterServerClient:
             headers[PART_HEADER], headers[PARTS_HEADER] = str(part[0]), str(part[1])
         return headers
 
+    @property
+    def url(self) -> str:
+        """The server's URL (or, before it published one, its service file)."""
+        return str(self._endpoint)
+
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        host, port = self._endpoint.host_port()  # NotPublishedError: a ConnectionError
+        return http.client.HTTPConnection(host, port, timeout=timeout_s)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> Any:
         """One small JSON request, retried on transport errors; the decoded JSON reply."""
@@ -596,8 +601,9 @@ class ParameterServerClient:
         if data is not None:
             headers["Content-Type"] = "application/json"
         for attempt in range(self.retries + 1):
-            conn = self._connection(timeout_s)
+            conn = None
             try:
+                conn = self._connection(timeout_s)
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 return resp.status, resp.read()
@@ -608,7 +614,8 @@ class ParameterServerClient:
                     ) from e
                 time.sleep(min(0.1 * 2**attempt, 1.0))
             finally:
-                conn.close()
+                if conn is not None:
+                    conn.close()
         raise AssertionError  # pragma: no cover
 
     def _raise_for_status(self, status: int, body: bytes, what: str) -> None:

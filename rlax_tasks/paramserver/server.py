@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tasks.endpoints import add_address_args, bind_host, publish, url_of
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver.store import (
     Assembly,
@@ -192,7 +193,7 @@ class ParameterServer:
         if self._httpd is None:
             raise RuntimeError("server not started")
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return url_of(host, port)
 
     def stop(self) -> None:
         """Stops serving, finishes the pending mirror write, releases the port."""
@@ -619,8 +620,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve weight versions (token from $RLAX_PS_TOKEN); prints its URL on stdout line 1",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    add_address_args(p)
     p.add_argument("--run-root", default=None, help="local dir or gs:// URI for the mirror")
     p.add_argument("--keep-versions", type=int, default=2)
     p.add_argument(
@@ -653,7 +653,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
             raise ValueError(f"{TOKEN_ENV} is not set: export a secret token for the server")
         config = ServerConfig(
             token=token,
-            host=args.host,
+            host=bind_host(args.host),
             port=args.port,
             run_root=args.run_root,
             keep_versions=args.keep_versions,
@@ -665,7 +665,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
             verify_push=not args.no_verify_push,
             assembly_timeout_s=args.assembly_timeout,
         )
-        return serve_forever(config)
+        return serve_forever(config, publish_to=args.publish)
 
     p.set_defaults(func=run)
 
@@ -697,10 +697,13 @@ def parse_size(text: str) -> int:
     return size
 
 
-def serve_forever(config: ServerConfig) -> int:
-    """Runs a server until SIGINT/SIGTERM; its URL is the first line on stdout."""
+def serve_forever(config: ServerConfig, publish_to: str | None = None) -> int:
+    """Runs a server until SIGINT/SIGTERM; its URL is the first line on stdout (and written to
+    the service file ``publish_to``, rlax_tasks.endpoints)."""
     server = ParameterServer(config).start()
     print(server.address, flush=True)
+    if publish_to:
+        publish(publish_to, server.address)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

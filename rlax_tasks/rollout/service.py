@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 
+from rlax_tasks.endpoints import Endpoint, add_address_args, bind_host, listen, publish
 from rlax_tasks.rollout.worker import GroupRequest, InferenceWorker
 
 log = logging.getLogger(__name__)
@@ -85,18 +86,23 @@ class WorkerClient:
     """The controller's view of one worker; every call has a timeout."""
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        # a URL, or the service file the worker publishes its address to (followed when it moves)
+        self.endpoint, self.timeout_s = Endpoint(url), timeout_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+
+    @property
+    def url(self) -> str:
+        return str(self.endpoint)
 
     def _call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
     ) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
         try:
+            req = urllib.request.Request(self.endpoint.url() + path, data=data, method=method)
+            req.add_header("Content-Type", "application/json")
+            if self.token:
+                req.add_header("Authorization", f"Bearer {self.token}")
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
@@ -120,17 +126,6 @@ class WorkerClient:
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
-
-
-def _bind(host: str, port: int) -> tuple[socket.socket, str]:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    bound_host, bound_port = sock.getsockname()[:2]
-    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    return sock, f"http://{url_host}:{bound_port}"
 
 
 def _register(source: Any, url: str, wait_s: float) -> None:
@@ -201,13 +196,15 @@ def _worker_command(args: argparse.Namespace) -> int:
     else:
         source = FixedWeights(sampler.params, version=0)
     worker = InferenceWorker(sampler, source, reload_every=args.reload_every)
-    sock, url = _bind(args.host, args.port)
+    sock, url = listen(bind_host(args.host), args.port)
     try:
         worker.start()
     except RuntimeError as e:  # e.g. the PS refused our token: a configuration mistake
         raise ValueError(f"cannot load weights: {e}") from e
     sys.stdout.write(url + "\n")  # first-line contract: the controller reads the address
     sys.stdout.flush()
+    if args.publish:
+        publish(args.publish, url)
     log.info(
         "worker %s serving %s on %s (weights v%s)",
         args.worker_id,
@@ -237,12 +234,12 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--ps-url",
-        help="parameter server URL (token from RLAX_PS_TOKEN): weights "
+        help="parameter server URL, or the service file it publishes to (token from "
+        "RLAX_PS_TOKEN): weights "
         "follow it; without it the model directory's weights serve as version 0",
     )
     p.add_argument("--worker-id", default=f"worker-{socket.gethostname()}-{os.getpid()}")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    add_address_args(p)
     p.add_argument("--max-slots", type=int, default=32)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--decode-chunk", type=int, default=4)

@@ -43,6 +43,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
 from rlax_tasks.controller.controller import TrainerBehindError as ControllerTrainerBehindError
+from rlax_tasks.endpoints import Endpoint, add_address_args, bind_host, listen, publish
 from rlax_tasks.paramserver.client import VersionConflictError
 
 log = logging.getLogger(__name__)
@@ -297,10 +298,15 @@ class TrainerClient:
         give_up_after_s: float = 1800.0,
         retry_s: float = 1.0,
     ) -> None:
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        # a URL, or the service file the trainer publishes its address to (followed)
+        self.endpoint, self.timeout_s = Endpoint(url), timeout_s
         self.give_up_after_s, self.retry_s = give_up_after_s, retry_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.last: dict[str, Any] | None = None
+
+    @property
+    def url(self) -> str:
+        return str(self.endpoint)
 
     def train(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """POSTs step ``step``; connection failures are retried (the step is idempotent)."""
@@ -311,11 +317,12 @@ class TrainerClient:
         body = buf.getvalue()
         deadline = time.monotonic() + self.give_up_after_s
         while True:
-            req = urllib.request.Request(f"{self.url}/v1/steps/{step}", data=body, method="POST")
-            req.add_header("Content-Type", "application/octet-stream")
-            if self.token:
-                req.add_header("Authorization", f"Bearer {self.token}")
             try:
+                url = f"{self.endpoint.url()}/v1/steps/{step}"  # NotPublishedError: an OSError
+                req = urllib.request.Request(url, data=body, method="POST")
+                req.add_header("Content-Type", "application/octet-stream")
+                if self.token:
+                    req.add_header("Authorization", f"Bearer {self.token}")
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     import json
 
@@ -356,7 +363,6 @@ def _trainer_step(detail: str) -> int | None:
 
 
 def _trainer_command(args: argparse.Namespace) -> int:
-    import socket
 
     import uvicorn
 
@@ -393,13 +399,11 @@ def _trainer_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: host 0 stops the group"))
         service.follow()
         return 0
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(16)
-    host, port = sock.getsockname()[:2]
-    sys.stdout.write(f"http://{host}:{port}\n")  # first-line contract
+    sock, url = listen(bind_host(args.host), args.port)
+    sys.stdout.write(url + "\n")  # first-line contract
     sys.stdout.flush()
+    if args.publish:
+        publish(args.publish, url)
     try:
         uvicorn.Server(
             uvicorn.Config(create_app(service, os.environ.get(TOKEN_ENV)), log_level="warning")
@@ -413,7 +417,10 @@ def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax trainer`."""
     p = sub.add_parser("trainer", help="the trainer service: applies the controller's batches")
     p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    p.add_argument("--ps-url", help="parameter server URL (token from RLAX_PS_TOKEN)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--ps-url",
+        help="parameter server URL, or the service file it publishes to (token from "
+        "RLAX_PS_TOKEN)",
+    )
+    add_address_args(p)
     p.set_defaults(func=_trainer_command)
