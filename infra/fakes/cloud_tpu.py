@@ -16,7 +16,10 @@ Served (JSON, as the real API; errors as ``{"error": {code, message, status}}``)
 
 Life of a queued resource: ACCEPTED → (after ``--provision-delay`` s) ACTIVE with its node READY.
 A node has as many hosts as its accelerator type (``rlax_tasks.compute.tpu_types``: v4-16 → 2),
-one ``networkEndpoints`` entry each (127.0.0.1); an unknown type is refused (400). When the node
+one ``networkEndpoints`` entry each, with the host's own address: every host of every node
+creation gets a loopback address of its own (127.X.Y.<host+1>, never 127.0.0.1), and a node
+created again (after a preemption or deletion) gets new ones, as a re-created TPU VM gets a new
+internal IP (``tpu_vm.allocate_host_addresses``). An unknown type is refused (400). When the node
 becomes READY every host runs the node's ``startup-script`` metadata — the real
 ``infra/tpu/startup.sh`` — with bash, its own metadata server (served here, below) and
 stand-ins for docker, tini and gcloud (``infra/fakes/tpu_vm.py``, ``infra/fakes/docker_cli.py``):
@@ -32,7 +35,8 @@ Metadata server (per node and host, as ``http://metadata.google.internal/compute
 ``Metadata-Flavor: Google`` required, else 403):
 - ``GET /fake/metadata/{node name}/hosts/{K}/computeMetadata/v1/instance/attributes/{key}``:
   the node's metadata, plus ``agent-worker-number`` (K) and ``accelerator-type``;
-- ``.../computeMetadata/v1/instance/network-interfaces/0/ip``: 127.0.0.1.
+- ``.../computeMetadata/v1/instance/network-interfaces/0/ip``: the host's address, its
+  ``networkEndpoints`` entry (what startup.sh passes to the agent as ``--address``).
 
 Control endpoints (not part of the real API):
 - ``POST /fake/preempt {"name": ID}``: SIGKILLs every process of every host of the node (startup
@@ -41,7 +45,7 @@ Control endpoints (not part of the real API):
 - ``POST /fake/fail-capacity {"name": ID}``: queued resource → FAILED by SERVICE.
 - ``POST /fake/images {"image": IMAGE}``: the registry holds IMAGE from now on.
 - ``GET  /fake/state``: every queued resource and node state; ``hosts``: per node, each host's
-  startup script, containers and live pids; ``agents``: per node, the pids of its live
+  address, startup script, containers and live pids; ``agents``: per node, the pids of its live
   containers (nodes without any are left out).
 """
 
@@ -62,7 +66,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from infra.fakes.tpu_vm import HOST_ADDRESS, FakeTpuVm, kill_hosts
+from infra.fakes.tpu_vm import FakeTpuVm, allocate_host_addresses, kill_hosts
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 
 log = logging.getLogger("fake_cloud_tpu")
@@ -300,16 +304,15 @@ class FakeCloudTpu:
                     qr["state"] = {"state": "ACTIVE", "stateInitiator": "USER"}
                     node_name = self._node_name(qr)
                     node = dict(qr["tpu"]["nodeSpec"][0]["node"])
-                    n_hosts = tpu_type(node["acceleratorType"]).hosts
+                    # a new VM per host, each with an address of its own (new ones every time)
+                    addresses = allocate_host_addresses(tpu_type(node["acceleratorType"]).hosts)
                     node.update(
                         name=node_name,
                         state="READY",
                         createTime=_now(),
                         queuedResource=name,
                         health="HEALTHY",
-                        networkEndpoints=[
-                            {"ipAddress": HOST_ADDRESS, "port": 8470} for _ in range(n_hosts)
-                        ],
+                        networkEndpoints=[{"ipAddress": a, "port": 8470} for a in addresses],
                     )
                     self.nodes[node_name] = node
                     self._boot_hosts(node_name, node)
@@ -325,12 +328,13 @@ class FakeCloudTpu:
             FakeTpuVm(
                 node_name,
                 k,
+                endpoint["ipAddress"],
                 os.path.join(self.log_dir, f"{short}-{self._boots}", f"host-{k}"),
                 f"{self.url}/fake/metadata/{node_name}/hosts/{k}/computeMetadata/v1",
                 self.registry_path,
                 self.python,
             )
-            for k in range(len(node["networkEndpoints"]))
+            for k, endpoint in enumerate(node["networkEndpoints"])
         ]
         self.hosts[node_name] = hosts
         for host in hosts:

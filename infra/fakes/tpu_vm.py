@@ -7,13 +7,23 @@ service does, with:
 
 - ``RLAX_METADATA_URL``: this host's metadata server, served by the fake (the node's metadata
   attributes, ``agent-worker-number`` = the host's index, ``instance/network-interfaces/0/ip`` =
-  127.0.0.1; ``Metadata-Flavor: Google`` required);
+  the host's own address; ``Metadata-Flavor: Google`` required);
 - ``infra/fakes/bin`` first on ``PATH``: stand-ins for ``docker`` (``docker_cli.py``, with this
   host's own container state), ``tini``, ``gcloud``, and ``python``/``rlax`` resolving to the
   virtualenv's (as inside the image); ``curl`` and ``bash`` are the real ones;
 - ``RLAX_FAKE_HOST=<node>/hosts/<K>/<boot id>`` in the environment, inherited by everything the
   host starts (the script, docker's "containers", the agent, its jobs): a preemption or deletion
   SIGKILLs every process so marked, all hosts at once, as a spot reclaim does.
+
+Addresses: as every TPU VM has its own internal IP, every host of every node creation has its own
+loopback address (``allocate_host_addresses``: 127.X.Y.<host+1>, never 127.0.0.1; Linux routes
+all of 127.0.0.0/8 to the loopback interface, so any of them can be bound and connected to with no
+setup), and a node created again after a preemption or deletion gets new ones. The same address is
+the node's ``networkEndpoints[K].ipAddress``, host K's metadata
+``instance/network-interfaces/0/ip``, the ``--address`` startup.sh gives the agent (published at
+``<slice root>/hosts/<K>.json``, ``RLAX_HOST_ADDRESS`` of its jobs) and ``address`` in
+``state()``. Nothing isolates the hosts' network namespaces: a process may still bind another
+host's address or 0.0.0.0, and a port bound on the wildcard address is taken for every host.
 
 Files: ``<state dir>/startup-script``, ``startup.log`` (the script's output) and ``docker/``
 (the stand-in's containers, with their logs).
@@ -36,7 +46,37 @@ from infra.fakes import docker_cli
 
 BIN = pathlib.Path(__file__).resolve().parent / "bin"
 HOST_VAR = "RLAX_FAKE_HOST"
-HOST_ADDRESS = "127.0.0.1"
+
+# /24 blocks of 127.0.0.0/8 handed out so far in this process (see allocate_host_addresses)
+_next_block = 0
+_blocks_lock = threading.Lock()
+_HOSTS_PER_BLOCK = 254  # last octet 1..254: never .0 nor .255
+_BLOCKS = 254 * 256  # 127.1.0.0/24 .. 127.254.255.0/24
+
+
+def allocate_host_addresses(n_hosts: int) -> list[str]:
+    """New loopback addresses for the ``n_hosts`` hosts of one node creation, in host order.
+
+    Each call takes fresh /24 blocks of 127.0.0.0/8 from a process-wide counter, so an address
+    is unique within the process (across nodes, re-creations of a node, and fakes sharing the
+    process): block B is 127.<1 + B // 256>.<B % 256>.0/24 and host K of a call is
+    127.X.Y.<K + 1> in its first block (a node of more than 254 hosts goes on in the next
+    blocks): the first node created gets 127.1.0.1, 127.1.0.2, ..., the next 127.1.1.1, ...
+    The last octet is never 0 or 255, and 127.0.x.x (the fake API's own 127.0.0.1; 127.0.1.1,
+    Debian's hostname entry) is never used. The counter wraps after 65,024 blocks, far more node
+    creations than a fake lives through.
+    """
+    global _next_block
+    if n_hosts < 1:
+        raise ValueError(f"a node has at least one host, got {n_hosts}")
+    n_blocks = -(-n_hosts // _HOSTS_PER_BLOCK)
+    with _blocks_lock:
+        first, _next_block = _next_block, _next_block + n_blocks
+    out = []
+    for k in range(n_hosts):
+        block = (first + k // _HOSTS_PER_BLOCK) % _BLOCKS
+        out.append(f"127.{1 + block // 256}.{block % 256}.{k % _HOSTS_PER_BLOCK + 1}")
+    return out
 
 
 class FakeTpuVm:
@@ -46,12 +86,14 @@ class FakeTpuVm:
         self,
         node_name: str,
         index: int,
+        address: str,
         state_dir: str,
         metadata_url: str,
         registry_path: str,
         python: str = sys.executable,
     ) -> None:
         self.node_name, self.index = node_name, index
+        self.address = address  # the node's networkEndpoints[index].ipAddress
         # unique per boot, across fakes: two fakes on one machine never kill each other's hosts
         self.key = f"{node_name}/hosts/{index}/{uuid.uuid4().hex[:12]}"
         self.state_dir = pathlib.Path(state_dir)
@@ -114,7 +156,7 @@ class FakeTpuVm:
         startup = self.startup
         return {
             "host": self.index,
-            "address": HOST_ADDRESS,
+            "address": self.address,
             "state_dir": str(self.state_dir),
             "startup": {
                 "pid": startup.pid if startup else None,

@@ -12,6 +12,7 @@ from tests.compute.helpers import (
     ENTRYPOINT,
     FAKE_IMAGE,
     fake_cloud_tpu,
+    host_record,
     preempt,
     read_counter,
     wait_for,
@@ -55,6 +56,12 @@ def finished(backend, job):
     return status if status.state is not JobState.RUNNING else None
 
 
+def addresses(backend, handle):
+    """The host addresses of the slice's node (its networkEndpoints), in host order."""
+    node = backend.client.get_node(name=handle.resource.replace("queuedResources", "nodes"))
+    return [e.ip_address for e in node.network_endpoints]
+
+
 def test_lifecycle_and_outcomes(tpu):
     backend, url = tpu
     handle = backend.provision(SPEC)
@@ -93,6 +100,7 @@ def test_preemption_mid_run_then_reprovision_and_resume(tpu, tmp_path):
     job_spec = JobSpec(name="train", argv=["count", ckpt, "25", "0.1"], heartbeat_timeout_s=10)
     handle = backend.provision(SPEC)
     wait_for(lambda: ready(backend, handle))
+    (old_address,) = addresses(backend, handle)
     job = backend.start_job(handle, job_spec)
     wait_for(lambda: read_counter(ckpt) >= 3)
 
@@ -107,6 +115,9 @@ def test_preemption_mid_run_then_reprovision_and_resume(tpu, tmp_path):
     assert again.instance_id != handle.instance_id and again.name == handle.name
     assert backend.slice_state(handle) is SliceState.DELETED  # the old handle is stale
     wait_for(lambda: ready(backend, again))
+    (new_address,) = addresses(backend, again)  # a re-created TPU VM has a new internal IP
+    assert new_address != old_address and "127.0.0.1" not in (old_address, new_address)
+    assert wait_for(lambda: host_record(again.root, 0))["address"] == new_address
     resumed = backend.start_job(again, job_spec)
     assert resumed.status_dir != job.status_dir
     status = wait_for(lambda: finished(backend, resumed), timeout_s=60)

@@ -77,12 +77,21 @@ def beating(job, host):
     return os.path.exists(os.path.join(job.status_dir, sub, "heartbeat"))
 
 
+def addresses(backend):
+    """The node's host addresses, in host order (its networkEndpoints)."""
+    return [e.ip_address for e in backend.client.get_node(name=NODE).network_endpoints]
+
+
 def test_every_host_runs_the_startup_script_and_its_agent(tpu):
     backend, url, handle = tpu
-    node = backend.client.get_node(name=NODE)
-    assert [e.ip_address for e in node.network_endpoints] == ["127.0.0.1", "127.0.0.1"]
+    ips = addresses(backend)
+    # every host has its own address, as TPU VMs do (loopback ones: bindable with no setup)
+    assert len(ips) == len(set(ips)) == 2 and "127.0.0.1" not in ips
+    assert all(ip.startswith("127.") and ip.split(".")[3] not in ("0", "255") for ip in ips)
     hosts = fake_state(url)["hosts"][NODE]
     assert [h["host"] for h in hosts] == [0, 1]
+    assert [h["address"] for h in hosts] == ips
+    google = {"Metadata-Flavor": "Google"}
     for k, host in enumerate(hosts):
         assert host["startup"]["returncode"] == 0  # the real startup.sh, to its end
         agent = host["containers"]["rlax-agent"]
@@ -90,17 +99,20 @@ def test_every_host_runs_the_startup_script_and_its_agent(tpu):
         assert agent["command"][:5] == ["tini", "--", "python", "-m", "rlax_tasks.compute.agent"]
         flags = dict(zip(agent["command"][5::2], agent["command"][6::2], strict=True))
         assert flags["--worker"] == str(k) and flags["--slice-root"] == handle.root
+        assert flags["--address"] == ips[k]  # startup.sh read it from the host's metadata
+        md = f"{url}/fake/metadata/{NODE}/hosts/{k}/computeMetadata/v1/instance"
+        ip = requests.get(f"{md}/network-interfaces/0/ip", headers=google, timeout=5).text
+        assert ip == ips[k]
         assert host_record(handle.root, k) == {
-            "address": "127.0.0.1",
+            "address": ips[k],
             "worker": k,
             "time": host_record(handle.root, k)["time"],
         }
     # each host's metadata server, as the real one: the header is required
     md = f"{url}/fake/metadata/{NODE}/hosts/1/computeMetadata/v1/instance"
     assert requests.get(f"{md}/attributes/agent-worker-number", timeout=5).status_code == 403
-    google = {"Metadata-Flavor": "Google"}
+    assert requests.get(f"{md}/network-interfaces/0/ip", timeout=5).status_code == 403
     assert requests.get(f"{md}/attributes/agent-worker-number", headers=google).text == "1"
-    assert requests.get(f"{md}/network-interfaces/0/ip", headers=google).text == "127.0.0.1"
     assert requests.get(f"{md}/attributes/rlax-image", headers=google).text == FAKE_IMAGE
 
 
@@ -113,9 +125,13 @@ def test_a_group_job_runs_on_both_hosts_and_a_default_job_on_host_0(tpu):
     assert (first["RLAX_PROCESS_ID"], second["RLAX_PROCESS_ID"]) == ("0", "1")
     assert first["RLAX_NUM_PROCESSES"] == second["RLAX_NUM_PROCESSES"] == "2"
     assert first["RLAX_COORDINATOR_ADDRESS"] == second["RLAX_COORDINATOR_ADDRESS"]
-    assert first["RLAX_COORDINATOR_ADDRESS"] == "127.0.0.1:8482"
+    ips = addresses(backend)
+    assert first["RLAX_COORDINATOR_ADDRESS"] == f"{ips[0]}:8482"  # on host 0
     assert (first["RLAX_WORKER_ID"], second["RLAX_WORKER_ID"]) == ("0", "1")
-    assert first["RLAX_HOST_ADDRESS"] == second["RLAX_HOST_ADDRESS"] == "127.0.0.1"
+    # each host's own address, the one it published
+    assert [first["RLAX_HOST_ADDRESS"], second["RLAX_HOST_ADDRESS"]] == ips
+    assert ips[0] != ips[1]
+    assert [host_record(handle.root, k)["address"] for k in (0, 1)] == ips
 
     single = backend.start_job(handle, JobSpec(name="ps", argv=["group", "0"]))
     # submitted after `single`: once host 1 ran it, host 1's agent has seen `single` too
@@ -160,8 +176,9 @@ def _heartbeat_pid(job, host):
     return (jobstatus.read_json(os.path.join(sub, jobstatus.HEARTBEAT)) or {}).get("pid")
 
 
-def test_stop_then_preemption_kill_every_host(tpu):
+def test_stop_then_preemption_kill_every_host_and_the_new_vms_have_new_addresses(tpu):
     backend, url, handle = tpu
+    old = addresses(backend)
     stopped = backend.start_job(handle, JobSpec(name="a", argv=["group", "60"], hosts=(0, 1)))
     wait_for(lambda: beating(stopped, 0) and beating(stopped, 1))
     backend.stop_job(stopped)
@@ -180,6 +197,22 @@ def test_stop_then_preemption_kill_every_host(tpu):
     assert not [p for p in before if _alive(p)]  # SIGKILLed at once, on both hosts
     assert [h["pids"] for h in fake_state(url)["hosts"][NODE]] == [[], []]
     assert fake_state(url)["agents"] == {}
+
+    # re-provisioned: new VMs with new addresses, published again for the jobs to use
+    again = backend.provision(handle.slice_spec)
+    wait_for(lambda: backend.slice_state(again) is SliceState.READY)
+    new = addresses(backend)
+    assert len(set(new)) == 2 and not set(new) & set(old)
+    assert [h["address"] for h in fake_state(url)["hosts"][NODE]] == new
+    wait_for(lambda: host_record(again.root, 0) and host_record(again.root, 1), 60)
+    assert [host_record(again.root, k)["address"] for k in (0, 1)] == new
+    group = backend.start_job(again, JobSpec(name="c", argv=["group", "0"], hosts=(0, 1)))
+    assert wait_for(lambda: finished(backend, group)).state is JobState.SUCCEEDED
+    first, second = output(group, 0), output(group, 1)
+    assert [first["RLAX_HOST_ADDRESS"], second["RLAX_HOST_ADDRESS"]] == new
+    assert first["RLAX_COORDINATOR_ADDRESS"] == second["RLAX_COORDINATOR_ADDRESS"]
+    assert first["RLAX_COORDINATOR_ADDRESS"] == f"{new[0]}:8482"
+    backend.teardown(again)
 
 
 def _alive(pid):

@@ -1,9 +1,12 @@
 """The stand-ins a fake TPU VM host runs the real startup script with: the docker CLI resolves
 commands from infra/Dockerfile's ENTRYPOINT and CMD as docker does, so the old startup line
-(`docker run IMAGE python -m ...` under ENTRYPOINT `tini -- rlax`) fails here as on a TPU VM."""
+(`docker run IMAGE python -m ...` under ENTRYPOINT `tini -- rlax`) fails here as on a TPU VM.
+Every host of every node creation has a loopback address of its own, as TPU VMs have their own
+internal IPs."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -11,7 +14,8 @@ import uuid
 import pytest
 
 from infra.fakes import docker_cli
-from infra.fakes.tpu_vm import BIN, HOST_VAR
+from infra.fakes.cloud_tpu import ApiError, FakeCloudTpu
+from infra.fakes.tpu_vm import BIN, HOST_VAR, allocate_host_addresses
 from tests.compute.helpers import FAKE_IMAGE, REPO, host_record, wait_for
 
 AGENT = ["-m", "rlax_tasks.compute.agent", "--worker", "0", "--poll", "0.2"]
@@ -108,3 +112,66 @@ def test_the_old_startup_line_fails_and_the_new_one_runs_the_agent(docker, tmp_p
     assert record["State"]["Running"] and record["RestartCount"] == 0
     again = docker("run", "-d", "--name", "rlax-agent", "--entrypoint", "tini", FAKE_IMAGE, "x")
     assert again.returncode == 125 and "already in use" in again.stderr
+
+
+def test_every_host_of_every_node_creation_gets_an_address_of_its_own():
+    first, second = allocate_host_addresses(2), allocate_host_addresses(2)
+    big = allocate_host_addresses(300)  # more hosts than one /24 holds
+    after = allocate_host_addresses(1)
+    every = [*first, *second, *big, *after]
+    assert len(every) == len(set(every)) == 305
+    for address in every:
+        octets = [int(o) for o in address.split(".")]
+        assert octets[0] == 127 and octets[1] != 0 and octets[3] not in (0, 255)
+        socket.inet_aton(address)
+    # host K is .K+1 of its node's block
+    assert [a.rsplit(".", 1)[1] for a in first] == ["1", "2"]
+    assert first[0].rsplit(".", 1)[0] == first[1].rsplit(".", 1)[0] != second[0].rsplit(".", 1)[0]
+    assert big[253].endswith(".254") and big[254].endswith(".1")
+    # loopback: bindable and reachable with no setup, as the hosts' services need
+    with socket.create_server((first[1], 0)) as server:
+        with socket.create_connection(server.getsockname()[:2], timeout=5):
+            pass
+    with pytest.raises(ValueError):
+        allocate_host_addresses(0)
+
+
+def test_the_api_gives_each_host_its_address_and_a_re_created_node_new_ones(tmp_path):
+    fake = FakeCloudTpu(provision_delay_s=0.0, run_agents=False, log_dir=str(tmp_path))
+    parent = "projects/p/locations/z"
+    node = f"{parent}/nodes/n"
+    body = {
+        "tpu": {
+            "nodeSpec": [
+                {
+                    "parent": parent,
+                    "nodeId": "n",
+                    "node": {"acceleratorType": "v4-32", "runtimeVersion": "tpu-ubuntu2204-base"},
+                }
+            ]
+        }
+    }
+
+    def ready():
+        try:
+            return fake.get_node(node)["state"] == "READY" and fake.get_node(node)
+        except ApiError:
+            return None
+
+    def endpoints():
+        ips = [e["ipAddress"] for e in wait_for(ready)["networkEndpoints"]]
+        md = "instance/network-interfaces/0/ip"
+        assert [fake.metadata(node, k, md) for k in range(len(ips))] == ips
+        return ips
+
+    try:
+        fake.create(parent, "n", body)
+        before = endpoints()
+        assert len(before) == len(set(before)) == 4 and "127.0.0.1" not in before
+        fake.preempt("n")
+        fake.delete(f"{parent}/queuedResources/n", force=True)
+        fake.create(parent, "n", body)
+        after = endpoints()
+        assert len(set(after)) == 4 and not set(after) & set(before)
+    finally:
+        fake.close()
