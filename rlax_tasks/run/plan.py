@@ -5,6 +5,12 @@ anything starts (``rlax run`` and the rlax_train DAG's ``plan`` refuse a plan th
 the accelerator named in ``placement.accelerator``). ``ps_retention`` is the parameter server's
 ``--keep-versions`` / ``--keep-bytes`` for both launchers.
 
+``slice_memory_plan(cfg, accelerator_type, worker_accelerator_type)`` is the same plan with the
+jobs on Cloud TPU slices, whatever ``placement`` says (the trainer over every chip of the
+``accelerator_type`` slice, each worker on one host of a ``worker_accelerator_type`` slice, each
+job against its family's HBM per chip): a model that cannot fit the slices is refused before
+they are provisioned. ``slice_fit_error(plan)`` says why in one line, led by the Param to change.
+
 Notation: P parameters; L layers, h hidden, f intermediate, a heads, kv key/value heads, d head
 dim, V vocabulary; bp, bc bytes of model.param_dtype (master weights) and model.dtype (compute,
 what workers and the PS hold); a job's mesh (data, fsdp, tensor) over its devices. An axis that
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -296,6 +303,21 @@ class JobMemory:
         return sum(self.parts.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class SliceJob:
+    """A job of a slice plan (slice_memory_plan): the Param that chose its slice, the Cloud TPU
+    type, its chip, and what the plan says of the job. A worker on the devices the config gives
+    it (no worker_accelerator_type) is led by the trainer's accelerator_type, whose chips it is
+    checked against."""
+
+    param: str  # "accelerator_type" or "worker_accelerator_type"
+    accelerator_type: str
+    accelerator: Any  # placement.Accelerator: the family and its HBM per chip
+    devices: str  # the job's chips in words
+    how: str  # where its usable memory comes from
+    advice: str  # what to change when it does not fit
+
+
 def _usable(cfg: Any, job: str) -> tuple[int | None, str]:
     """Bytes per device ``job`` may use, and how that was derived (None: not checked)."""
     p = cfg.placement
@@ -321,6 +343,8 @@ class MemoryPlan:
     ps: PsRetention
     problems: list[str]  # each: which job, needs, has, what to change
     warnings: list[str]
+    # the jobs on Cloud TPU slices (slice_memory_plan): job → its slice; empty otherwise
+    slices: dict[str, SliceJob] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -377,7 +401,10 @@ class MemoryPlan:
         )
         out += [f"warning: {w}" for w in self.warnings]
         acc, platform = self.cfg.placement.accelerator, self.cfg.placement.platform
-        if self.fits and acc:
+        if self.fits and self.slices:
+            types = dict.fromkeys(f"{j.param} {j.accelerator_type}" for j in self.slices.values())
+            out.append(f"verdict: fits {' and '.join(types)}")
+        elif self.fits and acc:
             out.append(f"verdict: fits {acc}")
         elif self.fits and platform == "cpu":
             out.append(
@@ -404,23 +431,35 @@ def _gib(n: int) -> str:
     return "-" if n == 0 else "<0.01" if n < GiB / 100 else f"{n / GiB:.2f}"
 
 
-def _advice(cfg: Any, job: str) -> str:
+def _advice(cfg: Any, job: str, devices: str | None = None) -> str:
+    """What to change when ``job`` does not fit; ``devices`` replaces the advice on its devices
+    (a slice plan: the Param that sizes the slice)."""
     if job == "trainer":
         remat = "" if cfg.trainer.remat == "full" else "trainer.remat: full, "
+        devices = devices or "give it more devices (placement.trainer, trainer.hosts)"
         return (
-            "give it more devices (placement.trainer, trainer.hosts) or shards "
-            f"(trainer.mesh_shape fsdp/tensor), a smaller trainer.micro_batch_size, {remat}"
-            "or a smaller workers.max_len"
+            f"{devices} or shards (trainer.mesh_shape fsdp/tensor), a smaller "
+            f"trainer.micro_batch_size, {remat}or a smaller workers.max_len"
         )
+    devices = devices or "give each worker more devices (placement.workers)"
     return (
-        "give each worker more devices (placement.workers) with tensor/fsdp shards "
-        "(workers.mesh_shape), fewer workers.slots, or a smaller workers.max_len"
+        f"{devices} with tensor/fsdp shards (workers.mesh_shape), fewer workers.slots, or a "
+        "smaller workers.max_len"
     )
 
 
 def memory_plan(cfg: Any, model_config: str | None = None, offline: bool = True) -> MemoryPlan:
     """The memory plan of ``cfg`` (see the module docstring for every formula)."""
     model, source = resolve_model(cfg, model_config, offline=offline)
+    return _plan(cfg, model, source)
+
+
+def _plan(
+    cfg: Any, model: Any, source: str, slices: dict[str, SliceJob] | None = None
+) -> MemoryPlan:
+    """The plan of ``cfg`` for ``model``; ``slices`` gives jobs on Cloud TPU slices their chip
+    memory, device words and advice (slice_memory_plan), the others take them from placement."""
+    slices = slices or {}
     jobs, notes, problems, warnings = [], [], [], []
     for job in job_names(cfg):
         if job in CPU_JOBS:
@@ -433,8 +472,14 @@ def memory_plan(cfg: Any, model_config: str | None = None, offline: bool = True)
         count = len(devices) if devices is not None else 1
         if job == "trainer":
             count *= cfg.trainer.hosts
-        usable, how = _usable(cfg, job)
-        entry = JobMemory(job, describe_devices(cfg, job), count, parts, usable)
+        on = slices.get(job)
+        if on is None:
+            usable, how = _usable(cfg, job)
+            entry = JobMemory(job, describe_devices(cfg, job), count, parts, usable)
+            advice = _advice(cfg, job)
+        else:
+            usable, how, advice = on.accelerator.memory, on.how, on.advice
+            entry = JobMemory(job, on.devices, count, parts, usable)
         jobs.append(entry)
         if job in ("trainer", "worker-0"):
             notes.append(note)
@@ -444,7 +489,7 @@ def memory_plan(cfg: Any, model_config: str | None = None, offline: bool = True)
                 problems.append(
                     f"{job} needs {format_bytes(entry.total)} per device ("
                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
-                    + f") but has {format_bytes(usable)} ({how}): {_advice(cfg, job)}"
+                    + f") but has {format_bytes(usable)} ({how}): {advice}"
                 )
             elif not problems[-1].startswith("the other workers"):
                 problems.append("the other workers need as much as the one above")
@@ -475,7 +520,298 @@ def memory_plan(cfg: Any, model_config: str | None = None, offline: bool = True)
                 f"the jobs together need about {format_bytes(need)} of this host's "
                 f"{format_bytes(host)} RAM"
             )
-    return MemoryPlan(cfg, model, source, jobs, notes, ps, problems, warnings)
+    return MemoryPlan(cfg, model, source, jobs, notes, ps, problems, warnings, slices)
+
+
+# --------------------------------------------------------------------------- Cloud TPU slices
+# the largest slice a refusal suggests instead (every family has 256-chip slices)
+SUGGEST_MAX_CHIPS = 256
+
+
+def _slice_type(param: str, accelerator_type: str) -> Any:
+    """tpu_type(accelerator_type), its errors naming ``param``; its family's ACCELERATORS entry
+    must exist (the families are named alike)."""
+    from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
+
+    try:
+        t = tpu_type(accelerator_type)
+    except UnknownAcceleratorError as e:
+        raise UnknownAcceleratorError(f"{param}: {e}") from None
+    if t.family not in ACCELERATORS:  # a family tpu_types knows and this table does not
+        raise ValueError(f"{param}: {accelerator_type}: no chip memory known for {t.family}")
+    return t
+
+
+def _worker_chips(cfg: Any, worker_type: Any) -> list[int]:
+    """Chips of each worker: every chip of one host of ``worker_type``, else the config's device
+    list of the worker (none: the mesh's fixed sizes, -1 as 1, as memory_plan counts it)."""
+    if worker_type is not None:
+        return [worker_type.chips_per_host] * cfg.workers.count
+    default = math.prod(1 if s == -1 else s for s in cfg.workers.mesh_shape)
+    out = []
+    for i in range(cfg.workers.count):
+        devices = job_devices(cfg, f"worker-{i}")
+        out.append(default if devices is None else len(devices))
+    return out
+
+
+def _slice_config(cfg: Any, trainer_type: Any, worker_chips: list[int]) -> Any:
+    """``cfg`` as it runs on Cloud TPU slices, built and validated by the config module
+    (RunConfig.from_dict of ``cfg.to_dict()`` with overrides: ``cfg`` itself is not touched).
+
+    placement: platform tpu, accelerator the trainer's family, hosts 1; the trainer every chip of
+    a host of ``trainer_type`` on each of its hosts (trainer.hosts = the slice's hosts). The
+    workers run on slices of their own: their chip indices are numbered after the trainer's, one
+    aligned block each, only so that the config's check of chips shared on one host (which does
+    not apply between slices) passes; the plan uses their counts. Not for launching anything.
+    ConfigError when the config cannot run so (e.g. a trainer.mesh_shape the chips do not split).
+    """
+    from rlax_tasks.config import RunConfig, merge_overrides
+
+    blocks, end = [], trainer_type.chips_per_host
+    for n in worker_chips:
+        start = -(-end // n) * n  # aligned: a TPU process's chips are a block of its size
+        blocks.append(list(range(start, start + n)))
+        end = start + n
+    overrides = {
+        "trainer.hosts": trainer_type.hosts,
+        "placement": {
+            "platform": "tpu",
+            "accelerator": trainer_type.family,
+            "hosts": 1,
+            "trainer": list(range(trainer_type.chips_per_host)),
+            "workers": blocks,
+            "memory_fraction": None,
+        },
+    }
+    return RunConfig.from_dict(merge_overrides(cfg.to_dict(), overrides))
+
+
+def _family_types(accelerator_type: str) -> list[Any]:
+    """The slices of ``accelerator_type``'s family with a power of two of chips up to
+    SUGGEST_MAX_CHIPS, fewest chips first."""
+    from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
+
+    t = tpu_type(accelerator_type)
+    prefix, n = accelerator_type.rsplit("-", 1)
+    per_chip = int(n) // t.chips  # TensorCores a chip where the name counts them
+    out, chips = [], 1
+    while chips <= SUGGEST_MAX_CHIPS:
+        try:
+            out.append(tpu_type(f"{prefix}-{chips * per_chip}"))
+        except UnknownAcceleratorError:
+            pass
+        chips *= 2
+    return out
+
+
+def _fitting_trainer_type(cfg: Any, model: Any, trainer_type: Any, worker_chips: list[int]):
+    """The smallest larger slice of the family whose trainer fits (None: none up to the cap)."""
+    from rlax_tasks.config import ConfigError
+
+    memory = ACCELERATORS[trainer_type.family].memory
+    for t in _family_types(trainer_type.name):
+        if t.chips <= trainer_type.chips:
+            continue
+        try:
+            derived = _slice_config(cfg, t, worker_chips)
+        except ConfigError:  # e.g. a fixed trainer.mesh_shape these chips do not split
+            continue
+        if sum(trainer_bytes(derived, model)[0].values()) <= memory:
+            return t
+    return None
+
+
+def _fitting_worker_type(cfg: Any, model: Any, trainer_type: Any, worker_type: Any):
+    """The smallest slice of the workers' family with more chips a host whose worker fits."""
+    from rlax_tasks.config import ConfigError
+
+    memory = ACCELERATORS[worker_type.family].memory
+    for t in _family_types(worker_type.name):
+        if t.chips_per_host <= worker_type.chips_per_host:
+            continue
+        try:
+            derived = _slice_config(cfg, trainer_type, _worker_chips(cfg, t))
+        except ConfigError:
+            continue
+        if sum(worker_bytes(derived, model, "worker-0")[0].values()) <= memory:
+            return t
+    return None
+
+
+def _chips(n: int) -> str:
+    return f"{n} chip" if n == 1 else f"{n} chips"
+
+
+def slice_memory_plan(
+    cfg: Any,
+    accelerator_type: str,
+    worker_accelerator_type: str | None = None,
+    model_config: str | None = None,
+    offline: bool = False,
+) -> MemoryPlan:
+    """The memory plan of ``cfg`` as it would run on Cloud TPU slices, whatever its placement
+    says: what the rlax_train DAG checks before it provisions anything.
+
+    - the trainer spans every chip of the ``accelerator_type`` slice: trainer.hosts = its hosts,
+      each host's chips_per_host chips (rlax_tasks.compute.tpu_types), trainer.mesh_shape over
+      them all;
+    - each worker runs on one host of a ``worker_accelerator_type`` slice, on all its chips;
+      None: each worker keeps the devices the config gives it (placement.workers; none given:
+      the workers.mesh_shape sizes, -1 as 1), on chips of the trainer's family;
+    - every job is checked against the HBM of its slice's chip (ACCELERATORS: v4, v5e, v5p,
+      v6e), the parameter server against the host RAM as in ``memory_plan``.
+
+    The plan's config (``plan.cfg``) is ``cfg`` rebuilt through the config module with
+    placement.platform tpu and placement.accelerator the trainer's family (``_slice_config``);
+    ``cfg`` is not modified. ``plan.slices`` says which slice each job is on, and a problem's
+    advice names the Param to change (a larger ``accelerator_type``: the smallest of the family
+    up to SUGGEST_MAX_CHIPS chips that fits the trainer, when there is one). ``slice_fit_error``
+    turns a plan that does not fit into one line.
+
+    ValueError (UnknownAcceleratorError) for a type that is not a Cloud TPU type; ValueError
+    naming placement.accelerator when it is set to another family than a slice's; ValueError
+    naming the Param and the field when the config cannot run on the slice (e.g. a
+    trainer.mesh_shape its chips do not split, a worker device list of 3 chips); ValueError
+    naming model.path when the model's shapes cannot be found (``resolve_model``).
+    """
+    from rlax_tasks.config import ConfigError
+
+    trainer_type = _slice_type("accelerator_type", accelerator_type)
+    worker_type = (
+        None
+        if worker_accelerator_type is None
+        else _slice_type("worker_accelerator_type", worker_accelerator_type)
+    )
+    named = cfg.placement.accelerator
+    for param, t in (("accelerator_type", trainer_type), ("worker_accelerator_type", worker_type)):
+        if t is not None and named is not None and named != t.family:
+            other = f", or pick a {named} {param}" if ACCELERATORS[named].platform == "tpu" else ""
+            raise ValueError(
+                f"placement.accelerator: is {named!r} but {param} {t.name} is a {t.family} "
+                f"slice: set placement.accelerator to {t.family!r} or leave it out (null){other}"
+            )
+    worker_chips = _worker_chips(cfg, worker_type)
+    try:
+        derived = _slice_config(cfg, trainer_type, worker_chips)
+    except ConfigError as e:
+        on_workers = e.field.startswith(("workers", "placement.workers"))
+        param, t = (
+            ("worker_accelerator_type", worker_type)
+            if on_workers and worker_type is not None
+            else ("accelerator_type", trainer_type)
+        )
+        hosts = f"{t.hosts} hosts × {_chips(t.chips_per_host)}" if t.hosts > 1 else "1 host"
+        raise ValueError(
+            f"{param}: {t.name} ({_chips(t.chips)}, {hosts}): the config cannot run on it: {e}"
+        ) from None
+    model, source = resolve_model(derived, model_config, offline=offline)
+
+    trainer_acc = ACCELERATORS[trainer_type.family]
+    hosts = f" × {trainer_type.hosts} hosts" if trainer_type.hosts > 1 else ""
+    trainer = SliceJob(
+        "accelerator_type", trainer_type.name, trainer_acc,
+        f"{trainer_type.name}: {_chips(trainer_type.chips_per_host)}{hosts}",
+        f"a {trainer_acc.name} chip of {trainer_type.name}",
+        _advice(derived, "trainer", "use a larger accelerator_type"),
+    )  # fmt: skip
+
+    def worker(n: int) -> SliceJob:
+        if worker_type is None:
+            return SliceJob(
+                "accelerator_type", trainer_type.name, trainer_acc,
+                f"{_chips(n)} of {trainer_acc.name} (as configured)",
+                f"a {trainer_acc.name} chip, the family of accelerator_type {trainer_type.name}",
+                _advice(
+                    derived, "worker-0",
+                    "run the workers on slices of their own (worker_accelerator_type), or give "
+                    "each worker more chips (placement.workers)",
+                ),
+            )  # fmt: skip
+        acc = ACCELERATORS[worker_type.family]
+        return SliceJob(
+            "worker_accelerator_type", worker_type.name, acc,
+            f"{worker_type.name}: {_chips(n)}{' of a host' if worker_type.hosts > 1 else ''}",
+            f"a {acc.name} chip of {worker_type.name}",
+            _advice(
+                derived, "worker-0",
+                "use a worker_accelerator_type with more chips a host (each worker runs on one "
+                "host of it)",
+            ),
+        )  # fmt: skip
+
+    slices = {"trainer": trainer}
+    slices.update({f"worker-{i}": worker(n) for i, n in enumerate(worker_chips)})
+    plan = _plan(derived, model, source, slices)
+
+    # a larger slice that fits, computed, where the advice can name one
+    failing = {j.job for j in plan.jobs if j.usable is not None and j.total > j.usable}
+    if "trainer" in failing:
+        bigger = _fitting_trainer_type(cfg, model, trainer_type, worker_chips)
+        fix = (
+            f"use a larger accelerator_type ({bigger.name} fits the trainer)"
+            if bigger
+            else f"use a larger accelerator_type (no {trainer_type.family} slice of up to "
+            f"{SUGGEST_MAX_CHIPS} chips fits the trainer as configured)"
+        )
+        slices["trainer"] = dataclasses.replace(trainer, advice=_advice(derived, "trainer", fix))
+    if worker_type is not None and failing - {"trainer"}:
+        bigger = _fitting_worker_type(cfg, model, trainer_type, worker_type)
+        fix = (
+            f"use a worker_accelerator_type with more chips a host ({bigger.name}: "
+            f"{_chips(bigger.chips_per_host)} a host fits a worker)"
+            if bigger
+            else f"use a worker_accelerator_type with more chips a host (none of the "
+            f"{worker_type.family} slices of up to {SUGGEST_MAX_CHIPS} chips fits a worker)"
+        )
+        for job in failing - {"trainer"}:
+            slices[job] = dataclasses.replace(slices[job], advice=_advice(derived, job, fix))
+    if failing:
+        plan = _plan(derived, model, source, slices)
+    return plan
+
+
+def slice_fit_error(plan: MemoryPlan, accelerator_type: str | None = None) -> str | None:
+    """Why ``plan`` does not fit, in one line; None when it fits.
+
+    One clause per job at fault (workers that need the same once), each led by the Param that
+    chose its chips, e.g. ``accelerator_type: v5litepod-8: trainer needs 41.2 GiB per chip
+    (params 7.1 GiB, ...) but a v5e chip has 16.0 GiB: use a larger accelerator_type
+    (v5litepod-32 fits the trainer) or shards (trainer.mesh_shape fsdp/tensor), ...``; a
+    parameter server short of host RAM says so and names placement.host_memory. Clauses are
+    joined by "; ". For a plan of ``slice_memory_plan`` the Params come from ``plan.slices``;
+    for another plan the jobs are led by ``accelerator_type`` when given, else by
+    placement.accelerator.
+    """
+    if plan.fits:
+        return None
+    failing = [j for j in plan.jobs if j.usable is not None and j.total > j.usable]
+    clauses, seen = [], []
+    for j in failing:
+        key = (j.parts, j.usable)
+        if key in seen:
+            continue
+        seen.append(key)
+        same = sum((k.parts, k.usable) == key for k in failing) - 1
+        who = j.job if not same else f"{j.job} (and {same} other worker{'s' * (same > 1)})"
+        on = plan.slices.get(j.job)
+        if on is not None:
+            lead, unit, advice = f"{on.param}: {on.accelerator_type}", "chip", on.advice
+            has = f"a {on.accelerator.name} chip has {format_bytes(on.accelerator.memory)}"
+        else:
+            lead = (
+                f"accelerator_type: {accelerator_type}"
+                if accelerator_type
+                else f"placement.accelerator: {plan.cfg.placement.accelerator}"
+            )
+            unit, advice = "device", _advice(plan.cfg, j.job)
+            has = f"it has {format_bytes(j.usable)}"
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in j.parts.items() if v)
+        clauses.append(
+            f"{lead}: {who} needs {format_bytes(j.total)} per {unit} ({parts}) but {has}: {advice}"
+        )
+    clauses += [p for p in plan.problems if p.startswith("ps needs")]
+    return "; ".join(clauses) or "; ".join(plan.problems)
 
 
 def dry_run_text(cfg: Any, plan: MemoryPlan) -> str:
@@ -491,11 +827,15 @@ __all__ = [
     "MemoryPlan",
     "PlanDoesNotFit",
     "PsRetention",
+    "SUGGEST_MAX_CHIPS",
+    "SliceJob",
     "dry_run_text",
     "layer_activations",
     "memory_plan",
     "ps_retention",
     "resolve_model",
+    "slice_fit_error",
+    "slice_memory_plan",
     "trainer_bytes",
     "worker_bytes",
 ]
