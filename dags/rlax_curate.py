@@ -54,6 +54,11 @@ The slice is deleted by a teardown task whatever happens.
             None, type=["null", "string"], format="date",
             description="rows before this ISO date go to train, the rest to test",
         ),
+        "accelerator_type": Param(
+            "cpu", type="string", minLength=1,
+            description="the job's slice: cpu on the local backend, a 1-host Cloud TPU type "
+            "(e.g. v5litepod-1) on cloud_tpu (booting its family's default runtime)",
+        ),
         "run_root": Param(rc.default_run_root(), type="string", minLength=1),
     },
 )  # fmt: skip
@@ -75,10 +80,13 @@ def rlax_curate():
             argv += ["--split-date", params["split_date"]]
         from rlax_tasks.data.formats import get_format
 
-        # a bad format/columns fails here, naming it, before any slice is provisioned
+        # a bad format/columns or slice fails here, naming it, before anything is provisioned
         verifier = get_format(params["format"], params.get("columns") or None).verifier
+        accelerator_type, runtime_version = rc.single_host_slice(params.get("accelerator_type"))
         return {
             "slice": rc.slice_name(rid, "curate"),
+            "accelerator_type": accelerator_type,
+            "runtime_version": runtime_version,
             "run_id": rid,
             "argv": argv,
             "out": out,
@@ -97,7 +105,10 @@ def rlax_curate():
 
     p = plan()
     root = rc.default_run_root()
-    slice_ = rc.provision("provision", root, p["slice"], p["run_id"], "cpu")
+    slice_ = rc.provision(
+        "provision", root, p["slice"], p["run_id"], p["accelerator_type"],
+        runtime_version=p["runtime_version"],
+    )  # fmt: skip
     curate = rc.job("curate", root, slice_.output, p["argv"])
     done = publish(p)
     cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)

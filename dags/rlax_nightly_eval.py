@@ -33,11 +33,17 @@ evaluated. All evaluations share one slice, deleted by a teardown task.
         "active_hours": Param(
             24, type="integer", minimum=1, description="runs silent longer than this are skipped"
         ),
+        "accelerator_type": Param(
+            "cpu", type="string", minLength=1,
+            description="the job's slice: cpu on the local backend, a 1-host Cloud TPU type "
+            "(e.g. v5litepod-1) on cloud_tpu (booting its family's default runtime)",
+        ),
     },
 )
 def rlax_nightly_eval():
     @task
     def plan(params: dict, run_id: str) -> dict:
+        accelerator_type, runtime_version = rc.single_host_slice(params.get("accelerator_type"))
         todo = rc.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
         argvs = []
         for item in todo:
@@ -47,7 +53,14 @@ def rlax_nightly_eval():
         # the janitor leaves this run's slice alone while the status is fresh
         rc.write_status(f"{rc.default_run_root()}/{rid}", "running", run_id)
         log.info("evaluating %d run(s): %s", len(todo), todo)
-        return {"runs": todo, "argvs": argvs, "slice": rc.slice_name(rid, "eval"), "run_id": rid}
+        return {
+            "runs": todo,
+            "argvs": argvs,
+            "slice": rc.slice_name(rid, "eval"),
+            "run_id": rid,
+            "accelerator_type": accelerator_type,
+            "runtime_version": runtime_version,
+        }
 
     @task
     def eval_argvs(p: dict) -> list[list[str]]:
@@ -61,7 +74,10 @@ def rlax_nightly_eval():
 
     p = plan()
     root = rc.default_run_root()
-    slice_ = rc.provision("provision", root, p["slice"], p["run_id"], "cpu")
+    slice_ = rc.provision(
+        "provision", root, p["slice"], p["run_id"], p["accelerator_type"],
+        runtime_version=p["runtime_version"],
+    )  # fmt: skip
     evals = rc.mapped_jobs("evaluate", root, slice_.output, eval_argvs(p))
     cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
     p >> slice_ >> evals >> publish(p) >> cleanup

@@ -20,7 +20,11 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    `runtime_version` (empty = the default image of the accelerator's family) and a type whose
    hosts differ from the run config's `trainer.hosts`. When the run was triggered by the
    **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
-2. **provision** (setup) — the slice the jobs run on.
+2. **provision** (setup) — the run's slices at once: the trainer slice (the trainer over all
+   its hosts, the parameter server and the controller beside host 0) and, with
+   `worker_accelerator_type`, `worker_slices` slices of that type with one worker per host
+   (else the workers run on the trainer slice). Services bind their host's address and publish
+   it under `<run>/services/`; clients find each other there, also after a re-provision.
 3. **start_services** starts every job at once; **ps**, **trainer**, **worker** (mapped over
    the worker index) and **controller** watch them — long-running `rlax` jobs watched by
    deferrable triggers. A preempted or killed job is retried and resumes from the newest
@@ -28,7 +32,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    retries. The service watchers end (stopping their job) once the controller has succeeded.
 4. **finish** — once the controller reached `steps`, stops whatever still runs.
 5. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/`.
-6. **teardown** — deletes the slice, always (all_done), and records the final state in
+6. **teardown** — deletes the slices, always (all_done), and records the final state in
    `<run>/status.json` (read by the RLAX dashboard and the janitor).
 """
 
@@ -72,7 +76,19 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="TPU VM runtime version; empty = the accelerator family's default "
             "(cpu needs none)",
         ),
-        "num_workers": Param(2, type="integer", minimum=1, maximum=256),
+        "worker_accelerator_type": Param(
+            None, type=["null", "string"], minLength=1,
+            description="workers on slices of their own, one worker per host (e.g. v5litepod-4); "
+            "empty = the workers run on the trainer slice",
+        ),
+        "worker_slices": Param(
+            1, type="integer", minimum=1, maximum=64,
+            description="how many worker slices (with worker_accelerator_type)",
+        ),
+        "num_workers": Param(
+            None, type=["null", "integer"], minimum=1, maximum=256,
+            description="empty = the preset's (or one per host of the worker slices)",
+        ),
         "steps": Param(20, type="integer", minimum=1, description="training steps in total"),
         "run_root": Param(
             rc.default_run_root(), type="string", minLength=1,
@@ -102,19 +118,18 @@ def rlax_train():
             p = rc.plan_training(dict(params), run_id, dataset, verifier)
         except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
             raise AirflowFailException(str(e)) from None
-        p["slice"] = rc.slice_name(p["run_id"], "main")
         rc.write_status(p["run_dir"], "running", run_id, steps=p["steps"])
         return p
 
     @task
-    def finish(p: dict, slice_handle: dict) -> None:
+    def finish(p: dict, slice_handles: list) -> None:
         """The controller reached `steps`: stop the services (they run until told)."""
         from rlax_tasks import storage
         from rlax_tasks.compute import get_backend
 
-        storage.write_bytes(storage.join(p["run_dir"], "DONE"), b"")
+        storage.write_bytes(p["done_marker"], b"")  # the watchers stop their jobs
         backend = get_backend(rc.backend_name(), **rc.backend_settings(p["run_root"]))
-        for handle in rc.service_job_handles(slice_handle):
+        for handle in rc.service_job_handles(slice_handles):
             backend.stop_job(handle)
 
     @task
@@ -126,14 +141,14 @@ def rlax_train():
         return rc.eval_argv(cfg, version, rc.eval_dataset_file(cfg))
 
     @task
-    def worker_jobs(p: dict) -> list[dict]:
+    def worker_jobs(p: dict, slices: dict) -> list[dict]:
         # a task of its own: Airflow maps only over a task's whole return value
-        return p["worker_jobs"]  # [{"argv", "env"}]: each worker with its own devices
+        return rc.worker_jobs(p, slices)  # each worker: argv, env, its slice and host
 
     @task
-    def start_services(p: dict, slice_handle: dict) -> dict:
+    def start_services(p: dict, slices: dict) -> dict:
         """Starts every job before any watcher waits (dag.test() runs triggers one by one)."""
-        return rc.start_services(p, slice_handle)
+        return rc.start_services(p, slices)
 
     @task(trigger_rule="all_done")
     def record_state(p: dict, dag_run=None, ti=None) -> str:
@@ -146,22 +161,22 @@ def rlax_train():
 
     p = plan()
     root = rc.default_run_root()
-    slice_ = rc.provision(
-        "provision", root, p["slice"], p["run_id"], "{{ params.accelerator_type }}",
-        runtime_version=p["runtime_version"],  # checked and defaulted by plan
-    )  # fmt: skip
-    h = slice_.output
-    started = start_services(p, h)
-    watch = {"started_jobs": started, "done_when": "controller"}
+    # the trainer slice and the worker slices, as plan checked them (types, runtime versions)
+    slices = rc.provision_slices("provision", root, p["slices"], p["run_id"])
+    everything, h = slices.output, slices.output["trainer"]
+    started = start_services(p, everything)
+    watch = {"started_jobs": started, "done_when": "controller", "done_marker": p["done_marker"]}
     ps = rc.job("ps", root, h, p["argv_ps"], p["env_ps"], **watch)
-    trainer = rc.job("trainer", root, h, p["argv_trainer"], p["env_trainer"], **watch)
-    workers = rc.mapped_jobs_with_env("worker", root, h, worker_jobs(p), **watch)
+    trainer = rc.job(
+        "trainer", root, h, p["argv_trainer"], p["env_trainer"], hosts=p["hosts_trainer"], **watch
+    )
+    workers = rc.mapped_jobs_with_env("worker", root, worker_jobs(p, everything), **watch)
     controller = rc.job("controller", root, h, p["argv_controller"], p["env_controller"], **watch)
-    stop = finish(p, h)
+    stop = finish(p, everything["all"])
     final_eval = eval_argv(p)
     evaluate = rc.job("evaluate", root, h, final_eval, p["env"])
-    cleanup = rc.teardown("teardown", root, h).as_teardown(setups=slice_)
-    p >> slice_ >> started >> [ps, trainer, workers, controller]
+    cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
+    p >> slices >> started >> [ps, trainer, workers, controller]
     controller >> stop >> final_eval >> evaluate >> cleanup
     [ps, trainer, workers] >> cleanup
     cleanup >> record_state(p)

@@ -13,6 +13,7 @@ from typing import Any
 
 _EXPORTS = {
     "ProvisionSliceOperator": "rlax_tasks.airflow.operators",
+    "ProvisionSlicesOperator": "rlax_tasks.airflow.operators",
     "RlaxJobOperator": "rlax_tasks.airflow.operators",
     "TeardownSliceOperator": "rlax_tasks.airflow.operators",
     "JobPreemptedError": "rlax_tasks.airflow.operators",

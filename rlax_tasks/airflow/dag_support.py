@@ -166,6 +166,31 @@ def _hosts(n: int) -> str:
     return f"{n} host" if n == 1 else f"{n} hosts"
 
 
+def single_host_slice(accelerator_type: str | None) -> tuple[str, str]:
+    """(accelerator type, runtime version) of the one-host slice a curation or evaluation job
+    runs on: on cloud_tpu a 1-host Cloud TPU type booting its family's default runtime; on the
+    local backend the type as given ("cpu" by default) and no runtime. PlanError names
+    ``accelerator_type``."""
+    from rlax_tasks.compute import tpu_types
+
+    kind = accelerator_type or "cpu"
+    if backend_name() != "cloud_tpu":
+        return kind, ""
+    try:
+        tpu = tpu_types.tpu_type(kind)
+    except tpu_types.UnknownAcceleratorError as e:
+        raise PlanError(
+            f"accelerator_type: {e}; the cloud_tpu backend provisions Cloud TPU types only "
+            "(e.g. v5litepod-1)"
+        ) from None
+    if tpu.hosts != 1:
+        raise PlanError(
+            f"accelerator_type: {kind} has {_hosts(tpu.hosts)} but this job runs on one: pick a "
+            "1-host type (e.g. v5litepod-1, v4-8)"
+        )
+    return kind, tpu.runtime_version
+
+
 def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
     """The largest type of ``accelerator_type``'s family with ``hosts`` hosts (None: none)."""
     from rlax_tasks.compute import tpu_types
@@ -218,13 +243,109 @@ def _overrides(
         out["staleness.reload_every"] = params["reload_every"]
     if "max_staleness" in params and params.get("max_staleness") != "preset":
         out["staleness.max_staleness"] = params["max_staleness"]
-    if params.get("num_workers"):
+    workers = worker_slice_layout(params)
+    if workers is not None:
+        count = workers.count * workers.hosts
+        if params.get("num_workers") not in (None, count):
+            raise PlanError(
+                f"num_workers: {params['num_workers']} workers, but {workers.count} "
+                f"worker_slices of {params['worker_accelerator_type']} ({_hosts(workers.hosts)} "
+                f"each) run {count}, one per host: leave num_workers empty or change "
+                "worker_slices"
+            )
+        out["workers.count"] = count
+    elif params.get("num_workers"):
         out["workers.count"] = params["num_workers"]
     if dataset:
         out["datasets"] = [
             {"name": "curated", "weight": 1.0, "source": {"path": dataset, "verifier": verifier}}
         ]
     return out
+
+
+def worker_slice_layout(params: dict[str, Any]) -> Any:
+    """The workers' own slices (``rlax_tasks.run.topology.WorkerSlices``) the Params ask for
+    (``worker_accelerator_type``, ``worker_slices``), or None: the workers run on the trainer
+    slice."""
+    from rlax_tasks.compute import tpu_types
+    from rlax_tasks.run.topology import WorkerSlices
+
+    kind = params.get("worker_accelerator_type")
+    if not kind:
+        return None
+    count = params.get("worker_slices") or 1
+    if not isinstance(count, int) or count < 1:
+        raise PlanError(f"worker_slices: give a number of slices >= 1, got {count!r}")
+    try:
+        if backend_name() == "cloud_tpu":
+            tpu_types.tpu_type(kind)  # "cpu" is a local slice only
+        hosts = tpu_types.slice_hosts(kind)
+    except tpu_types.UnknownAcceleratorError as e:
+        raise PlanError(f"worker_accelerator_type: {e}") from None
+    return WorkerSlices(count, hosts)
+
+
+def done_marker(run_dir: str) -> str:
+    """run_dir/DONE: written once the controller reached the run's steps; the service jobs'
+    watchers then stop their jobs (on whichever slice instance they run now)."""
+    from rlax_tasks import storage
+
+    return storage.join(run_dir, "DONE")
+
+
+def check_slice_memory(cfg: Any, params: dict[str, Any]) -> None:
+    """Refuses, in one line naming the Param to change, a run whose model does not fit the
+    chips of its slices (the trainer over every chip of ``accelerator_type``, each worker on a
+    host of ``worker_accelerator_type``), whatever ``placement.accelerator`` says."""
+    from rlax_tasks.run.plan import slice_fit_error, slice_memory_plan
+
+    kind = params.get("accelerator_type") or "cpu"
+    try:
+        plan = slice_memory_plan(cfg, kind, params.get("worker_accelerator_type") or None)
+    except ValueError as e:  # a conflicting placement.accelerator, shapes that cannot be read
+        raise PlanError(str(e).replace("\n", " ")) from None
+    log.info("the run on its slices:\n%s", plan.format(problems=False))
+    error = slice_fit_error(plan, kind)
+    if error:
+        raise PlanError(error)
+
+
+def plan_slices(params: dict[str, Any], run_id: str, trainer_runtime: str) -> list[dict]:
+    """The slices of a run, the trainer's first: [{"role", "name", "accelerator_type",
+    "runtime_version"}]. A worker slice boots the Params' ``runtime_version`` when its type is of
+    the trainer type's family, else its own family's default (cloud_tpu; "" on local)."""
+    from rlax_tasks.compute import tpu_types
+    from rlax_tasks.run.topology import TRAINER_SLICE, worker_slice
+
+    trainer_type = params.get("accelerator_type") or "cpu"
+    slices = [
+        {
+            "role": TRAINER_SLICE,
+            "name": slice_name(run_id, TRAINER_SLICE),
+            "accelerator_type": trainer_type,
+            "runtime_version": trainer_runtime,
+        }
+    ]
+    layout = worker_slice_layout(params)
+    if layout is None:
+        return slices
+    kind = params["worker_accelerator_type"]
+    runtime = ""
+    if backend_name() == "cloud_tpu":
+        own = tpu_types.tpu_type(kind)
+        same = own.family == tpu_types.tpu_type(trainer_type).family
+        runtime = trainer_runtime if same else own.runtime_version
+    for i in range(layout.count):
+        role = worker_slice(i)
+        slices.append(
+            {
+                "role": role,
+                "name": slice_name(run_id, role),
+                "accelerator_type": kind,
+                "runtime_version": runtime,
+            }
+        )
+    return slices
 
 
 def plan_training(
@@ -238,8 +359,11 @@ def plan_training(
     anything starts (PlanError with the plan's message), and so is a slice the backend cannot
     provision for it (``check_slice``: Params ``accelerator_type``, ``runtime_version``; the
     returned ``runtime_version`` is the one to provision with). Each job's environment gives it
-    its own devices (rlax_tasks.run.placement). The services listen on 127.0.0.1 ports chosen
-    here: the local backend runs every job on this machine. ``dataset`` (a curated file, e.g.
+    its own devices (rlax_tasks.run.placement). The services bind their host's address on a free
+    port and publish it under run_dir/services/ (rlax_tasks.endpoints): addresses are not known
+    before the slices exist, and change when one is re-provisioned. ``slices`` lists the slices
+    to provision (``plan_slices``) and each job names its slice (role) and hosts. ``dataset``
+    (a curated file, e.g.
     from the rlax_curate Asset) replaces the preset's datasets (``verifier``: "math" or "code",
     as rlax_curate published it).
     """
@@ -249,7 +373,7 @@ def plan_training(
     from rlax_tasks.run.local_run import ensure_model
     from rlax_tasks.run.placement import describe
     from rlax_tasks.run.plan import memory_plan
-    from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
+    from rlax_tasks.run.topology import plan_topology, write_workers_file
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -265,6 +389,8 @@ def plan_training(
         cfg.trainer.hosts,
         backend_name(),
     )
+    if backend_name() == "cloud_tpu":
+        check_slice_memory(cfg, params)
     steps = params.get("steps") or cfg.trainer.total_steps
     if not steps:
         raise PlanError("steps: give the number of training steps (the preset has none)")
@@ -287,11 +413,13 @@ def plan_training(
         os.makedirs(cfg.run_dir, exist_ok=True)
     ensure_model(cfg)
     config_path = save_resolved(cfg)
+    # a run resumed after it completed (more steps) is not complete any more
+    storage.delete_prefix(done_marker(cfg.run_dir))
     # the bearer token of the run's services (DESIGN §6, §13) and its compilation cache, plus
     # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
     topology = plan_topology(
-        cfg, int(steps), config_path, free_ports(cfg), memory.ps.argv(), secrets.token_hex(16),
-        base_env=cache_env(cfg),
+        cfg, int(steps), config_path, None, memory.ps.argv(), secrets.token_hex(16),
+        base_env=cache_env(cfg), worker_slices=worker_slice_layout(params),
     )  # fmt: skip
     write_workers_file(cfg, topology)
     jobs = {job.name: job for job in topology.jobs}
@@ -303,7 +431,6 @@ def plan_training(
         "workers": [w.argv for w in workers],
     }
     envs = {name: job.env for name, job in jobs.items()}
-    ps_url = topology.ps_url
     return {
         "run_id": cfg.run_id,
         "run_root": cfg.run_root,
@@ -311,17 +438,23 @@ def plan_training(
         "config_path": config_path,
         "steps": int(steps),
         "num_workers": cfg.workers.count,
-        "ps_url": ps_url,
+        "ps_url": topology.ps_url,  # the PS's service file
+        "done_marker": done_marker(cfg.run_dir),
         "runtime_version": runtime_version,
+        "slices": plan_slices(params, cfg.run_id, runtime_version),
+        # {job: {"slice": role, "hosts": [...]}}: where each job runs
+        "placement": {j.name: {"slice": j.slice, "hosts": list(j.hosts)} for j in topology.jobs},
         "argv": argv,
         # one top-level key per job: the DAG reads them as XComs (plan has multiple outputs, and
         # XComArg["a"]["b"] would look up key "b", not argv["b"])
         **{f"argv_{name}": value for name, value in argv.items()},
         "envs": envs,
         **{f"env_{name}": envs[name] for name in ("ps", "trainer", "controller")},
-        # the mapped worker tasks take their command line and environment together
+        "hosts_trainer": list(jobs["trainer"].hosts),
+        # the mapped worker tasks take their command line, environment, slice and hosts together
         "worker_jobs": [
-            {"argv": a, "env": envs[f"worker-{i}"]} for i, a in enumerate(argv["workers"])
+            {"argv": w.argv, "env": w.env, "slice": w.slice, "hosts": list(w.hosts)}
+            for w in workers
         ],
         # jobs after the services (the final `rlax eval`): the trainer's devices, free by then
         "env": envs["trainer"],
@@ -498,6 +631,23 @@ def provision(
     )
 
 
+def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw: Any):
+    """A ProvisionSlicesOperator for a run's slices (``plan_slices``; an XComArg from plan),
+    labelled for the janitor: its output holds each role's handle (``output["trainer"]``) and
+    ``output["all"]``."""
+    from rlax_tasks.airflow import ProvisionSlicesOperator
+    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
+
+    return ProvisionSlicesOperator(
+        task_id=task_id,
+        backend=backend_name(),
+        backend_settings=backend_settings(run_root),
+        slices=slices,
+        labels={MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
+        **kw,
+    )
+
+
 def sibling_grace_s() -> float:
     return float(os.environ.get("RLAX_SIBLING_GRACE_S") or 600)
 
@@ -548,9 +698,9 @@ def mapped_jobs(
     ).expand(argv=argvs)
 
 
-def mapped_jobs_with_env(task_id: str, run_root: str, slice_handle: Any, jobs: Any, **kw: Any):
-    """RlaxJobOperator mapped over ``jobs``: [{"argv": [...], "env": {...}}], one job each
-    (each worker with its own devices)."""
+def mapped_jobs_with_env(task_id: str, run_root: str, jobs: Any, **kw: Any):
+    """RlaxJobOperator mapped over ``jobs``: [{"argv", "env", "slice_handle", "hosts"}], one
+    job each (each worker with its own devices, on its own slice and host)."""
     from rlax_tasks.airflow import RlaxJobOperator
 
     kw.setdefault("sibling_grace_s", sibling_grace_s())
@@ -558,36 +708,47 @@ def mapped_jobs_with_env(task_id: str, run_root: str, slice_handle: Any, jobs: A
         task_id=task_id,
         backend=backend_name(),
         backend_settings=backend_settings(run_root),
-        slice_handle=slice_handle,
         **kw,
     ).expand_kwargs(jobs)
 
 
-def start_services(plan: dict[str, Any], slice_handle: dict[str, Any]) -> dict[str, Any]:
-    """Starts the run's ps, trainer, workers and controller on the slice at once, named as
-    their watching tasks name them, each with its own environment (devices); returns
-    {job name: job handle}."""
+def worker_jobs(plan: dict[str, Any], slices: dict[str, Any]) -> list[dict[str, Any]]:
+    """The mapped worker tasks' arguments: each worker's argv, env and hosts with the handle of
+    its slice (``slices``: the ProvisionSlicesOperator output, {role: handle})."""
+    return [
+        {
+            "argv": w["argv"],
+            "env": w["env"],
+            "hosts": w["hosts"],
+            "slice_handle": slices[w["slice"]],
+        }
+        for w in plan["worker_jobs"]
+    ]
+
+
+def start_services(plan: dict[str, Any], slices: dict[str, Any]) -> dict[str, Any]:
+    """Starts the run's ps, trainer, workers and controller at once, each on its slice and
+    hosts (``slices``: {role: handle}), named as their watching tasks name them, each with its
+    own environment (devices); returns {job name: job handle}."""
     from rlax_tasks.airflow import job_name_for, start_jobs
 
-    argv, envs = plan["argv"], plan["envs"]
+    argv, envs, where = plan["argv"], plan["envs"], plan["placement"]
     jobs = {
-        "ps": (argv["ps"], envs["ps"]),
-        "trainer": (argv["trainer"], envs["trainer"]),
-        **{
-            job_name_for("worker", i): (a, envs[f"worker-{i}"])
-            for i, a in enumerate(argv["workers"])
-        },
-        "controller": (argv["controller"], envs["controller"]),
+        "ps": ("ps", argv["ps"]),
+        "trainer": ("trainer", argv["trainer"]),
+        **{job_name_for("worker", i): (f"worker-{i}", a) for i, a in enumerate(argv["workers"])},
+        "controller": ("controller", argv["controller"]),
     }
     started: dict[str, Any] = {}
-    for name, (job_argv, env) in jobs.items():
+    for name, (planned, job_argv) in jobs.items():
         started.update(
             start_jobs(
                 backend_name(),
                 backend_settings(plan["run_root"]),
-                slice_handle,
+                slices[where[planned]["slice"]],
                 {name: job_argv},
-                env,
+                envs[planned],
+                hosts=where[planned]["hosts"],
             )
         )
     return started
@@ -596,9 +757,14 @@ def start_services(plan: dict[str, Any], slice_handle: dict[str, Any]) -> dict[s
 SERVICE_COMMANDS = ("ps", "trainer", "worker")
 
 
-def service_job_handles(slice_handle: dict[str, Any]) -> list[dict[str, Any]]:
-    """Handles of the service jobs (ps, trainer, workers) started on a slice, read from each
-    job's status directory ``<slice root>/jobs/<job>/spec.json``."""
+def service_job_handles(slice_handles: Any) -> list[dict[str, Any]]:
+    """Handles of the service jobs (ps, trainer, workers) started on a slice (or each of a list
+    of slices), read from each job's status directory ``<slice root>/jobs/<job>/spec.json``."""
+    handles = slice_handles if isinstance(slice_handles, list) else [slice_handles]
+    return [job for handle in handles for job in _service_jobs(handle)]
+
+
+def _service_jobs(slice_handle: dict[str, Any]) -> list[dict[str, Any]]:
     from rlax_tasks import storage
 
     jobs_dir = storage.join(slice_handle["root"], "jobs")

@@ -19,7 +19,10 @@ done = TeardownSliceOperator(task_id="teardown", backend="local", backend_settin
   provisioned again from the spec in its handle (``backend.provision`` is idempotent by name,
   so jobs sharing a slice re-provision it once), and the job starts again: RLAX components
   resume from the newest checkpoint and controller snapshot by themselves.
-- ``TeardownSliceOperator`` deletes the slice (idempotent; a missing handle is a no-op).
+- ``ProvisionSlicesOperator`` provisions a run's slices at once (a trainer slice and worker
+  slices) and returns ``{role: handle, "all": [handles]}`` once all are READY.
+- ``TeardownSliceOperator`` deletes the slice, or each of a list of slices (idempotent; a
+  missing handle is a no-op).
 
 Backends are named (``"local"`` or ``"cloud_tpu"``) with JSON settings, so operators and
 triggers rebuild them anywhere (see ``rlax_tasks.compute.get_backend``).
@@ -40,6 +43,7 @@ from airflow.sdk.exceptions import (
     AirflowRescheduleException,
 )
 
+from rlax_tasks import storage
 from rlax_tasks.airflow.triggers import JobStateTrigger, SliceReadyTrigger
 from rlax_tasks.compute import (
     JobSpec,
@@ -125,6 +129,17 @@ class _BackendOperator(BaseOperator):
         except (ValueError, TypeError) as e:
             raise AirflowFailException(f"{self.task_id}: backend configuration: {e}") from None
 
+    def _defer_on_slice(self, handle: dict[str, Any], method_name: str) -> None:
+        """Defers to SliceReadyTrigger until ``handle`` leaves PROVISIONING, then resumes in
+        ``method_name`` (each subclass sets ``provision_timeout_s``)."""
+        self.defer(
+            trigger=SliceReadyTrigger(
+                self.backend, self.backend_settings, handle, self.poll_interval_s
+            ),
+            method_name=method_name,
+            timeout=timedelta(seconds=self.provision_timeout_s),
+        )
+
     def _wait_slice(self, backend: Any, handle: dict[str, Any], timeout_s: float) -> dict:
         """Polls in-process until the slice leaves PROVISIONING (non-deferrable mode)."""
         deadline = time.monotonic() + timeout_s
@@ -181,13 +196,7 @@ class ProvisionSliceOperator(_BackendOperator):
         state = backend.slice_state(handle)
         if state is SliceState.PROVISIONING:
             if self.deferrable:
-                self.defer(
-                    trigger=SliceReadyTrigger(
-                        self.backend, self.backend_settings, handle, self.poll_interval_s
-                    ),
-                    method_name="execute_complete",
-                    timeout=timedelta(seconds=self.provision_timeout_s),
-                )
+                self._defer_on_slice(handle, "execute_complete")
             return self.execute_complete(
                 context, self._wait_slice(backend, handle, self.provision_timeout_s)
             )
@@ -204,6 +213,76 @@ class ProvisionSliceOperator(_BackendOperator):
         return event["slice"]
 
 
+class ProvisionSlicesOperator(_BackendOperator):
+    """Provisions the slices of a run at once (idempotent by name) and returns, once every one
+    is READY, ``{role: handle dict, ..., "all": [handle dicts]}`` (``multiple_outputs``: each
+    role is an XCom key). ``slices``: [{"role", "name", "accelerator_type", "runtime_version"}]
+    (``rlax_tasks.airflow.dag_support.plan_slices``); a slice that fails fails the task
+    (retryable)."""
+
+    template_fields = ("slices", "labels")
+
+    def __init__(
+        self,
+        *,
+        slices: Any,
+        spot: bool = True,
+        labels: dict[str, str] | None = None,
+        provision_timeout_s: float = 3600.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("poll_interval_s", 15.0)
+        kwargs.setdefault("multiple_outputs", True)
+        super().__init__(**kwargs)
+        self.slices = slices
+        self.spot = spot
+        self.labels = labels or {}
+        self.provision_timeout_s = float(provision_timeout_s)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        backend = self._backend()
+        slices = json.loads(self.slices) if isinstance(self.slices, str) else list(self.slices)
+        handles = {}
+        for s in slices:
+            try:
+                spec = SliceSpec(
+                    name=s["name"],
+                    accelerator_type=s["accelerator_type"],
+                    runtime_version=s.get("runtime_version") or "",
+                    spot=self.spot,
+                    labels=dict(self.labels),
+                )
+                handles[s["role"]] = backend.provision(spec).to_dict()
+            except (ValueError, FileNotFoundError, KeyError) as e:
+                raise AirflowFailException(f"{self.task_id}: slice {s!r}: {e}") from None
+        return self._wait(context, backend, handles)
+
+    def _wait(self, context: Any, backend: Any, handles: dict[str, dict]) -> dict[str, Any]:
+        """Defers on the first slice still PROVISIONING until none is; fails on a lost one."""
+        for handle in handles.values():
+            state = backend.slice_state(handle)
+            if state is SliceState.PROVISIONING:
+                self.log.info("slice %s PROVISIONING", handle["name"])
+                if self.deferrable:
+                    self._defer_on_slice(handle, "execute_complete")
+                state = SliceState(
+                    self._wait_slice(backend, handle, self.provision_timeout_s)["state"]
+                )
+            if state is not SliceState.READY:
+                raise SliceUnavailableError(f"slice {handle['name']} is {state.value}")
+        self.log.info("slices READY: %s", ", ".join(h["name"] for h in handles.values()))
+        return {**handles, "all": list(handles.values())}
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """Resumes after one slice became READY: the handles again (provisioning is idempotent
+        by name), waiting on the next slice still PROVISIONING."""
+        if event["state"] != SliceState.READY.value:
+            raise SliceUnavailableError(
+                f"slice {event['slice']['name']} is {event['state']}: {event.get('message', '')}"
+            )
+        return self.execute(context)
+
+
 def start_jobs(
     backend_name: str,
     backend_settings: dict[str, Any],
@@ -211,11 +290,12 @@ def start_jobs(
     jobs: dict[str, list[str]],
     env: dict[str, str] | None = None,
     heartbeat_timeout_s: float = 120.0,
+    hosts: Any = (0,),
 ) -> dict[str, dict[str, Any]]:
     """Starts every job of a run on a READY slice at once (idempotent: a running job is left
-    alone) and returns {job name: job handle dict} for the watching RlaxJobOperators
-    (``started_jobs=``). A slice that is not READY starts nothing: each job's own task
-    provisions and starts it then."""
+    alone), each on ``hosts`` of the slice, and returns {job name: job handle dict} for the
+    watching RlaxJobOperators (``started_jobs=``). A slice that is not READY starts nothing:
+    each job's own task provisions and starts it then."""
     backend = get_backend(backend_name, **backend_settings)
     handle = _as_handle_dict(slice_handle, "slice_handle")
     if backend.slice_state(handle) is not SliceState.READY:
@@ -227,6 +307,7 @@ def start_jobs(
             argv=list(argv),
             env={str(k): str(v) for k, v in (env or {}).items()},
             heartbeat_timeout_s=heartbeat_timeout_s,
+            hosts=tuple(hosts),
         )
         started[name] = backend.start_job(handle, spec).to_dict()
     return started
@@ -237,12 +318,17 @@ class RlaxJobOperator(_BackendOperator):
 
     With ``started_jobs`` (the output of ``start_jobs``) the job may already run: on the first
     try its state is taken as is (a job that already failed is reported, not restarted), and
-    the watch also ends when the ``done_when`` job (the run's controller) has succeeded — the
-    operator then stops its own job — or when another started job stays down for
+    the watch also ends when the ``done_when`` job (the run's controller) has succeeded or the
+    ``done_marker`` object exists (the run's DONE, which also holds after a re-provisioned slice
+    gave the controller a new handle) — the operator then stops its own job — or when another
+    started job stays down for
     ``sibling_grace_s`` (the task reschedules itself and uses no retry; see ``JobStateTrigger``).
     """
 
-    template_fields = ("slice_handle", "argv", "env", "job_name", "run_root", "started_jobs")
+    template_fields = (
+        "slice_handle", "argv", "env", "job_name", "run_root", "started_jobs", "hosts",
+        "done_marker",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -250,6 +336,7 @@ class RlaxJobOperator(_BackendOperator):
         slice_handle: Any,
         argv: list[str],
         env: dict[str, str] | None = None,
+        hosts: Any = (0,),
         job_name: str | None = None,
         run_root: str = "",
         heartbeat_timeout_s: float = 120.0,
@@ -257,12 +344,14 @@ class RlaxJobOperator(_BackendOperator):
         started_jobs: Any = None,
         done_when: str | None = None,
         sibling_grace_s: float = 600.0,
+        done_marker: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.slice_handle = slice_handle
         self.argv = argv
         self.env = env or {}
+        self.hosts = hosts  # the slice's hosts the job runs on (a list, or an XComArg)
         self.job_name = job_name
         self.run_root = run_root
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
@@ -270,6 +359,7 @@ class RlaxJobOperator(_BackendOperator):
         self.started_jobs = started_jobs
         self.done_when = done_when
         self.sibling_grace_s = float(sibling_grace_s)
+        self.done_marker = done_marker
 
     def _started(self) -> dict[str, dict[str, Any]]:
         jobs = self.started_jobs or {}
@@ -281,6 +371,13 @@ class RlaxJobOperator(_BackendOperator):
         backend = self._backend()
         ti = context.get("ti") if hasattr(context, "get") else None
         own = self._started().get(self._job_spec(context).name)
+        if self.done_marker and storage.exists(self.done_marker):
+            # the run is complete (a retry or reschedule after `finish` stopped the services):
+            # nothing to start again
+            if own is not None:
+                backend.stop_job(own)
+            self.log.info("%s exists: the run is complete, not starting the job", self.done_marker)
+            return {"job": own, "exit_code": None, "message": "the run is complete"}
         if own is not None and getattr(ti, "try_number", 1) <= 1:
             status = backend.job_state(own)
             if status.state is JobState.RUNNING:
@@ -300,13 +397,7 @@ class RlaxJobOperator(_BackendOperator):
             state = backend.slice_state(handle)
         if state is SliceState.PROVISIONING:
             if self.deferrable:
-                self.defer(
-                    trigger=SliceReadyTrigger(
-                        self.backend, self.backend_settings, handle, self.poll_interval_s
-                    ),
-                    method_name="start_on_ready_slice",
-                    timeout=timedelta(seconds=self.provision_timeout_s),
-                )
+                self._defer_on_slice(handle, "start_on_ready_slice")
             return self.start_on_ready_slice(
                 context, self._wait_slice(backend, handle, self.provision_timeout_s)
             )
@@ -333,6 +424,7 @@ class RlaxJobOperator(_BackendOperator):
                 env={str(k): str(v) for k, v in (self.env or {}).items()},
                 run_root=self.run_root,
                 heartbeat_timeout_s=self.heartbeat_timeout_s,
+                hosts=tuple(json.loads(hosts) if isinstance(hosts := self.hosts, str) else hosts),
             )
         except ValueError as e:
             raise AirflowFailException(f"{self.task_id}: {e}") from None
@@ -357,6 +449,7 @@ class RlaxJobOperator(_BackendOperator):
             done_when=done_when,
             siblings=siblings,
             sibling_grace_s=self.sibling_grace_s,
+            done_marker=self.done_marker,
         )
         if self.deferrable:
             self.defer(trigger=trigger, method_name="execute_complete")
@@ -399,6 +492,11 @@ class TeardownSliceOperator(_BackendOperator):
         if not self.slice_handle:
             self.log.info("no slice handle (provisioning never succeeded): nothing to delete")
             return
-        handle = _as_handle_dict(self.slice_handle, "slice_handle")
-        self._backend().teardown(handle)
-        self.log.info("slice %s torn down", handle["name"])
+        value = self.slice_handle
+        if isinstance(value, str) and value.startswith("["):
+            value = json.loads(value)
+        backend = self._backend()
+        for item in value if isinstance(value, list) else [value]:  # one handle, or a list
+            handle = _as_handle_dict(item, "slice_handle")
+            backend.teardown(handle)
+            self.log.info("slice %s torn down", handle["name"])

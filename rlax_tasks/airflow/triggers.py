@@ -92,8 +92,11 @@ class _PollingTrigger(BaseTrigger):
 
 
 class JobStateTrigger(_PollingTrigger):
-    """Fires once the job is no longer RUNNING (succeeded, failed, or preempted), once the
-    ``done_when`` job has succeeded, or once a sibling job has been down past the grace time."""
+    """Fires once the job is no longer RUNNING (succeeded, failed, or preempted), once the run
+    is complete — the ``done_marker`` object exists (checked first: whoever writes it may stop
+    this job next) or the ``done_when`` job has succeeded — or once a sibling job has been down
+    past the grace time. The marker survives re-provisioned slices, whose jobs have new
+    handles; ``done_when`` and ``siblings`` are the handles started with the run."""
 
     def __init__(
         self,
@@ -105,10 +108,12 @@ class JobStateTrigger(_PollingTrigger):
         done_when: dict[str, Any] | None = None,
         siblings: list[dict[str, Any]] | None = None,
         sibling_grace_s: float = 600.0,
+        done_marker: str | None = None,
     ) -> None:
         super().__init__(backend_name, backend_settings, poll_interval_s, max_consecutive_errors)
         self.job_handle = dict(job_handle)
         self.done_when = dict(done_when) if done_when else None
+        self.done_marker = done_marker or None
         self.siblings = [dict(h) for h in siblings or []]
         self.sibling_grace_s = float(sibling_grace_s)
         self._down_since: dict[str, float] = {}
@@ -122,10 +127,16 @@ class JobStateTrigger(_PollingTrigger):
                 "done_when": self.done_when,
                 "siblings": self.siblings,
                 "sibling_grace_s": self.sibling_grace_s,
+                "done_marker": self.done_marker,
             },
         )
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
+        if self.done_marker is not None:
+            from rlax_tasks import storage
+
+            if storage.exists(self.done_marker):
+                return self._event("DONE", f"{self.done_marker} exists: the run is complete")
         status = backend.job_state(self.job_handle)
         if status.state is not JobState.RUNNING:
             return {**status.to_dict(), "job": self.job_handle}

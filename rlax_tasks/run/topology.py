@@ -8,10 +8,17 @@ rlax_train DAG (jobs on slices through a compute backend) — so a job is descri
     topo.processes()   # [(process name, job, env)]: one per host of a multi-host job
 
 A run is a trainer slice (the trainer over ``trainer.hosts`` hosts, the parameter server and the
-controller beside its host 0) and its workers (DESIGN §10). A job on several hosts is one
-``jax.distributed`` group: each of its processes gets RLAX_COORDINATOR_ADDRESS (host 0's address
-and the group's port), RLAX_NUM_PROCESSES and RLAX_PROCESS_ID (rlax_tasks.trainer.process_group).
-Importable without JAX.
+controller beside its host 0) and its workers (DESIGN §10): on the trainer slice's host 0, or
+with ``WorkerSlices`` one per host of slices of their own ("workers-0", "workers-1", ...). A job
+on several hosts is one ``jax.distributed`` group: each of its processes gets
+RLAX_COORDINATOR_ADDRESS (host 0's address and the group's port), RLAX_NUM_PROCESSES and
+RLAX_PROCESS_ID (rlax_tasks.trainer.process_group).
+
+Addresses: with ``ports`` (``rlax run``: every job on this machine) the services listen on
+``host`` at those ports and clients get URLs. With ``ports=None`` (slices: addresses unknown
+until the slices exist, and new after a re-provision) every service binds its host's address on a
+free port and publishes it to ``run_dir/services/<job>.json``; clients get those files
+(rlax_tasks.endpoints) and the node agent sets the group variables. Importable without JAX.
 """
 
 from __future__ import annotations
@@ -22,10 +29,29 @@ from typing import Any
 from rlax_tasks import storage
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from rlax_tasks.endpoints import service_file
 from rlax_tasks.run.placement import job_envs
 
 TOKEN_ENV = "RLAX_PS_TOKEN"
 TRAINER_SLICE = "trainer"
+
+
+def worker_slice(index: int) -> str:
+    """The role name of the ``index``-th worker slice."""
+    return f"workers-{index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSlices:
+    """Workers on slices of their own: ``count`` slices of ``hosts`` hosts, one worker per host
+    (each on its host's devices)."""
+
+    count: int
+    hosts: int
+
+    def place(self, worker: int) -> tuple[str, tuple[int, ...]]:
+        """(slice role, hosts) of worker ``worker``."""
+        return worker_slice(worker // self.hosts), (worker % self.hosts,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +96,9 @@ class Topology:
     jobs: list[Job]
     ps_url: str
     trainer_url: str
-    workers: dict[str, str]  # worker id → URL (the controller reads them from workers.json)
-    coordinator: str  # host:port of the trainer group's coordinator
+    # worker id → URL or service file (the controller reads them from workers.json)
+    workers: dict[str, str]
+    coordinator: str | None  # host:port of the trainer group's coordinator (None: the agent's)
 
     def job(self, name: str) -> Job:
         for job in self.jobs:
@@ -82,6 +109,8 @@ class Topology:
     def processes(self) -> list[tuple[str, Job, dict[str, str]]]:
         """(process name, job, environment) of every process, a multi-host job once per host:
         ``trainer`` (host 0, the one that serves), ``trainer-host1``, ... (followers)."""
+        if self.coordinator is None:
+            raise ValueError("processes() needs the ports plan (rlax run); slices run jobs whole")
         out = []
         for job in self.jobs:
             if len(job.hosts) == 1:
@@ -111,58 +140,88 @@ def plan_topology(
     cfg: Any,
     steps: int,
     config_path: str,
-    ports: Ports,
+    ports: Ports | None,
     ps_args: list[str],
     token: str,
     base_env: dict[str, str] | None = None,
     host: str = "127.0.0.1",
+    worker_slices: WorkerSlices | None = None,
 ) -> Topology:
     """The jobs of run ``cfg`` for ``steps`` training steps (``ps_args``: the memory plan's
     ``--keep-versions``/``--keep-bytes``), with ``token`` and ``base_env`` in every job's
-    environment and each job's own devices (rlax_tasks.run.placement)."""
-    if len(ports.workers) != cfg.workers.count:
-        raise ValueError(f"{len(ports.workers)} worker ports for {cfg.workers.count} workers")
+    environment and each job's own devices (rlax_tasks.run.placement). ``ports=None``: published
+    addresses (see the module docstring); ``worker_slices``: the workers' own slices."""
+    n = cfg.workers.count
+    if ports is not None and len(ports.workers) != n:
+        raise ValueError(f"{len(ports.workers)} worker ports for {n} workers")
+    if worker_slices is not None and worker_slices.count * worker_slices.hosts != n:
+        raise ValueError(
+            f"workers.count is {n} but {worker_slices.count} worker slices of "
+            f"{worker_slices.hosts} hosts hold {worker_slices.count * worker_slices.hosts} "
+            "workers (one per host)"
+        )
     run_dir = cfg.run_dir
-    ps_url = f"http://{host}:{ports.ps}"
-    trainer_url = f"http://{host}:{ports.trainer}"
-    workers = {f"worker-{i}": f"http://{host}:{p}" for i, p in enumerate(ports.workers)}
+    wids = [f"worker-{i}" for i in range(n)]
+    if ports is not None:
+        urls = {
+            "ps": f"http://{host}:{ports.ps}",
+            "trainer": f"http://{host}:{ports.trainer}",
+            **{w: f"http://{host}:{p}" for w, p in zip(wids, ports.workers, strict=True)},
+        }
+        listen = {
+            name: ["--host", host, "--port", url.rsplit(":", 1)[1]] for name, url in urls.items()
+        }
+        coordinator: str | None = f"{host}:{ports.coordinator}"
+    else:
+        urls = {name: service_file(run_dir, name) for name in ("ps", "trainer", *wids)}
+        listen = {name: ["--port", "0", "--publish", path] for name, path in urls.items()}
+        coordinator = None
     devices = job_envs(cfg)
     base = {TOKEN_ENV: token, **(base_env or {})}
     s = cfg.staleness
+    ps_url = urls["ps"]
     jobs = [
         Job(
             "ps",
-            ["ps", "serve", "--port", str(ports.ps), "--run-root", run_dir, *ps_args,
+            ["ps", "serve", *listen["ps"], "--run-root", run_dir, *ps_args,
              "--worker-timeout", "60"],
             {**base, **devices["ps"]},
         ),
         Job(
             "trainer",
-            ["trainer", "--config", config_path, "--ps-url", ps_url,
-             "--port", str(ports.trainer)],
+            ["trainer", "--config", config_path, "--ps-url", ps_url, *listen["trainer"]],
             {**base, **devices["trainer"]},
             hosts=tuple(range(cfg.trainer.hosts)),
         ),
-        *(
+    ]  # fmt: skip
+    for i, wid in enumerate(wids):
+        where = (
+            {}
+            if worker_slices is None
+            else dict(zip(("slice", "hosts"), worker_slices.place(i), strict=True))
+        )
+        jobs.append(
             Job(
                 wid,
                 ["worker", "--model-dir", cfg.model.path, "--ps-url", ps_url, "--worker-id", wid,
-                 "--port", url.rsplit(":", 1)[1], "--dtype", cfg.model.dtype,
+                 *listen[wid], "--dtype", cfg.model.dtype,
                  "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
                  "--reload-every", str(s.reload_every), mesh_arg(cfg)],
                 {**base, **devices[wid]},
+                **where,
             )
-            for wid, url in workers.items()
-        ),
+        )  # fmt: skip
+    jobs.append(
         Job(
             "controller",
-            ["controller", "--config", config_path, "--trainer-url", trainer_url,
+            ["controller", "--config", config_path, "--trainer-url", urls["trainer"],
              "--workers-file", workers_file(cfg), "--steps", str(steps)],
             {**base, **devices["controller"]},
             service=False,
-        ),
-    ]  # fmt: skip
-    return Topology(jobs, ps_url, trainer_url, workers, f"{host}:{ports.coordinator}")
+        )
+    )  # fmt: skip
+    workers = {w: urls[w] for w in wids}
+    return Topology(jobs, ps_url, urls["trainer"], workers, coordinator)
 
 
 def workers_file(cfg: Any) -> str:

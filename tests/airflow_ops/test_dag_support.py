@@ -98,3 +98,98 @@ def test_provision_passes_the_runtime_version_to_the_operator(monkeypatch):
     assert (op.accelerator_type, op.runtime_version) == ("v4-8", "v2-alpha-x")
     assert op.backend == "cloud_tpu"
     assert "runtime_version" in op.template_fields  # an XComArg from plan is resolved at runtime
+
+
+def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch):
+    """cloud_tpu: the trainer slice over all its hosts, the worker slices one worker per host,
+    each job placed on its slice and hosts; services publish their addresses under the run."""
+    from tests.run.test_local_run import tiny_model
+
+    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    tiny_model(str(tmp_path / "model"))
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": "r1",
+        "steps": 2,
+        "model_path": str(tmp_path / "model"),
+        "accelerator_type": "v4-16",
+        "worker_accelerator_type": "v5litepod-8",
+        "worker_slices": 2,
+        "overrides": {"trainer.hosts": 2},
+    }
+    p = rc.plan_training(params, "manual__a")
+    assert p["slices"] == [
+        {"role": "trainer", "name": "rlax-r1-trainer", "accelerator_type": "v4-16",
+         "runtime_version": "tpu-ubuntu2204-base"},
+        {"role": "workers-0", "name": "rlax-r1-workers-0", "accelerator_type": "v5litepod-8",
+         "runtime_version": "v2-alpha-tpuv5-lite"},  # its own family's default
+        {"role": "workers-1", "name": "rlax-r1-workers-1", "accelerator_type": "v5litepod-8",
+         "runtime_version": "v2-alpha-tpuv5-lite"},
+    ]  # fmt: skip
+    assert p["num_workers"] == 2  # one per host of 2 one-host slices
+    assert p["hosts_trainer"] == [0, 1]
+    assert [(w["slice"], w["hosts"]) for w in p["worker_jobs"]] == [
+        ("workers-0", [0]),
+        ("workers-1", [0]),
+    ]
+    assert p["ps_url"] == str(tmp_path / "runs" / "r1" / "services" / "ps.json")
+    handles = {s["role"]: {"name": s["name"]} for s in p["slices"]}
+    jobs = rc.worker_jobs(p, handles)
+    assert [j["slice_handle"]["name"] for j in jobs] == ["rlax-r1-workers-0", "rlax-r1-workers-1"]
+
+    with pytest.raises(rc.PlanError, match="^num_workers: 3 workers, but 2 worker_slices"):
+        rc.plan_training({**params, "num_workers": 3}, "manual__b")
+    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: accelerator type 'cpu'"):
+        rc.plan_training({**params, "worker_accelerator_type": "cpu"}, "manual__c")
+
+
+def test_workers_share_the_trainer_slice_unless_told(tmp_path):
+    from tests.run.test_local_run import tiny_model
+
+    tiny_model(str(tmp_path / "model"))
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": "r2",
+        "steps": 2,
+        "model_path": str(tmp_path / "model"),
+    }
+    p = rc.plan_training(params, "manual__d")  # the local backend
+    assert [s["role"] for s in p["slices"]] == ["trainer"]
+    assert {w["slice"] for w in p["worker_jobs"]} == {"trainer"}
+    assert p["placement"]["controller"] == {"slice": "trainer", "hosts": [0]}
+
+
+def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_path, monkeypatch):
+    """Qwen2.5-7B shapes with float32 master weights and Adam on a v5litepod-8 trainer slice:
+    one line naming accelerator_type and the chip's memory, nothing written (no
+    placement.accelerator set: the slice's type decides)."""
+    from tests.run.test_slice_memory import QWEN_7B, model_dir
+
+    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "steps": 2,
+        "model_path": str(model_dir(tmp_path, "qwen7b", QWEN_7B)),
+        "accelerator_type": "v5litepod-8",
+    }
+    with pytest.raises(rc.PlanError) as info:
+        rc.plan_training(params, "manual__big")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("accelerator_type: v5litepod-8: trainer needs")
+    assert "a v5e chip has 16.0 GiB" in message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu(monkeypatch):
+    assert rc.single_host_slice(None) == ("cpu", "")  # the local backend, as before
+    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    assert rc.single_host_slice("v5litepod-1") == ("v5litepod-1", "v2-alpha-tpuv5-lite")
+    assert rc.single_host_slice("v4-8") == ("v4-8", "tpu-ubuntu2204-base")
+    with pytest.raises(rc.PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
+        rc.single_host_slice("cpu")
+    with pytest.raises(rc.PlanError, match="^accelerator_type: v4-16 has 2 hosts but this job"):
+        rc.single_host_slice("v4-16")

@@ -223,6 +223,40 @@ def test_service_watchers_end_and_stop_their_job_once_the_controller_succeeded(l
     assert not os.path.exists(started["ps"]["status_dir"] + ".1")  # never restarted
 
 
+def test_a_watcher_ends_on_the_runs_done_marker_even_with_a_stale_controller_handle(
+    local, tmp_path
+):
+    """After a re-provisioned slice the controller runs under a new handle: the one the run
+    started with never succeeds, but the run's DONE marker still ends the watch, and it is
+    looked at before the job (the marker's writer stops the jobs right after)."""
+    handle = provision(local)
+    started = start_jobs("local", local, handle, {"ps": ["sleep", "120"]})
+    stale = {**started["ps"], "name": "controller", "status_dir": str(tmp_path / "gone")}
+    marker = str(tmp_path / "run" / "DONE")
+    op = job_op(
+        local, handle, ["sleep", "120"], task_id="ps", done_marker=marker,
+        started_jobs={**started, "controller": stale}, done_when="controller",
+    )  # fmt: skip
+    trigger = None
+    try:
+        op.execute(context())
+    except TaskDeferred as deferred:
+        trigger = rebuild(deferred.trigger)
+    backend = get_backend("local", **local)
+    assert trigger._observe(backend) is None  # running, the controller not done
+    os.makedirs(os.path.dirname(marker))
+    open(marker, "w").close()
+    get_backend("local", **local).stop_job(started["ps"])  # what `finish` does next
+    event = trigger._observe(backend)
+    assert event["state"] == "DONE" and "DONE exists" in event["message"]
+    result = op.execute_complete(context(), event)
+    assert result["exit_code"] is None  # a success: the task is not retried
+    # a watcher that comes back (rescheduled) after the run completed starts nothing again
+    again = op.execute(context())
+    assert again["message"] == "the run is complete"
+    assert not os.path.exists(started["ps"]["status_dir"] + ".1")
+
+
 def test_a_job_that_ended_before_its_first_watch_is_reported_not_restarted(local):
     handle = provision(local)
     started = start_jobs("local", local, handle, {"trainer": ["exit", "2"]})
@@ -343,3 +377,35 @@ def run_deferrable_from(op, deferred: TaskDeferred) -> Any:
             return method(context(), **kwargs)
         except TaskDeferred as again:
             method, kwargs = getattr(op, again.method_name), {"event": fire(again.trigger)}
+
+
+def test_a_runs_slices_are_provisioned_together_and_torn_down_together(local):
+    from rlax_tasks.airflow import ProvisionSlicesOperator
+
+    slices = [
+        {"role": "trainer", "name": "rlax-r1-trainer", "accelerator_type": "cpu"},
+        {"role": "workers-0", "name": "rlax-r1-workers-0", "accelerator_type": "cpu"},
+    ]
+    op = ProvisionSlicesOperator(
+        task_id="provision",
+        backend="local",
+        backend_settings=local,
+        slices=slices,
+        labels={"rlax-run-id": "r1"},
+        poll_interval_s=0.1,
+    )
+    assert op.multiple_outputs  # each role is an XCom of its own
+    out = run_deferrable(op, context())
+    assert [out["trainer"]["name"], out["workers-0"]["name"]] == [s["name"] for s in slices]
+    assert out["all"] == [out["trainer"], out["workers-0"]]
+    backend = get_backend("local", **local)
+    assert {backend.slice_state(h) for h in out["all"]} == {SliceState.READY}
+    # a worker on its own slice, on the host its plan names
+    job = run_deferrable(
+        job_op(local, out["workers-0"], ["exit", "0"], task_id="worker", hosts=[0]), context()
+    )
+    assert job["job"]["slice"]["name"] == "rlax-r1-workers-0" and job["job"]["hosts"] == [0]
+    TeardownSliceOperator(
+        task_id="teardown", backend="local", backend_settings=local, slice_handle=out["all"]
+    ).execute(context())
+    assert {backend.slice_state(h) for h in out["all"]} == {SliceState.DELETED}

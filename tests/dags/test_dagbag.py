@@ -77,13 +77,15 @@ def test_owner_tags_retries_docs(dagbag, dag_id):
 def test_train_params_validate_and_reject_bad_values(dagbag):
     dag = dagbag.dags["rlax_train"]
     resolved = dag.params.validate()
-    assert resolved["preset"] == "tiny-arith" and resolved["num_workers"] >= 1
+    assert resolved["preset"] == "tiny-arith" and resolved["num_workers"] is None  # preset's
+    assert resolved["worker_accelerator_type"] is None and resolved["worker_slices"] == 1
     bad_values = {
         "preset": "no-such-preset",
         "algorithm": "sgd",
         "reload_every": 0,
         "max_staleness": 0,
         "num_workers": 0,
+        "worker_slices": 0,
         "steps": -1,
         "run_id": "Bad/Id",
     }
@@ -137,8 +139,21 @@ def test_train_graph_shape(dagbag):
     assert dag.get_task("provision").is_setup
     assert "teardown" in dag.get_task("controller").get_flat_relative_ids(upstream=False)
     assert dag.get_task("plan").retries == 0  # configuration errors never retry
-    runtime = dag.get_task("provision").runtime_version  # checked and defaulted by plan
-    assert (runtime.operator.task_id, runtime.key) == ("plan", "runtime_version")
+    slices = dag.get_task("provision").slices  # checked by plan: types, runtime versions
+    assert (slices.operator.task_id, slices.key) == ("plan", "slices")
+    # the trainer runs on all of its slice's hosts; the workers each on their slice and host
+    hosts = dag.get_task("trainer").hosts
+    assert (hosts.operator.task_id, hosts.key) == ("plan", "hosts_trainer")
+
+
+@pytest.mark.parametrize("dag_id", ["rlax_curate", "rlax_nightly_eval"])
+def test_curation_and_evaluation_provision_what_their_plan_checked(dagbag, dag_id):
+    dag = dagbag.dags[dag_id]
+    assert dag.params["accelerator_type"] == "cpu"
+    provision = dag.get_task("provision")
+    for field in ("accelerator_type", "runtime_version"):  # from plan: single_host_slice
+        value = getattr(provision, field)
+        assert (value.operator.task_id, value.key) == ("plan", field)
 
 
 def test_dag_support_names():

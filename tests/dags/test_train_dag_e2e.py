@@ -50,14 +50,6 @@ def _kill_when_training(run_dir: str, jobs_dir: str, name: str, killed: list) ->
         time.sleep(0.1)
 
 
-@pytest.fixture
-def airflow_db():
-    from airflow.utils import db
-
-    db.resetdb()
-    yield
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_db):
@@ -80,7 +72,7 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
 
     run_id = "dagtest"
     run_dir = os.path.join(run_root, run_id)
-    jobs_dir = os.path.join(run_dir, "slices", "rlax-dagtest-main", "jobs")
+    jobs_dir = os.path.join(run_dir, "slices", "rlax-dagtest-trainer", "jobs")
     killed: list = []
     killer = threading.Thread(
         target=_kill_when_training, args=(run_dir, jobs_dir, "trainer", killed), daemon=True
@@ -112,6 +104,9 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     assert all(s == TaskInstanceState.SUCCESS for s in states.values()), states
     # the trainer's job ran twice: the killed attempt is archived next to the new one
     assert os.path.isdir(jobs_dir + "/trainer.1")
+    # the restarted trainer listens elsewhere: the controller found it through its service file
+    with open(os.path.join(run_dir, "services", "trainer.json")) as f:
+        assert json.load(f)["url"].startswith("http://127.0.0.1:")
     # every step applied once, in order, across the kill
     lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
     assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))
