@@ -10,6 +10,8 @@ from rlax_tasks.paramserver.client import (
     ParameterServerClient,
     ParameterServerError,
     PullTimeoutError,
+    PushAssemblyTimeoutError,
+    PushTimeoutError,
     ServerUnavailableError,
 )
 from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
@@ -23,6 +25,8 @@ __all__ = [
     "ParameterServerClient",
     "ParameterServerError",
     "PullTimeoutError",
+    "PushAssemblyTimeoutError",
+    "PushTimeoutError",
     "ServerConfig",
     "ServerUnavailableError",
     "VersionConflictError",

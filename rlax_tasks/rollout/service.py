@@ -130,7 +130,8 @@ class WorkerClient:
 
 def _register(source: Any, url: str, wait_s: float) -> None:
     """Registers with the PS (DESIGN §6 GC rule), waiting while it is down (it may be
-    restarting); a refused token is a configuration error."""
+    restarting); a refused token, or a PS URL unreachable for ``wait_s``, is a configuration
+    error (a service file that names no reachable PS yet is not: the job is retried)."""
     import time
 
     deadline = time.monotonic() + wait_s
@@ -140,7 +141,12 @@ def _register(source: Any, url: str, wait_s: float) -> None:
             return
         except ConnectionError as e:
             if time.monotonic() >= deadline:
-                raise ValueError(f"--ps-url {url}: unreachable for {wait_s:.0f}s: {e}") from e
+                message = f"--ps-url {url}: unreachable for {wait_s:.0f}s: {e}"
+                if Endpoint(url).fixed:  # a URL the user gave: most likely a wrong one
+                    raise ValueError(message) from e
+                # a published address: the PS's slice may still be provisioning (exit 1: the
+                # job is retried, where exit 2 would be a configuration error)
+                raise ConnectionError(message) from e
             log.info("parameter server %s not reachable yet (%s); retrying", url, e)
             time.sleep(1.0)
         except RuntimeError as e:

@@ -80,3 +80,19 @@ def test_services_bind_the_host_address_the_agent_set(monkeypatch):
         assert url.startswith("http://127.0.0.5:")
     finally:
         sock.close()
+
+
+def test_a_worker_waiting_for_a_published_ps_is_retried_not_a_configuration_error(tmp_path):
+    """Past --ps-wait-s a URL the user gave is a configuration error (exit 2); a service file
+    naming no reachable PS yet (its slice may still be provisioning) is not (exit 1: retried)."""
+    from rlax_tasks.rollout.service import _register
+
+    class Down:
+        def register(self):
+            raise ConnectionRefusedError("refused")
+
+    with pytest.raises(ValueError, match="unreachable for 0s"):
+        _register(Down(), "http://127.0.0.1:9", wait_s=0.0)
+    with pytest.raises(ConnectionError, match="unreachable for 0s") as info:
+        _register(Down(), str(tmp_path / "services" / "ps.json"), wait_s=0.0)
+    assert not isinstance(info.value, ValueError)
