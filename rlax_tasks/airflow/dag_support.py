@@ -276,10 +276,10 @@ def worker_slice_layout(params: dict[str, Any]) -> Any:
     count = params.get("worker_slices") or 1
     if not isinstance(count, int) or count < 1:
         raise PlanError(f"worker_slices: give a number of slices >= 1, got {count!r}")
+    if backend_name() != "cloud_tpu":
+        return WorkerSlices(count, 1)  # a local slice is this machine, one host, whatever type
     try:
-        if backend_name() == "cloud_tpu":
-            tpu_types.tpu_type(kind)  # "cpu" is a local slice only
-        hosts = tpu_types.slice_hosts(kind)
+        hosts = tpu_types.tpu_type(kind).hosts
     except tpu_types.UnknownAcceleratorError as e:
         raise PlanError(f"worker_accelerator_type: {e}") from None
     return WorkerSlices(count, hosts)

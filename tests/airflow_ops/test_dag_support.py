@@ -159,6 +159,14 @@ def test_workers_share_the_trainer_slice_unless_told(tmp_path):
     assert [s["role"] for s in p["slices"]] == ["trainer"]
     assert {w["slice"] for w in p["worker_jobs"]} == {"trainer"}
     assert p["placement"]["controller"] == {"slice": "trainer", "hosts": [0]}
+    # local worker slices are this machine: one host each, whatever type is named
+    local = rc.plan_training(
+        {**params, "worker_accelerator_type": "v4-16", "worker_slices": 2}, "manual__e"
+    )
+    assert [(w["slice"], w["hosts"]) for w in local["worker_jobs"]] == [
+        ("workers-0", [0]),
+        ("workers-1", [0]),
+    ]
 
 
 def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_path, monkeypatch):
