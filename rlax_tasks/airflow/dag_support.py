@@ -227,8 +227,14 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
 
 # --------------------------------------------------------------------------- training plan
 def _overrides(
-    params: dict[str, Any], run_root: str, run_id: str, dataset: str, verifier: str
+    params: dict[str, Any],
+    run_root: str,
+    run_id: str,
+    dataset: str,
+    verifier: str,
+    workers: Any = None,
 ) -> dict:
+    """The run-config overrides the Params ask for (``workers``: ``worker_slice_layout``)."""
     out: dict[str, Any] = {"run_root": run_root, "run_id": run_id}
     overrides = params.get("overrides") or {}
     if not isinstance(overrides, dict):
@@ -243,7 +249,6 @@ def _overrides(
         out["staleness.reload_every"] = params["reload_every"]
     if "max_staleness" in params and params.get("max_staleness") != "preset":
         out["staleness.max_staleness"] = params["max_staleness"]
-    workers = worker_slice_layout(params)
     if workers is not None:
         count = workers.count * workers.hosts
         if params.get("num_workers") not in (None, count):
@@ -310,9 +315,12 @@ def check_slice_memory(cfg: Any, params: dict[str, Any]) -> None:
         raise PlanError(error)
 
 
-def plan_slices(params: dict[str, Any], run_id: str, trainer_runtime: str) -> list[dict]:
+def plan_slices(
+    params: dict[str, Any], run_id: str, trainer_runtime: str, layout: Any = None
+) -> list[dict]:
     """The slices of a run, the trainer's first: [{"role", "name", "accelerator_type",
-    "runtime_version"}]. A worker slice boots the Params' ``runtime_version`` when its type is of
+    "runtime_version"}], with ``layout`` (``worker_slice_layout``) worker slices. A worker slice
+    boots the Params' ``runtime_version`` when its type is of
     the trainer type's family, else its own family's default (cloud_tpu; "" on local)."""
     from rlax_tasks.compute import tpu_types
     from rlax_tasks.run.topology import TRAINER_SLICE, worker_slice
@@ -326,7 +334,6 @@ def plan_slices(params: dict[str, Any], run_id: str, trainer_runtime: str) -> li
             "runtime_version": trainer_runtime,
         }
     ]
-    layout = worker_slice_layout(params)
     if layout is None:
         return slices
     kind = params["worker_accelerator_type"]
@@ -379,8 +386,10 @@ def plan_training(
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
     if not re.match(RUN_ID_PATTERN, run_id):
         raise PlanError(f"run_id: {run_id!r} must be lowercase letters, digits, '_', '-'")
+    layout = worker_slice_layout(params)
     try:
-        cfg = load_config(params["preset"], _overrides(params, run_root, run_id, dataset, verifier))
+        overrides = _overrides(params, run_root, run_id, dataset, verifier, layout)
+        cfg = load_config(params["preset"], overrides)
     except ConfigError as e:
         raise PlanError(f"run config: {e}") from None
     runtime_version = check_slice(
@@ -419,7 +428,7 @@ def plan_training(
     # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
     topology = plan_topology(
         cfg, int(steps), config_path, None, memory.ps.argv(), secrets.token_hex(16),
-        base_env=cache_env(cfg), worker_slices=worker_slice_layout(params),
+        base_env=cache_env(cfg), worker_slices=layout,
     )  # fmt: skip
     write_workers_file(cfg, topology)
     jobs = {job.name: job for job in topology.jobs}
@@ -441,7 +450,7 @@ def plan_training(
         "ps_url": topology.ps_url,  # the PS's service file
         "done_marker": done_marker(cfg.run_dir),
         "runtime_version": runtime_version,
-        "slices": plan_slices(params, cfg.run_id, runtime_version),
+        "slices": plan_slices(params, cfg.run_id, runtime_version, layout),
         # {job: {"slice": role, "hosts": [...]}}: where each job runs
         "placement": {j.name: {"slice": j.slice, "hosts": list(j.hosts)} for j in topology.jobs},
         "argv": argv,

@@ -105,6 +105,15 @@ def raise_for_job_event(event: dict[str, Any]) -> None:
     raise JobFailedError(f"job {name} {str(state).lower()}: {message}")
 
 
+def _raise_unless_ready(event: dict[str, Any]) -> None:
+    """A SliceReadyTrigger event (or its in-process twin) for a slice that is not READY raises
+    the retryable SliceUnavailableError."""
+    if event["state"] != SliceState.READY.value:
+        raise SliceUnavailableError(
+            f"slice {event['slice']['name']} is {event['state']}: {event.get('message', '')}"
+        )
+
+
 class _BackendOperator(BaseOperator):
     """Shared: a named backend with settings, rebuilt wherever the task runs."""
 
@@ -205,10 +214,7 @@ class ProvisionSliceOperator(_BackendOperator):
         )
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        if event["state"] != SliceState.READY.value:
-            raise SliceUnavailableError(
-                f"slice {event['slice']['name']} is {event['state']}: {event.get('message', '')}"
-            )
+        _raise_unless_ready(event)
         self.log.info("slice %s READY", event["slice"]["name"])
         return event["slice"]
 
@@ -276,10 +282,7 @@ class ProvisionSlicesOperator(_BackendOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resumes after one slice became READY: the handles again (provisioning is idempotent
         by name), waiting on the next slice still PROVISIONING."""
-        if event["state"] != SliceState.READY.value:
-            raise SliceUnavailableError(
-                f"slice {event['slice']['name']} is {event['state']}: {event.get('message', '')}"
-            )
+        _raise_unless_ready(event)
         return self.execute(context)
 
 
@@ -405,10 +408,7 @@ class RlaxJobOperator(_BackendOperator):
 
     def start_on_ready_slice(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resumes after SliceReadyTrigger: starts the job on the (re-)provisioned slice."""
-        if event["state"] != SliceState.READY.value:
-            raise SliceUnavailableError(
-                f"slice {event['slice']['name']} is {event['state']}: {event.get('message', '')}"
-            )
+        _raise_unless_ready(event)
         return self._start(context, self._backend(), event["slice"])
 
     def _job_spec(self, context: Any) -> JobSpec:

@@ -32,7 +32,7 @@ from rlax_tasks.airflow import (
 from rlax_tasks.compute import JobState, SliceState, get_backend
 from tests.compute.helpers import (
     ENTRYPOINT,
-    FAKE_IMAGE,
+    fake_backend_settings,
     fake_cloud_tpu,
     preempt,
     read_counter,
@@ -309,16 +309,9 @@ def test_cloud_tpu_preemption_mid_run_reprovisions_and_resumes(tmp_path):
     the retry re-provisions the slice (deferred again) and the job resumes from its checkpoint."""
     ckpt = str(tmp_path / "ckpt")
     with fake_cloud_tpu(str(tmp_path / "logs"), provision_delay_s=0.5) as url:
-        settings = {
-            "run_root": str(tmp_path / "control"),
-            "project": "proj",
-            "zone": "us-east5-a",
-            "api_endpoint": url,
-            "anonymous": True,
-            "image": FAKE_IMAGE,
-            "entrypoint": ENTRYPOINT,
-            "agent_poll_s": 0.2,
-        }
+        settings = fake_backend_settings(
+            url, zone="us-east5-a", run_root=str(tmp_path / "control"), entrypoint=ENTRYPOINT
+        )
         op = ProvisionSliceOperator(
             task_id="provision",
             backend="cloud_tpu",

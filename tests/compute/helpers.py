@@ -65,6 +65,21 @@ def fake_cloud_tpu(
         proc.wait(timeout=30)
 
 
+def fake_backend_settings(url: str, zone: str = "us-central2-b", **extra: Any) -> dict:
+    """Settings of the cloud_tpu backend pointed at the fake API ``url``: project "proj",
+    anonymous, the fake registry's image, a fast agent poll, plus ``extra`` (run_root,
+    entrypoint)."""
+    return {
+        "project": "proj",
+        "zone": zone,
+        "api_endpoint": url,
+        "anonymous": True,
+        "image": FAKE_IMAGE,
+        "agent_poll_s": 0.2,
+        **extra,
+    }
+
+
 def preempt(url: str, name: str) -> dict:
     import requests
 

@@ -11,6 +11,7 @@ from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_bac
 from tests.compute.helpers import (
     ENTRYPOINT,
     FAKE_IMAGE,
+    fake_backend_settings,
     fake_cloud_tpu,
     host_record,
     preempt,
@@ -33,17 +34,8 @@ SPEC = SliceSpec(
 def tpu(tmp_path):
     """(backend, fake URL) with the run root on the GCS emulator."""
     with gcs_emulator() as bucket, fake_cloud_tpu(str(tmp_path / "fake-logs")) as url:
-        backend = get_backend(
-            "cloud_tpu",
-            run_root=f"{bucket}/runs",
-            project="proj",
-            zone="us-central2-b",
-            api_endpoint=url,
-            anonymous=True,
-            entrypoint=ENTRYPOINT,
-            agent_poll_s=0.2,
-            image=FAKE_IMAGE,
-        )
+        settings = fake_backend_settings(url, run_root=f"{bucket}/runs", entrypoint=ENTRYPOINT)
+        backend = get_backend("cloud_tpu", **settings)
         yield backend, url
 
 

@@ -13,6 +13,7 @@ from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_bac
 from tests.compute.helpers import (
     ENTRYPOINT,
     FAKE_IMAGE,
+    fake_backend_settings,
     fake_cloud_tpu,
     fake_state,
     host_record,
@@ -36,17 +37,10 @@ NODE = "projects/proj/locations/us-central2-b/nodes/t0"
 def tpu(tmp_path):
     """(backend, fake URL, handle of a READY v4-16 slice whose 2 agents have published)."""
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
-        backend = get_backend(
-            "cloud_tpu",
-            run_root=str(tmp_path / "control"),
-            project="proj",
-            zone="us-central2-b",
-            api_endpoint=url,
-            anonymous=True,
-            entrypoint=ENTRYPOINT,
-            agent_poll_s=0.2,
-            image=FAKE_IMAGE,
+        settings = fake_backend_settings(
+            url, run_root=str(tmp_path / "control"), entrypoint=ENTRYPOINT
         )
+        backend = get_backend("cloud_tpu", **settings)
         handle = backend.provision(SPEC)
         wait_for(lambda: backend.slice_state(handle) is SliceState.READY)
         wait_for(lambda: host_record(handle.root, 0) and host_record(handle.root, 1), 60)

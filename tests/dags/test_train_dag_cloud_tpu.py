@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.compute.helpers import FAKE_IMAGE, fake_cloud_tpu, fake_state, preempt
+from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
 from tests.dags.conftest import DAGS
 from tests.dags.test_train_dag_e2e import _read_jsonl
 
@@ -61,14 +61,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     model = str(tmp_path / "model")
     tiny_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
-        settings = {
-            "project": "proj",
-            "zone": "us-central2-b",
-            "api_endpoint": url,
-            "anonymous": True,
-            "image": FAKE_IMAGE,
-            "agent_poll_s": 0.2,
-        }
+        settings = fake_backend_settings(url)  # run_root: the DAG's, added by dag_support
         monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
         monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps(settings))
         monkeypatch.setenv("RLAX_RUN_ROOT", run_root)

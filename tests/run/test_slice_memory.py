@@ -14,15 +14,9 @@ import pytest
 from rlax_tasks import storage
 from rlax_tasks.config import load_config
 from rlax_tasks.run.plan import slice_fit_error, slice_memory_plan
+from tests.run.test_plan import SMALL, GiB
+from tests.run.test_plan import P as P_SMALL  # the small qwen2's parameters, counted by hand
 
-MiB, GiB = 2**20, 2**30
-# the small qwen2 of tests/run/test_plan.py: 107072 parameters
-SMALL = {
-    "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
-    "tie_word_embeddings": False,
-}  # fmt: skip
-P_SMALL = 107072
 # Qwen2.5-7B's shapes (its public config.json): 7,615,616,512 parameters
 QWEN_7B = {
     "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
