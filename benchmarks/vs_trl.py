@@ -11,8 +11,11 @@ and one optimizer step per generated batch, AdamW lr 3e-4 with 10 warm-up steps 
 over the preset's trainer.total_steps (300; ``--max-steps`` when larger), grad-norm clip 1.0,
 temperature 1.0, at most 8 new tokens.
 
-- Ours: ``run_local`` (parameter server, trainer, 2 inference workers, controller: separate
-  processes, JAX CPU) with the preset's staleness (j=1, k=2; ``--reload-every/--max-staleness``).
+- Ours, once per ``--layouts`` entry (default both, side by side): ``run_local`` of the preset
+  colocated (its default: trainer, sampler, parameter server and controller in one process, one
+  sampler of 128 slots) and disaggregated (parameter server, trainer, 2 inference workers of 64
+  slots and controller as separate processes), JAX CPU, with the preset's staleness (j=1, k=2;
+  ``--reload-every/--max-staleness``).
 - TRL: ``GRPOTrainer`` in this process (``transformers.generate`` for the rollouts).
 
 Held-out pass@1 (200 problems never trained on, 8 samples each at temperature 1) is measured
@@ -30,6 +33,7 @@ P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the 
 
     .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
         [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
+        [--layouts colocated,disaggregated] [--compilation-cache DIR]
         [--torch-threads N] [--json-out FILE]
 
 Needs TRL: ``bash scripts/setup.sh --bench``.
@@ -64,6 +68,12 @@ from benchmarks.async_vs_sync import (  # noqa: E402
 )
 
 log = logging.getLogger("benchmarks.vs_trl")
+
+# ours' layouts (placement.mode): the preset's own (colocated) and the paper's separate jobs
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "colocated": {"placement.mode": "colocated", "workers.count": 1, "workers.slots": 128},
+    "disaggregated": {"placement.mode": "disaggregated", "workers.count": 2, "workers.slots": 64},
+}
 
 
 # ------------------------------------------------------------------------------------ data
@@ -412,8 +422,17 @@ def main(argv: list[str] | None = None) -> int:
         help="ours: JAX compilation cache directory kept across invocations (a second run\n"
         "starts warm); default: a fresh one per run, i.e. a first run's compile times",
     )
+    ap.add_argument(
+        "--layouts",
+        default="colocated,disaggregated",
+        help="ours: the placement modes to run, side by side (comma-separated)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown or not layouts:
+        ap.error(f"--layouts: {unknown or 'none'}; choose from {', '.join(LAYOUTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         import trl  # noqa: F401
@@ -474,9 +493,14 @@ def main(argv: list[str] | None = None) -> int:
                 return "max-seconds"
             return None
 
-        results["ours"] = run_ours(
-            "ours", ours_overrides, args.max_steps, model_dir=model_dir, stop_when=stop_when
-        )
+        for layout in layouts:
+            results[f"ours-{layout}"] = run_ours(
+                f"ours-{layout}",
+                {**ours_overrides, **LAYOUTS[layout]},
+                args.max_steps,
+                model_dir=model_dir,
+                stop_when=stop_when,
+            )
     if args.only != "ours":
         results["trl"] = run_trl(
             cfg,
@@ -494,9 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     s = cfg.staleness
     print()
     print(
-        f"tiny-arith: ours (rlax run, j={s.reload_every}, k={s.max_staleness}, "
-        f"{cfg.workers.count} workers) vs TRL GRPOTrainer (PyTorch CPU), {os.cpu_count()} CPUs "
-        f"(busy before start: {fmt_value(busy, '{:.2f}')}); "
+        f"tiny-arith: ours (rlax run, j={s.reload_every}, k={s.max_staleness}; "
+        f"{', '.join(layouts)}) vs TRL GRPOTrainer (PyTorch CPU), {os.cpu_count()} CPUs "
+        f"(busy before start: {fmt_value(busy, '{:.2f}')}, load {os.getloadavg()[0]:.2f}"
+        f"{'; CONTENDED' if busy is not None and busy > 0.2 else ''}); "
         f"ours' JAX compilation cache: {cache_state}"
     )
     print(
@@ -529,26 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     print_curves(
         results, "held-out pass@1 by step (seconds of training when that step's weights existed):"
     )
-    ratio = None
-    ours_t, trl_t = (results.get(k, {}).get("time_to_target") for k in ("ours", "trl"))
+    ratios: dict[str, dict[str, float | None]] = {}
     print()
-    if ours_t and trl_t:
-        ratio = trl_t["seconds"] / ours_t["seconds"]
-        print(f"TRL time / ours = {ratio:.2f}x  (target from the issue: >= 2x)")
-        steady = [after_first_step(results[k]) for k in ("ours", "trl")]
-        if all(steady):
-            print(
-                f"  counted from each side's first training step (start-up and first compile "
-                f"excluded): TRL / ours = {steady[1]['seconds'] / steady[0]['seconds']:.2f}x"
-            )
-    elif "ours" in results and "trl" in results:
-        bound = _lower_bound(results)
-        print(
-            "TRL time / ours: n/a, the target was not reached by "
-            + " and ".join(k for k in ("ours", "trl") if results[k]["time_to_target"] is None)
-            + (f" (a lower bound: {bound})" if bound else "")
-        )
+    for label in [k for k in results if k.startswith("ours")]:
+        ratios[label] = _ratios(results, label)
     print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
+    ratio = (ratios.get("ours-colocated") or next(iter(ratios.values()), {})).get("end_to_end")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
@@ -564,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                     "busy_cores_before": busy,
                     "results": results,
                     "ratio_trl_over_ours": ratio,
+                    "ratios_trl_over_ours": ratios,
+                    "layouts": layouts,
+                    "load_before": os.getloadavg()[0],
                     "compilation_cache": cache_state,
                 },
                 f,
@@ -590,9 +604,37 @@ def _ttt(t: dict[str, Any] | None) -> str:
     return "not reached" if t is None else f"{t['seconds']:.1f}s"
 
 
-def _lower_bound(results: dict[str, dict[str, Any]]) -> str:
+def _ratios(results: dict[str, dict[str, Any]], label: str) -> dict[str, float | None]:
+    """Prints and returns TRL's time to target over ``label``'s: end to end and counted from
+    each side's first training step."""
+    out: dict[str, float | None] = {"end_to_end": None, "from_first_step": None}
+    ours_t = results[label]["time_to_target"]
+    trl_t = (results.get("trl") or {}).get("time_to_target")
+    if "trl" not in results:
+        return out
+    if ours_t and trl_t:
+        out["end_to_end"] = trl_t["seconds"] / ours_t["seconds"]
+        print(f"{label}: TRL time / ours = {out['end_to_end']:.2f}x end to end")
+        steady = [after_first_step(results[k]) for k in (label, "trl")]
+        if all(steady):
+            out["from_first_step"] = steady[1]["seconds"] / steady[0]["seconds"]
+            print(
+                f"  counted from each side's first training step (start-up and first compile "
+                f"excluded): TRL / ours = {out['from_first_step']:.2f}x"
+            )
+        return out
+    bound = _lower_bound(results, label)
+    print(
+        f"{label}: TRL time / ours: n/a, the target was not reached by "
+        + " and ".join(k for k in (label, "trl") if results[k]["time_to_target"] is None)
+        + (f" (a lower bound: {bound})" if bound else "")
+    )
+    return out
+
+
+def _lower_bound(results: dict[str, dict[str, Any]], label: str) -> str:
     """When only ours reached the target: TRL's training time so far over ours (a lower bound)."""
-    ours, trl_r = results["ours"], results["trl"]
+    ours, trl_r = results[label], results["trl"]
     if ours["time_to_target"] and not trl_r["time_to_target"] and trl_r["train_seconds"]:
         return f"TRL / ours > {trl_r['train_seconds'] / ours['time_to_target']['seconds']:.2f}x"
     if trl_r["time_to_target"] and not ours["time_to_target"] and ours["train_seconds"]:

@@ -30,6 +30,9 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    deferrable triggers. A preempted or killed job is retried and resumes from the newest
    checkpoint, controller snapshot and weight mirror; a configuration error fails without
    retries. The service watchers end (stopping their job) once the controller has succeeded.
+   A colocated run (`placement.mode: colocated`, the tiny preset's) is one job — trainer,
+   sampler, parameter server and controller in one process — watched by **controller**; the
+   ps, trainer and worker tasks are skipped.
 4. **finish** — once the controller reached `steps`, stops whatever still runs.
 5. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/`.
 6. **teardown** — deletes the slices, always (all_done), and records the final state in

@@ -465,6 +465,9 @@ class PlacementSettings:
     the parameter server and controller run once, on CPU.
     """
 
+    # disaggregated: PS, trainer, workers and controller as separate jobs (slices, async j/k);
+    # colocated: all of them in one process on the trainer's devices, the sampler reading the
+    # trainer's weights in memory (rlax_tasks/run/colocated.py): one host, workers.count 1
     mode: str = "disaggregated"
     # gpu | tpu | cpu | auto (nothing forced: JAX picks what the host has)
     platform: str = "auto"
@@ -491,12 +494,6 @@ class PlacementSettings:
         )
 
         _check_str(self, "mode", MODES)
-        if self.mode == "colocated":
-            raise ConfigError(
-                "mode",
-                "'colocated' (trainer, sampler, parameter server and controller in one process) "
-                "is not available yet; use 'disaggregated'",
-            )
         _check_str(self, "platform", PLATFORMS)
         _check_int(self, "hosts", low=1)
         if self.accelerator is not None:
@@ -532,7 +529,24 @@ class PlacementSettings:
                 raise ConfigError("host_memory", str(e)) from None
             if self.host_memory <= 0:
                 raise ConfigError("host_memory", "must be positive")
+        if self.mode == "colocated":
+            self._check_colocated()
         self._check_devices(TPU_CHIP_BOUNDS)
+
+    def _check_colocated(self) -> None:
+        """Colocated: one process on one host's devices (the trainer's, shared by the sampler)."""
+        if self.hosts > 1:
+            raise ConfigError(
+                "hosts",
+                "a colocated run is one process on one host; use mode: disaggregated for "
+                "several hosts",
+            )
+        if self.workers is not None:
+            raise ConfigError(
+                "workers",
+                "a colocated sampler runs on the trainer's devices (placement.trainer); leave "
+                "placement.workers out, or use mode: disaggregated",
+            )
 
     def _check_devices(self, tpu_bounds: Mapping[int, str]) -> None:
         lists = {"trainer": self.trainer}
@@ -546,7 +560,8 @@ class PlacementSettings:
                     )
             return
         if self.platform in ("gpu", "tpu"):
-            for name in ("trainer", "workers"):
+            needed = ("trainer",) if self.mode == "colocated" else ("trainer", "workers")
+            for name in needed:
                 if getattr(self, name) is None:
                     who, example = (
                         ("the trainer's", "[0, 1, 2, 3]")
@@ -680,6 +695,20 @@ class RunConfig:
         from rlax_tasks.run.placement import resolve_mesh
 
         p = self.placement
+        if p.mode == "colocated":
+            if self.trainer.hosts > 1:
+                raise ConfigError(
+                    "trainer.hosts",
+                    f"is {self.trainer.hosts}, but a colocated run is one process on one host: "
+                    "use placement.mode: disaggregated for a multi-host trainer",
+                )
+            if self.workers.count != 1:
+                raise ConfigError(
+                    "workers.count",
+                    f"is {self.workers.count}, but a colocated run has one sampler beside the "
+                    "trainer: set workers.count: 1 (and workers.slots to the concurrency you "
+                    "want), or use placement.mode: disaggregated",
+                )
         if p.hosts > 1:  # GPU nodes that each carry a share of the trainer and their workers
             if self.trainer.hosts == 1:
                 _set(self, "trainer", dataclasses.replace(self.trainer, hosts=p.hosts))

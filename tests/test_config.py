@@ -15,7 +15,8 @@ def test_presets_load_validate_and_round_trip():
         assert cfg.run_id == name
         assert RunConfig.from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
     tiny = load_config("tiny-arith")
-    assert tiny.workers.count == 2 and tiny.run_root == "runs"
+    assert tiny.workers.count == 1 and tiny.run_root == "runs"
+    assert tiny.placement.mode == "colocated"  # the embedded default: one process
     assert tiny.datasets[0].source.task == "arithmetic" and tiny.model.warmup_if_missing
     qwq = load_config("qwq-32b-code")
     assert (qwq.staleness.reload_every, qwq.staleness.max_staleness) == (16, 32)

@@ -18,6 +18,7 @@ Environment (all optional):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -378,9 +379,9 @@ def plan_training(
     from rlax_tasks.config import ConfigError, load_config, save_resolved
     from rlax_tasks.run.compilation_cache import cache_env
     from rlax_tasks.run.local_run import ensure_model
-    from rlax_tasks.run.placement import describe
+    from rlax_tasks.run.placement import COLOCATED, describe, is_colocated
     from rlax_tasks.run.plan import memory_plan
-    from rlax_tasks.run.topology import plan_topology, write_workers_file
+    from rlax_tasks.run.topology import Job, plan_topology, write_workers_file
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -430,8 +431,17 @@ def plan_training(
         cfg, int(steps), config_path, None, memory.ps.argv(), secrets.token_hex(16),
         base_env=cache_env(cfg), worker_slices=layout,
     )  # fmt: skip
-    write_workers_file(cfg, topology)
     jobs = {job.name: job for job in topology.jobs}
+    if is_colocated(cfg):
+        # one job, watched by the controller task (its exit 0 ends the run like the
+        # controller's); the ps, trainer and worker tasks have no job and are skipped
+        jobs = {
+            "controller": dataclasses.replace(jobs[COLOCATED], name="controller"),
+            "ps": Job("ps", [], {}),
+            "trainer": Job("trainer", [], {}),
+        }
+    else:
+        write_workers_file(cfg, topology)
     workers = [jobs[w] for w in topology.workers]
     argv = {
         "ps": jobs["ps"].argv,
@@ -452,7 +462,7 @@ def plan_training(
         "runtime_version": runtime_version,
         "slices": plan_slices(params, cfg.run_id, runtime_version, layout),
         # {job: {"slice": role, "hosts": [...]}}: where each job runs
-        "placement": {j.name: {"slice": j.slice, "hosts": list(j.hosts)} for j in topology.jobs},
+        "placement": {n: {"slice": j.slice, "hosts": list(j.hosts)} for n, j in jobs.items()},
         "argv": argv,
         # one top-level key per job: the DAG reads them as XComs (plan has multiple outputs, and
         # XComArg["a"]["b"] would look up key "b", not argv["b"])
@@ -460,13 +470,14 @@ def plan_training(
         "envs": envs,
         **{f"env_{name}": envs[name] for name in ("ps", "trainer", "controller")},
         "hosts_trainer": list(jobs["trainer"].hosts),
+        "colocated": is_colocated(cfg),
         # the mapped worker tasks take their command line, environment, slice and hosts together
         "worker_jobs": [
             {"argv": w.argv, "env": w.env, "slice": w.slice, "hosts": list(w.hosts)}
             for w in workers
         ],
         # jobs after the services (the final `rlax eval`): the trainer's devices, free by then
-        "env": envs["trainer"],
+        "env": envs["controller" if is_colocated(cfg) else "trainer"],
     }
 
 
@@ -750,6 +761,8 @@ def start_services(plan: dict[str, Any], slices: dict[str, Any]) -> dict[str, An
     }
     started: dict[str, Any] = {}
     for name, (planned, job_argv) in jobs.items():
+        if not job_argv:  # not a job of this run (a colocated run has only the controller's)
+            continue
         started.update(
             start_jobs(
                 backend_name(),

@@ -41,6 +41,7 @@ from airflow.sdk.exceptions import (
     AirflowException,
     AirflowFailException,
     AirflowRescheduleException,
+    AirflowSkipException,
 )
 
 from rlax_tasks import storage
@@ -371,6 +372,8 @@ class RlaxJobOperator(_BackendOperator):
         return dict(jobs)
 
     def execute(self, context: Any) -> dict[str, Any]:
+        if not self.argv:  # the plan has no such job (a colocated run is the controller's one)
+            raise AirflowSkipException(f"{self.task_id}: this run has no {self.task_id} job")
         backend = self._backend()
         ti = context.get("ti") if hasattr(context, "get") else None
         own = self._started().get(self._job_spec(context).name)

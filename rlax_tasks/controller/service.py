@@ -161,11 +161,18 @@ class RewardScorer:
 
 
 def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controller:
-    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet; prompts
-    render through ``cfg.prompt`` with the model's tokenizer (DESIGN §11)."""
+    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet over HTTP."""
+    from rlax_tasks.trainer.service import TrainerClient
+
+    return make_controller(cfg, HttpWorkerPool(workers_file), TrainerClient(trainer_url))
+
+
+def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
+    """A Controller for run config ``cfg`` with its workers and trainer (a ``WorkerPool`` and a
+    ``TrainStep``: over HTTP, or in this process in a colocated run); prompts render through
+    ``cfg.prompt`` with the model's tokenizer (DESIGN §11), rewards from ``RewardScorer``."""
     from rlax_tasks.data.prompts import PromptRenderer
     from rlax_tasks.models.model_cache import local_model_dir
-    from rlax_tasks.trainer.service import TrainerClient
 
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
     # the controller only tokenizes: a gs:// model.path is fetched without its weights
@@ -181,9 +188,9 @@ def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controlle
     return Controller(
         ControllerSettings.from_run_config(cfg),
         mixture,
-        HttpWorkerPool(workers_file),
+        pool,
         RewardScorer(mixture),
-        TrainerClient(trainer_url),
+        train_step,
         renderer.encode,
         cfg.run_dir,
     )

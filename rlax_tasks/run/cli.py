@@ -1,4 +1,5 @@
-"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--dry-run]` and `rlax controller`."""
+"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--dry-run]`, `rlax controller` and
+`rlax colocated` (the jobs it starts)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def _dry_run(cfg: Any, model_config: str | None) -> int:
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax run` and `rlax controller`."""
+    """Registers `rlax run`, `rlax controller` and `rlax colocated`."""
     from rlax_tasks.controller.service import add_controller_parser
+    from rlax_tasks.run.colocated import add_colocated_parser
 
     p = sub.add_parser("run", help="run the whole RL loop locally (the main job)")
     p.add_argument("--preset", default="tiny-arith", help="a preset name (default tiny-arith)")
@@ -67,3 +69,4 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=_run_command)
     add_controller_parser(sub)
+    add_colocated_parser(sub)

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
-from rlax_tasks.run.placement import describe
+from rlax_tasks.run.placement import describe, is_colocated
 from rlax_tasks.run.supervisor import Component, Supervisor
 from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
 
@@ -166,7 +166,8 @@ def run_local(
     topology = plan_topology(
         cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token, base_env=cache_env(cfg)
     )
-    write_workers_file(cfg, topology)
+    if not is_colocated(cfg):
+        write_workers_file(cfg, topology)
     ps_url = topology.ps_url
     sup = Supervisor(os.path.join(run_dir, "logs"))
     t0 = time.monotonic()
@@ -180,10 +181,12 @@ def run_local(
             # multi-host trainer restart together
             group = job.name if len(job.hosts) > 1 else None
             sup.add(Component(name, job.argv, env, restart=job.service, group=group))
+        # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
+        ending = next(job.name for job in topology.jobs if not job.service)
         last = 0.0
         while True:
             finished = sup.poll()
-            if "controller" in finished:
+            if ending in finished:
                 break
             if supervisor_hook is not None:
                 supervisor_hook(sup)
@@ -195,12 +198,17 @@ def run_local(
             time.sleep(0.2)
         report["train_seconds"] = time.monotonic() - t0
         report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
-        if evaluator is not None:
+        if evaluator is not None and is_colocated(cfg):  # its parameter server ended with it
+            from rlax_tasks.run.report import MirroredWeights
+
+            report["after"] = evaluator.evaluate(MirroredWeights(run_dir, evaluator.policy))
+        elif evaluator is not None:
             from rlax_tasks.paramserver import ParameterServerClient
 
             client = ParameterServerClient(ps_url, token=token)
             report["after"] = evaluator.evaluate(client)
             client.close()
+        if evaluator is not None:
             if progress is not None:
                 progress.record(report["after"]["version"], report["after"])
                 progress.close()

@@ -112,8 +112,19 @@ def resolve_mesh(shape: Sequence[int], devices: int) -> tuple[int, int, int]:
 
 
 # --------------------------------------------------------------------------- jobs and devices
+COLOCATED = "colocated"  # the one job of a colocated run (trainer, sampler, PS, controller)
+
+
+def is_colocated(cfg: Any) -> bool:
+    """Whether ``cfg`` runs as one colocated job (placement.mode)."""
+    return cfg.placement.mode == COLOCATED
+
+
 def job_names(cfg: Any) -> list[str]:
-    """The jobs a launcher starts, in start order: ps, trainer, worker-0..N-1, controller."""
+    """The jobs a launcher starts, in start order: ps, trainer, worker-0..N-1, controller (a
+    colocated run: the one job ``colocated``)."""
+    if is_colocated(cfg):
+        return [COLOCATED]
     return ["ps", "trainer", *(f"worker-{i}" for i in range(cfg.workers.count)), "controller"]
 
 
@@ -124,7 +135,7 @@ def job_devices(cfg: Any, job: str) -> tuple[int, ...] | None:
     p = cfg.placement
     if job in CPU_JOBS:
         return None
-    if job == "trainer":
+    if job in ("trainer", COLOCATED):
         return p.trainer
     m = re.fullmatch(r"worker-(\d+)", job)
     if m is None:
@@ -174,7 +185,7 @@ def _tpu_env(cfg: Any, job: str, devices: Sequence[int]) -> dict[str, str]:
     These are the settings Cloud TPU documents for running several JAX processes on one TPU VM
     (and that vLLM's multi-process TPU data parallelism uses).
     """
-    slot = 0 if job == "trainer" else 1 + int(job.rsplit("-", 1)[1])
+    slot = 0 if job in ("trainer", COLOCATED) else 1 + int(job.rsplit("-", 1)[1])
     port = TPU_PORT_BASE + slot
     return {
         "TPU_VISIBLE_CHIPS": _ids(devices),
@@ -225,7 +236,7 @@ def job_mesh(cfg: Any, job: str) -> tuple[int, int, int] | None:
     devices = job_devices(cfg, job)
     if job in CPU_JOBS or devices is None:
         return None
-    if job == "trainer":
+    if job in ("trainer", COLOCATED):  # (a colocated sampler: workers.mesh_shape, same devices)
         return resolve_mesh(cfg.trainer.mesh_shape, cfg.trainer.hosts * len(devices))
     return resolve_mesh(cfg.workers.mesh_shape, len(devices))
 
@@ -260,6 +271,8 @@ def describe(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
     if acc is not None:
         head += f", {acc.name} ({format_bytes(acc.memory)} per device)"
     head += f", {p.hosts} host{'s' if p.hosts > 1 else ''}"
+    if p.mode == COLOCATED:
+        head += " (trainer, sampler, parameter server and controller in one process)"
     if p.hosts > 1:
         head += " (the trainer spans them all; each host runs the workers listed)"
     rows = [("job", "devices", "mesh (data,fsdp,tensor)", "environment")]
@@ -290,6 +303,7 @@ def _table(rows: list[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
 
 __all__ = [
     "ACCELERATORS",
+    "COLOCATED",
     "CPU_JOBS",
     "GPU_MEMORY_TOTAL",
     "MODES",
@@ -301,6 +315,7 @@ __all__ = [
     "format_bytes",
     "gpu_memory_fraction",
     "host_memory",
+    "is_colocated",
     "job_devices",
     "job_env",
     "job_envs",

@@ -56,6 +56,7 @@ from typing import Any
 from rlax_tasks import storage
 from rlax_tasks.run.placement import (
     ACCELERATORS,
+    COLOCATED,
     CPU_JOBS,
     GiB,
     describe,
@@ -63,9 +64,11 @@ from rlax_tasks.run.placement import (
     format_bytes,
     gpu_memory_fraction,
     host_memory,
+    is_colocated,
     job_devices,
     job_mesh,
     job_names,
+    resolve_mesh,
 )
 
 # share of a host's RAM the parameter server may keep versions in
@@ -207,7 +210,7 @@ def _mesh_or_single(cfg: Any, job: str) -> tuple[tuple[int, int, int], bool]:
     mesh = job_mesh(cfg, job)
     if mesh is not None:
         return mesh, True
-    shape = cfg.trainer.mesh_shape if job == "trainer" else cfg.workers.mesh_shape
+    shape = cfg.trainer.mesh_shape if job in ("trainer", COLOCATED) else cfg.workers.mesh_shape
     d, f, t = (1 if s == -1 else s for s in shape)
     return (d, f, t), False
 
@@ -266,7 +269,14 @@ def trainer_bytes(cfg: Any, m: Any) -> tuple[dict[str, int], str]:
 
 def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
     """Bytes per device of one worker by kind, and a note on its KV-cache split."""
-    (data, fsdp, tensor), _ = _mesh_or_single(cfg, job)
+    if job == COLOCATED:  # the sampler: workers.mesh_shape over the trainer's devices
+        devices = job_devices(cfg, job)
+        if devices is not None:
+            data, fsdp, tensor = resolve_mesh(cfg.workers.mesh_shape, len(devices))
+        else:
+            data, fsdp, tensor = (1 if s == -1 else s for s in cfg.workers.mesh_shape)
+    else:
+        (data, fsdp, tensor), _ = _mesh_or_single(cfg, job)
     w = cfg.workers
     bc = DTYPE_BYTES[cfg.model.dtype]
     batch_shards = _split(w.slots, data * fsdp)
@@ -286,6 +296,19 @@ def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
         f"over slots (data×fsdp) and {kv_shards} over KV heads (tensor)"
     )
     return parts, note
+
+
+def _job_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
+    """Bytes per device of ``job`` by kind, and its note (a colocated job: the trainer's and
+    its sampler's, on the same devices)."""
+    if job == "trainer":
+        return trainer_bytes(cfg, m)
+    if job != COLOCATED:
+        return worker_bytes(cfg, m, job)
+    parts, note = trainer_bytes(cfg, m)
+    sampler, sampler_note = worker_bytes(cfg, m, job)
+    parts.update({f"sampler {k}": v for k, v in sampler.items()})
+    return parts, f"{note}; {sampler_note.replace(job, 'sampler', 1)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +464,12 @@ def _advice(cfg: Any, job: str, devices: str | None = None) -> str:
             f"{devices} or shards (trainer.mesh_shape fsdp/tensor), a smaller "
             f"trainer.micro_batch_size, {remat}or a smaller workers.max_len"
         )
+    if job == COLOCATED:
+        return (
+            "give the run more devices (placement.trainer) or shards (trainer.mesh_shape), fewer "
+            "workers.slots, a smaller trainer.micro_batch_size, or placement.mode: "
+            "disaggregated (the sampler on devices of its own)"
+        )
     devices = devices or "give each worker more devices (placement.workers)"
     return (
         f"{devices} with tensor/fsdp shards (workers.mesh_shape), fewer workers.slots, or a "
@@ -464,13 +493,10 @@ def _plan(
     for job in job_names(cfg):
         if job in CPU_JOBS:
             continue
-        if job == "trainer":
-            parts, note = trainer_bytes(cfg, model)
-        else:
-            parts, note = worker_bytes(cfg, model, job)
+        parts, note = _job_bytes(cfg, model, job)
         devices = job_devices(cfg, job)
         count = len(devices) if devices is not None else 1
-        if job == "trainer":
+        if job in ("trainer", COLOCATED):
             count *= cfg.trainer.hosts
         on = slices.get(job)
         if on is None:
@@ -481,7 +507,7 @@ def _plan(
             usable, how, advice = on.accelerator.memory, on.how, on.advice
             entry = JobMemory(job, on.devices, count, parts, usable)
         jobs.append(entry)
-        if job in ("trainer", "worker-0"):
+        if job in ("trainer", "worker-0", COLOCATED):
             notes.append(note)
         if usable is not None and entry.total > usable:
             same = [j for j in jobs[:-1] if (j.parts, j.usable) == (parts, usable)]
@@ -545,6 +571,8 @@ def _slice_type(param: str, accelerator_type: str) -> Any:
 def _worker_chips(cfg: Any, worker_type: Any) -> list[int]:
     """Chips of each worker: every chip of one host of ``worker_type``, else the config's device
     list of the worker (none: the mesh's fixed sizes, -1 as 1, as memory_plan counts it)."""
+    if is_colocated(cfg):  # the sampler shares the trainer's chips
+        return []
     if worker_type is not None:
         return [worker_type.chips_per_host] * cfg.workers.count
     default = math.prod(1 if s == -1 else s for s in cfg.workers.mesh_shape)
@@ -580,7 +608,7 @@ def _slice_config(cfg: Any, trainer_type: Any, worker_chips: list[int]) -> Any:
             "accelerator": trainer_type.family,
             "hosts": 1,
             "trainer": list(range(trainer_type.chips_per_host)),
-            "workers": blocks,
+            "workers": blocks or None,  # (none: a colocated sampler on the trainer's chips)
             "memory_fraction": None,
         },
     }
@@ -617,7 +645,8 @@ def _fitting_trainer_type(cfg: Any, model: Any, trainer_type: Any, worker_chips:
             derived = _slice_config(cfg, t, worker_chips)
         except ConfigError:  # e.g. a fixed trainer.mesh_shape these chips do not split
             continue
-        if sum(trainer_bytes(derived, model)[0].values()) <= memory:
+        job = COLOCATED if is_colocated(derived) else "trainer"
+        if sum(_job_bytes(derived, model, job)[0].values()) <= memory:
             return t
     return None
 
@@ -740,13 +769,14 @@ def slice_memory_plan(
             ),
         )  # fmt: skip
 
-    slices = {"trainer": trainer}
+    lead = COLOCATED if is_colocated(derived) else "trainer"  # the job on the trainer slice
+    slices = {lead: trainer}
     slices.update({f"worker-{i}": worker(n) for i, n in enumerate(worker_chips)})
     plan = _plan(derived, model, source, slices)
 
     # a larger slice that fits, computed, where the advice can name one
     failing = {j.job for j in plan.jobs if j.usable is not None and j.total > j.usable}
-    if "trainer" in failing:
+    if lead in failing:
         bigger = _fitting_trainer_type(cfg, model, trainer_type, worker_chips)
         fix = (
             f"use a larger accelerator_type ({bigger.name} fits the trainer)"
@@ -754,8 +784,8 @@ def slice_memory_plan(
             else f"use a larger accelerator_type (no {trainer_type.family} slice of up to "
             f"{SUGGEST_MAX_CHIPS} chips fits the trainer as configured)"
         )
-        slices["trainer"] = dataclasses.replace(trainer, advice=_advice(derived, "trainer", fix))
-    if worker_type is not None and failing - {"trainer"}:
+        slices[lead] = dataclasses.replace(trainer, advice=_advice(derived, lead, fix))
+    if worker_type is not None and failing - {lead}:
         bigger = _fitting_worker_type(cfg, model, trainer_type, worker_type)
         fix = (
             f"use a worker_accelerator_type with more chips a host ({bigger.name}: "
@@ -764,7 +794,7 @@ def slice_memory_plan(
             else f"use a worker_accelerator_type with more chips a host (none of the "
             f"{worker_type.family} slices of up to {SUGGEST_MAX_CHIPS} chips fits a worker)"
         )
-        for job in failing - {"trainer"}:
+        for job in failing - {lead}:
             slices[job] = dataclasses.replace(slices[job], advice=_advice(derived, job, fix))
     if failing:
         plan = _plan(derived, model, source, slices)

@@ -156,6 +156,26 @@ class HeldOutEvaluator:
         return result
 
 
+class MirroredWeights:
+    """The newest version mirrored under a run directory, as ``HeldOutEvaluator.evaluate`` pulls
+    weights (a finished colocated run's parameter server is gone; its mirror stays)."""
+
+    def __init__(self, run_dir: str, policy: Any) -> None:
+        self.run_dir, self.policy = run_dir, policy
+
+    def pull(self, min_version: int | None = None, *, like: Any = None,
+             timeout_s: float | None = None) -> tuple[int, Any]:  # fmt: skip
+        from rlax_tasks.evaluation.checkpoints import mirror_arrays, with_named_arrays
+
+        version, arrays = mirror_arrays(self.run_dir)
+        if min_version is not None and version < min_version:
+            raise FileNotFoundError(
+                f"{self.run_dir}/weights: the newest mirrored version is {version}, "
+                f"not {min_version}"
+            )
+        return version, with_named_arrays(self.policy, arrays).params
+
+
 def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
     """Writes eval/report.json, eval/report.md and the PNG plots under the run directory (local
     or gs://); returns their paths."""

@@ -7,8 +7,10 @@ rlax_train DAG (jobs on slices through a compute backend) — so a job is descri
     topo.jobs          # [Job(name, argv, env, slice, hosts)], in start order
     topo.processes()   # [(process name, job, env)]: one per host of a multi-host job
 
-A run is a trainer slice (the trainer over ``trainer.hosts`` hosts, the parameter server and the
-controller beside its host 0) and its workers (DESIGN §10): on the trainer slice's host 0, or
+A colocated run (placement.mode) is one job, ``colocated``: trainer, sampler, parameter server
+and controller in one process (rlax_tasks.run.colocated). A disaggregated run is a trainer
+slice (the trainer over ``trainer.hosts`` hosts, the parameter server and the controller beside
+its host 0) and its workers (DESIGN §10): on the trainer slice's host 0, or
 with ``WorkerSlices`` one per host of slices of their own ("workers-0", "workers-1", ...). A job
 on several hosts is one ``jax.distributed`` group: each of its processes gets
 RLAX_COORDINATOR_ADDRESS (host 0's address and the group's port), RLAX_NUM_PROCESSES and
@@ -30,7 +32,7 @@ from rlax_tasks import storage
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.endpoints import service_file
-from rlax_tasks.run.placement import job_envs
+from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
 
 TOKEN_ENV = "RLAX_PS_TOKEN"
 TRAINER_SLICE = "trainer"
@@ -95,7 +97,7 @@ class Topology:
 
     jobs: list[Job]
     ps_url: str
-    trainer_url: str
+    trainer_url: str  # "" in a colocated run (the trainer is inside its one job)
     # worker id → URL or service file (the controller reads them from workers.json)
     workers: dict[str, str]
     coordinator: str | None  # host:port of the trainer group's coordinator (None: the agent's)
@@ -180,6 +182,15 @@ def plan_topology(
     base = {TOKEN_ENV: token, **(base_env or {})}
     s = cfg.staleness
     ps_url = urls["ps"]
+    if is_colocated(cfg):  # one process; its parameter server publishes the evaluated versions
+        job = Job(
+            COLOCATED,
+            ["colocated", "--config", config_path, "--steps", str(steps), *listen["ps"],
+             *ps_args],
+            {**base, **devices[COLOCATED]},
+            service=False,
+        )  # fmt: skip
+        return Topology([job], ps_url, "", {}, coordinator)
     jobs = [
         Job(
             "ps",

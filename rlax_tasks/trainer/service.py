@@ -346,10 +346,15 @@ class TrainerClient:
             time.sleep(self.retry_s)
 
     def __call__(self, batch: Any) -> int:
-        """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version`` (its
-        per-step counts travel along, for the metrics)."""
-        stats = {f"{STAT_PREFIX}{k}": np.float64(v) for k, v in batch.stats().items()}
-        return int(self.train(batch.version, {**batch.arrays(), **stats})["version"])
+        """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version``."""
+        return int(self.train(batch.version, step_arrays(batch))["version"])
+
+
+def step_arrays(batch: Any) -> dict[str, np.ndarray]:
+    """A controller ``Batch`` as the trainer takes it: its arrays, and its per-step counts as
+    ``stat_`` scalars (written to the step's metrics row, never trained on)."""
+    stats = {f"{STAT_PREFIX}{k}": np.float64(v) for k, v in batch.stats().items()}
+    return {**batch.arrays(), **stats}
 
 
 def _trainer_step(detail: str) -> int | None:

@@ -116,7 +116,7 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
         "accelerator_type": "v4-16",
         "worker_accelerator_type": "v5litepod-8",
         "worker_slices": 2,
-        "overrides": {"trainer.hosts": 2},
+        "overrides": {"trainer.hosts": 2, "placement.mode": "disaggregated"},
     }
     p = rc.plan_training(params, "manual__a")
     assert p["slices"] == [
@@ -154,6 +154,8 @@ def test_workers_share_the_trainer_slice_unless_told(tmp_path):
         "run_id": "r2",
         "steps": 2,
         "model_path": str(tmp_path / "model"),
+        "num_workers": 2,
+        "overrides": {"placement.mode": "disaggregated"},
     }
     p = rc.plan_training(params, "manual__d")  # the local backend
     assert [s["role"] for s in p["slices"]] == ["trainer"]
@@ -161,7 +163,8 @@ def test_workers_share_the_trainer_slice_unless_told(tmp_path):
     assert p["placement"]["controller"] == {"slice": "trainer", "hosts": [0]}
     # local worker slices are this machine: one host each, whatever type is named
     local = rc.plan_training(
-        {**params, "worker_accelerator_type": "v4-16", "worker_slices": 2}, "manual__e"
+        {**params, "worker_accelerator_type": "v4-16", "worker_slices": 2, "num_workers": None},
+        "manual__e",
     )
     assert [(w["slice"], w["hosts"]) for w in local["worker_jobs"]] == [
         ("workers-0", [0]),
@@ -187,7 +190,8 @@ def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_pa
         rc.plan_training(params, "manual__big")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("accelerator_type: v5litepod-8: trainer needs")
+    # the tiny preset runs colocated: trainer and sampler on the slice's chips together
+    assert message.startswith("accelerator_type: v5litepod-8: colocated needs")
     assert "a v5e chip has 16.0 GiB" in message
     assert not (tmp_path / "runs").exists()
 

@@ -84,6 +84,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
             "worker_accelerator_type": "v4-8",  # 1 host: 1 worker
             "worker_slices": 1,
             "overrides": {
+                "placement.mode": "disaggregated",  # separate jobs on two kinds of slice
                 "trainer.hosts": 2,
                 "placement.trainer": [0, 1],  # 2 forced CPU devices per host: a 1 x 4 mesh
                 "trainer.checkpoint_every": 1,

@@ -1,5 +1,7 @@
-"""`dag.test()` of rlax_train end to end: the local backend on the tiny preset, real `rlax`
-processes, one job killed with SIGKILL mid-run, detected and resumed by Airflow's retry."""
+"""`dag.test()` of rlax_train end to end: the local backend on the tiny preset (a colocated
+run: one `rlax colocated` job, watched by the controller task), a real process killed with
+SIGKILL mid-run, detected and resumed by Airflow's retry. The separate jobs of a disaggregated
+run are driven end to end in tests/dags/test_train_dag_cloud_tpu.py."""
 
 from __future__ import annotations
 
@@ -75,14 +77,13 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     jobs_dir = os.path.join(run_dir, "slices", "rlax-dagtest-trainer", "jobs")
     killed: list = []
     killer = threading.Thread(
-        target=_kill_when_training, args=(run_dir, jobs_dir, "trainer", killed), daemon=True
+        target=_kill_when_training, args=(run_dir, jobs_dir, "controller", killed), daemon=True
     )
     killer.start()
     conf = {
         "run_id": run_id,
         "steps": STEPS,
         "model_path": model,
-        "num_workers": 2,
         "overrides": {
             "rollout.prompts_per_step": 4,
             "rollout.group_size": 4,
@@ -98,15 +99,16 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
     states = {f"{k[0]}[{k[1]}]": ti.state for k, ti in tis.items()}
     assert dr.state == DagRunState.SUCCESS, states
-    assert killed and killed[0][0] == "trainer", "the trainer job was never killed"
-    # the kill was detected and the trainer's task retried (restarting the job)
-    assert tis[("trainer", -1)].try_number >= 2, states
-    assert all(s == TaskInstanceState.SUCCESS for s in states.values()), states
-    # the trainer's job ran twice: the killed attempt is archived next to the new one
-    assert os.path.isdir(jobs_dir + "/trainer.1")
-    # the restarted trainer listens elsewhere: the controller found it through its service file
-    with open(os.path.join(run_dir, "services", "trainer.json")) as f:
-        assert json.load(f)["url"].startswith("http://127.0.0.1:")
+    assert killed and killed[0][0] == "controller", "the colocated job was never killed"
+    # the kill was detected and the controller's task retried (restarting the job)
+    assert tis[("controller", -1)].try_number >= 2, states
+    # one job: the ps, trainer and worker tasks have none and are skipped
+    skipped = {"ps[-1]", "trainer[-1]", "worker[-1]"}
+    assert {k for k, v in states.items() if v == TaskInstanceState.SKIPPED} == skipped, states
+    assert all(s == TaskInstanceState.SUCCESS for k, s in states.items() if k not in skipped)
+    # the job ran twice: the killed attempt is archived next to the new one, which restored
+    assert os.path.isdir(jobs_dir + "/controller.1")
+    assert sorted(os.listdir(jobs_dir)) == ["controller", "controller.1", "evaluate"]
     # every step applied once, in order, across the kill
     lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
     assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))

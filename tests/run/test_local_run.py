@@ -47,6 +47,9 @@ def small_config(tmp_path, **extra):
             "rollout.group_size": 4,
             "workers.slots": 16,
             "eval.num_prompts": 16,
+            # the tiny preset runs colocated; these tests exercise the separate jobs
+            "placement.mode": "disaggregated",
+            "workers.count": 2,
             **extra,
         },
     )

@@ -12,8 +12,17 @@ from rlax_tasks.run.placement import describe, job_env, job_envs, parse_bytes
 ACCELERATOR_VARS = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
+# the tiny preset runs colocated (one job); these tests place the separate jobs
+DISAGGREGATED = {"placement.mode": "disaggregated", "workers.count": 2}
+
+
+def tiny(overrides: dict | None = None) -> RunConfig:
+    """The tiny preset as separate jobs, with ``overrides``."""
+    return load_config("tiny-arith", {**DISAGGREGATED, **(overrides or {})})
+
+
 def config(placement: dict, **overrides) -> RunConfig:
-    return load_config("tiny-arith", {"placement": placement, **overrides})
+    return tiny({"placement": placement, **overrides})
 
 
 def gpu(trainer, workers, **extra) -> RunConfig:
@@ -89,8 +98,6 @@ def test_cpu_forces_cpu_and_auto_forces_nothing():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"placement": "colocated"}, "placement.mode: 'colocated' (trainer, sampler"),
-        ({"placement.mode": "colocated"}, "placement.mode: 'colocated'"),
         ({"placement.mode": "disagregated"}, "placement.mode: must be one of"),
         ({"placement.platform": "gpus"}, "placement.platform: must be one of"),
         ({"placement.platform": "gpu"}, "placement.trainer: give the trainer's device indices"),
@@ -156,15 +163,14 @@ def test_cpu_forces_cpu_and_auto_forces_nothing():
 )  # fmt: skip
 def test_placement_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as info:
-        load_config("tiny-arith", overrides)
+        tiny(overrides)
     assert str(info.value).startswith(message), str(info.value)
 
 
 def test_shorthand_multi_host_and_round_trip():
-    cfg = load_config("tiny-arith", {"placement": "disaggregated"})
+    cfg = tiny({"placement": "disaggregated"})
     assert cfg.placement.mode == "disaggregated" and cfg.placement.platform == "auto"
-    cfg = load_config(
-        "tiny-arith",
+    cfg = tiny(
         {"placement": {"platform": "gpu", "hosts": 2, "trainer": [0, 1], "workers": [[2], [3]],
                        "host_memory": "1.5TiB"},
          "workers.count": 4},
@@ -216,7 +222,7 @@ def _small(tmp_path, **overrides) -> RunConfig:
     return load_config(
         "tiny-arith",
         {"run_root": str(tmp_path / "runs"), "model.path": str(tmp_path / "model"),
-         "model.warmup_if_missing": False, **overrides},
+         "model.warmup_if_missing": False, **DISAGGREGATED, **overrides},
     )  # fmt: skip
 
 
@@ -266,8 +272,9 @@ def test_dag_plan_gives_each_job_its_own_devices(tmp_path):
     _small(tmp_path)
     params = {"preset": "tiny-arith", "run_root": str(tmp_path / "runs"), "steps": 2,
               "model_path": str(tmp_path / "model"),
-              "overrides": {"placement": {"platform": "gpu", "trainer": [0, 1],
-                                          "workers": [[1], [2]]}}}  # fmt: skip
+              "num_workers": 2,
+              "overrides": {"placement": {"mode": "disaggregated", "platform": "gpu",
+                                          "trainer": [0, 1], "workers": [[1], [2]]}}}  # fmt: skip
     p = rc.plan_training(params, "manual__gpu")
     assert set(p["envs"]) == {"ps", "trainer", "worker-0", "worker-1", "controller"}
     assert p["env_trainer"]["CUDA_VISIBLE_DEVICES"] == "0,1"
@@ -281,6 +288,9 @@ def test_dag_plan_gives_each_job_its_own_devices(tmp_path):
     assert all("--mesh-shape=1,1,-1" in j["argv"] for j in jobs)
     assert [j["argv"] for j in jobs] == p["argv_workers"]
     assert "--keep-bytes" in p["argv_ps"] and "--keep-versions" in p["argv_ps"]
-    tiny = rc.plan_training({**params, "overrides": {}}, "manual__cpu")  # the embedded default
-    assert all(env["JAX_PLATFORMS"] == "cpu" for env in tiny["envs"].values())
+    # the embedded default: one colocated job, watched by the controller task
+    tiny = rc.plan_training({**params, "num_workers": None, "overrides": {}}, "manual__cpu")
+    assert tiny["argv_controller"][0] == "colocated" and tiny["colocated"]
+    assert tiny["argv_ps"] == tiny["argv_trainer"] == tiny["argv_workers"] == []
+    assert tiny["env_controller"]["JAX_PLATFORMS"] == "cpu"
     assert tiny["env"]["JAX_PLATFORMS"] == "cpu"  # the final `rlax eval`

@@ -54,6 +54,7 @@ def run_config(model_path: str, **extra):
             "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 16},
             "trainer": {"micro_batch_size": 4, "remat": "full", "mesh_shape": [1, -1, 1]},
             "workers": {"count": 2, "slots": 8, "max_len": 64, "mesh_shape": [1, 1, -1]},
+            "placement.mode": "disaggregated",  # (the tiny preset runs colocated)
             "placement": {"host_memory": "1TiB"},
             **extra,
         },

@@ -14,7 +14,8 @@ TOKEN = "t" * 32
 def _cfg(tmp_path, **extra):
     return load_config(
         "tiny-arith",
-        {"run_root": str(tmp_path / "runs"), "run_id": "r1", "model.path": "m", **extra},
+        {"run_root": str(tmp_path / "runs"), "run_id": "r1", "model.path": "m",
+         "placement.mode": "disaggregated", "workers.count": 2, **extra},
     )
 
 

@@ -1,0 +1,345 @@
+"""`rlax colocated`: a whole run in one process on one host's devices (placement.mode colocated).
+
+The trainer, a sampler, the parameter server and the controller share the process and the
+trainer's devices (DESIGN §12). The sampler takes each new version straight from the trainer's
+arrays — cast to the compute dtype and placed on the sampler's own shardings, device to device:
+no serialization, no network, no parameter-server round trip.
+
+Everything that makes a run recoverable is the disaggregated layout's own code: the
+``Controller`` (snapshots, lineage, ``rollouts/``, replay), the ``TrainerService`` (idempotent
+numbered steps, checkpoints) and the ``InferenceWorker`` (staleness j and k, version-tagged
+groups). kill -9 of the process and the same command again resume exactly: the trainer restores
+its newest checkpoint and replays the steps after it from ``rollouts/`` up to the controller's
+snapshot before the sampler takes its first weights, then the controller restores its snapshot.
+
+The parameter server is the run's face to the outside (the held-out progress of ``rlax run``,
+``rlax eval``, the rlax_train DAG's evaluation): it receives every ``eval.every_steps``-th
+version and the last one, and mirrors them to ``run_dir/weights`` as in the disaggregated
+layout. Nothing inside the run reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WORKER_ID = "worker-0"  # the sampler, as the controller's snapshots and lineage name it
+
+
+class TrainerWeights:
+    """The sampler's ``WeightSource`` in a colocated run: the trainer's current weights.
+
+    ``pull`` casts them to the compute dtype and places them on the sampler's shardings (always
+    fresh buffers: the trainer's next step donates its own), under the trainer service's lock,
+    so a step never runs while they are read. ``advanced()`` wakes a pull waiting for a newer
+    version than the trainer has.
+    """
+
+    def __init__(self, service: Any, shardings: Any, dtype: str, wait_s: float = 1.0) -> None:
+        self.service, self.shardings, self.dtype = service, shardings, dtype
+        self.wait_s = wait_s
+        self._changed = threading.Condition()
+        self.pulls = 0
+        self.last_pull_s: float | None = None
+
+    def latest_version(self) -> int:
+        return self.service.step
+
+    def advanced(self) -> None:
+        """The trainer applied a step: wakes pulls waiting for it."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def pull(self, min_version: int | None = None, *, like: Any = None) -> tuple[int, Any]:
+        """(version, weights on the sampler's shardings); waits up to ``wait_s`` for
+        ``min_version`` (TimeoutError: the worker keeps generating and asks again)."""
+        import jax
+
+        deadline = time.monotonic() + self.wait_s
+        with self._changed:
+            while min_version is not None and self.service.step < min_version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"the trainer is at version {self.service.step}, not {min_version} yet"
+                    )
+                self._changed.wait(left)
+        t0 = time.perf_counter()
+        with self.service.lock:
+            version = self.service.step
+            params = jax.tree.map(self._fresh, self.service.trainer.params, self.shardings)
+            jax.block_until_ready(params)
+        self.pulls += 1
+        self.last_pull_s = time.perf_counter() - t0
+        return version, params
+
+    def _fresh(self, a: Any, sharding: Any) -> Any:
+        import jax
+
+        b = a.astype(self.dtype) if a.dtype != self.dtype else a
+        # a cast made a buffer of its own; the trainer's array itself is copied
+        return jax.device_put(b, sharding, may_alias=None if b is not a else False)
+
+    def ack(self, version: int) -> None:
+        pass
+
+
+class InProcessWorkers:
+    """The controller's ``WorkerPool`` over ``InferenceWorker``s of this process."""
+
+    def __init__(self, workers: dict[str, Any]) -> None:
+        self.workers = workers
+
+    def worker_ids(self) -> list[str]:
+        return list(self.workers)
+
+    def submit(self, worker_id: str, groups: Sequence[Any]) -> None:
+        self.workers[worker_id].submit(groups)
+
+    def results(self, worker_id: str) -> list[Any]:
+        return self.workers[worker_id].results(wait_s=0.0)
+
+    def reset(self, worker_id: str) -> None:
+        self.workers[worker_id].reset()
+
+
+def publish_steps(cfg: Any, steps: int) -> set[int]:
+    """The versions the run hands its parameter server: every eval.every_steps-th and the
+    last ``steps``."""
+    every = cfg.eval.every_steps
+    wanted = set(range(every, steps + 1, every)) if every else set()
+    wanted.add(steps)
+    return wanted
+
+
+def catch_up(service: Any, run_dir: str) -> int:
+    """Replays the steps between the trainer's checkpoint and the controller's newest snapshot
+    from ``rollouts/`` (the sampler then starts at the snapshot's version); returns how many."""
+    from rlax_tasks.controller.rollouts import read_step_batch
+    from rlax_tasks.controller.snapshot import SnapshotStore
+    from rlax_tasks.trainer.service import step_arrays
+
+    snap = SnapshotStore(run_dir, keep=None).load_latest()
+    target = 0 if snap is None else snap.step
+    start = service.step
+    if start < target:
+        log.warning(
+            "the trainer restored step %d, the controller's snapshot is at step %d: replaying "
+            "steps %d-%d from rollouts/",
+            start, target, start + 1, target,
+        )  # fmt: skip
+    for k in range(start + 1, target + 1):
+        service.train(k, step_arrays(read_step_batch(run_dir, k)))
+    return max(0, target - start)
+
+
+def sampler_policy(trainer_policy: Any, mesh_shape: Sequence[int], dtype: str) -> Any:
+    """The sampler's policy: the trainer's model in the compute dtype on the sampler's mesh
+    (``workers.mesh_shape`` over this process's devices; None for one device)."""
+    import jax
+
+    from rlax_tasks.models.policy import cast_params
+    from rlax_tasks.models.sharding import param_shardings
+    from rlax_tasks.rollout.service import worker_mesh
+
+    mesh = worker_mesh(",".join(str(s) for s in mesh_shape))
+    params = cast_params(trainer_policy.params, dtype)
+    if mesh is None:
+        device = jax.local_devices()[0]
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), params)
+    else:
+        shardings = param_shardings(params, mesh)
+    placed = jax.tree.map(
+        lambda a, s: jax.device_put(a, s, may_alias=False), params, shardings
+    )
+    return dataclasses.replace(trainer_policy, params=placed, mesh=mesh, param_dtype=None)
+
+
+class ColocatedRun:
+    """A colocated run's components, built and started in order (``start``), driven by
+    ``run(steps)`` and stopped cleanly by ``stop`` (final checkpoint, mirror flushed)."""
+
+    def __init__(self, cfg: Any, ps_host: str | None = None, ps_port: int = 0,
+                 ps_args: dict[str, Any] | None = None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.ps_host, self.ps_port, self.ps_args = ps_host, ps_port, dict(ps_args or {})
+        self.service: Any = None
+        self.server: Any = None
+        self.ps: Any = None
+        self.weights: TrainerWeights | None = None
+        self.worker: Any = None
+        self.controller: Any = None
+        self.replayed = 0
+        self._publish: set[int] = set()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> ColocatedRun:
+        """Trainer (restored, caught up to the snapshot), parameter server, sampler, controller."""
+        from rlax_tasks.algorithms import make_objective
+        from rlax_tasks.controller.service import make_controller
+        from rlax_tasks.models import load_pretrained
+        from rlax_tasks.rollout.sampler import Sampler
+        from rlax_tasks.rollout.worker import InferenceWorker
+        from rlax_tasks.trainer.service import TrainerService
+        from rlax_tasks.trainer.trainer import Trainer
+
+        cfg = self.cfg
+        policy = load_pretrained(
+            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+        )
+        objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
+        every = max(1, cfg.trainer.checkpoint_every)  # as the disaggregated trainer
+        trainer = Trainer(
+            policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every),
+            cfg.run_dir,
+        )  # fmt: skip
+        self.service = TrainerService(trainer).start()  # restores the newest checkpoint
+        self._start_parameter_server()
+        self.replayed = catch_up(self.service, cfg.run_dir)
+        spolicy = sampler_policy(trainer.policy(), cfg.workers.mesh_shape, cfg.model.dtype)
+        sampler = Sampler(spolicy, cfg.workers.slots, cfg.workers.max_len)
+        import jax
+
+        shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
+        self.weights = TrainerWeights(self.service, shardings, cfg.model.dtype)
+        self.worker = InferenceWorker(
+            sampler, self.weights, reload_every=cfg.staleness.reload_every, poll_interval_s=0.01
+        ).start()
+        self.controller = make_controller(
+            cfg, InProcessWorkers({WORKER_ID: self.worker}), self._train_step
+        )
+        self.controller.start(initial_version=self.service.step)
+        return self
+
+    def _start_parameter_server(self) -> None:
+        from rlax_tasks.endpoints import bind_host
+        from rlax_tasks.paramserver import ParameterServerClient
+        from rlax_tasks.paramserver.server import TOKEN_ENV, ParameterServer, ServerConfig
+
+        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+        config = ServerConfig(
+            token=token,
+            host=bind_host(self.ps_host),
+            port=self.ps_port,
+            run_root=self.cfg.run_dir,
+            **self.ps_args,
+        )
+        self.server = ParameterServer(config).start()
+        self.ps = ParameterServerClient(self.server.address, token=token)
+
+    # ------------------------------------------------------------------ run
+    def _train_step(self, batch: Any) -> int:
+        from rlax_tasks.trainer.service import step_arrays
+
+        out = self.service.train(batch.version, step_arrays(batch))
+        self.weights.advanced()
+        version = int(out["version"])
+        if version in self._publish:
+            self.publish()
+        return version
+
+    def publish(self) -> None:
+        """Pushes the trainer's current version to the parameter server (unless it has it)."""
+        from rlax_tasks.models.policy import cast_params
+        from rlax_tasks.paramserver.client import VersionConflictError
+
+        version = self.service.step
+        if (self.ps.latest_version() or -1) >= version:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.ps.push(version, cast_params(self.service.trainer.params, self.cfg.model.dtype))
+        except VersionConflictError:
+            return
+        log.info("published version %d in %.2fs", version, time.perf_counter() - t0)
+
+    def run(self, steps: int, status_every_s: float = 10.0) -> None:
+        """Trains until the controller reached ``steps`` (in total, across restarts)."""
+        self._publish = publish_steps(self.cfg, steps)
+        last = time.monotonic()
+        while self.controller.step < steps:
+            if not self.controller.iterate():
+                time.sleep(0.005)
+            if time.monotonic() - last > status_every_s:
+                last = time.monotonic()
+                log.info("colocated: %s", json.dumps(self.controller.status(), sort_keys=True))
+        self.publish()  # the final version (also when a resumed run had nothing left to do)
+        log.info("colocated run done at step %d: %s", self.controller.step,
+                 self.controller.status())  # fmt: skip
+
+    def stop(self) -> None:
+        """Stops the sampler, flushes the mirror, checkpoints the steps since the last one."""
+        if self.controller is not None:
+            self.controller.close()
+        if self.worker is not None:
+            self.worker.stop()
+        if self.ps is not None:
+            self.ps.close()
+        if self.server is not None:
+            self.server.stop()
+        if self.service is not None:
+            self.service.stop()
+
+
+def _colocated_command(args: argparse.Namespace) -> int:
+    from rlax_tasks.config import load_config
+    from rlax_tasks.endpoints import publish
+    from rlax_tasks.run.compilation_cache import enable_in_process
+
+    cfg = load_config(args.config)
+    if cfg.placement.mode != "colocated":
+        raise ValueError(
+            f"placement.mode is {cfg.placement.mode!r}: `rlax colocated` runs a colocated "
+            "run (use `rlax run`, which starts the jobs of a disaggregated one)"
+        )
+    steps = args.steps or cfg.trainer.total_steps
+    if not steps or steps < 1:
+        raise ValueError("--steps: give a positive number of training steps")
+    enable_in_process(cfg)
+    ps_args = {"keep_versions": args.keep_versions, "keep_bytes": args.keep_bytes}
+
+    def terminate(*_: object) -> None:
+        raise SystemExit(143)  # unwinds through stop(): final checkpoint, mirror flushed
+
+    signal.signal(signal.SIGTERM, terminate)
+    run = ColocatedRun(cfg, args.host, args.port, ps_args)
+    try:
+        run.start()
+        sys.stdout.write(run.server.address + "\n")  # first line: the parameter server's URL
+        sys.stdout.flush()
+        if args.publish:
+            publish(args.publish, run.server.address)
+        run.run(steps, args.status_every_s)
+    finally:
+        run.stop()
+    return 0
+
+
+def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax colocated`."""
+    from rlax_tasks.endpoints import add_address_args
+    from rlax_tasks.paramserver.server import parse_size
+
+    p = sub.add_parser(
+        "colocated",
+        help="a colocated run in this process: trainer, sampler, parameter server, controller",
+    )
+    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
+    add_address_args(p)  # the parameter server's
+    p.add_argument("--keep-versions", type=int, default=2)
+    p.add_argument("--keep-bytes", type=parse_size, default=None, metavar="SIZE")
+    p.add_argument("--status-every-s", type=float, default=10.0)
+    p.set_defaults(func=_colocated_command)

@@ -1,0 +1,147 @@
+"""A colocated run (trainer, sampler, parameter server and controller in one process): kill -9 of
+the process at a random step, then the same command again, ends with the lineage and the weights
+of an uninterrupted run; `rlax run` runs it as one job and reports before/after from its mirror."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rlax_tasks.config import ConfigError, load_config, save_resolved
+from rlax_tasks.evaluation.checkpoints import mirror_arrays
+from rlax_tasks.run.local_run import run_local
+from tests.run.test_local_run import read_jsonl, small_config
+
+STEPS = 6
+COLOCATED = {
+    "placement.mode": "colocated",
+    "workers.count": 1,
+    # on-policy lockstep (j = k = 1): the rollouts, hence the weights, do not depend on timing
+    "staleness.reload_every": 1,
+    "staleness.max_staleness": 1,
+    "trainer.checkpoint_every": 2,
+    "trainer.warmup_steps": 0,
+    "eval.every_steps": 0,
+}
+
+
+def _command(config_path: str) -> list[str]:
+    return [sys.executable, "-m", "rlax_tasks.cli", "colocated", "--config", config_path,
+            "--steps", str(STEPS)]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+def _steps_done(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return max((r["step"] for r in read_jsonl(path)), default=0)
+
+
+def _run(config_path: str, log_path: str, kill_after: int | None = None) -> int | None:
+    """Runs the command; with ``kill_after`` kills it (-9) once that step is in the metrics and
+    returns the step it had reached, else waits for exit 0."""
+    cfg = load_config(config_path)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(_command(config_path), stdout=log, stderr=log, env=_env())
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if kill_after is not None and _steps_done(cfg.run_dir) >= kill_after:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                return _steps_done(cfg.run_dir)
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"rlax colocated did not finish in 300 s; see {log_path}")
+    assert proc.returncode == 0, open(log_path).read()[-3000:]
+    return None
+
+
+@pytest.mark.slow
+def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(tmp_path):
+    root = tmp_path / "shared"  # one run_root: the second run reuses the compilation cache
+    whole = small_config(root, run_id="whole", **COLOCATED)
+    killed = small_config(root, run_id="killed", **COLOCATED)
+    at = random.Random().randint(1, STEPS - 1)  # a different step every time, logged on failure
+    print(f"kill -9 after step {at}")
+
+    _run(save_resolved(whole), str(tmp_path / "whole.log"))
+    path = save_resolved(killed)
+    reached = _run(path, str(tmp_path / "killed.log"), kill_after=at)
+    assert reached is not None and reached < STEPS, f"killed at step {reached}"
+    _run(path, str(tmp_path / "killed.log"))  # the same command again
+
+    log = open(tmp_path / "killed.log").read()
+    assert log.count("controller restored step") == 1, log[-3000:]
+    lineage = read_jsonl(os.path.join(killed.run_dir, "lineage.jsonl"))
+    reference = read_jsonl(os.path.join(whole.run_dir, "lineage.jsonl"))
+    assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))  # each step once, in order
+    assert [r["prompt_ids"] for r in lineage] == [r["prompt_ids"] for r in reference]
+    assert [r["rollout_versions"] for r in lineage] == [r["rollout_versions"] for r in reference]
+
+    # the final weights: the version both runs published (and mirrored) at the last step
+    v_whole, a_whole = mirror_arrays(whole.run_dir)
+    v_killed, a_killed = mirror_arrays(killed.run_dir)
+    assert v_whole == v_killed == STEPS
+    assert a_whole.keys() == a_killed.keys()
+    for name in a_whole:
+        np.testing.assert_allclose(a_killed[name], a_whole[name], atol=1e-6, err_msg=name)
+    base = small_config(root, run_id="base", **COLOCATED)
+    from rlax_tasks.models import load_pretrained
+
+    start = dict(load_pretrained(base.model.path).named_params())
+    assert any(not np.allclose(a_whole[n], np.asarray(start[n])) for n in a_whole), "no training"
+
+
+@pytest.mark.slow
+def test_rlax_run_runs_a_colocated_run_as_one_job_with_a_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    cfg = small_config(tmp_path, **{**COLOCATED, "eval.every_steps": 2, "eval.num_prompts": 8})
+    report = run_local(cfg, steps=4)
+    assert set(report["restarts"]) == {"colocated"}
+    assert report["after"]["version"] == 4 and "pass@1" in report["before"]
+    progress = read_jsonl(os.path.join(cfg.run_dir, "eval", "progress.jsonl"))
+    assert [r["step"] for r in progress][:1] == [0] and progress[-1]["version"] == 4
+    assert not os.path.exists(os.path.join(cfg.run_dir, "workers.json"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"workers.count": 2}, "workers.count"),
+        ({"trainer.hosts": 2}, "trainer.hosts"),
+        ({"placement.hosts": 2}, "placement.hosts"),
+        ({"placement.platform": "gpu", "placement.trainer": [0], "placement.workers": [[1]]},
+         "placement.workers"),
+    ],
+)  # fmt: skip
+def test_colocated_settings_it_cannot_carry_name_the_field(tmp_path, overrides, field):
+    with pytest.raises(ConfigError) as e:
+        small_config(tmp_path, **{**COLOCATED, **overrides})
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_colocated_plan_is_one_job_with_the_trainer_and_the_sampler_on_its_devices(tmp_path):
+    from rlax_tasks.run.plan import memory_plan
+    from rlax_tasks.run.topology import Ports, plan_topology
+
+    cfg = small_config(tmp_path, **COLOCATED)
+    plan = memory_plan(cfg)
+    [job] = plan.jobs
+    assert job.job == "colocated"
+    assert {"params", "adam", "sampler weights", "sampler kv_cache"} <= set(job.parts)
+    topo = plan_topology(cfg, 5, "c.yaml", Ports(1, 2, (3,), 4), ["--keep-versions", "2"], "t")
+    [only] = topo.jobs
+    assert only.argv[:5] == ["colocated", "--config", "c.yaml", "--steps", "5"]
+    assert not only.service and topo.ps_url == "http://127.0.0.1:1"
