@@ -307,8 +307,12 @@ def _job_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
         return worker_bytes(cfg, m, job)
     parts, note = trainer_bytes(cfg, m)
     sampler, sampler_note = worker_bytes(cfg, m, job)
-    parts.update({f"sampler {k}": v for k, v in sampler.items()})
-    return parts, f"{note}; {sampler_note.replace(job, 'sampler', 1)}"
+    # the sampler's weights, reload and KV cache beside the trainer's state; both may hold
+    # logits at once (generation runs beside a training step)
+    logits = parts.pop("logits") + sampler.pop("logits")
+    return {**parts, **sampler, "logits": logits}, (
+        f"{note}; {sampler_note.replace(job, 'sampler', 1)}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

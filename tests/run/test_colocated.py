@@ -140,7 +140,7 @@ def test_a_colocated_plan_is_one_job_with_the_trainer_and_the_sampler_on_its_dev
     plan = memory_plan(cfg)
     [job] = plan.jobs
     assert job.job == "colocated"
-    assert {"params", "adam", "sampler weights", "sampler kv_cache"} <= set(job.parts)
+    assert {"params", "adam", "weights", "kv_cache"} <= set(job.parts)  # trainer + sampler
     topo = plan_topology(cfg, 5, "c.yaml", Ports(1, 2, (3,), 4), ["--keep-versions", "2"], "t")
     [only] = topo.jobs
     assert only.argv[:5] == ["colocated", "--config", "c.yaml", "--steps", "5"]
