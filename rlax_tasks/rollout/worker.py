@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
-    """Where weights come from: ``ParameterServerClient`` satisfies it (DESIGN §6)."""
+    """Where weights come from: ``ParameterServerClient`` satisfies it (DESIGN §6). A source
+    with ``fresh_arrays = True`` pulls new device arrays already in the sampler's dtype and
+    placement, which the sampler takes over without a copy (a colocated run's
+    ``TrainerWeights``)."""
 
     def latest_version(self) -> int | None: ...
 
@@ -387,7 +390,7 @@ class InferenceWorker:
             self.stats.groups_discarded += len(again)
             self._pending.clear()
             self._queue.extendleft(reversed(again))
-        self.sampler.set_params(params)
+        self.sampler.set_params(params, donate=getattr(self.source, "fresh_arrays", False))
         self.version = version
         self.source.ack(version)
         self.stats.reloads += 1

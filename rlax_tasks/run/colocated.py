@@ -47,6 +47,8 @@ class TrainerWeights:
     version than the trainer has.
     """
 
+    fresh_arrays = True  # pulls are new device arrays on the sampler's shardings: donated
+
     def __init__(self, service: Any, shardings: Any, dtype: str, wait_s: float = 1.0) -> None:
         self.service, self.shardings, self.dtype = service, shardings, dtype
         self.wait_s = wait_s

@@ -145,3 +145,61 @@ def test_a_colocated_plan_is_one_job_with_the_trainer_and_the_sampler_on_its_dev
     [only] = topo.jobs
     assert only.argv[:5] == ["colocated", "--config", "c.yaml", "--steps", "5"]
     assert not only.service and topo.ps_url == "http://127.0.0.1:1"
+
+
+def test_the_sampler_takes_the_trainers_weights_device_to_device_and_keeps_them(tmp_path):
+    """TrainerWeights.pull casts and copies the trainer's arrays on the device; the sampler takes
+    them over (no host round trip, no second copy), and the trainer's next step (which donates
+    its own arrays) leaves them intact."""
+    import dataclasses
+
+    import jax
+
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.models import load_pretrained
+    from rlax_tasks.rollout.sampler import Sampler
+    from rlax_tasks.run.colocated import TrainerWeights, sampler_policy
+    from rlax_tasks.trainer.service import TrainerService
+    from rlax_tasks.trainer.trainer import Trainer
+
+    cfg = small_config(tmp_path, **COLOCATED)
+    policy = load_pretrained(cfg.model.path)
+    trainer = Trainer(
+        policy, make_objective("grpo", kl_beta=0.0),
+        dataclasses.replace(cfg.trainer, checkpoint_every=0), cfg.run_dir,
+    )  # fmt: skip
+    service = TrainerService(trainer)
+    sampler = Sampler(sampler_policy(trainer.policy(), (1, 1, -1), "float32"), 4, 32)
+    shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
+    weights = TrainerWeights(service, shardings, "float32")
+    version, pulled = weights.pull()
+    assert version == 0
+    mine = {id(a) for a in jax.tree.leaves(pulled)}
+
+    def buffers(tree):
+        return {a.addressable_data(0).unsafe_buffer_pointer() for a in jax.tree.leaves(tree)}
+
+    assert not buffers(trainer.params) & buffers(pulled)  # copies, not the trainer's buffers
+    sampler.set_params(pulled, donate=True)
+    assert {id(a) for a in jax.tree.leaves(sampler.params)} == mine  # taken over, not copied
+    before = [np.asarray(a) for a in jax.tree.leaves(sampler.params)]
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, policy.config.vocab_size, (4, 12)).astype(np.int32)
+    mask = np.ones_like(ids)
+    completion = np.zeros_like(ids)
+    completion[:, 6:] = 1
+    service.train(1, {
+        "input_ids": ids, "attention_mask": mask, "completion_mask": completion,
+        "behavior_logprobs": np.full(ids.shape, -1.0, np.float32),
+        "rewards": np.array([1.0, 0.0, 1.0, 0.0], np.float32),
+        "group_ids": np.array([0, 0, 1, 1], np.int32),
+    })  # fmt: skip
+    after = [np.asarray(a) for a in jax.tree.leaves(sampler.params)]  # still alive, unchanged
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert weights.latest_version() == 1
+    _, newer = weights.pull(min_version=1)
+    moved = [np.asarray(a) for a in jax.tree.leaves(newer)]
+    assert any(not np.array_equal(a, b) for a, b in zip(before, moved, strict=True))
+    with pytest.raises(TimeoutError, match="not 2 yet"):
+        TrainerWeights(service, shardings, "float32", wait_s=0.05).pull(min_version=2)
