@@ -259,13 +259,15 @@ class Sampler:
     def params(self) -> nnx.State:
         return self.policy.params
 
-    def set_params(self, params: nnx.State) -> float:
+    def set_params(self, params: nnx.State, *, donate: bool = False) -> float:
         """Swaps in new weights of the same shapes (no recompilation); returns the seconds taken.
 
         Requests in flight continue with the new weights; callers that need every completion to
         come from one version (the worker) ``abort`` first. Once the sampler owns its weights
         (after the first swap) the swap is in place: each old array is freed before its
-        replacement is placed, so the device never holds two full copies.
+        replacement is placed, so the device never holds two full copies. ``donate``: device
+        arrays already in the sampler's dtype and placement are taken over as they are (the
+        sampler frees them at the next swap): the caller must not use them again.
         """
         t0 = time.perf_counter()
         old = jax.tree_util.tree_leaves_with_path(self.policy.params)
@@ -285,6 +287,11 @@ class Sampler:
             sharding, dtype = a.sharding, a.dtype
             if self._owns_params:
                 a.delete()
+            if donate and isinstance(b, jax.Array) and b.sharding == sharding and b.dtype == dtype:
+                # already placed as the sampler holds it (a colocated run's trainer weights,
+                # cast and copied device to device): taken over as is, no host round trip
+                placed.append(b)
+                continue
             host = np.asarray(b)  # a host copy (device inputs: fetched before being cast)
             placed.append(jax.device_put(host.astype(dtype, copy=False), sharding))
             jax.block_until_ready(placed[-1])
