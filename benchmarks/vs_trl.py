@@ -34,6 +34,8 @@ P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the 
     .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
         [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
         [--layouts colocated,disaggregated] [--compilation-cache DIR]
+    .venv/bin/python benchmarks/vs_trl.py --model-size 30m [--steps 6] [--prompts 8]
+        [--group 4] [--new-tokens 128]     # RL steps/s on a 30M model (rl_throughput.py)
         [--torch-threads N] [--json-out FILE]
 
 Needs TRL: ``bash scripts/setup.sh --bench``.
@@ -55,6 +57,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from benchmarks import rl_throughput  # noqa: E402
 from benchmarks._timing import log_busy_cores, peak_rss_bytes  # noqa: E402
 from benchmarks.async_vs_sync import (  # noqa: E402
     PRESET,
@@ -427,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
         default="colocated,disaggregated",
         help="ours: the placement modes to run, side by side (comma-separated)",
     )
+    ap.add_argument(
+        "--model-size",
+        choices=("tiny", "30m"),
+        default="tiny",
+        help="tiny: time to the held-out target on the preset's model; 30m: RL steps per\n"
+        "second on a 30M-parameter Qwen2-shaped model (benchmarks/rl_throughput.py)",
+    )
+    rl_throughput.add_args(ap.add_argument_group("--model-size 30m"))
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
@@ -434,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not layouts:
         ap.error(f"--layouts: {unknown or 'none'}; choose from {', '.join(LAYOUTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.model_size == "30m":
+        out = rl_throughput.run(args, layouts, args.only)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(out, f, indent=2)
+        return 0
     try:
         import trl  # noqa: F401
     except ImportError:
