@@ -3,6 +3,10 @@
 Every benchmark times the same way: ``warmup`` untimed calls (compilation, allocator and thread
 pool warm-up), then ``repeats`` timed calls, each one synchronised (``block_until_ready`` on every
 JAX array in the result) before the clock stops; the median is the figure reported.
+
+Every benchmark also records the machine's load before it starts and again at the end
+(``machine_load``), and marks its figure lines ``[CONTENDED: ...]`` (``contended_mark``) when
+other work shared the CPU, so a slow figure from a busy machine is never taken for a real one.
 """
 
 from __future__ import annotations
@@ -163,6 +167,80 @@ def log_busy_cores(log: logging.Logger) -> float | None:
     if busy is not None and busy > 0.2:
         log.warning("other processes keep %.2f CPUs busy: the timings will be slow and noisy", busy)
     return busy
+
+
+# a machine counts as contended (figures low and noisy) above either threshold
+CONTENDED_BUSY_CORES = 0.2
+CONTENDED_LOAD_1M = 0.5
+
+
+def machine_load(
+    log: logging.Logger | None = None, when: str = "before", interval_s: float = 1.0
+) -> dict[str, Any]:
+    """The machine's load around a benchmark: call it with ``when="before"`` first thing, and
+    with ``when="after"`` at the end (another process may have started meanwhile).
+
+    Returns ``{"when", "load_1m", "load_5m", "load_15m", "busy_cores", "cpu_count",
+    "contended"}``: ``os.getloadavg()`` and ``busy_cores(interval_s)`` (other processes' CPUs'
+    worth while this one sleeps; None off Linux). ``contended`` is True when busy_cores > 0.2
+    or, before the run only, the 1-minute load > 0.5 (after a run the load average counts the
+    benchmark's own work, so only busy_cores decides). Logged to ``log`` (a warning when
+    contended). Pass the dicts to ``contended_mark`` to flag figure lines, and put them in the
+    JSON output (e.g. ``{"machine_load": {"before": ..., "after": ...}}``).
+    """
+    try:
+        load = os.getloadavg()
+    except OSError:  # not available on this platform
+        load = None
+    busy = busy_cores(interval_s)
+    load_1m = None if load is None else load[0]
+    contended = (busy is not None and busy > CONTENDED_BUSY_CORES) or (
+        when == "before" and load_1m is not None and load_1m > CONTENDED_LOAD_1M
+    )
+    out = {
+        "when": when,
+        "load_1m": load_1m,
+        "load_5m": None if load is None else load[1],
+        "load_15m": None if load is None else load[2],
+        "busy_cores": busy,
+        "cpu_count": os.cpu_count(),
+        "contended": bool(contended),
+    }
+    if log is not None:
+        text = f"machine load {when}: {describe_load(out)}"
+        if contended:
+            log.warning("%s -- CONTENDED: other work shares the CPU, figures are low/noisy", text)
+        else:
+            log.info("%s", text)
+    return out
+
+
+def describe_load(load: dict[str, Any] | None) -> str:
+    """``machine_load``'s dict in words: 'load 1.90 (1 min), 1.30 of 2 cores busy'."""
+    if not load:
+        return "load n/a"
+    return (
+        f"load {_fmt(load.get('load_1m'))} (1 min), {_fmt(load.get('busy_cores'))} of "
+        f"{load.get('cpu_count')} cores busy with other work"
+    )
+
+
+def contended_mark(*loads: dict[str, Any] | None) -> str:
+    """Suffix for a figure line: ' [CONTENDED: load 1.9, busy 1.3 cores]' when any of the
+    ``machine_load`` dicts given (before, after) is contended, else ''. It shows the highest
+    busy_cores and the highest 1-minute load measured before a run (a load taken after one
+    counts the benchmark itself)."""
+    given = [x for x in loads if x]
+    if not any(x.get("contended") for x in given):
+        return ""
+    before = [x["load_1m"] for x in given if x.get("when") != "after" and x.get("load_1m")]
+    busy = max((x["busy_cores"] for x in given if x.get("busy_cores") is not None), default=None)
+    load = f"load {max(before):.1f}, " if before else ""
+    return f" [CONTENDED: {load}busy {_fmt(busy, 1)} cores]"
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def peak_rss_bytes() -> int:

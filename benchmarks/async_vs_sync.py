@@ -19,6 +19,9 @@ version (held-out pass@k is evaluated every ``--eval-every`` steps while the run
     .venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--eval-every 10] [--gain 0.15]
         [--target P] [--async-j 2] [--async-k 4] [--json-out FILE]
 
+The machine's load is recorded before and after (``_timing.machine_load``); the header and the
+speed-up lines are marked [CONTENDED] when other work shared the CPU.
+
 About 7 minutes on 2 CPU cores with the defaults (the two runs take turns, never overlap). The
 preset runs 300 steps (its learning-rate schedule spans them); 150 reach the default target.
 """
@@ -40,7 +43,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks._timing import log_busy_cores, peak_rss_bytes  # noqa: E402
+from benchmarks._timing import (  # noqa: E402
+    contended_mark,
+    describe_load,
+    machine_load,
+    peak_rss_bytes,
+)
 from rlax_tasks.run.report import read_jsonl  # noqa: E402
 
 log = logging.getLogger("benchmarks.async_vs_sync")
@@ -249,9 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    busy = log_busy_cores(log)
+    load_before = machine_load(log)
+    busy = load_before["busy_cores"]
     model_dir = base_model_dir()
-    common = {"eval.every_steps": args.eval_every}
+    # the paper's layout: separate jobs, 2 workers (the tiny preset itself runs colocated)
+    common = {
+        "eval.every_steps": args.eval_every,
+        "placement.mode": "disaggregated",
+        "workers.count": 2,
+        "workers.slots": 64,
+    }
     modes = [
         ("lockstep", {"staleness.reload_every": 1, "staleness.max_staleness": 1}),
         (
@@ -264,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         results[label] = run_ours(
             label, {**overrides, **common}, args.steps, model_dir=model_dir, keep=args.keep
         )
+    load_after = machine_load(log, when="after")
+    mark = contended_mark(load_before, load_after)
     sync, asyn = results["lockstep"], results["async"]
     base = (sync["before"] or {}).get("pass@1")
     target = args.target if args.target is not None else (base or 0.0) + args.gain
@@ -282,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"tiny-arith, {args.steps} steps per run, eval every {args.eval_every} steps, "
-        f"{os.cpu_count()} CPUs (busy before start: {fmt_value(busy, '{:.2f}')}); "
-        f"target held-out pass@1 {target:.3f}"
+        f"{os.cpu_count()} CPUs (before: {describe_load(load_before)}; after: "
+        f"{describe_load(load_after)}){mark}; target held-out pass@1 {target:.3f}"
         + (f" (base {base:.3f} + {args.gain})" if args.target is None and base is not None else "")
     )
     print_table(
@@ -320,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         a, s = asyn[key], sync[key]
         ratios[key] = (s / a) if a and s else None
         ratio = fmt_value(ratios[key], "{:.2f}x")
-        print(f"async speed-up per step ({name}): lockstep / async = {ratio}")
+        print(f"async speed-up per step ({name}): lockstep / async = {ratio}{mark}")
     ta, ts = asyn["time_to_target"], sync["time_to_target"]
     ratios["time_to_target"] = ts["seconds"] / ta["seconds"] if ta and ts else None
     print(
@@ -330,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             if ratios["time_to_target"] is not None
             else f"n/a (lockstep {ttt(sync)}, async {ttt(asyn)})"
         )
+        + mark
     )
     print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
     out = {
@@ -339,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": target,
         "cpu_count": os.cpu_count(),
         "busy_cores_before": busy,
+        "machine_load": {"before": load_before, "after": load_after},
         "modes": results,
         "ratios": ratios,
     }

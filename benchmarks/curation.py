@@ -14,6 +14,9 @@ What it measures, in one run and side by side:
    does without a library) on the same rows with the same hash family; prints the speed ratio
    and checks both give identical signatures.
 
+The machine's load is recorded before and after (``_timing.machine_load``); the speed lines are
+marked [CONTENDED] when other work shared the CPU.
+
 Run (from the repository root)::
 
     .venv/bin/python benchmarks/curation.py
@@ -41,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _timing  # noqa: E402  (the benchmarks' shared helper module, next to this file)
 
+log = logging.getLogger("benchmarks.curation")
 TARGET_RSS = 4 * 1024**3
 WORDS = (
     "find the value of each integer such that triangle circle area sum product prime divisor "
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         run_child(args.child)
         return 0
-    busy = _timing.busy_cores()
+    before = _timing.machine_load(log)
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         print(f"generating {args.rows:,} synthetic rows ...", flush=True)
         inputs, eval_path, gen_s = write_data(workdir, args.rows)
@@ -226,12 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         child = json.load(open(spec["result"]))
         child_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     race = minhash_race(args.baseline_rows)
+    after = _timing.machine_load(log, when="after")
+    mark = _timing.contended_mark(before, after)
 
     peak = max(child["peak_rss_bytes"], child_peak)
     rows_per_s = args.rows / (child["curate_s"] + child["write_s"])
     t = child["totals"]
     print()
-    print(f"machine busy before the run: {busy:.2f} cores (other work shares the machine)")
+    print(
+        f"machine before the run: {_timing.describe_load(before)}; after: "
+        f"{_timing.describe_load(after)}{mark}"
+    )
     print(
         f"rows: {args.rows:,} -> {t['train']:,} train, {t['test']:,} test, "
         f"{t['quarantined']:,} quarantined, {t['removed']:,} removed"
@@ -240,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {s['stage']:<18} in {s['rows_in']:>9,}  removed {s['removed']:>8,}")
     print(
         f"pipeline: {child['curate_s']:.1f} s curate + {child['write_s']:.1f} s writing "
-        f"(child wall {wall:.1f} s incl. interpreter start)"
+        f"(child wall {wall:.1f} s incl. interpreter start){mark}"
     )
-    print(f"throughput: {rows_per_s:,.0f} rows/s (exact + near dedup included)")
+    print(f"throughput: {rows_per_s:,.0f} rows/s (exact + near dedup included){mark}")
     print(
         f"peak RSS: {peak / 1024**3:.2f} GiB vs target 4 GiB -> "
         f"{peak / TARGET_RSS:.2f}x of the target ({'OK' if peak < TARGET_RSS else 'OVER'})"
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"MinHash on {race['rows']:,} rows: numpy {race['numpy_rows_per_s']:,.0f} rows/s vs "
         f"pure Python {race['python_rows_per_s']:,.0f} rows/s -> {race['speedup']:.0f}x "
-        f"(identical signatures: {race['identical_signatures']})"
+        f"(identical signatures: {race['identical_signatures']}){mark}"
     )
     if args.json_out:
         with open(args.json_out, "w") as fh:
@@ -262,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     "target_rss_bytes": TARGET_RSS,
                     "child": child,
                     "minhash_race": race,
-                    "busy_cores_before": busy,
+                    "busy_cores_before": before["busy_cores"],
+                    "machine_load": {"before": before, "after": after},
                 },
                 fh,
                 indent=2,

@@ -17,6 +17,9 @@ What it measures, in one run and side by side:
    of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices (2048 and 4096).
 4. Peak RSS of the process at the end.
 
+The machine's load is recorded before and after (``_timing.machine_load``); the figure lines
+are marked [CONTENDED] when other work shared the CPU.
+
 Run (from the repository root)::
 
     .venv/bin/python benchmarks/forward.py
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     t_start = time.perf_counter()
+    load_before = _timing.machine_load(log)
 
     import jax
     import torch
@@ -137,15 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "dtype": args.dtype,
-        "busy_cores_before": _timing.busy_cores(1.0),
+        "busy_cores_before": load_before["busy_cores"],
     }
     log.info("environment: %s", env)
-    if env["busy_cores_before"] is not None and env["busy_cores_before"] > 0.2:
-        log.warning(
-            "other processes kept %.2f CPUs busy just before the benchmark started: "
-            "the timings will be low and noisy",
-            env["busy_cores_before"],
-        )
 
     with tempfile.TemporaryDirectory(prefix="rlax_bench_fwd_") as tmp:
         # ------------------------------------------------------------------ stage 1: weights
@@ -268,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     ratio = rows["jax"]["tokens_per_s"] / rows["torch"]["tokens_per_s"]
     rss = _timing.peak_rss_bytes()
-    env["busy_cores_after"] = _timing.busy_cores(1.0)
+    load_after = _timing.machine_load(log, when="after")
+    env["busy_cores_after"] = load_after["busy_cores"]
     wall = time.perf_counter() - t_start
 
     results = {
@@ -293,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "jax_over_torch_tokens_per_s": ratio,
         "peak_rss_bytes": rss,
         "wall_s": wall,
+        "machine_load": {"before": load_before, "after": load_after},
     }
     print_table(results)
     if args.json_out:
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_table(r: dict[str, Any]) -> None:
     a, m, f = r["args"], r["model"], r["flops_per_forward"]
     fmt = _timing.fmt_si
+    mark = _timing.contended_mark(r["machine_load"]["before"], r["machine_load"]["after"])
     lines = [
         "",
         f"Forward (prefill, full logits) benchmark -- dtype {a['dtype']}, "
@@ -317,7 +318,8 @@ def print_table(r: dict[str, Any]) -> None:
         f"cpus: nproc={r['environment']['nproc']}, torch threads="
         f"{r['environment']['torch_threads']}, torch attention={m['torch_attn_implementation']}, "
         f"CPUs busy with other work before/after: {_opt(r['environment']['busy_cores_before'])}/"
-        f"{_opt(r['environment']['busy_cores_after'])}",
+        f"{_opt(r['environment']['busy_cores_after'])}, 1-min load before "
+        f"{_opt(r['machine_load']['before']['load_1m'])}{mark}",
         f"FLOPs/forward: {fmt(f['total'], 'FLOP')} = linear {fmt(f['linear'])} + attention "
         f"(full T^2, not halved for causal) {fmt(f['attention_full_square'])} + LM head "
         f"{fmt(f['lm_head'])}",
@@ -351,12 +353,13 @@ def print_table(r: dict[str, Any]) -> None:
             f"{100 * row['fraction_of_jax_matmul_peak']:>9.1f}%"
             + (f" {100 * row['fraction_of_jax_matmul_peak_in_dtype']:>9.1f}%" if dp else "")
             + f" {t['own_cores']:>5.2f} {_opt(t['other_cores']):>6}"
+            + mark
         )
     lines += [
         "(cores: CPUs' worth of this process's CPU time while timing; others: other processes'",
         " -- above ~0.1 the machine was shared and the figures are low)",
         "",
-        f"JAX / torch tokens/s: {r['jax_over_torch_tokens_per_s']:.2f}x",
+        f"JAX / torch tokens/s: {r['jax_over_torch_tokens_per_s']:.2f}x{mark}",
         f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
         "",
     ]

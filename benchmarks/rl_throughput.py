@@ -176,10 +176,6 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     }
 
 
-def _cores(x: float | None) -> str:
-    return "?" if x is None else f"{x:.2f}"
-
-
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=6, help="RL steps of each side")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -189,8 +185,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[str, Any]:
     """Both sides on the 30M model; prints the table and the ratios; returns the figures."""
-    load = os.getloadavg()[0]
-    busy = _timing.busy_cores(1.0)
+    before = _timing.machine_load(log)
     tmp = tempfile.mkdtemp(prefix="rlax-bench-30m-")
     from benchmarks.async_vs_sync import base_model_dir
 
@@ -206,16 +201,13 @@ def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[
             results["trl"] = run_trl(args, model_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    after = _timing.busy_cores(1.0)
-    # other processes' CPU while this one idled, before and after (ours is not counted)
-    contended = any(b is not None and b > 0.2 for b in (busy, after))
+    after = _timing.machine_load(log, when="after")
+    mark = _timing.contended_mark(before, after)
     print()
     print(
         f"RL steps/s, {n / 1e6:.1f}M-parameter Qwen2 shape, {args.prompts} prompts x "
         f"{args.group} completions of up to {args.new_tokens} tokens, {args.steps} steps (rate "
-        f"after the first); {os.cpu_count()} CPUs, other work: {_cores(busy)} cores busy before, "
-        f"{_cores(after)} after"
-        f"{' [CONTENDED]' if contended else ''}"
+        f"after the first); {os.cpu_count()} CPUs; {_timing.describe_load(before)}{mark}"
     )
     for label, r in results.items():
         rate = r["steps_per_s"]
@@ -226,9 +218,9 @@ def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[
     for label, r in results.items():
         if label.startswith("ours") and trl_rate and r["steps_per_s"]:
             ratios[label] = r["steps_per_s"] / trl_rate
-            print(f"  {label} / TRL = {ratios[label]:.2f}x  (target >= 2x)")
-    return {"parameters": n, "results": results, "ratios": ratios, "busy_before": busy,
-            "busy_after": after, "load": load, "contended": contended,
+            print(f"  {label} / TRL = {ratios[label]:.2f}x  (target >= 2x){mark}")
+    return {"parameters": n, "results": results, "ratios": ratios,
+            "machine_load": {"before": before, "after": after},
             "args": {k: getattr(args, k) for k in ("steps", "prompts", "group", "new_tokens")}}
 
 

@@ -18,6 +18,9 @@ What it measures, in one run and side by side:
 4. The baseline: the best FLOP/s of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices
    (benchmarks/_timing.py); the ratio achieved / baseline is printed.
 
+The machine's load is recorded before and after (``_timing.machine_load``); the figure lines
+are marked [CONTENDED] when other work shared the CPU.
+
 Run (from the repository root)::
 
     .venv/bin/python benchmarks/train_step.py
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     logging.getLogger("absl").setLevel(logging.WARNING)
     t_start = time.perf_counter()
+    load_before = _timing.machine_load(log)
 
     import jax
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nproc": os.cpu_count(),
         "jax_devices": [str(d) for d in jax.devices()],
         "jax_version": jax.__version__,
-        "busy_cores_before": _timing.busy_cores(1.0),
+        "busy_cores_before": load_before["busy_cores"],
     }
     log.info("environment: %s", env)
     shape = forward_benchmark.MODEL_SHAPE
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         timing = _timing.median_time(one_step, repeats=args.repeats, warmup=args.warmup)
         trainer.close()
 
+    load_after = _timing.machine_load(log, when="after")
     flops_8n = 8 * n_params * tokens
     fwd = forward_benchmark.forward_flops(config, args.batch, args.seq_len)
     flops_with_attention = 4 * fwd["total"]
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
         "last_step_metrics": metrics,
         "peak_rss_bytes": _timing.peak_rss_bytes(),
-        "busy_cores_after": _timing.busy_cores(1.0),
+        "busy_cores_after": load_after["busy_cores"],
+        "machine_load": {"before": load_before, "after": load_after},
         "wall_s": time.perf_counter() - t_start,
     }
     print_table(results)
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_table(r: dict[str, Any]) -> None:
     a, t, fmt = r["args"], r["timing"], _timing.fmt_si
+    mark = _timing.contended_mark(r["machine_load"]["before"], r["machine_load"]["after"])
     first = t["first_call_s"]
     lines = [
         "",
@@ -194,14 +201,15 @@ def print_table(r: dict[str, Any]) -> None:
         f"step: median {t['median_s']:.3f}s, min {t['min_s']:.3f}s, first call (compile) "
         f"{(f'{first:.1f}s' if first is not None else '-')}; cores used {t['own_cores']:.2f}, "
         f"by others {_opt(t['other_cores'])} (CPUs busy before/after: "
-        f"{_opt(r['environment']['busy_cores_before'])}/{_opt(r['busy_cores_after'])})",
-        f"training tokens/s: {r['tokens_per_s']:,.0f}",
+        f"{_opt(r['environment']['busy_cores_before'])}/{_opt(r['busy_cores_after'])}; 1-min "
+        f"load before {_opt(r['machine_load']['before']['load_1m'])}){mark}",
+        f"training tokens/s: {r['tokens_per_s']:,.0f}{mark}",
         f"achieved: {fmt(r['achieved_flops_per_s'], 'FLOP/s')} (8N count), "
-        f"{fmt(r['achieved_flops_per_s_with_attention'], 'FLOP/s')} (with attention)",
+        f"{fmt(r['achieved_flops_per_s_with_attention'], 'FLOP/s')} (with attention){mark}",
         f"baseline jax.jit(a @ b) f32 peak: {fmt(r['jax_matmul_peak']['flops_per_s'], 'FLOP/s')} "
         f"(n={r['jax_matmul_peak']['best_size']})",
         f"ratio achieved / matmul peak: {r['fraction_of_matmul_peak']:.3f} (8N count), "
-        f"{r['fraction_of_matmul_peak_with_attention']:.3f} (with attention)",
+        f"{r['fraction_of_matmul_peak_with_attention']:.3f} (with attention){mark}",
         f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
         "",
     ]

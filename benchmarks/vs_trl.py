@@ -58,7 +58,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks import rl_throughput  # noqa: E402
-from benchmarks._timing import log_busy_cores, peak_rss_bytes  # noqa: E402
+from benchmarks._timing import (  # noqa: E402
+    contended_mark,
+    describe_load,
+    machine_load,
+    peak_rss_bytes,
+)
 from benchmarks.async_vs_sync import (  # noqa: E402
     PRESET,
     after_first_step,
@@ -462,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    busy = log_busy_cores(log)
+    load_before = machine_load(log)
+    busy = load_before["busy_cores"]
     model_dir = base_model_dir()
     cache_state = "cold (a fresh cache per run)"
     if args.compilation_cache:
@@ -537,8 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tiny-arith: ours (rlax run, j={s.reload_every}, k={s.max_staleness}; "
         f"{', '.join(layouts)}) vs TRL GRPOTrainer (PyTorch CPU), {os.cpu_count()} CPUs "
-        f"(busy before start: {fmt_value(busy, '{:.2f}')}, load {os.getloadavg()[0]:.2f}"
-        f"{'; CONTENDED' if busy is not None and busy > 0.2 else ''}); "
+        f"(before start: {describe_load(load_before)}); "
         f"ours' JAX compilation cache: {cache_state}"
     )
     print(
@@ -572,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         results, "held-out pass@1 by step (seconds of training when that step's weights existed):"
     )
     ratios: dict[str, dict[str, float | None]] = {}
+    load_after = machine_load(log, when="after")
     print()
+    print(f"ratios{contended_mark(load_before, load_after) or ' (quiet machine)'}:")
     for label in [k for k in results if k.startswith("ours")]:
         ratios[label] = _ratios(results, label)
     print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
@@ -594,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_trl_over_ours": ratio,
                     "ratios_trl_over_ours": ratios,
                     "layouts": layouts,
-                    "load_before": os.getloadavg()[0],
+                    "machine_load": {"before": load_before, "after": load_after},
                     "compilation_cache": cache_state,
                 },
                 f,

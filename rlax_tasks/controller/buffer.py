@@ -11,7 +11,7 @@ encodable): DESIGN §11, a row the run cannot use never ends it and is never los
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -139,12 +139,20 @@ class Batch:
     groups: tuple[ScoredGroup, ...]
     dropped: tuple[DroppedGroup, ...] = ()
     skipped: tuple[SkippedPrompt, ...] = ()
+    # the controller's wall-clock seconds per phase before this batch was sent ("time_*_s",
+    # see Controller); metrics only: not part of the batch's identity, never trained on
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     def stats(self) -> dict[str, float]:
-        """Per-step counts for the metrics: prompts skipped since the previous step, and
-        completions of this batch whose verifier failed (scored 0)."""
+        """Per-step figures for the metrics: prompts skipped since the previous step,
+        completions of this batch whose verifier failed (scored 0), and the controller's
+        ``timings`` when it attached them."""
         failures = sum(v in VERIFIER_FAILURES for g in self.groups for v in g.verdicts)
-        return {"prompts_skipped": float(len(self.skipped)), "verifier_errors": float(failures)}
+        return {
+            "prompts_skipped": float(len(self.skipped)),
+            "verifier_errors": float(failures),
+            **{k: float(v) for k, v in self.timings.items()},
+        }
 
     @property
     def prompt_ids(self) -> list[str]:

@@ -11,17 +11,28 @@ treated as dead: it is reset and its in-flight prompts go back to the front of t
 dispatch order. On restart, ``start()`` restores the newest committed snapshot, resets every
 worker and re-issues the in-flight prompts (to the same worker when it is still there, in the
 same order), so with deterministic workers the run continues exactly as an uninterrupted one.
+
+Where the time goes: the controller times its phases with its clock (``PHASES``: dispatch,
+collect, score, wait = time outside ``iterate()`` such as the driver's idle sleeps, batch =
+forming the batch, snapshot, train = the ``train_step`` call, lineage, rollouts = writing
+``rollouts/``). A cycle runs from one ``train_step`` call to the next; the batch sent at the
+end of a cycle carries that cycle's seconds per phase as ``Batch.timings`` (``time_<phase>_s``,
+``time_other_s`` for time in no phase and ``time_cycle_s`` for the whole cycle), so they land in
+that step's metrics row with the batch's other stats, whatever carries the batch (HTTP or an
+in-process trainer). The train, lineage and rollouts times in the row of step s are therefore
+those of step s - 1, and a row's phases add up to the time between two steps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import numbers
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -51,6 +62,18 @@ class ScorerError(RuntimeError):
 
 WORKER_ERRORS = (WorkerError, ConnectionError, TimeoutError, OSError)
 SCORER_ERRORS = (ScorerError, ConnectionError, TimeoutError, OSError)
+# the controller's timed phases, in the order of a cycle (see the module docstring)
+PHASES = (
+    "wait",
+    "dispatch",
+    "collect",
+    "score",
+    "batch",
+    "snapshot",
+    "train",
+    "lineage",
+    "rollouts",
+)
 
 
 class WorkerPool(Protocol):
@@ -210,6 +233,11 @@ class Controller:
         self._down_until: dict[str, float] = {}
         self._failures: collections.Counter[str] = collections.Counter()  # in a row, per worker
         self.counters: collections.Counter[str] = collections.Counter()
+        # seconds per phase in this process, over the whole run and since the last step was sent
+        self.phase_totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._cycle_start: float | None = None  # clock when the last step was sent
+        self._idle_since: float | None = None  # clock when the last iterate() ended
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,6 +247,13 @@ class Controller:
 
         The trainer must be at the snapshot's version (restored from its checkpoint).
         """
+        self._cycle_start = self.clock()  # the first step's cycle includes the start-up
+        try:
+            return self._restore(initial_version)
+        finally:
+            self._idle_since = self.clock()
+
+    def _restore(self, initial_version: int) -> bool:
         snap = self.store.load_latest()
         live = self._live_workers()
         for w in live:
@@ -293,19 +328,57 @@ class Controller:
         """
         if not self._started:
             raise RuntimeError("call start() first: it restores a snapshot or starts fresh")
-        self._dispatch()
-        got = self._collect()
-        self._score()
-        before = self.buffer.state_dict()
-        pending = [p.seq for p in self._queue]
-        pending += [e.prompt.seq for e in self._in_flight.values()]
-        pending += [p.seq for p, _ in self._not_in_buffer()]
-        batch = self.buffer.take(self.version + 1, pending)
-        if batch is None:
-            return got > 0
-        self.snapshot(pending=batch, buffer_state=before)
-        self._train(batch)
-        return True
+        if self._idle_since is not None:
+            self._add_time("wait", self.clock() - self._idle_since)
+        try:
+            with self._timed("dispatch"):
+                self._dispatch()
+            with self._timed("collect"):
+                got = self._collect()
+            with self._timed("score"):
+                self._score()
+            with self._timed("batch"):
+                before = self.buffer.state_dict()
+                pending = [p.seq for p in self._queue]
+                pending += [e.prompt.seq for e in self._in_flight.values()]
+                pending += [p.seq for p, _ in self._not_in_buffer()]
+                batch = self.buffer.take(self.version + 1, pending)
+            if batch is None:
+                return got > 0
+            with self._timed("snapshot"):
+                self.snapshot(pending=batch, buffer_state=before)
+            self._train(batch)
+            return True
+        finally:
+            self._idle_since = self.clock()
+
+    # ------------------------------------------------------------------ phase timing
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Adds the clock time of the ``with`` block to ``phase``."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self._add_time(phase, self.clock() - t0)
+
+    def _add_time(self, phase: str, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self._phases[phase] += seconds
+        self.phase_totals[phase] += seconds
+
+    def _end_cycle(self) -> dict[str, float]:
+        """The seconds per phase since the previous step was sent, as ``time_<phase>_s``
+        metrics plus ``time_other_s`` (in no phase) and ``time_cycle_s`` (all); starts the
+        next cycle now."""
+        now = self.clock()
+        cycle = 0.0 if self._cycle_start is None else max(0.0, now - self._cycle_start)
+        out = {f"time_{p}_s": s for p, s in self._phases.items()}
+        out["time_other_s"] = max(0.0, cycle - sum(self._phases.values()))
+        out["time_cycle_s"] = cycle
+        self._phases = dict.fromkeys(PHASES, 0.0)
+        self._cycle_start = now
+        return out
 
     # ------------------------------------------------------------------ dispatch
     def _live_workers(self) -> list[str]:
@@ -590,11 +663,13 @@ class Controller:
 
     # ------------------------------------------------------------------ train, record, snapshot
     def _train(self, batch: Batch) -> None:
-        try:
-            new_version = self.train_step(batch)
-        except TrainerBehindError as e:
-            self._replay_trainer(e.trainer_step)
-            new_version = self.train_step(batch)
+        batch = dataclasses.replace(batch, timings=self._end_cycle())
+        with self._timed("train"):
+            try:
+                new_version = self.train_step(batch)
+            except TrainerBehindError as e:
+                self._replay_trainer(e.trainer_step)
+                new_version = self.train_step(batch)
         if new_version != batch.version:
             raise RuntimeError(
                 f"the trainer returned version {new_version} for the step producing version "
@@ -603,11 +678,14 @@ class Controller:
         self.step += 1
         self.version = new_version
         self.counters["trained_groups"] += len(batch.groups)
-        self.lineage.append(lineage_record(self.step, batch))
-        write_rollouts(self.run_dir, self.step, batch, self._verifiers)
+        with self._timed("lineage"):
+            self.lineage.append(lineage_record(self.step, batch))
+        with self._timed("rollouts"):
+            write_rollouts(self.run_dir, self.step, batch, self._verifiers)
         self._steps_since_snapshot.append({"step": self.step, "prompt_ids": batch.prompt_ids})
         if self.version % self.settings.reload_every == 0:
-            self.snapshot()
+            with self._timed("snapshot"):
+                self.snapshot()
 
     def _replay_trainer(self, trainer_step: int) -> None:
         """Gives a trainer restored at ``trainer_step`` the steps after it, up to ours, again.
