@@ -1,18 +1,33 @@
-"""Weight sync through the parameter server vs the memcpy floor, in one run.
+"""Weight sync through the parameter server vs the memcpy floor, and vs Arrow Flight, in one run.
 
 A trainer (this process) pushes a ``--gib`` GiB version to a parameter server (`rlax ps serve`,
 its own process) while ``--workers`` worker processes wait in ``pull(min_version=v)``. Measured
 per version: the time from the start of the push until every worker holds the version (pulled,
-sha256-verified, in its memory) -- vs the floor: the time this machine needs to memcpy the same
-bytes (1 + workers) times with numpy (one push + one pull per worker), measured in the same run.
-Also: each worker's time to converge on a new version (p50, p99 over versions x workers).
+every block CRC32C-verified, in its memory) -- vs the floor: the time this machine needs to
+memcpy the same bytes (1 + workers) times with numpy (one push + one pull per worker), measured
+in the same run. Also: each worker's time to converge on a new version (p50, p99 over versions x
+workers).
 
-    .venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--versions 5]
+Then the same versions through Arrow Flight (``pyarrow.flight``), for comparison: a minimal
+Flight server process takes each version by ``do_put`` (one record batch per block: array index,
+region, CRC32C, the bytes as a binary column; the manifest in the descriptor, the version digest
+in the last batch's metadata) and checks every block's CRC32C and the digest; ``--workers``
+client processes ``do_get`` it (the server holds the request until the version exists), check
+every block's CRC32C and the digest, and copy the blocks into preallocated arrays. The same
+guarantees as the parameter server's wire format, through gRPC and Arrow IPC instead of the
+hand-written HTTP framing. The Flight variant lives only here: it is a comparison, not a product
+path.
+
+The machine's load is printed at the start (other processes' busy cores, the load average); when
+other work kept more than 0.2 cores busy the figures are marked CONTENDED.
+
+    .venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--versions 5] [--no-flight]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -20,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,8 +44,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import busy_cores, fmt_si  # noqa: E402
+from rlax_tasks.paramserver.wire import (  # noqa: E402
+    DEFAULT_CHUNK_BYTES,
+    ArraySpec,
+    BlockHeader,
+    ChecksumError,
+    Manifest,
+    WireError,
+    as_bytes,
+    check_coverage,
+    crc32c,
+    resolve_dtype,
+    split_blocks,
+    version_digest,
+)
 
 TOKEN = "weight-sync-benchmark"
+CONTENDED_BUSY_CORES = 0.2
 
 
 def _worker(url: str, worker_id: str, versions: int, results: mp.Queue) -> None:
@@ -64,15 +95,24 @@ def memcpy_floor(nbytes: int, copies: int, repeats: int = 3) -> float:
     return best
 
 
-def sha256_rate(nbytes: int = 256 * 2**20) -> float:
-    """Bytes per second one core hashes with sha256 (every byte is hashed once per receiver)."""
-    import hashlib
-
-    data = np.ones(nbytes, np.uint8)
-    t0 = time.perf_counter()
-    for i in range(0, nbytes, 8 * 2**20):
-        hashlib.sha256(data[i : i + 8 * 2**20]).digest()
-    return nbytes / (time.perf_counter() - t0)
+def checksum_rates(nbytes: int = 128 * 2**20, repeats: int = 3) -> dict[str, float]:
+    """Bytes per second one core checksums in 8 MiB blocks: CRC32C (wire format 2) and sha256
+    (format 1), with memcpy alongside, alternating, best of ``repeats``."""
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(data)
+    blocks = [data[i : i + DEFAULT_CHUNK_BYTES] for i in range(0, nbytes, DEFAULT_CHUNK_BYTES)]
+    kinds = {
+        "memcpy": lambda: np.copyto(dst, data),
+        "crc32c": lambda: [crc32c(b) for b in blocks],
+        "sha256": lambda: [hashlib.sha256(b).digest() for b in blocks],
+    }
+    best = dict.fromkeys(kinds, float("inf"))
+    for _ in range(repeats):
+        for kind, run in kinds.items():
+            t0 = time.perf_counter()
+            run()
+            best[kind] = min(best[kind], time.perf_counter() - t0)
+    return {kind: nbytes / s for kind, s in best.items()}
 
 
 def make_params(nbytes: int, arrays: int, version: int) -> dict:
@@ -88,27 +128,46 @@ def make_params(nbytes: int, arrays: int, version: int) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0, help="size of one version in GiB")
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--arrays", type=int, default=16, help="arrays per version")
-    args = ap.parse_args()
-    nbytes = int(args.gib * 2**30) // (args.arrays * 4096) * (args.arrays * 4096)
+def _stats(sync_s: list[float], push_s: list[float], converge_s: list[float]) -> dict:
+    conv = np.asarray(converge_s)
+    return {
+        "sync_s": sync_s,
+        "push_s": push_s,
+        "sync_median_s": statistics.median(sync_s),
+        "push_median_s": statistics.median(push_s),
+        "converge_p50_s": float(np.percentile(conv, 50)),
+        "converge_p99_s": float(np.percentile(conv, 99)),
+    }
 
-    print(f"busy cores before start: {busy_cores()} (other work shares the machine when > 0.1)")
-    floor_s = memcpy_floor(nbytes, 1 + args.workers)
-    floor_gbs = nbytes * (1 + args.workers) / floor_s / 1e9
-    print(
-        f"floor: memcpy of {fmt_si(nbytes, 'B')} x {1 + args.workers} = {floor_s:.3f}s "
-        f"({floor_gbs:.2f} GB/s)"
-    )
 
-    # sha256 is computed by the trainer and checked by the server and by every worker
-    hash_s = nbytes * (2 + args.workers) / sha256_rate() / (os.cpu_count() or 1)
-    print(f"sha256 alone on all {os.cpu_count()} cores: >= {hash_s:.3f}s per version")
+def _drive(
+    name: str, push: object, args: argparse.Namespace, nbytes: int, results: mp.Queue
+) -> dict:
+    """Pushes ``args.versions`` versions with ``push(version, params)``; each one's time until
+    every worker reported holding it."""
+    sync_s, converge_s, push_s = [], [], []
+    for v in range(1, args.versions + 1):
+        params = make_params(nbytes, args.arrays, v)
+        t0 = time.time()
+        push(v, params)
+        pushed = time.time()
+        dones = [results.get(timeout=600) for _ in range(args.workers)]
+        assert all(d["version"] == v and d["bytes"] == nbytes for d in dones), dones
+        end = max(d["done"] for d in dones)
+        sync_s.append(end - t0)
+        push_s.append(pushed - t0)
+        converge_s.extend(d["done"] - pushed for d in dones)
+        print(
+            f"{name} version {v}: push {pushed - t0:.2f}s, held by all {args.workers} workers "
+            f"after {end - t0:.2f}s ({nbytes * (1 + args.workers) / (end - t0) / 1e9:.2f} GB/s "
+            "moved)"
+        )
+        del params
+    return _stats(sync_s, push_s, converge_s)
 
+
+def run_http(args: argparse.Namespace, nbytes: int) -> dict:
+    """The parameter server: `rlax ps serve` + ``args.workers`` pulling worker processes."""
     env = dict(os.environ, RLAX_PS_TOKEN=TOKEN)
     run_root = tempfile.mkdtemp(prefix="weight-sync-")
     server = subprocess.Popen(
@@ -137,58 +196,293 @@ def main() -> int:
         deadline = time.time() + 120
         while len(trainer.status()["workers"]) < args.workers and time.time() < deadline:
             time.sleep(0.1)
-        sync_s, converge_s, push_s = [], [], []
-        for v in range(1, args.versions + 1):
-            params = make_params(nbytes, args.arrays, v)
-            t0 = time.time()
-            trainer.push(v, params)
-            pushed = time.time()
-            dones = [results.get(timeout=600) for _ in range(args.workers)]
-            assert all(d["version"] == v and d["bytes"] == nbytes for d in dones), dones
-            end = max(d["done"] for d in dones)
-            sync_s.append(end - t0)
-            push_s.append(pushed - t0)
-            converge_s.extend(d["done"] - pushed for d in dones)
-            print(
-                f"version {v}: push {pushed - t0:.2f}s, held by all {args.workers} workers after "
-                f"{end - t0:.2f}s ({nbytes * (1 + args.workers) / (end - t0) / 1e9:.2f} GB/s moved)"
-            )
-            del params
+        stats = _drive("http", trainer.push, args, nbytes, results)
         for w in workers:
             w.join(timeout=120)
     finally:
         server.terminate()
         server.wait(timeout=30)
+    return stats
 
-    med = statistics.median(sync_s)
-    conv = np.asarray(converge_s)
+
+# --------------------------------------------------------------------------- Arrow Flight
+def _flight_schema() -> object:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("array", pa.int32()),
+            ("start", pa.list_(pa.int64())),
+            ("stop", pa.list_(pa.int64())),
+            ("crc32c", pa.uint32()),
+            ("data", pa.binary()),
+        ]
+    )
+
+
+def _flight_batch(header: BlockHeader, view: memoryview) -> object:
+    """One block as a one-row record batch; its bytes are wrapped, not copied."""
+    import pyarrow as pa
+
+    offsets = pa.py_buffer(np.array([0, header.nbytes], np.int32))
+    data = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(view)])
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([header.array], pa.int32()),
+            pa.array([list(header.start)], pa.list_(pa.int64())),
+            pa.array([list(header.stop)], pa.list_(pa.int64())),
+            pa.array([header.crc32c], pa.uint32()),
+            data,
+        ],
+        schema=_flight_schema(),
+    )
+
+
+def _flight_block(batch: object, manifest: Manifest, block_no: int) -> tuple[BlockHeader, object]:
+    """(header, payload as a uint8 numpy view of the Arrow buffer) of one received block, its
+    CRC32C checked (ChecksumError naming the block and its array)."""
+    array = batch.column(0)[0].as_py()
+    start = tuple(batch.column(1)[0].as_py())
+    stop = tuple(batch.column(2)[0].as_py())
+    expected = batch.column(3)[0].as_py()
+    column = batch.column(4)
+    _, offsets, data = column.buffers()
+    lo, hi = np.frombuffer(offsets, np.int32, count=2, offset=4 * column.offset)
+    payload = np.frombuffer(data, np.uint8, count=int(hi - lo), offset=int(lo))
+    header = BlockHeader(array, start, stop, payload.nbytes, expected)
+    if not 0 <= array < len(manifest.arrays):
+        raise WireError(f"block {block_no} names array #{array} of {len(manifest.arrays)}")
+    if crc32c(payload) != expected:
+        name = manifest.arrays[array].name
+        raise ChecksumError(f"block {block_no} of array {name!r} fails its CRC32C")
+    return header, payload
+
+
+def _flight_server(ready: mp.Queue) -> None:
+    """A Flight server holding the newest version (keep 1), every put verified like a push."""
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    class Server(fl.FlightServerBase):
+        def __init__(self) -> None:
+            super().__init__("grpc://127.0.0.1:0")
+            self.cond = threading.Condition()
+            self.version, self.table = -1, None
+
+        def do_put(self, context, descriptor, reader, writer) -> None:  # noqa: ANN001
+            manifest = Manifest.from_json(json.loads(descriptor.command))
+            batches, headers, digest = [], [], b""
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                header, _ = _flight_block(chunk.data, manifest, len(headers))
+                headers.append(header)
+                batches.append(chunk.data)
+                if chunk.app_metadata is not None:
+                    digest = chunk.app_metadata.to_pybytes()
+            if len(headers) != manifest.num_blocks:
+                raise WireError(f"{len(headers)} blocks for {manifest.num_blocks}")
+            if digest != version_digest(manifest, headers):
+                raise WireError(f"version {manifest.version}: the digest does not match")
+            check_coverage(manifest, headers)
+            meta = {"manifest": json.dumps(manifest.to_json()), "digest": digest.hex()}
+            table = pa.Table.from_batches(batches, _flight_schema()).replace_schema_metadata(meta)
+            with self.cond:
+                self.version, self.table = manifest.version, table
+                self.cond.notify_all()
+
+        def do_get(self, context, ticket) -> object:  # noqa: ANN001
+            want = int(ticket.ticket)
+            with self.cond:
+                if not self.cond.wait_for(lambda: self.version >= want, timeout=600):
+                    raise fl.FlightTimedOutError(f"no version >= {want}")
+                table = self.table
+            return fl.RecordBatchStream(table)
+
+    server = Server()
+    ready.put(server.port)
+    server.serve()
+
+
+def _flight_worker(port: int, worker_id: str, versions: int, results: mp.Queue) -> None:
+    """``do_get`` of each new version into preallocated arrays, every block verified."""
+    import pyarrow.flight as fl
+
+    client = fl.connect(f"grpc://127.0.0.1:{port}")
+    held = None
+    for v in range(1, versions + 1):
+        held = None
+        reader = client.do_get(fl.Ticket(str(v).encode()))
+        meta = reader.schema.metadata
+        manifest = Manifest.from_json(json.loads(meta[b"manifest"]))
+        held = {a.name: np.empty(a.shape, resolve_dtype(a.dtype)) for a in manifest.arrays}
+        headers = []
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            header, payload = _flight_block(chunk.data, manifest, len(headers))
+            spec = manifest.arrays[header.array]
+            dest = held[spec.name][header.region + (Ellipsis,)]
+            np.copyto(dest, payload.view(dest.dtype).reshape(header.shape))
+            headers.append(header)
+        if len(headers) != manifest.num_blocks:
+            raise WireError(f"{len(headers)} blocks for {manifest.num_blocks}")
+        if bytes.fromhex(meta[b"digest"].decode()) != version_digest(manifest, headers):
+            raise WireError(f"version {manifest.version}: the digest does not match")
+        check_coverage(manifest, headers)
+        done = time.time()
+        nbytes = sum(a.nbytes for a in held.values())
+        results.put({"worker": worker_id, "version": manifest.version, "done": done,
+                     "bytes": nbytes})  # fmt: skip
+    del held
+
+
+def _flight_push(client: object, version: int, params: dict, chunk_bytes: int) -> None:
+    """One version by ``do_put``: a batch per block, CRC32C computed over the trainer's bytes,
+    the digest in the last batch's metadata; returns once the server verified and holds it."""
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    specs, blocks = [], []
+    for index, (name, leaf) in enumerate(params.items()):
+        host = np.asarray(leaf)
+        specs.append(ArraySpec(name, host.dtype.name, tuple(host.shape)))
+        for start, stop in split_blocks(host.shape, host.itemsize, chunk_bytes):
+            region = tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
+            blocks.append((index, start, stop, as_bytes(host[region + (Ellipsis,)])))
+    manifest = Manifest(version, tuple(specs), len(blocks))
+    descriptor = fl.FlightDescriptor.for_command(json.dumps(manifest.to_json()))
+    writer, _ = client.do_put(descriptor, _flight_schema())
+    headers = []
+    for i, (index, start, stop, view) in enumerate(blocks):
+        header = BlockHeader(index, start, stop, len(view), crc32c(view))
+        headers.append(header)
+        batch = _flight_batch(header, view)
+        if i == len(blocks) - 1:
+            writer.write_with_metadata(batch, pa.py_buffer(version_digest(manifest, headers)))
+        else:
+            writer.write_batch(batch)
+    writer.done_writing()
+    writer.close()  # waits for the server's verdict
+
+
+def run_flight(args: argparse.Namespace, nbytes: int) -> dict:
+    """The same versions through a Flight server process and ``args.workers`` Flight clients."""
+    import pyarrow.flight as fl
+
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_flight_server, args=(ready,), daemon=True)
+    server.start()
+    try:
+        port = ready.get(timeout=120)
+        workers = [
+            ctx.Process(target=_flight_worker, args=(port, f"f{i}", args.versions, results))
+            for i in range(args.workers)
+        ]
+        for w in workers:
+            w.start()
+        client = fl.connect(f"grpc://127.0.0.1:{port}")
+        time.sleep(2.0)  # the workers import and connect; they then wait in do_get
+        stats = _drive(
+            "flight",
+            lambda v, params: _flight_push(client, v, params, DEFAULT_CHUNK_BYTES),
+            args,
+            nbytes,
+            results,
+        )
+        for w in workers:
+            w.join(timeout=120)
+    finally:
+        server.terminate()
+        server.join(timeout=30)
+    return stats
+
+
+# --------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="size of one version in GiB")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument("--arrays", type=int, default=16, help="arrays per version")
+    ap.add_argument("--no-flight", action="store_true", help="skip the Arrow Flight comparison")
+    args = ap.parse_args()
+    nbytes = int(args.gib * 2**30) // (args.arrays * 4096) * (args.arrays * 4096)
+
+    busy = busy_cores()
+    load = os.getloadavg()
+    contended = busy is not None and busy > CONTENDED_BUSY_CORES
+    mark = f"  [CONTENDED: {busy:.2f} cores busy before start]" if contended else ""
+    busy_text = "n/a" if busy is None else f"{busy:.2f}"
+    print(
+        f"machine load at start: {busy_text} of {os.cpu_count()} cores busy with other work; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)"
+        + ("  -> CONTENDED: the figures below are low and noisy" if contended else "")
+    )
+    floor_s = memcpy_floor(nbytes, 1 + args.workers)
+    floor_gbs = nbytes * (1 + args.workers) / floor_s / 1e9
+    print(
+        f"floor: memcpy of {fmt_si(nbytes, 'B')} x {1 + args.workers} = {floor_s:.3f}s "
+        f"({floor_gbs:.2f} GB/s)"
+    )
+    rates = checksum_rates()
+    print(
+        "one core, 8 MiB blocks: "
+        + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in rates.items())
+        + f" (sha256 is {rates['memcpy'] / rates['sha256']:.1f}x a memcpy, "
+        f"CRC32C {rates['memcpy'] / rates['crc32c']:.2f}x)"
+    )
+    # the checksum is computed by the trainer and checked by the server and by every worker
+    crc_s = nbytes * (2 + args.workers) / rates["crc32c"] / (os.cpu_count() or 1)
+
+    http = run_http(args, nbytes)
+    flight = None if args.no_flight else run_flight(args, nbytes)
+
+    med = http["sync_median_s"]
     print()
     print(f"version size        {fmt_si(nbytes, 'B')}, {args.workers} workers, "
           f"{args.versions} versions")  # fmt: skip
     print(f"sync time (median)  {med:.3f}s  = {nbytes * (1 + args.workers) / med / 1e9:.2f} GB/s "
-          f"moved; {nbytes / med / 1e9:.2f} GB/s per version")  # fmt: skip
-    print(f"push time (median)  {statistics.median(push_s):.3f}s "
-          f"({nbytes / statistics.median(push_s) / 1e9:.2f} GB/s)")  # fmt: skip
+          f"moved; {nbytes / med / 1e9:.2f} GB/s per version{mark}")  # fmt: skip
+    print(f"push time (median)  {http['push_median_s']:.3f}s "
+          f"({nbytes / http['push_median_s'] / 1e9:.2f} GB/s){mark}")  # fmt: skip
     print(f"memcpy floor        {floor_s:.3f}s  = {floor_gbs:.2f} GB/s")
-    print(f"ratio sync / floor  {med / floor_s:.2f}x  (target <= 3x)")
-    print(f"sha256 lower bound  {hash_s:.3f}s = {hash_s / floor_s:.2f}x the floor on this machine")
+    print(f"ratio sync / floor  {med / floor_s:.2f}x  (target <= 3x){mark}")
+    print(f"CRC32C lower bound  {crc_s:.3f}s = {crc_s / floor_s:.2f}x the floor on this machine")
     print(
-        f"per-worker convergence after the push returns: p50 {np.percentile(conv, 50):.3f}s, "
-        f"p99 {np.percentile(conv, 99):.3f}s (n={conv.size})"
+        f"per-worker convergence after the push returns: p50 {http['converge_p50_s']:.3f}s, "
+        f"p99 {http['converge_p99_s']:.3f}s (n={args.versions * args.workers}){mark}"
     )
+    if flight is not None:
+        fmed = flight["sync_median_s"]
+        print(
+            f"hand-written HTTP framing: {med:.3f} s ({med / floor_s:.2f} x floor) vs "
+            f"Arrow Flight: {fmed:.3f} s ({fmed / floor_s:.2f} x floor){mark}"
+        )
     print(
         json.dumps(
             {
                 "bytes": nbytes,
                 "workers": args.workers,
-                "sync_s": sync_s,
-                "push_s": push_s,
+                "sync_s": http["sync_s"],
+                "push_s": http["push_s"],
                 "floor_s": floor_s,
-                "sha256_bound_s": hash_s,
+                "crc32c_bound_s": crc_s,
+                "checksum_rates_bytes_per_s": rates,
                 "ratio": med / floor_s,
-                "converge_p50_s": float(np.percentile(conv, 50)),
-                "converge_p99_s": float(np.percentile(conv, 99)),
+                "converge_p50_s": http["converge_p50_s"],
+                "converge_p99_s": http["converge_p99_s"],
+                "flight": flight,
+                "flight_ratio": None if flight is None else flight["sync_median_s"] / floor_s,
                 "cpu_count": os.cpu_count(),
+                "busy_cores_before": busy,
+                "load_avg_before": load,
+                "contended": contended,
             }
         )
     )

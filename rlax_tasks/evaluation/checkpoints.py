@@ -72,7 +72,8 @@ def load_policy(path: str, dtype: str = "float32") -> Any:
 
 def mirror_arrays(run_root: str, version: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
     """(version, name -> array) of a version mirrored under run_root/weights (the newest
-    committed one when `version` is None), every block checked against its sha256."""
+    committed one when `version` is None), every block checked against its CRC32C (its sha256
+    in a mirror written before wire format 2) and the version digest."""
     from rlax_tasks.paramserver import mirror
     from rlax_tasks.paramserver.wire import resolve_dtype
 

@@ -1,33 +1,46 @@
 """Durable mirror of weight versions: ``run_root/weights/v<version>/`` (local dir or gs://).
 
-Each mirrored version holds ``blocks.bin`` (the wire stream of the version, block hashes
-included), then ``COMMIT`` written last: a version without ``COMMIT`` is incomplete and ignored
-(and removed at the next start). A version assembled from several trainer hosts' parts is
-mirrored like any other: its stream is the assembled one (blocks grouped by array); ``COMMIT``
-also records each part's digest. Mirroring runs on a background thread so a push never waits for
-storage; if versions arrive faster than storage takes them, only the newest pending one is
-written. A restarted server loads the newest committed version, verifying every block's sha256.
+Each mirrored version holds ``blocks.bin`` (the wire stream of the version, block CRC32Cs and
+version digest included), then ``COMMIT`` written last: a version without ``COMMIT`` is
+incomplete and ignored (and removed at the next start). A version assembled from several trainer
+hosts' parts is mirrored like any other: its stream is the assembled one (blocks grouped by
+array); ``COMMIT`` also records each part's digest. Mirroring runs on a background thread so a
+push never waits for storage; if versions arrive faster than storage takes them, only the newest
+pending one is written. A restarted server loads the newest committed version, verifying every
+block's CRC32C and the version digest. Mirrors written before wire format 2 (blocks with a
+sha256, ``RXB1``) are still read: each block is checked against its sha256, then given its
+CRC32C, so the version is served in the current format (with a digest of the current kind; the
+parts' digests of such a version are not kept).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
 from rlax_tasks import storage
 from rlax_tasks.paramserver.store import Block, WeightVersion
 from rlax_tasks.paramserver.wire import (
+    FORMAT,
+    LEGACY_FORMATS,
+    BlockHeader,
     ChecksumError,
+    Manifest,
     WireError,
-    check_sha256,
+    crc32c,
     read_block_header,
+    read_block_header_v1,
     read_end,
+    read_end_v1,
     read_manifest,
+    version_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -76,24 +89,48 @@ def mirrored_versions(run_root: str) -> tuple[list[int], list[int]]:
 
 
 def read_version(run_root: str, version: int) -> WeightVersion:
-    """Loads a committed version, checking every block's sha256 and the version digest."""
+    """Loads a committed version, checking every block's CRC32C (sha256 in a format-1 mirror)
+    and the version digest; ChecksumError names the block and its array."""
     prefix = version_dir(run_root, version)
     marker = json.loads(storage.read_bytes(storage.join(prefix, COMMIT)))
     with storage.open_read(storage.join(prefix, DATA)) as fh:
-        manifest = read_manifest(fh)
+        manifest = read_manifest(fh, (FORMAT, *LEGACY_FORMATS))
         if manifest.version != version:
             raise WireError(f"{prefix} holds version {manifest.version}, not {version}")
+        if manifest.format != FORMAT:
+            return _read_v1(fh, manifest, prefix)
         blocks = []
         for i in range(manifest.num_blocks):
             header = read_block_header(fh, manifest)
             data = np.empty(header.nbytes, np.uint8)
             storage.read_into(fh, memoryview(data))
-            if not check_sha256(memoryview(data), header.sha256):
-                raise ChecksumError(f"{prefix}: block {i} fails its sha256")
+            if crc32c(data) != header.crc32c:
+                name = manifest.arrays[header.array].name
+                raise ChecksumError(f"{prefix}: block {i} (array {name!r}) fails its CRC32C")
             blocks.append(Block(header, data))
-        read_end(fh, manifest, [b.header.sha256 for b in blocks])
+        read_end(fh, manifest, [b.header for b in blocks])
     parts = tuple(bytes.fromhex(d) for d in marker.get("parts") or ())
-    return WeightVersion(manifest, blocks, bytes.fromhex(marker["digest"]), parts)
+    digest = version_digest(manifest, [b.header for b in blocks])  # read_end: the end frame's
+    return WeightVersion(manifest, blocks, digest, parts)
+
+
+def _read_v1(fh: Any, manifest: Manifest, prefix: str) -> WeightVersion:
+    """The rest of a format-1 mirror (blocks with a sha256), verified, as a current version."""
+    blocks, hashes = [], []
+    for i in range(manifest.num_blocks):
+        old = read_block_header_v1(fh, manifest)
+        data = np.empty(old.nbytes, np.uint8)
+        storage.read_into(fh, memoryview(data))
+        if hashlib.sha256(data).digest() != old.sha256:
+            name = manifest.arrays[old.array].name
+            raise ChecksumError(f"{prefix}: block {i} (array {name!r}) fails its sha256")
+        hashes.append(old.sha256)
+        header = BlockHeader(old.array, old.start, old.stop, old.nbytes, crc32c(data))
+        blocks.append(Block(header, data))
+    read_end_v1(fh, manifest, hashes)
+    current = Manifest(manifest.version, manifest.arrays, manifest.num_blocks)
+    log.info("%s: a format-1 mirror (sha256 blocks), verified and re-checksummed", prefix)
+    return WeightVersion(current, blocks, version_digest(current, [b.header for b in blocks]))
 
 
 def load_latest(run_root: str) -> WeightVersion | None:

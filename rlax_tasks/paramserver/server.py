@@ -3,7 +3,9 @@
 Transport: HTTP/1.1 on the standard library's ThreadingHTTPServer, one thread per connection.
 Bodies are streamed with a known Content-Length straight between sockets and numpy buffers
 (``readinto``/``sendall`` on memoryviews: no copy of a version beyond the one held in memory),
-every socket has a timeout, and a push that stalls or breaks is discarded. (gRPC would need
+every socket has a timeout, and a push that stalls or breaks is discarded. Every pushed block's
+CRC32C is checked as soon as its bytes are in (``verify_push``), the end frame's digest always:
+a corrupted push is refused (422) before it can become visible. (gRPC would need
 generated stubs -- no protoc here -- and copies each message into protobuf bytes.)
 
 Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``; missing -> 401, wrong -> 403):
@@ -40,14 +42,14 @@ part arrived within ``assembly_timeout_s`` of the first: the message names the v
 parts that arrived) or 409 (a newer version committed meanwhile). A part sent again (a client's
 retry) replaces the earlier copy; a part of a version already committed gets 409. The committed
 version is served like any other, its blocks ordered by (array, part, stream order); its digest is
-over their hashes in that order and ``/v1/latest`` also lists each part's own digest ("parts").
+over the manifest and their headers in that order (``wire.version_digest``) and ``/v1/latest``
+also lists each part's own digest ("parts").
 ``/v1/status`` shows the versions being assembled ("assembling").
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import hmac
 import http.server
@@ -81,7 +83,7 @@ from rlax_tasks.paramserver.wire import (
     Manifest,
     WireError,
     check_coverage,
-    check_sha256,
+    crc32c,
     read_block_header,
     read_end,
     read_manifest,
@@ -115,8 +117,8 @@ class ServerConfig:
     worker_timeout_s: float = 60.0
     io_timeout_s: float = 30.0  # any socket read/write stalled longer aborts that request
     max_wait_s: float = 30.0  # longest server-side long poll of one pull request
-    verify_push: bool = True  # check every pushed block's sha256 before the version is visible
-    hash_threads: int = 0  # 0: min(4, cpu count)
+    verify_push: bool = True  # check every pushed block's CRC32C before the version is visible
+    hash_threads: int = 0  # ignored (CRC32C is checked inline); kept for existing configs
     assembly_timeout_s: float = 600.0  # every part of a multi-host push within this of the first
 
     def __post_init__(self) -> None:
@@ -165,8 +167,6 @@ class ParameterServer:
             if config.run_root
             else None
         )
-        threads = config.hash_threads or min(4, os.cpu_count() or 1)
-        self._hash_pool = concurrent.futures.ThreadPoolExecutor(threads, "ps-hash")
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -203,7 +203,6 @@ class ParameterServer:
             self._httpd.server_close()
         if self.mirror is not None:
             self.mirror.close()
-        self._hash_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ParameterServer:
         return self.start()
@@ -244,7 +243,7 @@ class ParameterServer:
             blocks = self._read_blocks(reader, manifest)
             check_coverage(manifest, (b.header for b in blocks))
             weights = WeightVersion(
-                manifest, blocks, version_digest([b.header.sha256 for b in blocks])
+                manifest, blocks, version_digest(manifest, [b.header for b in blocks])
             )
             self.store.commit(weights)
             self._committed(weights, time.perf_counter() - t0)
@@ -268,7 +267,7 @@ class ParameterServer:
             except (ChecksumError, WireError) as e:  # a broken or corrupted part: no retry fixes it
                 self.store.fail_part(assembly, part, e)  # raises the version's error
                 raise
-            digest = version_digest([b.header.sha256 for b in blocks])
+            digest = version_digest(manifest, [b.header for b in blocks])
             weights = self.store.add_part(assembly, part, blocks, digest)
         finally:
             self.store.end_part_stream(assembly, part)
@@ -300,33 +299,32 @@ class ParameterServer:
     def _read_blocks(
         self, reader: _Bounded, manifest: Manifest, assembly: Assembly | None = None
     ) -> list[Block]:
-        """The blocks of one stream up to its end frame, each sha256-verified (verify_push).
+        """The blocks of one stream up to its end frame, each read straight into its own buffer
+        and CRC32C-checked there as soon as it is in (verify_push); then the end frame's digest.
 
         Stops early when the version being assembled is abandoned meanwhile (its error)."""
         blocks: list[Block] = []
-        checks = []
         covered = [0] * len(manifest.arrays)
-        for _ in range(manifest.num_blocks):
+        for block_no in range(manifest.num_blocks):
             if assembly is not None and assembly.error is not None:
                 kind, message = assembly.error
                 raise kind(message)
             header = read_block_header(reader, manifest)
-            if covered[header.array] + header.nbytes > manifest.arrays[header.array].nbytes:
-                spec = manifest.arrays[header.array]
+            spec = manifest.arrays[header.array]
+            if covered[header.array] + header.nbytes > spec.nbytes:
                 raise WireError(f"blocks of array {spec.name!r} exceed its {spec.nbytes} bytes")
             data = np.empty(header.nbytes, np.uint8)
             read_into(reader, memoryview(data))
+            if self.config.verify_push and (got := crc32c(data)) != header.crc32c:
+                raise ChecksumError(
+                    f"block {block_no} (array {spec.name!r}) fails its CRC32C (computed "
+                    f"{got:#010x}, sent {header.crc32c:#010x})"
+                )
             covered[header.array] += header.nbytes
             blocks.append(Block(header, data))
-            if self.config.verify_push:
-                checks.append(self._hash_pool.submit(check_sha256, memoryview(data), header.sha256))
-        read_end(reader, manifest, [b.header.sha256 for b in blocks])
+        read_end(reader, manifest, [b.header for b in blocks])
         if reader.left:
             raise WireError(f"{reader.left} bytes after the end frame")
-        for i, ok in enumerate(checks):
-            if not ok.result():
-                spec = manifest.arrays[blocks[i].header.array]
-                raise ChecksumError(f"block {i} (array {spec.name!r}) fails its sha256")
         return blocks
 
 
@@ -636,7 +634,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-timeout", type=float, default=60.0, help="seconds without contact")
     p.add_argument("--io-timeout", type=float, default=30.0, help="socket stall limit, seconds")
     p.add_argument(
-        "--no-verify-push", action="store_true", help="skip the server-side sha256 check of pushes"
+        "--no-verify-push", action="store_true", help="skip the server-side CRC32C check of pushes"
     )
     p.add_argument(
         "--assembly-timeout",

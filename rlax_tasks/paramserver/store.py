@@ -1,7 +1,7 @@
 """In-memory weight versions and worker bookkeeping of the parameter server (no I/O here).
 
-A version is a list of blocks exactly as the trainer sent them (region + sha256 + bytes); the
-server never re-lays-out or re-hashes data for a pull. The garbage-collection rule (DESIGN §6):
+A version is a list of blocks exactly as the trainer sent them (region + CRC32C + bytes); the
+server never re-lays-out or re-checksums data for a pull. The garbage-collection rule (DESIGN §6):
 keep up to ``keep_versions`` versions and never more than ``keep_bytes`` of array payload; a
 version older than t is deleted only when every registered worker has acknowledged a version >= t
 (workers that deregister or stop sending heartbeats for ``worker_timeout_s`` no longer count).
@@ -20,11 +20,12 @@ own shards, under the manifest of the whole version). The parts of a version acc
 parts, and a part that arrives again (a client's retry) replaces the earlier one. When the last
 part arrives the blocks must tile every array exactly (``wire.check_coverage``); the version then
 commits like any other, its blocks grouped by array (array, part, stream order) and its digest
-over their hashes in that order. A version one of whose parts fails (a bad manifest, a corrupted
-block, regions that overlap or leave a gap) is abandoned at once; one whose parts do not all arrive
-within ``assembly_timeout_s`` of the first is abandoned then (PartsMissingError). Either way its
-blocks are discarded and every part waiting on it gets the error. Its room in ``keep_bytes`` is
-reserved once per version (the manifest's ``nbytes``), shared by its parts.
+over the manifest and their headers in that order. A version one of whose parts fails (a bad
+manifest, a corrupted block, regions that overlap or leave a gap) is abandoned at once; one whose
+parts do not all arrive within ``assembly_timeout_s`` of the first is abandoned then
+(PartsMissingError). Either way its blocks are discarded and every part waiting on it gets the
+error. Its room in ``keep_bytes`` is reserved once per version (the manifest's ``nbytes``), shared
+by its parts.
 """
 
 from __future__ import annotations
@@ -758,6 +759,6 @@ def _assemble(assembly: Assembly) -> WeightVersion:
     blocks = [t[3] for t in ordered]
     check_coverage(manifest, (b.header for b in blocks))
     whole = Manifest(manifest.version, manifest.arrays, len(blocks))
-    digest = version_digest([b.header.sha256 for b in blocks])
+    digest = version_digest(whole, [b.header for b in blocks])
     parts = tuple(assembly.received[p][1] for p in range(assembly.parts))
     return WeightVersion(whole, blocks, digest, parts)

@@ -1,6 +1,5 @@
 """The evaluator on a synthetic arithmetic dataset with scripted and real models."""
 
-import hashlib
 import json
 
 import numpy as np
@@ -115,6 +114,7 @@ def _write_mirror(run_root, version, policy):
         ArraySpec,
         BlockHeader,
         Manifest,
+        crc32c,
         split_blocks,
         version_digest,
     )
@@ -128,10 +128,10 @@ def _write_mirror(run_root, version, policy):
                 arr[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
             )
             data = part.reshape(-1).view(np.uint8).copy()
-            header = BlockHeader(i, lo, hi, data.nbytes, hashlib.sha256(data).digest())
+            header = BlockHeader(i, lo, hi, data.nbytes, crc32c(data))
             blocks.append(Block(header, data))
     manifest = Manifest(version, tuple(specs), len(blocks))
-    weights = WeightVersion(manifest, blocks, version_digest([b.header.sha256 for b in blocks]))
+    weights = WeightVersion(manifest, blocks, version_digest(manifest, [b.header for b in blocks]))
     mirror.write_version(run_root, weights)
 
 

@@ -45,10 +45,12 @@ def gcs_emulator(bucket: str = "rlax-test") -> Iterator[str]:
 
 class CorruptingProxy:
     """Forwards TCP to ``upstream``; flips one byte at ``offset`` of the next ``count`` replies
-    that are longer than ``offset`` bytes (only weight streams are that long)."""
+    that are longer than ``offset`` bytes (only weight streams are that long) -- of the next
+    ``count`` requests instead with ``requests=True`` (a push corrupted on its way in)."""
 
-    def __init__(self, upstream_port: int, offset: int, count: int) -> None:
+    def __init__(self, upstream_port: int, offset: int, count: int, requests: bool = False) -> None:
         self.upstream_port, self.offset, self.remaining = upstream_port, offset, count
+        self.requests = requests
         self.corrupted = 0
         self._lock = threading.Lock()
         self._sock = socket.socket()
@@ -72,8 +74,11 @@ class CorruptingProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+            for src, dst, corrupt in (
+                (client, upstream, self.requests),
+                (upstream, client, not self.requests),
+            ):
+                threading.Thread(target=self._pipe, args=(src, dst, corrupt), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
         seen = 0

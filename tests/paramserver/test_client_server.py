@@ -26,7 +26,7 @@ from rlax_tasks.paramserver import (
     ServerUnavailableError,
     VersionConflictError,
 )
-from rlax_tasks.paramserver.wire import ArraySpec, Manifest
+from rlax_tasks.paramserver.wire import ArraySpec, Manifest, block_header_size
 from tests.paramserver.helpers import TOKEN, CorruptingProxy
 
 TINY = ModelConfig(
@@ -211,10 +211,12 @@ def test_client_with_a_wrong_token_raises_and_pushes_nothing(server, client_for)
     assert server.store.latest_version() is None
 
 
-def _mid_block_offset(chunk: int) -> int:
-    """A response offset well inside the data of the 3rd block of one 1-D float32 array."""
+def _mid_block_offset(chunk: int, http_head: int = 300) -> int:
+    """A response offset well inside the data of the 3rd block of one 1-D float32 array
+    (``http_head``: about the bytes of the HTTP status line or request line and headers)."""
     head = len(Manifest(1, (ArraySpec("w", "float32", (1 << 18,)),), 16).encode())
-    return 300 + head + 2 * (52 + 16 + chunk) + 52 + 16 + chunk // 2  # 300: HTTP status+headers
+    block = block_header_size(1)
+    return http_head + head + 2 * (block + chunk) + block + chunk // 2
 
 
 def test_corrupted_chunk_is_detected_and_the_pull_retried(server, client_for, caplog):
@@ -227,7 +229,7 @@ def test_corrupted_chunk_is_detected_and_the_pull_retried(server, client_for, ca
         with caplog.at_level(logging.WARNING, "rlax_tasks.paramserver.client"):
             version, got = worker.pull()
         assert proxy.corrupted == 1
-        assert "fails sha256" in caplog.text
+        assert "block 2 of array 'w' fails its CRC32C" in caplog.text
         np.testing.assert_array_equal(got["w"], data["w"])
     finally:
         proxy.close()
@@ -240,9 +242,50 @@ def test_persistent_corruption_is_a_clear_error(server, client_for):
     proxy = CorruptingProxy(int(server.address.rsplit(":", 1)[1]), _mid_block_offset(chunk), 99)
     try:
         worker = client_for(proxy.url, retries=2)
-        with pytest.raises(CorruptedWeightsError, match="3 times.*sha256"):
+        with pytest.raises(
+            CorruptedWeightsError, match="3 times.*block 2 of array 'w' fails its CRC32C"
+        ):
             worker.pull()
         assert proxy.corrupted == 3
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("verify_push", [True, False], ids=["verified", "unverified"])
+def test_a_push_corrupted_in_transit_is_refused_and_never_served(
+    make_server, client_for, verify_push
+):
+    """One byte flipped in a pushed block's payload on its way to the server: the server refuses
+    the version (422 naming the block) and keeps serving the previous one. With the server's
+    check off (--no-verify-push) the version is stored, but no worker ever uses it: every pull
+    fails its CRC32C."""
+    server = make_server(verify_push=verify_push)
+    chunk = 64 * 1024
+    good = {"w": np.arange(1 << 18, dtype=np.float32)}
+    client_for(server.address, chunk_bytes=chunk).push(1, good)
+    port = int(server.address.rsplit(":", 1)[1])
+    proxy = CorruptingProxy(port, _mid_block_offset(chunk, http_head=200), 1, requests=True)
+    try:
+        trainer = client_for(proxy.url, chunk_bytes=chunk, retries=0)
+        bad = {"w": good["w"] + 1}
+        worker = client_for(server.address, retries=1)
+        if verify_push:
+            with pytest.raises(ParameterServerError, match="HTTP 422") as err:
+                trainer.push(2, bad)
+            assert "block 2 (array 'w') fails its CRC32C" in str(err.value)
+            assert proxy.corrupted == 1 and server.store.versions() == [1]
+            version, got = worker.pull()
+            assert version == 1
+            np.testing.assert_array_equal(got["w"], good["w"])
+            trainer.push(2, bad)  # the same version, sent intact, goes through
+            assert worker.pull()[0] == 2
+        else:
+            trainer.push(2, bad)
+            assert proxy.corrupted == 1 and server.store.latest_version() == 2
+            with pytest.raises(
+                CorruptedWeightsError, match="block 2 of array 'w' fails its CRC32C"
+            ):
+                worker.pull()
     finally:
         proxy.close()
 
@@ -305,7 +348,7 @@ def test_half_finished_push_is_discarded_after_the_io_timeout(make_server, clien
         b"PUT /v1/versions/1 HTTP/1.1\r\nHost: x\r\n"
         + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 100000\r\n\r\n".encode()
         + man
-        + b"RXB1"
+        + b"RXB2"
     )
     time.sleep(1.2)  # the trainer stalls: the server gives up after io_timeout_s
     assert server.store.latest_version() is None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -14,9 +17,17 @@ import numpy as np
 import pytest
 
 from rlax_tasks import storage
+from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.paramserver import ParameterServer, ParameterServerClient, ServerConfig
-from rlax_tasks.paramserver.mirror import COMMIT, DATA, mirrored_versions, version_dir
-from rlax_tasks.paramserver.wire import ArraySpec, Manifest
+from rlax_tasks.paramserver.mirror import (
+    COMMIT,
+    DATA,
+    load_latest,
+    mirrored_versions,
+    read_version,
+    version_dir,
+)
+from rlax_tasks.paramserver.wire import ArraySpec, ChecksumError, Manifest, as_bytes, crc32c
 from tests.paramserver.helpers import TOKEN, gcs_emulator, start_server_process
 
 
@@ -40,7 +51,7 @@ def _start_partial_push(url: str, version: int) -> socket.socket:
         f"PUT /v1/versions/{version} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
         f"Content-Length: 10000000\r\n\r\n".encode()
         + man
-        + b"RXB1\0\0"
+        + b"RXB2\0\0"
     )
     return sock
 
@@ -136,3 +147,84 @@ def test_ps_serve_without_a_token_is_a_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("rlax ps: error: RLAX_PS_TOKEN")
     assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- format-1 mirrors
+def _write_format_1_mirror(run_root: str, version: int, arrays: dict, rows_per_block: int) -> None:
+    """A mirror as written before wire format 2, built by hand: manifest "RXM1" with format 1,
+    blocks "RXB1" carrying the sha256 of their bytes, end frame "RXE1" with sha256 over them."""
+    blocks = []
+    for index, array in enumerate(arrays.values()):
+        for lo in range(0, array.shape[0], rows_per_block):
+            hi = min(lo + rows_per_block, array.shape[0])
+            rest = array.shape[1:]
+            blocks.append(
+                (index, (lo, *(0,) * len(rest)), (hi, *rest), bytes(as_bytes(array[lo:hi])))
+            )
+    manifest = json.dumps(
+        {
+            "format": 1,
+            "version": version,
+            "arrays": [
+                {"name": n, "dtype": a.dtype.name, "shape": list(a.shape)}
+                for n, a in arrays.items()
+            ],
+            "num_blocks": len(blocks),
+        }
+    ).encode()
+    out = [struct.pack("!4sQ", b"RXM1", len(manifest)), manifest]
+    hashes = []
+    for index, start, stop, data in blocks:
+        sha = hashlib.sha256(data).digest()
+        hashes.append(sha)
+        out.append(struct.pack("!4sIIQ32s", b"RXB1", index, len(start), len(data), sha))
+        out.append(struct.pack(f"!{2 * len(start)}Q", *start, *stop))
+        out.append(data)
+    digest = hashlib.sha256(b"".join(hashes)).digest()
+    out.append(struct.pack("!4sQ32s", b"RXE1", len(blocks), digest))
+    prefix = version_dir(run_root, version)
+    os.makedirs(prefix)
+    with open(os.path.join(prefix, DATA), "wb") as fh:
+        fh.write(b"".join(out))
+    marker = {"version": version, "digest": digest.hex(), "parts": [], "time": time.time()}
+    with open(os.path.join(prefix, COMMIT), "w") as fh:
+        json.dump(marker, fh)
+
+
+def test_a_mirror_written_in_wire_format_1_still_loads_and_is_served_in_format_2(tmp_path):
+    run_root = str(tmp_path / "run")
+    old = {
+        "a": np.arange(128 * 64, dtype=np.float32).reshape(128, 64),
+        "b": np.arange(7, dtype=np.int64) * 3,
+    }
+    _write_format_1_mirror(run_root, 4, old, rows_per_block=32)
+
+    weights = read_version(run_root, 4)  # every sha256 checked, then re-checksummed
+    assert weights.manifest.format == 2 and len(weights.blocks) == 5
+    for block in weights.blocks:
+        assert block.header.crc32c == crc32c(block.data)
+    assert mirror_arrays(run_root)[0] == 4  # `rlax eval --weights-from` reads it too
+    np.testing.assert_array_equal(mirror_arrays(run_root, 4)[1]["a"], old["a"])
+
+    config = ServerConfig(token=TOKEN, run_root=run_root, mirror_every=1, mirror_keep=2)
+    with ParameterServer(config) as server:
+        c = ParameterServerClient(server.address, token=TOKEN)
+        version, arrays = c.pull()  # served as a format-2 stream, verified by the client
+        assert version == 4
+        np.testing.assert_array_equal(arrays["a"], old["a"])
+        np.testing.assert_array_equal(arrays["b"], old["b"])
+        c.push(5, _params(5))
+        assert server.mirror.wait_idle(20)
+    assert read_version(run_root, 5).manifest.format == 2  # new mirrors: the current format
+
+    # a damaged format-1 mirror is refused by its sha256, naming the block and its array
+    damaged = str(tmp_path / "damaged")
+    _write_format_1_mirror(damaged, 4, old, rows_per_block=32)
+    _write_format_1_mirror(damaged, 6, {"a": old["a"] + 1}, rows_per_block=32)
+    data_path = os.path.join(version_dir(damaged, 6), DATA)
+    raw = bytearray(open(data_path, "rb").read())
+    raw[-100] ^= 0xFF  # inside the last block's bytes
+    open(data_path, "wb").write(bytes(raw))
+    with pytest.raises(ChecksumError, match=r"block 3 \(array 'a'\) fails its sha256"):
+        read_version(damaged, 6)
+    assert load_latest(damaged).version == 4  # falls back to the older intact one

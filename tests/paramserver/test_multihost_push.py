@@ -5,7 +5,6 @@ array, and abandons it (telling every waiting part why) when they do not."""
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import os
@@ -26,6 +25,7 @@ from rlax_tasks.paramserver.wire import (
     BlockHeader,
     Manifest,
     as_bytes,
+    crc32c,
     end_frame,
     version_digest,
 )
@@ -53,21 +53,22 @@ def _stream(
     corrupt: bool = False,
 ) -> bytes:
     """A push stream of ``regions`` of ``arrays`` (default w and b) under the manifest of them
-    all; ``corrupt``: the last block's bytes no longer match its sha256."""
+    all; ``corrupt``: the last block's bytes no longer match its CRC32C."""
     arrays = {"w": W, "b": B} if arrays is None else arrays
     names = list(arrays)
-    frames, hashes = [], []
+    frames, headers = [], []
     for name, start, stop in regions:
         index = tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
         data = bytearray(as_bytes(arrays[name][index]))
-        sha = hashlib.sha256(data).digest()
-        hashes.append(sha)
-        if corrupt and len(hashes) == len(regions):
+        header = BlockHeader(names.index(name), start, stop, len(data), crc32c(data))
+        headers.append(header)
+        if corrupt and len(headers) == len(regions):
             data[0] ^= 0xFF
-        frames += [BlockHeader(names.index(name), start, stop, len(data), sha).encode(), data]
+        frames += [header.encode(), data]
     specs = tuple(ArraySpec(n, a.dtype.name, a.shape) for n, a in arrays.items())
-    head = Manifest(version, specs, len(regions)).encode()
-    return head + b"".join(frames) + end_frame(len(hashes), version_digest(hashes))
+    manifest = Manifest(version, specs, len(regions))
+    digest = version_digest(manifest, headers)
+    return manifest.encode() + b"".join(frames) + end_frame(len(headers), digest)
 
 
 PART0 = [("w", (0, 0), (1, 8)), ("w", (1, 0), (2, 8)), ("b", (0,), (8,))]  # rows 0-1 of w, b
@@ -159,14 +160,19 @@ def test_the_version_commits_when_the_last_part_arrives_with_a_deterministic_dig
     assert [host.reply(f)[0] for f in futures] == [200, 200]
     v1, v2 = server.store.get(1), server.store.get(2)
     assert v2.digest == v1.digest and v2.part_digests == v1.part_digests
-    sha = lambda a: hashlib.sha256(as_bytes(a)).digest()  # noqa: E731
-    by_array_part_order = [sha(W[0:1]), sha(W[1:2]), sha(W[2:4]), sha(B)]
-    assert v2.digest == version_digest(by_array_part_order)
+    manifest = v2.manifest
+
+    def head(array: np.ndarray, index: int, start: tuple, stop: tuple) -> BlockHeader:
+        return BlockHeader(index, start, stop, array.nbytes, crc32c(as_bytes(array)))
+
+    w01, w12 = head(W[0:1], 0, (0, 0), (1, 8)), head(W[1:2], 0, (1, 0), (2, 8))
+    w24, b = head(W[2:4], 0, (2, 0), (4, 8)), head(B, 1, (0,), (8,))
+    assert v2.digest == version_digest(manifest, [w01, w12, w24, b])  # by (array, part, order)
     latest = client._call("GET", "/v1/latest")
     assert latest["digest"] == v2.digest.hex()
     assert latest["parts"] == [
-        version_digest([sha(W[0:1]), sha(W[1:2]), sha(B)]).hex(),
-        version_digest([sha(W[2:4])]).hex(),
+        version_digest(manifest, [w01, w12, b]).hex(),
+        version_digest(manifest, [w24]).hex(),
     ]
     # a part of a committed version (a retry that comes too late) is a conflict
     status, reply = host.reply(host.put(2, 1, 2, _stream(2, PART1)))
@@ -219,7 +225,7 @@ def test_a_broken_part_abandons_the_version_for_every_host(server, client_for, h
         (
             (1, 2, _stream(1, PART1, corrupt=True)),
             422,
-            "part 1: block 0 (array 'w') fails its sha256",
+            "part 1: block 0 (array 'w') fails its CRC32C",
         ),
     ]
     for (part, parts, body), want_status, want_message in cases:
