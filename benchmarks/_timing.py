@@ -175,7 +175,10 @@ CONTENDED_LOAD_1M = 0.5
 
 
 def machine_load(
-    log: logging.Logger | None = None, when: str = "before", interval_s: float = 1.0
+    log: logging.Logger | None = None,
+    when: str = "before",
+    interval_s: float = 1.0,
+    settle_s: float = 150.0,
 ) -> dict[str, Any]:
     """The machine's load around a benchmark: call it with ``when="before"`` first thing, and
     with ``when="after"`` at the end (another process may have started meanwhile).
@@ -184,15 +187,27 @@ def machine_load(
     "contended"}``: ``os.getloadavg()`` and ``busy_cores(interval_s)`` (other processes' CPUs'
     worth while this one sleeps; None off Linux). ``contended`` is True when busy_cores > 0.2
     or, before the run only, the 1-minute load > 0.5 (after a run the load average counts the
-    benchmark's own work, so only busy_cores decides). Logged to ``log`` (a warning when
-    contended). Pass the dicts to ``contended_mark`` to flag figure lines, and put them in the
-    JSON output (e.g. ``{"machine_load": {"before": ..., "after": ...}}``).
+    benchmark's own work, so only busy_cores decides). Before a run, a high load with no other
+    work busy (a process that just ended) is given up to ``settle_s`` to decay first. Logged to
+    ``log`` (a warning when contended). Pass the dicts to ``contended_mark`` to flag figure
+    lines, and put them in the JSON output (``{"machine_load": {"before": ..., "after": ...}}``).
     """
-    try:
-        load = os.getloadavg()
-    except OSError:  # not available on this platform
-        load = None
     busy = busy_cores(interval_s)
+    load = _loadavg()
+    # before a run: a high load average with nothing else busy is a process that just ended
+    # (the average decays over a minute); wait up to settle_s for it to settle
+    deadline = time.monotonic() + settle_s
+    while (
+        when == "before"
+        and load is not None
+        and load[0] > CONTENDED_LOAD_1M
+        and (busy is None or busy <= CONTENDED_BUSY_CORES)
+        and time.monotonic() < deadline
+    ):
+        if log is not None:
+            log.info("load %.2f with no other work busy: waiting for it to settle", load[0])
+        time.sleep(10.0)
+        busy, load = busy_cores(interval_s), _loadavg()
     load_1m = None if load is None else load[0]
     contended = (busy is not None and busy > CONTENDED_BUSY_CORES) or (
         when == "before" and load_1m is not None and load_1m > CONTENDED_LOAD_1M
@@ -213,6 +228,13 @@ def machine_load(
         else:
             log.info("%s", text)
     return out
+
+
+def _loadavg() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:  # not available on this platform
+        return None
 
 
 def describe_load(load: dict[str, Any] | None) -> str:
