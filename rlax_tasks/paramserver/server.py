@@ -240,7 +240,11 @@ class ParameterServer:
             reader = _Bounded(body, length)
             manifest = self._read_manifest(reader, version)
             self.store.fit_push(version, manifest.nbytes)  # its room, before any block arrives
-            blocks = self._read_blocks(reader, manifest)
+            try:
+                blocks = self._read_blocks(reader, manifest)
+            except (ChecksumError, WireError):
+                reader.drain()  # the rest of the body first: the pusher then reads our answer
+                raise
             check_coverage(manifest, (b.header for b in blocks))
             weights = WeightVersion(
                 manifest, blocks, version_digest(manifest, [b.header for b in blocks])
@@ -265,6 +269,7 @@ class ParameterServer:
                 self.store.start_part(assembly, part, manifest)
                 blocks = self._read_blocks(reader, manifest, assembly)
             except (ChecksumError, WireError) as e:  # a broken or corrupted part: no retry fixes it
+                reader.drain()  # the rest of the body first: the pusher then reads our answer
                 self.store.fail_part(assembly, part, e)  # raises the version's error
                 raise
             digest = version_digest(manifest, [b.header for b in blocks])
@@ -347,6 +352,13 @@ class _Bounded:
         k = self.raw.readinto(view)
         self.left -= k or 0
         return k or 0
+
+    def drain(self) -> None:
+        """Reads and drops the rest of the body (a refused push): the client is still sending
+        it, and closing on it would reset the connection before it reads the refusal."""
+        scratch = memoryview(bytearray(1 << 20))
+        while self.left > 0 and self.readinto(scratch):
+            pass
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
