@@ -637,16 +637,13 @@ def provision(
     ``name``/``run_id``/``runtime_version`` may be templates or XComArgs ("": none, which only
     the local backend accepts)."""
     from rlax_tasks.airflow import ProvisionSliceOperator
-    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
 
     return ProvisionSliceOperator(
         task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
         name=name,
         accelerator_type=accelerator_type,
         runtime_version=runtime_version,
-        labels={MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
+        **_managed_slice_args(run_root, run_id),
         **kw,
     )
 
@@ -656,16 +653,21 @@ def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw
     labelled for the janitor: its output holds each role's handle (``output["trainer"]``) and
     ``output["all"]``."""
     from rlax_tasks.airflow import ProvisionSlicesOperator
-    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
 
     return ProvisionSlicesOperator(
-        task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
-        slices=slices,
-        labels={MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
-        **kw,
+        task_id=task_id, slices=slices, **_managed_slice_args(run_root, run_id), **kw
     )
+
+
+def _managed_slice_args(run_root: str, run_id: Any) -> dict[str, Any]:
+    """The backend of ``run_root`` and the labels by which the janitor finds a run's slices."""
+    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
+
+    return {
+        "backend": backend_name(),
+        "backend_settings": backend_settings(run_root),
+        "labels": {MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
+    }
 
 
 def sibling_grace_s() -> float:

@@ -150,6 +150,16 @@ class _BackendOperator(BaseOperator):
             timeout=timedelta(seconds=self.provision_timeout_s),
         )
 
+    def _resume_when_ready(
+        self, context: Any, backend: Any, handle: dict[str, Any], method_name: str
+    ) -> Any:
+        """Resumes in ``method_name`` once a PROVISIONING slice is ready: deferred to the
+        triggerer, or polled in-process when the operator is not deferrable."""
+        if self.deferrable:
+            self._defer_on_slice(handle, method_name)
+        event = self._wait_slice(backend, handle, self.provision_timeout_s)
+        return getattr(self, method_name)(context, event)
+
     def _wait_slice(self, backend: Any, handle: dict[str, Any], timeout_s: float) -> dict:
         """Polls in-process until the slice leaves PROVISIONING (non-deferrable mode)."""
         deadline = time.monotonic() + timeout_s
@@ -205,11 +215,7 @@ class ProvisionSliceOperator(_BackendOperator):
             raise AirflowFailException(f"{self.task_id}: {e}") from None
         state = backend.slice_state(handle)
         if state is SliceState.PROVISIONING:
-            if self.deferrable:
-                self._defer_on_slice(handle, "execute_complete")
-            return self.execute_complete(
-                context, self._wait_slice(backend, handle, self.provision_timeout_s)
-            )
+            return self._resume_when_ready(context, backend, handle, "execute_complete")
         return self.execute_complete(
             context, {"state": state.value, "message": f"slice {state.value}", "slice": handle}
         )
@@ -402,11 +408,7 @@ class RlaxJobOperator(_BackendOperator):
                 raise AirflowFailException(f"{self.task_id}: {e}") from None
             state = backend.slice_state(handle)
         if state is SliceState.PROVISIONING:
-            if self.deferrable:
-                self._defer_on_slice(handle, "start_on_ready_slice")
-            return self.start_on_ready_slice(
-                context, self._wait_slice(backend, handle, self.provision_timeout_s)
-            )
+            return self._resume_when_ready(context, backend, handle, "start_on_ready_slice")
         return self._start(context, backend, handle)
 
     def start_on_ready_slice(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from typing import Any
 
 from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
+from rlax_tasks.compute.runner import runner_argv
 from rlax_tasks.compute.types import (
     COORDINATOR_ADDRESS_ENV,
     HOST_ADDRESS_ENV,
@@ -194,17 +195,7 @@ class NodeAgent:
     def _start(self, name: str, status_dir: str, spec: dict, group_env: dict[str, str]) -> None:
         job = spec["job"]
         command = [*self.entrypoint, *job["argv"]]
-        runner = [
-            sys.executable,
-            "-m",
-            "rlax_tasks.compute.runner",
-            "--status-dir",
-            status_dir,
-            "--heartbeat-interval",
-            str(spec.get("heartbeat_interval_s", 5.0)),
-            "--",
-            *command,
-        ]
+        runner = runner_argv(status_dir, command, spec.get("heartbeat_interval_s", 5.0))
         env = {**os.environ, **job.get("env", {}), **group_env}
         self.running[name] = subprocess.Popen(
             runner, env=env, stdin=subprocess.DEVNULL, start_new_session=True

@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from rlax_tasks.compute import jobstatus
+from rlax_tasks.compute.runner import runner_argv
 from rlax_tasks.compute.types import (
     MANAGED_LABEL,
     JobHandle,
@@ -186,17 +187,7 @@ class LocalBackend:
         env = {**os.environ, **job.env}
         if job.run_root:
             env.setdefault("RLAX_RUN_ROOT", job.run_root)
-        runner = [
-            sys.executable,
-            "-m",
-            "rlax_tasks.compute.runner",
-            "--status-dir",
-            status_dir,
-            "--heartbeat-interval",
-            str(interval),
-            "--",
-            *command,
-        ]
+        runner = runner_argv(status_dir, command, interval)
         with open(os.path.join(status_dir, "runner.log"), "ab") as runner_log:
             proc = subprocess.Popen(
                 runner,

@@ -29,6 +29,21 @@ from rlax_tasks.compute import jobstatus
 log = logging.getLogger(__name__)
 
 
+def runner_argv(status_dir: str, command: list[str], heartbeat_interval_s: float) -> list[str]:
+    """The argv that runs ``command`` under this runner (what the backends and agents start)."""
+    return [
+        sys.executable,
+        "-m",
+        "rlax_tasks.compute.runner",
+        "--status-dir",
+        status_dir,
+        "--heartbeat-interval",
+        str(heartbeat_interval_s),
+        "--",
+        *command,
+    ]
+
+
 def run_job(status_dir: str, command: list[str], heartbeat_interval_s: float = 5.0) -> int:
     """Runs ``command`` while heartbeating into ``status_dir``; returns its return code."""
     import psutil

@@ -69,46 +69,26 @@ def _jsonl_records(path: str, data: bytes) -> tuple[list[dict], list[int], list[
         start, offset = offset, offset + len(line) + 1
         if not line.strip():
             continue  # blank lines are not records
+
+        def reject(reason: str, text: str, lineno: int = lineno) -> None:
+            rejected.append(Rejected("ingest", path, lineno, "", reason, snippet(text)))
+
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            rejected.append(
-                Rejected(
-                    "ingest",
-                    path,
-                    lineno,
-                    "",
-                    f"not valid UTF-8: byte 0x{line[exc.start]:02x} at byte offset "
-                    f"{start + exc.start} of the file",
-                    snippet(line.decode("utf-8", "replace")),
-                )
+            reject(
+                f"not valid UTF-8: byte 0x{line[exc.start]:02x} at byte offset "
+                f"{start + exc.start} of the file",
+                line.decode("utf-8", "replace"),
             )
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            rejected.append(
-                Rejected(
-                    "ingest",
-                    path,
-                    lineno,
-                    "",
-                    f"broken JSON: {exc.msg} at column {exc.colno}",
-                    snippet(text),
-                )
-            )
+            reject(f"broken JSON: {exc.msg} at column {exc.colno}", text)
             continue
         if not isinstance(obj, dict):
-            rejected.append(
-                Rejected(
-                    "ingest",
-                    path,
-                    lineno,
-                    "",
-                    f"expected a JSON object per line, got {type(obj).__name__}",
-                    snippet(text),
-                )
-            )
+            reject(f"expected a JSON object per line, got {type(obj).__name__}", text)
             continue
         records.append(obj)
         rows.append(lineno)

@@ -336,18 +336,14 @@ def read_block_header(fh: BinaryIO, manifest: Manifest) -> BlockHeader:
     """The next block header, validated against the manifest (region inside the array, size)."""
     if manifest.format != FORMAT:
         raise WireError(f"a format-{manifest.format} stream: read it with read_block_header_v1")
-    magic, array, ndim, nbytes, crc = _BLOCK.unpack(_read(fh, _BLOCK.size))
-    if magic != _BLOCK_MAGIC:
-        raise WireError(f"expected a block frame, got magic {magic!r}")
+    array, ndim, nbytes, crc = _read_frame(fh, _BLOCK, _BLOCK_MAGIC, "a block frame")
     start, stop = _read_region(fh, manifest, array, ndim, nbytes)
     return BlockHeader(array, start, stop, nbytes, crc)
 
 
 def read_end(fh: BinaryIO, manifest: Manifest, headers: Sequence[BlockHeader]) -> None:
     """Reads the end frame and checks the block count and the version digest."""
-    magic, count, digest = _END.unpack(_read(fh, _END.size))
-    if magic != _END_MAGIC:
-        raise WireError(f"expected the end frame, got magic {magic!r}")
+    count, digest = _read_frame(fh, _END, _END_MAGIC, "the end frame")
     if count != manifest.num_blocks or len(headers) != count:
         raise WireError(f"end frame counts {count} blocks, received {len(headers)}")
     if digest != version_digest(manifest, headers):
@@ -391,22 +387,29 @@ class BlockHeaderV1:
 
 def read_block_header_v1(fh: BinaryIO, manifest: Manifest) -> BlockHeaderV1:
     """The next block header of a format-1 stream, validated like ``read_block_header``."""
-    magic, array, ndim, nbytes, sha = _BLOCK_V1.unpack(_read(fh, _BLOCK_V1.size))
-    if magic != _BLOCK_MAGIC_V1:
-        raise WireError(f"expected a format-1 block frame, got magic {magic!r}")
+    array, ndim, nbytes, sha = _read_frame(
+        fh, _BLOCK_V1, _BLOCK_MAGIC_V1, "a format-1 block frame"
+    )
     start, stop = _read_region(fh, manifest, array, ndim, nbytes)
     return BlockHeaderV1(array, start, stop, nbytes, sha)
 
 
 def read_end_v1(fh: BinaryIO, manifest: Manifest, block_hashes: Sequence[bytes]) -> None:
     """The end frame of a format-1 stream: block count, and sha256 over the block hashes."""
-    magic, count, digest = _END_V1.unpack(_read(fh, _END_V1.size))
-    if magic != _END_MAGIC_V1:
-        raise WireError(f"expected the format-1 end frame, got magic {magic!r}")
+    count, digest = _read_frame(fh, _END_V1, _END_MAGIC_V1, "the format-1 end frame")
     if count != manifest.num_blocks or len(block_hashes) != count:
         raise WireError(f"end frame counts {count} blocks, received {len(block_hashes)}")
     if digest != hashlib.sha256(b"".join(block_hashes)).digest():
         raise WireError("version digest does not match the block hashes (format 1)")
+
+
+def _read_frame(fh: BinaryIO, frame: struct.Struct, magic: bytes, what: str) -> tuple:
+    """The fields after the magic of the next ``frame``; a WireError naming ``what`` was
+    expected when the magic is another."""
+    got, *fields = frame.unpack(_read(fh, frame.size))
+    if got != magic:
+        raise WireError(f"expected {what}, got magic {got!r}")
+    return tuple(fields)
 
 
 def _read(fh: BinaryIO, n: int) -> bytes:
