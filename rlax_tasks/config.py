@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -22,11 +21,12 @@ from typing import Any
 
 import yaml
 
-from rlax_tasks import storage
-from rlax_tasks.algorithms import ObjectiveConfig, ObjectiveConfigError, preset_config
+from rlax_tasks import storage, validation
 from rlax_tasks.algorithms.config import FIELD_NAMES as OBJECTIVE_FIELDS
 from rlax_tasks.algorithms.config import PRESETS as OBJECTIVE_PRESETS
+from rlax_tasks.algorithms.config import ObjectiveConfig, ObjectiveConfigError, preset_config
 from rlax_tasks.data.prompts import PromptSettings, PromptSettingsError
+from rlax_tasks.run_paths import run_paths
 from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
 
 PRESET_PACKAGE = "rlax_tasks.presets"
@@ -60,70 +60,29 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 
 def _check_int(obj: Any, name: str, low: int | None = None, optional: bool = False) -> None:
-    v = getattr(obj, name)
-    if v is None and optional:
-        return
-    if not isinstance(v, int) or isinstance(v, bool):
-        what = "an integer or null" if optional else "an integer"
-        raise ConfigError(name, f"must be {what}, got {v!r}")
-    if low is not None and v < low:
-        raise ConfigError(name, f"must be >= {low}, got {v}")
+    validation.check_int(name, getattr(obj, name), ConfigError, minimum=low, optional=optional)
 
 
 def _check_float(
     obj: Any, name: str, low: float = -math.inf, high: float = math.inf, open_low: bool = False
 ) -> None:
-    v = getattr(obj, name)
-    if isinstance(v, str):  # YAML 1.1 reads 1e-4 (no dot) as text
-        try:
-            v = float(v)
-        except ValueError:
-            raise ConfigError(name, f"must be a number, got {v!r}") from None
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise ConfigError(name, f"must be a finite number, got {v!r}")
-    if (v <= low if open_low else v < low) or v > high:
-        lo = "(" if open_low else "["
-        raise ConfigError(name, f"must lie in {lo}{low}, {high}], got {v}")
-    _set(obj, name, float(v))
+    value = getattr(obj, name)
+    bounds = {"low": low, "high": high, "open_low": open_low, "from_text": True}
+    _set(obj, name, validation.check_number(name, value, ConfigError, **bounds))
 
 
 def _check_str(obj: Any, name: str, choices: tuple[str, ...] | None = None) -> None:
-    v = getattr(obj, name)
-    if not isinstance(v, str) or not v:
-        raise ConfigError(name, f"must be a non-empty string, got {v!r}")
-    if choices is not None and v not in choices:
-        raise ConfigError(
-            name, f"must be one of {list(choices)}, got {v!r}{_did_you_mean(v, choices)}"
-        )
+    validation.check_text(name, getattr(obj, name), ConfigError)
+    if choices is not None:
+        validation.check_choice(name, getattr(obj, name), choices, ConfigError)
 
 
 def _check_bool(obj: Any, name: str) -> None:
-    v = getattr(obj, name)
-    if not isinstance(v, bool):
-        raise ConfigError(name, f"must be true or false, got {v!r}")
+    validation.check_bool(name, getattr(obj, name), ConfigError)
 
 
 def _check_mesh_shape(obj: Any, name: str) -> None:
-    value = getattr(obj, name)
-    shape = tuple(value) if isinstance(value, list | tuple) else None
-    if (
-        shape is None
-        or len(shape) != 3
-        or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
-        or any(s == 0 or s < -1 for s in shape)
-        or shape.count(-1) > 1
-    ):
-        raise ConfigError(
-            name,
-            f"must be three positive integers (data, fsdp, tensor), at most one of them -1 for "
-            f"'the remaining devices'; got {value!r}",
-        )
-    _set(obj, name, shape)
-
-
-def _did_you_mean(word: str, options: Any) -> str:
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    _set(obj, name, validation.check_mesh_shape(name, getattr(obj, name), ConfigError))
 
 
 def _field_named(message: str, fields: Any) -> str:
@@ -182,20 +141,19 @@ class AlgorithmSettings:
             raise ConfigError(
                 "preset",
                 f"unknown objective preset {self.preset!r}"
-                f"{_did_you_mean(self.preset, OBJECTIVE_PRESETS)}; "
+                f"{validation.did_you_mean(self.preset, OBJECTIVE_PRESETS)}; "
                 f"valid: {', '.join(OBJECTIVE_PRESETS)}",
             )
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(
                 "overrides", f"must be a mapping of objective fields, got {self.overrides!r}"
             )
-        for key in self.overrides:
-            if key not in OBJECTIVE_FIELDS:
-                raise ConfigError(
-                    f"overrides.{key}",
-                    f"unknown objective field{_did_you_mean(key, OBJECTIVE_FIELDS)}; "
-                    f"valid: {', '.join(OBJECTIVE_FIELDS)}",
-                )
+        validation.check_known(
+            self.overrides,
+            OBJECTIVE_FIELDS,
+            lambda key, detail: ConfigError(f"overrides.{key}", detail),
+            "objective field",
+        )
         _set(self, "overrides", dict(self.overrides))
         try:
             self.objective_config()
@@ -283,7 +241,7 @@ class SyntheticSource:
         if self.task not in TASKS:
             raise ConfigError(
                 "task",
-                f"unknown task {self.task!r}{_did_you_mean(self.task, TASKS)}; "
+                f"unknown task {self.task!r}{validation.did_you_mean(self.task, TASKS)}; "
                 f"valid: {', '.join(sorted(TASKS))}",
             )
         if not isinstance(self.knobs, Mapping):
@@ -485,7 +443,7 @@ class PlacementSettings:
     host_memory: int | None = None
 
     def __post_init__(self) -> None:
-        from rlax_tasks.run.placement import (
+        from rlax_tasks.compute.devices import (
             ACCELERATORS,
             MODES,
             PLATFORMS,
@@ -616,18 +574,11 @@ def _trainer_from(raw: Any) -> TrainerConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError("", f"must be a mapping of trainer settings, got {raw!r}")
     known = [f.name for f in dataclasses.fields(TrainerConfig)]
-    for key in raw:
-        if key not in known:
-            raise ConfigError(
-                str(key), f"unknown key{_did_you_mean(key, known)}; valid: {', '.join(known)}"
-            )
+    validation.check_known(raw, known, ConfigError)
     values = dict(raw)
     for name in ("learning_rate", "adam_eps", "weight_decay", "max_grad_norm"):
         if isinstance(values.get(name), str):  # YAML 1.1 reads 1e-4 as text
-            try:
-                values[name] = float(values[name])
-            except ValueError:
-                raise ConfigError(name, f"must be a number, got {values[name]!r}") from None
+            values[name] = validation.check_number(name, values[name], ConfigError, from_text=True)
     try:
         return TrainerConfig.from_dict(values)
     except TrainerConfigError as e:
@@ -692,7 +643,7 @@ class RunConfig:
 
     def _placement_checks(self) -> None:
         """The placement against the workers and meshes it must carry."""
-        from rlax_tasks.run.placement import resolve_mesh
+        from rlax_tasks.compute.devices import resolve_mesh
 
         p = self.placement
         if p.mode == "colocated":
@@ -846,13 +797,10 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError(path, f"must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            err = ConfigError(
-                str(key),
-                f"unknown key{_did_you_mean(key, fields)}; valid keys: {', '.join(fields)}",
-            )
-            raise err.under(path)
+    try:
+        validation.check_known(raw, fields, ConfigError)
+    except ConfigError as e:
+        raise e.under(path) from None
     missing = [
         n
         for n, f in fields.items()
@@ -918,7 +866,7 @@ def _read_yaml(path_or_preset: str) -> tuple[dict[str, Any], str]:
         names = preset_names()
         raise ConfigError(
             "preset",
-            f"unknown preset {path_or_preset!r}{_did_you_mean(path_or_preset, names)}; "
+            f"unknown preset {path_or_preset!r}{validation.did_you_mean(path_or_preset, names)}; "
             f"presets: {', '.join(names)} (or give a path to a .yaml file)",
         )
     try:
@@ -976,7 +924,7 @@ def load_config(path_or_preset: str, overrides: Mapping[str, Any] | None = None)
 
 def save_resolved(config: RunConfig) -> str:
     """Writes run_root/<run_id>/config.yaml (local or gs://); returns its path."""
-    path = storage.join(config.run_dir, "config.yaml")
+    path = run_paths(config.run_dir).config
     storage.write_bytes(path, config.to_yaml().encode())
     return path
 

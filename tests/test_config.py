@@ -88,7 +88,7 @@ def test_overrides_dotted_and_nested():
         ),
         (
             {"datasets": [{"name": "a", "weight": 0, "source": {"task": "countdown"}}]},
-            "datasets[0].weight: must lie in (0.0, inf]",
+            "datasets[0].weight: must be > 0.0, got 0",
         ),
         (
             {
@@ -141,3 +141,24 @@ def test_dr_grpo_runs_normalise_by_the_generation_budget():
     )
     assert pinned.objective_config().max_length == 64
     assert "max_length" not in load_config("tiny-arith").objective_overrides()
+
+
+def test_validation_helpers_name_the_field_in_the_callers_error():
+    """One wording for every configuration class; each keeps its own error type."""
+    from rlax_tasks.trainer import TrainerConfig, TrainerConfigError
+    from rlax_tasks.validation import check_choice, check_int, check_number, field_error
+
+    with pytest.raises(ConfigError, match=r"^slots: must be >= 1, got 0$"):
+        check_int("slots", 0, ConfigError, minimum=1)
+    plain = field_error(ValueError)
+    with pytest.raises(ValueError, match=r"^top_p must lie in \(0.0, 1.0\], got 1.5$"):
+        check_number("top_p", 1.5, plain, low=0.0, high=1.0, open_low=True)
+    with pytest.raises(ValueError, match=r"^lr must be a finite number, got nan$"):
+        check_number("lr", float("nan"), plain)
+    assert check_number("lr", "1e-4", plain, from_text=True) == 1e-4
+    with pytest.raises(ValueError, match=r"got 'fulll' \(did you mean 'full'\?\)$"):
+        check_choice("remat", "fulll", ("none", "full", "dots"), plain)
+    with pytest.raises(TrainerConfigError, match="^remat must be one of"):
+        TrainerConfig(remat="fulll")
+    with pytest.raises(TrainerConfigError, match="^adam_b2 must lie in \\[0.0, 1.0\\)"):
+        TrainerConfig(adam_b2=1.0)

@@ -1,24 +1,24 @@
 """RL objectives (DESIGN §4): composable Agg / IS / Adv / GradTerm components, algorithm
-presets (``make_objective``), dynamic sampling and DAPO overlong reward shaping."""
+presets (``make_objective``), dynamic sampling and DAPO overlong reward shaping.
 
-from rlax_tasks.algorithms.config import (
-    PRESETS,
-    ObjectiveConfig,
-    ObjectiveConfigError,
-    preset_config,
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
+
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "BatchError": ".objective",
+        "Objective": ".objective",
+        "ObjectiveConfig": ".config",
+        "ObjectiveConfigError": ".config",
+        "PRESETS": ".config",
+        "filter_groups": ".dynamic_sampling",
+        "make_objective": ".objective",
+        "overlong_penalty": ".reward_shaping",
+        "preset_config": ".config",
+    },
 )
-from rlax_tasks.algorithms.dynamic_sampling import filter_groups
-from rlax_tasks.algorithms.objective import BatchError, Objective, make_objective
-from rlax_tasks.algorithms.reward_shaping import overlong_penalty
-
-__all__ = [
-    "PRESETS",
-    "BatchError",
-    "Objective",
-    "ObjectiveConfig",
-    "ObjectiveConfigError",
-    "filter_groups",
-    "make_objective",
-    "overlong_penalty",
-    "preset_config",
-]

@@ -4,17 +4,20 @@ Groups are given by integer ``group_ids`` [B] (any values; rows of a group need 
 contiguous). Statistics use segment sums over at most B groups. Rows that are not ``valid``
 (padding rows with an empty completion mask) are left out of every statistic and get 0.
 A group of size 1 has no baseline: its mean is its own reward and its std (ddof=1) is
-defined as 0, so grpo, dr_grpo and rloo all give it advantage 0.
+defined as 0, so grpo, dr_grpo and rloo all give it advantage 0. Every mode is an entry of
+``OUTCOME``, a function (rewards, group_ids, valid, eps) -> advantages [B].
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
+from rlax_tasks.algorithms import names
 from rlax_tasks.algorithms.masked import masked_max, masked_mean, masked_std
 
 
@@ -58,13 +61,13 @@ def grpo_advantages(rewards: Array, group_ids: Array, valid: Array, eps: float) 
     return jnp.where(valid, g.deviation / (g.std + eps), 0.0)
 
 
-def dr_grpo_advantages(rewards: Array, group_ids: Array, valid: Array) -> Array:
+def dr_grpo_advantages(rewards: Array, group_ids: Array, valid: Array, eps: float) -> Array:
     """R − mean_g R (Dr. GRPO: no std normalization)."""
     g = group_statistics(rewards, group_ids, valid)
     return g.deviation
 
 
-def rloo_advantages(rewards: Array, group_ids: Array, valid: Array) -> Array:
+def rloo_advantages(rewards: Array, group_ids: Array, valid: Array, eps: float) -> Array:
     """R_b − mean of the other rewards of its group (leave-one-out baseline); 0 for singletons."""
     g = group_statistics(rewards, group_ids, valid)
     # R_b − (Σ_g R − R_b)/(n − 1) = n/(n − 1)·(R_b − mean_g R)
@@ -72,7 +75,7 @@ def rloo_advantages(rewards: Array, group_ids: Array, valid: Array) -> Array:
     return jnp.where(valid & (g.count > 1), scale * g.deviation, 0.0)
 
 
-def batch_norm_advantages(rewards: Array, valid: Array, eps: float) -> Array:
+def batch_norm_advantages(rewards: Array, group_ids: Array, valid: Array, eps: float) -> Array:
     """(R − mean_B R) / (std_B R + eps) over the valid rows of the batch (REINFORCE++)."""
     w = valid.astype(rewards.dtype)
     shifted = rewards - masked_max(rewards, w)  # exact 0 deviation for a constant batch
@@ -84,21 +87,15 @@ def group_batch_norm_advantages(
     rewards: Array, group_ids: Array, valid: Array, eps: float
 ) -> Array:
     """R − mean_g R, then normalized over the batch (REINFORCE++ with a group baseline)."""
-    return batch_norm_advantages(dr_grpo_advantages(rewards, group_ids, valid), valid, eps)
+    deviation = dr_grpo_advantages(rewards, group_ids, valid, eps)
+    return batch_norm_advantages(deviation, group_ids, valid, eps)
 
 
-def outcome_advantages(
-    mode: str, rewards: Array, group_ids: Array, valid: Array, eps: float
-) -> Array:
-    """Sequence advantages [B] for an outcome-reward ``mode`` (every Adv mode except gae)."""
-    if mode == "grpo":
-        return grpo_advantages(rewards, group_ids, valid, eps)
-    if mode == "dr_grpo":
-        return dr_grpo_advantages(rewards, group_ids, valid)
-    if mode == "rloo":
-        return rloo_advantages(rewards, group_ids, valid)
-    if mode == "batch_norm":
-        return batch_norm_advantages(rewards, valid, eps)
-    if mode == "group_batch_norm":
-        return group_batch_norm_advantages(rewards, group_ids, valid, eps)
-    raise ValueError(f"adv={mode!r} is not an outcome-advantage mode")
+OUTCOME: dict[str, Callable[[Array, Array, Array, float], Array]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "batch_norm": batch_norm_advantages,
+    "group_batch_norm": group_batch_norm_advantages,
+}
+names.check_table(OUTCOME, names.OUTCOME_ADV_MODES, "outcome advantage")

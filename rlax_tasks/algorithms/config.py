@@ -12,12 +12,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-AGG_MODES = ("individual", "group", "max_length", "sequence")
-ADV_MODES = ("grpo", "dr_grpo", "rloo", "batch_norm", "group_batch_norm", "gae")
-POLICY_TERMS = ("ppo_clip", "logp", "gspo")
-RATIO_IS_MODES = ("none", "clip")
-BEHAVIOR_IS_MODES = ("none", "token", "sequence")
-KL_TERMS = ("none", "k3", "k2")
+from rlax_tasks.algorithms import names
+from rlax_tasks.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known,
+    check_number,
+    field_error,
+)
 
 
 class ObjectiveConfigError(ValueError):
@@ -44,6 +47,9 @@ class ObjectiveConfig:
     # Clip range [1 − eps_low, 1 + eps_high] of the PPO/GSPO mask and of CISPO's IS clip.
     eps_low: float = 0.2
     eps_high: float = 0.2
+    # ppo_clip's dual clip (verl): a token with Adv < 0 and r > clip_ratio_c contributes the
+    # constant −Adv·c to the loss (no gradient); None = off; must be > 1.
+    clip_ratio_c: float | None = None
     # IS from the current/old ratio: "clip" = CISPO's sg[clip(r, 1−eps_low, 1+eps_high)].
     ratio_is: str = "none"
     # IS from old/behaviour log-probs (TIS): per token min(exp(old−beh), C), or per sequence
@@ -127,76 +133,64 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))
+_error = field_error(ObjectiveConfigError)
 
 
 def preset_config(name: str, **overrides: Any) -> ObjectiveConfig:
     """The validated config of preset ``name`` with ``overrides`` applied on top."""
-    if name not in PRESETS:
-        raise ObjectiveConfigError(
-            f"unknown objective preset {name!r}; valid presets: {', '.join(PRESETS)}"
-        )
-    return apply_overrides(ObjectiveConfig(**PRESETS[name]), overrides, context=f"preset {name!r}")
+    check_choice("preset", name, PRESETS, _error)
+    config = ObjectiveConfig(**PRESETS[name])
+    return apply_overrides(config, overrides, context=f"objective preset {name!r}")
 
 
 def apply_overrides(
-    config: ObjectiveConfig, overrides: Mapping[str, Any], context: str = "objective"
+    config: ObjectiveConfig, overrides: Mapping[str, Any], context: str = "the objective"
 ) -> ObjectiveConfig:
     """``config`` with ``overrides`` replaced; unknown fields raise naming them."""
-    unknown = sorted(set(overrides) - set(FIELD_NAMES))
-    if unknown:
-        raise ObjectiveConfigError(
-            f"unknown objective field(s) {', '.join(map(repr, unknown))} for {context}; "
-            f"valid fields: {', '.join(FIELD_NAMES)}"
-        )
+    check_known(
+        overrides, FIELD_NAMES, field_error(ObjectiveConfigError, ": "), f"field of {context}"
+    )
     return dataclasses.replace(config, **overrides)
-
-
-def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ObjectiveConfigError(f"{name}={value!r} is not valid; choose one of {list(options)}")
-
-
-def _number(name: str, value: Any, low: float, high: float = math.inf, *, open_low=False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if open_low else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if open_low else "["
-        raise ObjectiveConfigError(
-            f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}"
-        )
 
 
 def _validate(c: ObjectiveConfig) -> None:
     """All field checks in one place; every message names the field."""
-    _choice("agg", c.agg, AGG_MODES)
-    _choice("adv", c.adv, ADV_MODES)
-    _choice("policy_term", c.policy_term, POLICY_TERMS)
-    _choice("ratio_is", c.ratio_is, RATIO_IS_MODES)
-    _choice("behavior_is", c.behavior_is, BEHAVIOR_IS_MODES)
-    _choice("kl", c.kl, KL_TERMS)
-    if c.max_length is not None and (
-        not isinstance(c.max_length, int) or isinstance(c.max_length, bool) or c.max_length <= 0
-    ):
-        raise ObjectiveConfigError(
-            f"max_length must be a positive integer or None, got {c.max_length!r}"
-        )
-    _number("adv_eps", c.adv_eps, 0.0)
-    _number("eps_low", c.eps_low, 0.0, 1.0)
-    _number("eps_high", c.eps_high, 0.0)
-    _number("behavior_is_cap", c.behavior_is_cap, 0.0, open_low=True)
-    _number("kl_beta", c.kl_beta, 0.0)
-    _number("gamma", c.gamma, 0.0, 1.0)
-    _number("gae_lambda", c.gae_lambda, 0.0, 1.0)
+    check_choice("agg", c.agg, names.AGG_MODES, _error)
+    check_choice("adv", c.adv, names.ADV_MODES, _error)
+    check_choice("policy_term", c.policy_term, names.POLICY_TERMS, _error)
+    check_choice("ratio_is", c.ratio_is, names.RATIO_IS_MODES, _error)
+    check_choice("behavior_is", c.behavior_is, names.BEHAVIOR_IS_MODES, _error)
+    check_choice("kl", c.kl, names.KL_TERMS, _error)
+    check_int("max_length", c.max_length, _error, minimum=1, optional=True)
+    for name, low, high in _RANGES:
+        check_number(name, getattr(c, name), _error, low=low, high=high)
+    check_number("behavior_is_cap", c.behavior_is_cap, _error, low=0.0, open_low=True)
     if c.value_clip is not None:
-        _number("value_clip", c.value_clip, 0.0, open_low=True)
-    _number("overlong_cache_fraction", c.overlong_cache_fraction, 0.0, 1.0)
-    _number("overlong_factor", c.overlong_factor, 0.0)
+        check_number("value_clip", c.value_clip, _error, low=0.0, open_low=True)
+    if c.clip_ratio_c is not None:
+        check_number("clip_ratio_c", c.clip_ratio_c, _error, low=1.0, open_low=True)
     for name in ("whiten_advantages", "dynamic_sampling", "overlong_shaping"):
-        if not isinstance(getattr(c, name), bool):
-            raise ObjectiveConfigError(f"{name} must be true or false, got {getattr(c, name)!r}")
+        check_bool(name, getattr(c, name), _error)
+    if c.clip_ratio_c is not None and c.policy_term != "ppo_clip":
+        raise ObjectiveConfigError(
+            f"clip_ratio_c is the dual clip of policy_term='ppo_clip', not of "
+            f"{c.policy_term!r}: leave it null"
+        )
     if c.policy_term == "gspo" and c.adv == "gae":
         raise ObjectiveConfigError(
             "policy_term='gspo' needs a sequence-level advantage; adv='gae' is per token "
             "(choose adv in grpo, dr_grpo, rloo, batch_norm, group_batch_norm)"
         )
+
+
+# (field, low, high) of the closed-interval number fields
+_RANGES: tuple[tuple[str, float, float], ...] = (
+    ("adv_eps", 0.0, math.inf),
+    ("eps_low", 0.0, 1.0),
+    ("eps_high", 0.0, math.inf),
+    ("kl_beta", 0.0, math.inf),
+    ("gamma", 0.0, 1.0),
+    ("gae_lambda", 0.0, 1.0),
+    ("overlong_cache_fraction", 0.0, 1.0),
+    ("overlong_factor", 0.0, math.inf),
+)

@@ -1,43 +1,68 @@
-"""Importance weights (IS slot of DESIGN §4), always stop-gradient.
+"""Importance weights (IS slot of DESIGN §4) as lookup tables, always stop-gradient.
 
 Truncated IS (TIS) corrects for the sampler/trainer mismatch and staleness with the ratio of
-the trainer's old policy to the behaviour (sampler) policy; CISPO clips the current/old ratio.
-Log-ratios are capped before ``exp`` so huge mismatches never overflow.
+the trainer's old policy to the behaviour (sampler) policy (``BEHAVIOR_IS``); CISPO clips the
+current/old ratio (``RATIO_IS``). Each entry returns (weight, where it clipped or truncated as
+0/1) [B, T]. Log-ratios are capped before ``exp`` so huge mismatches never overflow.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
+from rlax_tasks.algorithms import names
 
-def truncated_token_is(old: Array, behavior: Array, mask: Array, cap: float) -> Array:
-    """Per token min(exp(old − beh), C); 1 off the mask."""
-    log_ratio = jnp.where(mask > 0, old - behavior, 0.0)
-    return jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_ratio, math.log(cap))))
+IsOutput = tuple[Array, Array]  # (stop-gradient weight, 0/1 where it was clipped or truncated)
 
 
-def truncated_sequence_is(old: Array, behavior: Array, mask: Array, cap: float) -> Array:
-    """Per sequence min(exp(Σ_t m·(old − beh)), C), the truncated likelihood ratio of the whole
-    completion, broadcast over its tokens [B, T]."""
+def _truncated(log_ratio: Array, cap: float) -> IsOutput:
+    """min(exp(log_ratio), C) and where the cap C was hit."""
+    weight = jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_ratio, math.log(cap))))
+    return weight, (log_ratio > math.log(cap)).astype(jnp.float32)
+
+
+def no_behavior_is(old: Array, behavior: Array | None, mask: Array, cap: float) -> IsOutput:
+    """``none``: weight 1, nothing truncated."""
+    return jnp.ones(mask.shape, jnp.float32), jnp.zeros(mask.shape, jnp.float32)
+
+
+def token_behavior_is(old: Array, behavior: Array, mask: Array, cap: float) -> IsOutput:
+    """``token`` TIS: min(exp(old − beh), C) per token; 1 off the mask."""
+    return _truncated(jnp.where(mask > 0, old - behavior, 0.0), cap)
+
+
+def sequence_behavior_is(old: Array, behavior: Array, mask: Array, cap: float) -> IsOutput:
+    """``sequence`` TIS: min(exp(Σ_t m·(old − beh)), C), the truncated likelihood ratio of the
+    whole completion, broadcast over its tokens."""
     log_ratio = jnp.sum(jnp.where(mask > 0, old - behavior, 0.0), axis=1, keepdims=True)
-    weight = jnp.exp(jnp.minimum(log_ratio, math.log(cap)))
-    return jax.lax.stop_gradient(jnp.broadcast_to(weight, mask.shape))
+    return _truncated(jnp.broadcast_to(log_ratio, mask.shape), cap)
 
 
-def behavior_log_ratio_over_cap(
-    old: Array, behavior: Array, mask: Array, cap: float, level: str
-) -> Array:
-    """Boolean [B, T]: where the TIS weight of ``level`` (token/sequence) hit the cap C."""
-    log_ratio = jnp.where(mask > 0, old - behavior, 0.0)
-    if level == "sequence":
-        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=1, keepdims=True), mask.shape)
-    return log_ratio > math.log(cap)
+def no_ratio_is(ratio: Array, eps_low: float, eps_high: float) -> IsOutput:
+    """``none``: weight 1, nothing clipped."""
+    return jnp.ones(ratio.shape, jnp.float32), jnp.zeros(ratio.shape, jnp.float32)
 
 
-def clipped_ratio_is(ratio: Array, eps_low: float, eps_high: float) -> Array:
-    """CISPO's sg[clip(r, 1 − ε_low, 1 + ε_high)]."""
-    return jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+def clip_ratio_is(ratio: Array, eps_low: float, eps_high: float) -> IsOutput:
+    """``clip`` (CISPO): sg[clip(r, 1 − ε_low, 1 + ε_high)], and where r lies outside."""
+    outside = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    return weight, outside.astype(jnp.float32)
+
+
+RATIO_IS: dict[str, Callable[[Array, float, float], IsOutput]] = {
+    "none": no_ratio_is,
+    "clip": clip_ratio_is,
+}
+BEHAVIOR_IS: dict[str, Callable[[Array, Array, Array, float], IsOutput]] = {
+    "none": no_behavior_is,
+    "token": token_behavior_is,
+    "sequence": sequence_behavior_is,
+}
+names.check_table(RATIO_IS, names.RATIO_IS_MODES, "ratio IS")
+names.check_table(BEHAVIOR_IS, names.BEHAVIOR_IS_MODES, "behaviour IS")

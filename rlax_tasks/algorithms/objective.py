@@ -3,9 +3,12 @@
     J = Σ_b Σ_t m·sg[Agg·IS]·(sg[Adv]·GradTerm1 + GradTerm2),   loss = −J,   r = exp(logp − old)
 
 ``Objective.loss`` is a pure function of (logp, batch): jit it, grad it; gradients flow through
-``logp`` only (every other input is stop-gradient). The loss value is −J literally, so with
-``ppo_clip`` it equals the clipped PPO surrogate except on clipped tokens, where the surrogate
-is a constant and the masked term is 0 (same gradient).
+``logp`` only (every other input is stop-gradient). The gradient is exactly that of J; the
+loss VALUE of a clipped term (``ppo_clip``, ``gspo``) is the standard clipped surrogate
+−min(A·r, A·clip(r)) (with ``clip_ratio_c``: capped at −A·c for A < 0, verl's dual clip), as
+verl and TRL report it: clipped tokens add a stop-gradient constant.
+Each slot is a lookup table of small functions (aggregation.AGG, advantages.OUTCOME,
+importance.RATIO_IS / BEHAVIOR_IS, policy_terms.POLICY_TERMS / KL_TERMS), named in names.py.
 
 Batch keys (token arrays [B, T] aligned like ``models.forward.token_logprobs``):
   required  "old_logprobs", "mask" (1 on completion tokens), "rewards" [B], "group_ids" [B] int
@@ -18,6 +21,7 @@ Rows whose mask is all zero are padding: not counted in B and out of every stati
 
 Metrics (float32 scalars, over completion tokens): loss, policy_loss, kl_loss; clip_frac
 (tokens whose PPO/GSPO mask is 0, or whose CISPO ratio is outside the clip range);
+dual_clip_frac (tokens with A < 0 and r > clip_ratio_c: capped by the dual clip);
 ratio_mean/max; is_weight_mean/max/p95 (the whole IS product) and is_truncated_frac (TIS at
 the cap); adv_mean/std/min/max; kl (k3 estimate, when ref_logprobs is given); num_tokens,
 num_sequences. The PPO value loss is separate (``value_loss``): the trainer adds it with its
@@ -110,72 +114,37 @@ class Objective:
         mask, valid, _, _ = _core(batch, shape)
         old = jax.lax.stop_gradient(_token_array(batch, "old_logprobs", shape)).astype(jnp.float32)
         adv = self._batch_advantages(batch, shape) * mask
-
         on = mask > 0
-        logp_m = jnp.where(on, logp, 0.0)
-        ratio = jnp.exp(jnp.where(on, logp - old, 0.0))
-        weights = token_weights(
-            mask,
-            c.agg,
-            max_length=c.max_length,
-            num_sequences=batch.get("num_sequences"),
-            num_tokens=batch.get("num_tokens"),
+        x = policy_terms.PolicyInputs(
+            logp=jnp.where(on, logp, 0.0),
+            old=old,
+            ratio=jnp.exp(jnp.where(on, logp - old, 0.0)),
+            adv=adv,
+            mask=mask,
         )
+        weights = self._weights(mask, batch)
 
         # IS: product of CISPO's clipped ratio and the truncated behaviour correction.
-        is_w = jnp.ones(shape, jnp.float32)
-        truncated = jnp.zeros(shape, bool)
-        if c.ratio_is == "clip":
-            is_w = is_w * importance.clipped_ratio_is(ratio, c.eps_low, c.eps_high)
+        ratio_w, ratio_clipped = importance.RATIO_IS[c.ratio_is](x.ratio, c.eps_low, c.eps_high)
+        beh = None
         if c.behavior_is != "none":
             why = f" (behavior_is={c.behavior_is!r} needs the sampler's log-probs)"
             beh = _token_array(batch, "behavior_logprobs", shape, why).astype(jnp.float32)
             beh = jax.lax.stop_gradient(beh)
-            tis = (
-                importance.truncated_token_is
-                if c.behavior_is == "token"
-                else importance.truncated_sequence_is
-            )
-            is_w = is_w * tis(old, beh, mask, c.behavior_is_cap)
-            truncated = importance.behavior_log_ratio_over_cap(
-                old, beh, mask, c.behavior_is_cap, c.behavior_is
-            )
+        beh_w, truncated = importance.BEHAVIOR_IS[c.behavior_is](old, beh, mask, c.behavior_is_cap)
+        is_w = jnp.ones(shape, jnp.float32) * ratio_w * beh_w
 
-        # GradTerm1 and the fraction of tokens whose gradient is clipped away (or IS-clipped).
-        if c.policy_term == "ppo_clip":
-            keep = policy_terms.ppo_clip_mask(ratio, adv, c.eps_low, c.eps_high)
-            term1 = keep * ratio
-            clipped = 1.0 - keep
-        elif c.policy_term == "gspo":
-            seq_adv = jnp.sum(adv, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-            term1, keep_seq = policy_terms.gspo_term(
-                logp_m, old, seq_adv, mask, c.eps_low, c.eps_high
-            )
-            clipped = jnp.broadcast_to((1.0 - keep_seq)[:, None], shape)
-        else:
-            term1 = policy_terms.logp_term(logp_m)
-            clipped = jnp.zeros(shape, jnp.float32)
-        if c.ratio_is == "clip":
-            outside = (ratio < 1.0 - c.eps_low) | (ratio > 1.0 + c.eps_high)
-            clipped = jnp.maximum(clipped, outside.astype(jnp.float32))
+        # GradTerm1, and the tokens whose gradient is clipped away (or whose ratio is IS-clipped).
+        term1 = policy_terms.POLICY_TERMS[c.policy_term](x, c)
+        clipped = jnp.maximum(term1.clipped, ratio_clipped)
 
         # GradTerm2: KL to the reference policy.
-        ref = None
-        if "ref_logprobs" in batch and batch["ref_logprobs"] is not None:
-            ref = _token_array(batch, "ref_logprobs", shape).astype(jnp.float32)
-            ref = jax.lax.stop_gradient(ref)
-        term2 = jnp.zeros(shape, jnp.float32)
-        if self.needs_reference:
-            if ref is None:
-                raise BatchError(
-                    f"batch has no 'ref_logprobs' (kl={c.kl!r} with kl_beta={c.kl_beta} needs "
-                    "the reference policy's log-probs)"
-                )
-            kl_fn = policy_terms.kl_k3_term if c.kl == "k3" else policy_terms.kl_k2_term
-            term2 = kl_fn(logp_m, ref, mask, c.kl_beta)
+        ref = self._reference(batch, shape)
+        kl_term = policy_terms.KL_TERMS[c.kl if self.needs_reference else "none"]
+        term2 = kl_term(x.logp, ref, mask, c.kl_beta)
 
         coef = jax.lax.stop_gradient(weights * is_w)
-        pg = masked_sum(coef * adv * term1, mask)
+        pg = masked_sum(coef * adv * term1.term, mask)
         kl_part = masked_sum(coef * term2, mask)
         loss = -(pg + kl_part)
 
@@ -184,12 +153,13 @@ class Objective:
             "policy_loss": -pg,
             "kl_loss": -kl_part,
             "clip_frac": masked_mean(clipped, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "ratio_max": masked_max(ratio, mask),
+            "dual_clip_frac": masked_mean(term1.dual_clipped, mask),
+            "ratio_mean": masked_mean(x.ratio, mask),
+            "ratio_max": masked_max(x.ratio, mask),
             "is_weight_mean": masked_mean(is_w, mask),
             "is_weight_max": masked_max(is_w, mask),
             "is_weight_p95": masked_quantile(is_w, mask, 0.95),
-            "is_truncated_frac": masked_mean(truncated.astype(jnp.float32), mask),
+            "is_truncated_frac": masked_mean(truncated, mask),
             "adv_mean": masked_mean(adv, mask),
             "adv_std": masked_std(adv, mask),
             "adv_min": masked_min(adv, mask),
@@ -198,8 +168,31 @@ class Objective:
             "num_sequences": jnp.sum(valid).astype(jnp.float32),
         }
         if ref is not None:
-            metrics["kl"] = masked_mean(policy_terms.k3_estimate(logp_m, ref, mask), mask)
+            metrics["kl"] = masked_mean(policy_terms.k3_estimate(x.logp, ref, mask), mask)
         return loss, jax.tree.map(lambda x: jax.lax.stop_gradient(x.astype(jnp.float32)), metrics)
+
+    def _weights(self, mask: Array, batch: Batch) -> Array:
+        """The Agg token weights, with the full batch's counts when the batch carries them."""
+        return token_weights(
+            mask,
+            self.config.agg,
+            max_length=self.config.max_length,
+            num_sequences=batch.get("num_sequences"),
+            num_tokens=batch.get("num_tokens"),
+        )
+
+    def _reference(self, batch: Batch, shape: tuple[int, ...]) -> Array | None:
+        """Stop-gradient ``ref_logprobs`` when given; an error when the KL term needs them."""
+        if batch.get("ref_logprobs") is None:
+            if self.needs_reference:
+                c = self.config
+                raise BatchError(
+                    f"batch has no 'ref_logprobs' (kl={c.kl!r} with kl_beta={c.kl_beta} needs "
+                    "the reference policy's log-probs)"
+                )
+            return None
+        ref = _token_array(batch, "ref_logprobs", shape).astype(jnp.float32)
+        return jax.lax.stop_gradient(ref)
 
     def _batch_advantages(self, batch: Batch, shape: tuple[int, ...]) -> Array:
         """``batch["advantages"]`` ([B] or [B, T]) when given, else ``self.advantages``."""
@@ -233,14 +226,7 @@ class Objective:
         v = jnp.where(on, values, 0.0)
         v_old = jnp.where(on, old_values, 0.0)
         per_token = gae_lib.clipped_value_loss(v, v_old, returns, c.value_clip)
-        weights = token_weights(
-            mask,
-            c.agg,
-            max_length=c.max_length,
-            num_sequences=batch.get("num_sequences"),
-            num_tokens=batch.get("num_tokens"),
-        )
-        loss = masked_sum(weights * per_token, mask)
+        loss = masked_sum(self._weights(mask, batch) * per_token, mask)
         clip_active = jnp.zeros(shape, jnp.float32)
         if c.value_clip is not None:
             v_clip = v_old + jnp.clip(v - v_old, -c.value_clip, c.value_clip)
@@ -270,7 +256,7 @@ def _advantages(c: ObjectiveConfig, batch: Batch) -> Array:
         if c.whiten_advantages:
             adv = gae_lib.whiten(adv, mask, c.adv_eps)
     else:
-        seq = adv_lib.outcome_advantages(c.adv, rewards, group_ids, valid, c.adv_eps)
+        seq = adv_lib.OUTCOME[c.adv](rewards, group_ids, valid, c.adv_eps)
         adv = seq[:, None] * mask
     return jax.lax.stop_gradient(adv.astype(jnp.float32))
 

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
+from rlax_tasks.validation import check_int, check_number, field_error
+
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # 64-bit golden-ratio constant (Fibonacci hashing)
 _POLY = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, as the rolling-hash base
 _DIGITS_RE = re.compile(r"\d+")
@@ -43,11 +45,10 @@ class MinHashConfig:
     same_numbers: bool = True
 
     def __post_init__(self) -> None:
+        error = field_error(ValueError)
         for name in ("shingle", "bands", "rows_per_band", "chunk_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MinHashConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"MinHashConfig.threshold must lie in (0, 1], got {self.threshold}")
+            check_int(f"MinHashConfig.{name}", getattr(self, name), error, minimum=1)
+        check_number("MinHashConfig.threshold", self.threshold, error, low=0, high=1, open_low=True)
 
     @property
     def num_perm(self) -> int:

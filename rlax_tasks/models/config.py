@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
+from rlax_tasks.validation import check_choice, check_int, check_number, field_error
+
 # HF ``model_type`` -> the HF architecture class name written on save.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -54,11 +56,8 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(
-                f"model_type={self.model_type!r} is not supported; "
-                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-            )
+        e = field_error(ModelConfigError)
+        check_choice("model_type", self.model_type, sorted(SUPPORTED_MODEL_TYPES), e)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -69,9 +68,7 @@ class ModelConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), e, minimum=1)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -79,10 +76,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        if not self.rms_norm_eps > 0:
-            raise ModelConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ModelConfigError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            check_number(name, getattr(self, name), e, low=0, open_low=True)
         if self.rope_scaling is not None:
             _validate_rope_scaling(self.rope_scaling)
 

@@ -30,6 +30,7 @@ from rlax_tasks.models.policy import Policy
 from rlax_tasks.models.transformer import resolve_dtype
 from rlax_tasks.rollout.requests import Completion, FinishReason, Request, SamplingParams
 from rlax_tasks.rollout.sampling import sample_tokens, token_key
+from rlax_tasks.validation import check_choice, check_int, field_error
 
 log = logging.getLogger(__name__)
 
@@ -213,14 +214,11 @@ class Sampler:
         batching: Literal["continuous", "static"] = "continuous",
         max_stop_ids: int = 8,
     ) -> None:
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-        if max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {max_len}")
-        if decode_chunk < 1:
-            raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
-        if batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        error = field_error(ValueError)
+        check_int("max_slots", max_slots, error, minimum=1)
+        check_int("max_len", max_len, error, minimum=2)
+        check_int("decode_chunk", decode_chunk, error, minimum=1)
+        check_choice("batching", batching, ("continuous", "static"), error)
         # committed placement, as set_params makes it: a swap then never changes the jit cache key
         self.policy = policy.with_params(
             jax.device_put(policy.params, jax.tree.map(lambda a: a.sharding, policy.params))

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
+
+from rlax_tasks.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known,
+    check_mesh_shape,
+    check_number,
+    check_text,
+    field_error,
+)
 
 REMAT_CHOICES = ("none", "full", "dots")
 
@@ -59,73 +69,41 @@ class TrainerConfig:
     value_loss_coef: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive_float(self, "learning_rate", allow_zero=True)
+        e = _error
+        check_number("learning_rate", self.learning_rate, e, low=0.0)
+        check_number("adam_eps", self.adam_eps, e, low=0.0, open_low=True)
         for name in ("adam_b1", "adam_b2"):
-            v = getattr(self, name)
-            if not _is_number(v) or not 0.0 <= v < 1.0:
-                raise TrainerConfigError(f"{name} must be in [0, 1), got {v!r}")
-        _positive_float(self, "adam_eps")
-        _positive_float(self, "weight_decay", allow_zero=True)
+            check_number(name, getattr(self, name), e, low=0.0, high=1.0, open_high=True)
+        check_number("weight_decay", self.weight_decay, e, low=0.0)
         if self.max_grad_norm is not None:
-            _positive_float(self, "max_grad_norm")
-        _non_negative_int(self, "warmup_steps")
-        if self.total_steps is not None:
-            _non_negative_int(self, "total_steps")
-            if self.total_steps <= self.warmup_steps:
-                raise TrainerConfigError(
-                    f"total_steps={self.total_steps} must exceed warmup_steps="
-                    f"{self.warmup_steps} (or be null for a constant rate after warm-up)"
-                )
-        if not _is_number(self.final_lr_ratio) or not 0.0 <= self.final_lr_ratio <= 1.0:
+            check_number("max_grad_norm", self.max_grad_norm, e, low=0.0, open_low=True)
+        check_int("warmup_steps", self.warmup_steps, e, minimum=0)
+        check_int("total_steps", self.total_steps, e, minimum=0, optional=True)
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
             raise TrainerConfigError(
-                f"final_lr_ratio must be in [0, 1], got {self.final_lr_ratio!r}"
+                f"total_steps={self.total_steps} must exceed warmup_steps="
+                f"{self.warmup_steps} (or be null for a constant rate after warm-up)"
             )
-        if self.micro_batch_size is not None:
-            _non_negative_int(self, "micro_batch_size", positive=True)
-        if self.remat not in REMAT_CHOICES:
-            raise TrainerConfigError(f"remat={self.remat!r} is not one of {list(REMAT_CHOICES)}")
-        _non_negative_int(self, "logprob_chunk_size", positive=True)
-        _non_negative_int(self, "length_bucket")
-        shape = tuple(self.mesh_shape) if isinstance(self.mesh_shape, list | tuple) else None
-        if (
-            shape is None
-            or len(shape) != 3
-            or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
-            or any(s == 0 or s < -1 for s in shape)
-            or shape.count(-1) > 1
-        ):
-            raise TrainerConfigError(
-                f"mesh_shape must be three positive integers (data, fsdp, tensor), at most one "
-                f"of them -1 for 'the remaining devices'; got {self.mesh_shape!r}"
-            )
-        object.__setattr__(self, "mesh_shape", shape)
-        _non_negative_int(self, "hosts", positive=True)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise TrainerConfigError(f"seed must be an integer, got {self.seed!r}")
-        if self.checkpoint_dir is not None and (
-            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
-        ):
-            raise TrainerConfigError(
-                f"checkpoint_dir must be a non-empty path or gs:// URI, got {self.checkpoint_dir!r}"
-            )
-        _non_negative_int(self, "checkpoint_every")
-        if self.max_to_keep is not None:
-            _non_negative_int(self, "max_to_keep", positive=True)
-        if not isinstance(self.async_checkpointing, bool):
-            raise TrainerConfigError(
-                f"async_checkpointing must be true or false, got {self.async_checkpointing!r}"
-            )
-        _positive_float(self, "value_loss_coef", allow_zero=True)
+        check_number("final_lr_ratio", self.final_lr_ratio, e, low=0.0, high=1.0)
+        check_int("micro_batch_size", self.micro_batch_size, e, minimum=1, optional=True)
+        check_choice("remat", self.remat, REMAT_CHOICES, e)
+        check_int("logprob_chunk_size", self.logprob_chunk_size, e, minimum=1)
+        check_int("length_bucket", self.length_bucket, e, minimum=0)
+        object.__setattr__(self, "mesh_shape", check_mesh_shape("mesh_shape", self.mesh_shape, e))
+        check_int("hosts", self.hosts, e, minimum=1)
+        check_int("seed", self.seed, e)
+        if self.checkpoint_dir is not None:
+            check_text("checkpoint_dir", self.checkpoint_dir, e)
+        check_int("checkpoint_every", self.checkpoint_every, e, minimum=0)
+        check_int("max_to_keep", self.max_to_keep, e, minimum=1, optional=True)
+        check_bool("async_checkpointing", self.async_checkpointing, e)
+        check_number("value_loss_coef", self.value_loss_coef, e, low=0.0)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainerConfig:
         """Builds the config from a plain dict (YAML/JSON); an unknown key is an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise TrainerConfigError(
-                f"unknown trainer setting(s) {unknown}; known settings: {sorted(known)}"
-            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        check_known(values, known, field_error(TrainerConfigError, ": "), "trainer setting")
         values = dict(values)
         if isinstance(values.get("mesh_shape"), list):
             values["mesh_shape"] = tuple(values["mesh_shape"])
@@ -138,19 +116,4 @@ class TrainerConfig:
         return d
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _positive_float(cfg: TrainerConfig, name: str, allow_zero: bool = False) -> None:
-    v = getattr(cfg, name)
-    if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise TrainerConfigError(f"{name} must be a finite number {bound}, got {v!r}")
-
-
-def _non_negative_int(cfg: TrainerConfig, name: str, positive: bool = False) -> None:
-    v = getattr(cfg, name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (positive and v == 0):
-        bound = "positive" if positive else "non-negative"
-        raise TrainerConfigError(f"{name} must be a {bound} integer, got {v!r}")
+_error = field_error(TrainerConfigError)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from typing import Any
 
 from rlax_tasks.models import ModelConfig
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rewards.tasks import ArithmeticTask
+from rlax_tasks.validation import check_int, check_known, check_number, field_error
 from rlax_tasks.warmup.tiny_arith import DEFAULT_KNOBS, FORMAT_VERSION, TinyArith
 
 # bump when the warm-up code changes what a recipe produces
@@ -23,6 +23,9 @@ RECIPE_VERSION = 1
 
 class WarmupRecipeError(ValueError):
     """A warm-up recipe field is invalid; the message names it."""
+
+
+_error = field_error(WarmupRecipeError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +81,17 @@ class WarmupRecipe:
             "batch_size",
             "num_train_problems",
         ):
-            _int(self, name, minimum=1)
+            check_int(name, getattr(self, name), _error, minimum=1)
         for name in ("lr_warmup_steps", "seed", "data_seed", "heldout_size"):
-            _int(self, name, minimum=0)
-        if self.heldout_seed is not None:
-            _int(self, "heldout_seed", minimum=0)
-            if self.heldout_seed == self.data_seed:
-                raise WarmupRecipeError("heldout_seed must differ from data_seed")
+            check_int(name, getattr(self, name), _error, minimum=0)
+        check_int("heldout_seed", self.heldout_seed, _error, minimum=0, optional=True)
+        if self.heldout_seed is not None and self.heldout_seed == self.data_seed:
+            raise WarmupRecipeError("heldout_seed must differ from data_seed")
         for name in ("learning_rate", "max_grad_norm"):
-            _float(self, name, low=0.0, open_low=True)
-        _float(self, "weight_decay", low=0.0)
-        _float(self, "final_lr_ratio", low=0.0, high=1.0)
-        _float(self, "label_smoothing", low=0.0, high=0.9)
+            check_number(name, getattr(self, name), _error, low=0.0, open_low=True)
+        check_number("weight_decay", self.weight_decay, _error, low=0.0)
+        check_number("final_lr_ratio", self.final_lr_ratio, _error, low=0.0, high=1.0)
+        check_number("label_smoothing", self.label_smoothing, _error, low=0.0, high=0.9)
         if self.hidden_size % self.num_attention_heads:
             raise WarmupRecipeError(
                 f"hidden_size={self.hidden_size} must be a multiple of "
@@ -155,12 +157,8 @@ class WarmupRecipe:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> WarmupRecipe:
         """A recipe from a plain dict; unknown keys raise naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise WarmupRecipeError(
-                f"unknown warm-up recipe field(s) {unknown}; known: {sorted(known)}"
-            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        check_known(values, known, field_error(WarmupRecipeError, ": "), "warm-up recipe field")
         return cls(**values)
 
     def fingerprint(self) -> str:
@@ -172,19 +170,3 @@ class WarmupRecipe:
         }
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def _int(recipe: WarmupRecipe, name: str, minimum: int) -> None:
-    v = getattr(recipe, name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise WarmupRecipeError(f"{name} must be an integer >= {minimum}, got {v!r}")
-
-
-def _float(
-    recipe: WarmupRecipe, name: str, low: float, high: float = math.inf, open_low: bool = False
-) -> None:
-    v = getattr(recipe, name)
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > low if open_low else v >= low) and v <= high
-    if not ok:
-        raise WarmupRecipeError(f"{name} must be a finite number in range, got {v!r}")

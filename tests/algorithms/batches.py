@@ -12,11 +12,14 @@ PADDING_ROW = 9
 GAP_ROW = 3  # one masked position inside its completion
 
 
-def make_batch(seed: int = 0, beh_scale: float = 0.5) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def make_batch(
+    seed: int = 0, beh_scale: float = 0.5, ratio_scale: float = 0.35
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(logp, batch) float32 with masked tokens, ragged lengths, a padding row, TIS mismatch.
 
     Rows alternate between a tiny and a large current/old log-ratio, so both clipped and
-    unclipped tokens (and GSPO sequences) exist; masked positions hold garbage that must not
+    unclipped tokens (and GSPO sequences) exist (a large ``ratio_scale`` also gives ratios past
+    a dual-clip bound); masked positions hold garbage that must not
     leak into the loss (huge log-ratios there would overflow exp).
     """
     rng = np.random.default_rng(seed)
@@ -30,7 +33,7 @@ def make_batch(seed: int = 0, beh_scale: float = 0.5) -> tuple[np.ndarray, dict[
     mask[PADDING_ROW] = 0.0
 
     old = rng.normal(-1.5, 0.5, (B, T))
-    row_scale = np.where(np.arange(B) % 2 == 0, 1e-5, 0.35)[:, None]
+    row_scale = np.where(np.arange(B) % 2 == 0, 1e-5, ratio_scale)[:, None]
     logp = old + row_scale * rng.normal(size=(B, T))
     beh = old + beh_scale * rng.normal(size=(B, T))
     ref = logp + 0.3 * rng.normal(size=(B, T))

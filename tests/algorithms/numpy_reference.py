@@ -18,6 +18,7 @@ class Reference:
     grad: np.ndarray  # d loss / d logp, [B, T]
     adv: np.ndarray  # token advantages [B, T]
     clipped_tokens: int  # completion tokens whose PPO/GSPO mask is 0
+    dual_clipped_tokens: int  # completion tokens with A < 0 and r > clip_ratio_c
     truncated_tokens: int  # completion tokens whose TIS weight hit the cap
     completion_tokens: int
 
@@ -103,9 +104,11 @@ def token_advantages(cfg, batch) -> np.ndarray:
 def objective(cfg, logp, batch, sg_logp=None) -> Reference:
     """loss = −Σ_b Σ_t m·Agg·IS·(Adv·GradTerm1 + GradTerm2) and its gradient w.r.t. logp.
 
-    Stop-gradient quantities (CISPO's clipped ratio, PPO/GSPO masks) are computed from
-    ``sg_logp`` (default: ``logp``), so finite differences in ``logp`` with ``sg_logp`` held
-    fixed measure exactly the stop-gradient derivative.
+    Where a PPO/GSPO mask (or the dual clip) zeroes GradTerm1's gradient, its value is the
+    clipped surrogate's: clip(r) (or clip_ratio_c), held fixed. Stop-gradient quantities
+    (CISPO's clipped ratio, masks, those constants) are computed from ``sg_logp`` (default:
+    ``logp``), so finite differences in ``logp`` with ``sg_logp`` held fixed measure exactly the
+    stop-gradient derivative.
     """
     logp = np.asarray(logp, np.float64)
     sg_logp = logp if sg_logp is None else np.asarray(sg_logp, np.float64)
@@ -119,7 +122,8 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
     eps_lo, eps_hi = cfg.eps_low, cfg.eps_high
 
     loss, grad = 0.0, np.zeros((b, t))
-    clipped = truncated = 0
+    clipped = truncated = dual = 0
+    dual_c = getattr(cfg, "clip_ratio_c", None)
     for i in range(b):
         if lengths[i] == 0:
             continue
@@ -161,14 +165,20 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
             # GradTerm1 and d/dlogp (GSPO's is collected per row below)
             if cfg.policy_term == "ppo_clip":
                 out = (a > 0 and r_sg > 1 + eps_hi) or (a < 0 and r_sg < 1 - eps_lo)
-                keep = 0.0 if out else 1.0
-                clipped += keep == 0.0
-                term1, dterm1 = keep * r, keep * r
+                clipped += out
+                if dual_c is not None and a < 0 and r_sg > dual_c:
+                    dual += 1
+                    term1, dterm1 = dual_c, 0.0
+                elif out:
+                    term1, dterm1 = min(max(r_sg, 1 - eps_lo), 1 + eps_hi), 0.0
+                else:
+                    term1, dterm1 = r, r
             elif cfg.policy_term == "logp":
                 term1, dterm1 = logp[i, j], 1.0
             else:
                 clipped += seq_keep == 0.0
-                term1, dterm1 = seq_keep * s, 0.0
+                term1 = s if seq_keep else min(max(s_sg, 1 - eps_lo), 1 + eps_hi)
+                dterm1 = 0.0
                 gspo_coef_sum += c * a
             # GradTerm2
             term2 = dterm2 = 0.0
@@ -185,7 +195,7 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
         if cfg.policy_term == "gspo":
             for j in pos:  # d s / d logp_ij = s / |o_i|
                 grad[i, j] -= gspo_coef_sum * seq_keep * s / len(pos)
-    return Reference(loss, grad, adv, int(clipped), int(truncated), int(n_tok))
+    return Reference(loss, grad, adv, int(clipped), int(dual), int(truncated), int(n_tok))
 
 
 def value_loss(cfg, values, batch) -> tuple[float, np.ndarray]:

@@ -84,9 +84,9 @@ def test_unknown_preset_names_it_and_lists_valid_ones():
 
 
 def test_unknown_field_names_it_and_lists_valid_ones():
-    with pytest.raises(ObjectiveConfigError, match="'eps_hihg'") as err:
+    with pytest.raises(ObjectiveConfigError, match="^eps_hihg: unknown field") as err:
         make_objective("dapo", eps_hihg=0.3)
-    assert "eps_high" in str(err.value) and "behavior_is_cap" in str(err.value)
+    assert "did you mean 'eps_high'?" in str(err.value) and "behavior_is_cap" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -155,3 +155,21 @@ def test_wrong_shapes_and_dtypes_are_named():
         obj.loss(jnp.asarray(logp), batch | {"group_ids": batch["group_ids"].astype(np.float32)})
     with pytest.raises(BatchError, match="advantages"):
         obj.loss(jnp.asarray(logp), batch | {"advantages": np.zeros(3, np.float32)})
+
+
+def test_component_names_come_from_the_tables():
+    """Each slot's valid names are its table's keys; a wrong name gets a did-you-mean."""
+    from rlax_tasks.algorithms import advantages, aggregation, importance, names, policy_terms
+
+    assert tuple(policy_terms.POLICY_TERMS) == names.POLICY_TERMS
+    assert tuple(policy_terms.KL_TERMS) == names.KL_TERMS
+    assert tuple(importance.RATIO_IS) == names.RATIO_IS_MODES
+    assert tuple(importance.BEHAVIOR_IS) == names.BEHAVIOR_IS_MODES
+    assert tuple(aggregation.AGG) == names.AGG_MODES
+    assert (*advantages.OUTCOME, "gae") == names.ADV_MODES
+    with pytest.raises(RuntimeError, match="'gspo'"):
+        names.check_table({"ppo_clip": None, "logp": None}, names.POLICY_TERMS, "policy term")
+    with pytest.raises(ObjectiveConfigError, match="did you mean 'ppo_clip'"):
+        make_objective("grpo", policy_term="ppo_clp")
+    with pytest.raises(ObjectiveConfigError, match="^preset must be one of .*did you mean 'dapo'"):
+        make_objective("dapoo")

@@ -95,7 +95,7 @@ def test_config_validation_names_the_field():
     )
     with pytest.raises(ModelConfigError, match="num_key_value_heads=3"):
         ModelConfig(**base)
-    with pytest.raises(ModelConfigError, match="vocab_size must be a positive integer"):
+    with pytest.raises(ModelConfigError, match="vocab_size must be >= 1, got 0"):
         ModelConfig(**{**base, "num_key_value_heads": 2, "vocab_size": 0})
 
 
