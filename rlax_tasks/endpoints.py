@@ -20,14 +20,15 @@ import argparse
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
 
 from rlax_tasks import storage
 from rlax_tasks.compute.types import HOST_ADDRESS_ENV
+from rlax_tasks.run_paths import run_paths
 
-SERVICES_DIR = "services"
 # how long a client trusts the address it read before reading the service file again
 REFRESH_S = 2.0
 LOOPBACK = "127.0.0.1"
@@ -39,7 +40,7 @@ class NotPublishedError(ConnectionRefusedError):
 
 def service_file(run_dir: str, job: str) -> str:
     """``<run_dir>/services/<job>.json``: where job ``job`` publishes its address."""
-    return storage.join(run_dir, SERVICES_DIR, f"{job}.json")
+    return run_paths(run_dir).service(job)
 
 
 def bind_host(host: str | None = None) -> str:
@@ -99,12 +100,33 @@ def add_address_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_url_arg(
+    parser: argparse.ArgumentParser, flag: str, service: str, required: bool = False, note: str = ""
+) -> None:
+    """``flag``: where a client finds ``service`` (e.g. "the trainer's"): its URL, or the service
+    file it publishes its address to (one wording for every `rlax` command)."""
+    parser.add_argument(
+        flag,
+        required=required,
+        help=f"{service} URL, or the service file it publishes its address to{note}",
+    )
+
+
 def publish(path: str, url: str) -> None:
     """Writes ``url`` (where this process's service listens) to the service file ``path``,
     whole (readers never see half of it), with this process's host and pid for people."""
     parse_url(url)
     record = {"url": url, "hostname": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     storage.write_bytes(path, json.dumps(record).encode())
+
+
+def announce(url: str, publish_to: str | None = None) -> None:
+    """Says where this process's service listens: ``url`` as the first line of stdout (what the
+    launcher reads), then, with ``publish_to``, in that service file (what slices' clients read)."""
+    sys.stdout.write(url + "\n")
+    sys.stdout.flush()
+    if publish_to:
+        publish(publish_to, url)
 
 
 def read_published(path: str) -> str:

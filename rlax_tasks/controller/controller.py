@@ -46,8 +46,8 @@ from rlax_tasks.controller.mixture import Prompt, PromptMixture
 from rlax_tasks.controller.rollouts import read_step_batch, rollouts_dir
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
-from rlax_tasks.rollout.requests import SamplingParams
-from rlax_tasks.rollout.worker import GroupRequest, GroupResult
+from rlax_tasks.protocol import TrainerBehindError  # (re-exported)
+from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +114,6 @@ class Scorer(Protocol):
 # the trainer side: trains on a batch, pushes the new weights and returns their version; it
 # raises TrainerBehindError when it restarted from a checkpoint older than the previous step
 TrainStep = Callable[[Batch], int]
-
-
-class TrainerBehindError(RuntimeError):
-    """The trainer restarted from the checkpoint of ``trainer_step``, before the step asked for.
-
-    The trainer checkpoints every ``trainer.checkpoint_every`` steps; the controller then gives
-    it the steps since that checkpoint again, rebuilt from ``rollouts/`` (DESIGN §7).
-    """
-
-    def __init__(self, trainer_step: int, message: str = "") -> None:
-        super().__init__(message or f"the trainer is at step {trainer_step}")
-        self.trainer_step = trainer_step
 
 
 @dataclasses.dataclass(frozen=True)

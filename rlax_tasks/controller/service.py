@@ -26,10 +26,9 @@ from rlax_tasks.controller.controller import (
     WorkerError,
 )
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
-from rlax_tasks.endpoints import Endpoint
-from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
+from rlax_tasks.endpoints import Endpoint, add_url_arg
+from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.rollout.service import WorkerClient
-from rlax_tasks.rollout.worker import GroupRequest, GroupResult
 
 log = logging.getLogger(__name__)
 
@@ -71,40 +70,13 @@ class HttpWorkerPool:
         return self._clients[worker_id]
 
     def submit(self, worker_id: str, groups: Sequence[GroupRequest]) -> None:
-        payload = [
-            {
-                "prompt_id": g.prompt_id,
-                "prompt_tokens": list(g.prompt_tokens),
-                "group_size": g.group_size,
-                "min_version": g.min_version,
-                "params": {
-                    k: list(v) if isinstance(v, tuple) else v for k, v in vars(g.params).items()
-                },
-            }
-            for g in groups
-        ]
-        self._client(worker_id).submit(payload)
+        self._client(worker_id).submit([g.to_dict() for g in groups])
 
     def results(self, worker_id: str) -> list[GroupResult]:
-        return [_group_result(r) for r in self._client(worker_id).results(wait_s=0.0)]
+        return [GroupResult.from_dict(r) for r in self._client(worker_id).results(wait_s=0.0)]
 
     def reset(self, worker_id: str) -> None:
         self._client(worker_id).reset()
-
-
-def _group_result(r: dict[str, Any]) -> GroupResult:
-    prompt = tuple(r["prompt_tokens"])
-    completions = [
-        Completion(
-            Request(prompt, SamplingParams(), sample_index=i, request_id=(r["prompt_id"], i)),
-            list(c["tokens"]),
-            list(c["logprobs"]),
-            c["finish_reason"],
-        )
-        for i, c in enumerate(r["completions"])
-    ]
-    texts = [c.get("text", "") for c in r["completions"]]
-    return GroupResult(r["prompt_id"], int(r["version"]), prompt, completions, texts, r["seconds"])
 
 
 class RewardScorer:
@@ -221,11 +193,7 @@ def add_controller_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax controller`."""
     p = sub.add_parser("controller", help="the controller: drives workers and the trainer")
     p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    p.add_argument(
-        "--trainer-url",
-        required=True,
-        help="the trainer's URL, or the service file it publishes its address to",
-    )
+    add_url_arg(p, "--trainer-url", "the trainer's", required=True)
     p.add_argument(
         "--workers-file",
         required=True,

@@ -82,11 +82,12 @@ from rlax_tasks.paramserver.wire import (
     split_blocks,
     version_digest,
 )
+from rlax_tasks.service_http import TRANSPORT_ERRORS as _TRANSPORT_ERRORS
+from rlax_tasks.service_http import JsonClient, Reply, backoff_s
 from rlax_tasks.storage import read_into
 
 log = logging.getLogger(__name__)
 
-_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, EOFError)
 _RESERVE_POLL_S = 30.0  # longest one reserve request may be held (a stalled server: no hang)
 _ASSEMBLY_TIMEOUT_S = 600.0  # the server's default, if its reserve reply does not say
 
@@ -152,10 +153,14 @@ class ParameterServerClient:
         if push_wait_s < 0:
             raise ValueError(f"push_wait_s must be >= 0, got {push_wait_s}")
         self.worker_id = worker_id
-        self._token = token
         self.timeout_s, self.chunk_bytes, self.retries = timeout_s, chunk_bytes, retries
         self.push_wait_s = push_wait_s
         self._heartbeat_stop: threading.Event | None = None
+        # the small JSON calls (the data plane streams over its own connections)
+        self._http = JsonClient(
+            self._endpoint, token, timeout_s=timeout_s, retries=retries, backoff_s=0.1,
+            max_backoff_s=1.0, refused=self._refusal, unreachable=self._unavailable,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ small calls
     def latest_version(self) -> int | None:
@@ -254,12 +259,7 @@ class ParameterServerClient:
             except PushTimeoutError:
                 raise  # a TimeoutError, hence an OSError: not a transport error to retry
             except _TRANSPORT_ERRORS as e:
-                if attempt == self.retries:
-                    raise ServerUnavailableError(
-                        f"push of {what} to {self.url} failed: {e!r}"
-                    ) from e
-                log.warning("push of %s failed (%r); retrying", what, e)
-                time.sleep(min(0.2 * 2**attempt, 2.0))
+                self._transfer_failed(e, attempt, f"push of {what} to {self.url}")
         log.info(
             "pushed %s (%.1f MB, %d blocks) in %.2fs",
             what,
@@ -339,13 +339,14 @@ class ParameterServerClient:
         while True:
             left = min(max(deadline - time.monotonic(), 0.0), _RESERVE_POLL_S)
             query = urllib.parse.urlencode({"wait_s": f"{left:.3f}"})
-            status, raw = self._request(
+            answer = self._http.send(
                 "POST",
                 f"{path}?{query}",
                 {"nbytes": int(nbytes)},
-                self.timeout_s + left,
-                self._headers(part),
+                timeout_s=self.timeout_s + left,
+                headers=self._extra_headers(part),
             )
+            status, raw = answer.status, answer.body
             if status != 503:
                 self._raise_for_status(status, raw, f"push of version {version}")
                 if waited:
@@ -414,10 +415,8 @@ class ParameterServerClient:
                 continue
             except _TRANSPORT_ERRORS as e:
                 failures += 1
-                if failures > self.retries or time.monotonic() >= deadline:
-                    raise ServerUnavailableError(f"pull from {self.url} failed: {e!r}") from e
-                log.warning("pull from %s failed (%r); retrying", self.url, e)
-                time.sleep(min(0.2 * 2 ** (failures - 1), 2.0))
+                last = failures > self.retries or time.monotonic() >= deadline
+                self._transfer_failed(e, failures - 1, f"pull from {self.url}", last)
                 continue
             if result is not None:
                 return result
@@ -442,12 +441,7 @@ class ParameterServerClient:
                     ) from e
                 log.warning("version %d failed verification (%s); pulling again", version, e)
             except _TRANSPORT_ERRORS as e:
-                if attempt == self.retries:
-                    raise ServerUnavailableError(
-                        f"pull of version {version} from {self.url} failed: {e!r}"
-                    ) from e
-                log.warning("pull of version %d failed (%r); retrying", version, e)
-                time.sleep(min(0.2 * 2**attempt, 2.0))
+                self._transfer_failed(e, attempt, f"pull of version {version} from {self.url}")
         raise AssertionError  # pragma: no cover
 
     def _pull_once(
@@ -547,7 +541,12 @@ class ParameterServerClient:
         return self.worker_id
 
     def _headers(self, part: tuple[int, int] | None = None) -> dict[str, str]:
-        headers = {"Authorization": f"Bearer {self._token}"}
+        """Every request's headers: the bearer token, and ``_extra_headers``."""
+        return self._http.headers(self._extra_headers(part))
+
+    def _extra_headers(self, part: tuple[int, int] | None = None) -> dict[str, str]:
+        """This worker's id (a heartbeat with every call) and a multi-host push's part."""
+        headers = {}
         if self.worker_id:
             headers[WORKER_HEADER] = self.worker_id
         if part is not None:
@@ -560,57 +559,39 @@ class ParameterServerClient:
         return str(self._endpoint)
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        host, port = self._endpoint.host_port()  # NotPublishedError: a ConnectionError
-        return http.client.HTTPConnection(host, port, timeout=timeout_s)
+        return self._http.connection(timeout_s)  # NotPublishedError: a ConnectionError
 
     def _call(self, method: str, path: str, body: dict | None = None) -> Any:
         """One small JSON request, retried on transport errors; the decoded JSON reply."""
-        status, raw = self._request(method, path, body, self.timeout_s)
-        self._raise_for_status(status, raw, f"{method} {path}")
-        return json.loads(raw) if raw else None
+        return self._http.call(method, path, body, headers=self._extra_headers())
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict | None,
-        timeout_s: float,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, bytes]:
-        """(status, body) of one small JSON request, retried on transport errors."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = dict(headers or self._headers())
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        for attempt in range(self.retries + 1):
-            conn = None
-            try:
-                conn = self._connection(timeout_s)
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                return resp.status, resp.read()
-            except _TRANSPORT_ERRORS as e:
-                if attempt == self.retries:
-                    raise ServerUnavailableError(
-                        f"{method} {path} on {self.url} failed: {e!r}"
-                    ) from e
-                time.sleep(min(0.1 * 2**attempt, 1.0))
-            finally:
-                if conn is not None:
-                    conn.close()
-        raise AssertionError  # pragma: no cover
+    def _transfer_failed(
+        self, error: Exception, attempt: int, what: str, last: bool | None = None
+    ) -> None:
+        """After a push or pull broke off: ServerUnavailableError when it was the last attempt
+        (by default: attempt ``retries``), else a warning and a back-off before the next."""
+        if last if last is not None else attempt >= self.retries:
+            raise ServerUnavailableError(f"{what} failed: {error!r}") from error
+        log.warning("%s failed (%r); retrying", what, error)
+        time.sleep(backoff_s(attempt, 0.2, 2.0))
+
+    def _unavailable(self, error: Exception, what: str) -> Exception:
+        return ServerUnavailableError(f"{what} on {self.url} failed: {error!r}")
+
+    def _refusal(self, reply: Reply, what: str) -> Exception:
+        """The error for a refused request: its status's class, the server's reason."""
+        text = f"{what} on {self.url}: HTTP {reply.status}: {_error_message(reply.body)}"
+        if reply.status in (401, 403):
+            return AuthenticationError(text)
+        if reply.status == 409:
+            return VersionConflictError(text)
+        if reply.status == 408:
+            return PushAssemblyTimeoutError(text)
+        return ParameterServerError(text)
 
     def _raise_for_status(self, status: int, body: bytes, what: str) -> None:
-        if status < 300:
-            return
-        text = f"{what} on {self.url}: HTTP {status}: {_error_message(body)}"
-        if status in (401, 403):
-            raise AuthenticationError(text)
-        if status == 409:
-            raise VersionConflictError(text)
-        if status == 408:
-            raise PushAssemblyTimeoutError(text)
-        raise ParameterServerError(text)
+        if status >= 300:
+            raise self._refusal(Reply(status, body), what)
 
 
 def _early_reply(conn: http.client.HTTPConnection, timeout_s: float) -> tuple[int, bytes] | None:

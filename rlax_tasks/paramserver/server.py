@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hmac
 import http.server
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import urllib.parse
@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.endpoints import add_address_args, bind_host, publish, url_of
+from rlax_tasks.endpoints import add_address_args, announce, bind_host, listen
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver.store import (
     Assembly,
@@ -89,7 +89,9 @@ from rlax_tasks.paramserver.wire import (
     read_manifest,
     version_digest,
 )
+from rlax_tasks.service_http import AuthError, check_bearer
 from rlax_tasks.storage import read_into
+from rlax_tasks.validation import check_int, check_number, field_error
 
 log = logging.getLogger(__name__)
 
@@ -124,22 +126,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError(f"token is empty: set {TOKEN_ENV} to a secret string")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        error = field_error(ValueError)
+        check_int("port", self.port, error, minimum=0, maximum=65535)
         for name in ("keep_versions", "mirror_every", "mirror_keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.keep_bytes is not None and (
-            isinstance(self.keep_bytes, bool)
-            or not isinstance(self.keep_bytes, int)
-            or self.keep_bytes < 1
-        ):
-            raise ValueError(f"keep_bytes must be an int >= 1 or None, got {self.keep_bytes!r}")
+            check_int(name, getattr(self, name), error, minimum=1)
+        check_int("keep_bytes", self.keep_bytes, error, minimum=1, optional=True)
         for name in ("worker_timeout_s", "io_timeout_s", "max_wait_s", "assembly_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.hash_threads < 0:
-            raise ValueError(f"hash_threads must be >= 0, got {self.hash_threads}")
+            check_number(name, getattr(self, name), error, low=0, open_low=True)
+        check_int("hash_threads", self.hash_threads, error, minimum=0)
 
 
 class _HTTPError(Exception):
@@ -168,6 +162,7 @@ class ParameterServer:
             else None
         )
         self._httpd: http.server.ThreadingHTTPServer | None = None
+        self._address: str | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -180,7 +175,8 @@ class ParameterServer:
                 self.store.commit(restored)
                 self.mirror.last_committed = restored.version
         handler = type("Handler", (_Handler,), {"ps": self, "timeout": self.config.io_timeout_s})
-        self._httpd = _Server((self.config.host, self.config.port), handler)
+        sock, self._address = listen(self.config.host, self.config.port, _Server.request_queue_size)
+        self._httpd = _Server(sock, handler)
         for target, name in ((self._httpd.serve_forever, "ps-http"), (self._reap, "ps-reaper")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -190,10 +186,9 @@ class ParameterServer:
 
     @property
     def address(self) -> str:
-        if self._httpd is None:
+        if self._address is None:
             raise RuntimeError("server not started")
-        host, port = self._httpd.server_address[:2]
-        return url_of(host, port)
+        return self._address
 
     def stop(self) -> None:
         """Stops serving, finishes the pending mirror write, releases the port."""
@@ -334,9 +329,18 @@ class ParameterServer:
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    """Serves on a socket already listening (``endpoints.listen``: the one bind every service
+    shares, IPv6 too)."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+
+    def __init__(self, sock: socket.socket, handler: type) -> None:
+        super().__init__(sock.getsockname(), handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket, self.server_address = sock, sock.getsockname()
+        self.server_name, self.server_port = self.server_address[:2]
 
 
 class _Bounded:
@@ -459,12 +463,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ auth
     def _authenticate(self) -> None:
-        header = self.headers.get("Authorization")
-        if not header or not header.startswith("Bearer "):
-            raise _HTTPError(401, "missing bearer token", close=True)
-        given = header[len("Bearer ") :].strip().encode()
-        if not hmac.compare_digest(given, self.ps.config.token.encode()):
-            raise _HTTPError(403, "invalid token", close=True)
+        try:
+            check_bearer(self.headers.get("Authorization"), self.ps.config.token, realm="rlax-ps")
+        except AuthError as e:
+            raise _HTTPError(e.status, e.message, close=True, headers=e.headers) from None
 
     # ------------------------------------------------------------------ bodies
     def _reserve(self, version: int, query: dict[str, list[str]]) -> None:
@@ -580,8 +582,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
-        if status == 401:
-            self.send_header("WWW-Authenticate", 'Bearer realm="rlax-ps"')
         if status != 204:
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -711,9 +711,7 @@ def serve_forever(config: ServerConfig, publish_to: str | None = None) -> int:
     """Runs a server until SIGINT/SIGTERM; its URL is the first line on stdout (and written to
     the service file ``publish_to``, rlax_tasks.endpoints)."""
     server = ParameterServer(config).start()
-    print(server.address, flush=True)
-    if publish_to:
-        publish(publish_to, server.address)
+    announce(server.address, publish_to)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -5,19 +5,17 @@ told otherwise; with --port 0 the chosen address is printed on the first stdout 
 """
 
 import argparse
-import json
 import logging
 import os
-import socket
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_tasks.endpoints import announce, listen
 from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
 from rlax_tasks.rewards.math import MathResult
 from rlax_tasks.rewards.sandbox import ExecResult
+from rlax_tasks.service_http import JsonClient, Reply, serve_app
 
 logger = logging.getLogger(__name__)
 
@@ -147,20 +145,10 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Run the service until interrupted; prints its URL on the first line of stdout."""
-    import uvicorn
-
     app = create_app(math_workers, math_timeout_s, max_parallel)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    bound_host, bound_port = sock.getsockname()[:2]
-    url_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    sys.stdout.write(f"http://{url_host}:{bound_port}\n")  # first-line contract
-    sys.stdout.flush()
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    sock, url = listen(host, port)
+    announce(url)  # first-line contract
+    serve_app(app, sock, log_level=log_level, lifespan="on")
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -214,6 +202,10 @@ class VerifierError(RuntimeError):
     """The verifier service answered with an error."""
 
 
+def _verifier_error(reply: Reply, what: str) -> VerifierError:
+    return VerifierError(f"{what} -> HTTP {reply.status}: {reply.text[:2000]}")
+
+
 class VerifierClient:
     """Small stdlib client of the verifier service."""
 
@@ -221,18 +213,11 @@ class VerifierClient:
         """`url` as printed by `rlax verify serve`, e.g. http://127.0.0.1:8000."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        # no retries; a connection error is raised as it is (an OSError)
+        self.http = JsonClient(self.url, timeout_s=timeout_s, refused=_verifier_error)
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode("utf-8", "replace")[:2000]
-            raise VerifierError(f"{method} {path} -> HTTP {exc.code}: {detail}") from exc
+        return self.http.call(method, path, body)
 
     def health(self) -> dict:
         return self._request("GET", "/healthz")

@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
-import json
 import logging
 import os
 import socket
-import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import HTTPException
 
-from rlax_tasks.endpoints import Endpoint, add_address_args, bind_host, listen, publish
-from rlax_tasks.rollout.worker import GroupRequest, InferenceWorker
+from rlax_tasks.endpoints import (
+    Endpoint,
+    add_address_args,
+    add_url_arg,
+    announce,
+    bind_host,
+    listen,
+)
+from rlax_tasks.rollout.requests import GroupRequest
+from rlax_tasks.service_http import JsonClient, Reply, authorized_app, serve_app
+
+if TYPE_CHECKING:  # the worker loads JAX and Flax: only its command needs them
+    from rlax_tasks.rollout.worker import InferenceWorker
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +41,7 @@ MAX_WAIT_S = 30.0
 
 def create_app(worker: InferenceWorker, token: str | None = None) -> Any:
     """The FastAPI application around a started ``InferenceWorker``."""
-
-    def authorize(request: Request) -> None:
-        if not token:
-            return
-        header = request.headers.get("authorization", "")
-        if not header.startswith("Bearer "):
-            raise HTTPException(401, "missing bearer token", {"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode()):
-            raise HTTPException(403, "wrong bearer token")
-
-    app = FastAPI(title="RLAX inference worker", dependencies=[Depends(authorize)])
+    app = authorized_app("RLAX inference worker", token)
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -89,29 +85,29 @@ class WorkerClient:
         # a URL, or the service file the worker publishes its address to (followed when it moves)
         self.endpoint, self.timeout_s = Endpoint(url), timeout_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.http = JsonClient(
+            self.endpoint, self.token, timeout_s=timeout_s,
+            refused=self._refused, unreachable=self._unreachable,
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
         return str(self.endpoint)
 
+    def _refused(self, reply: Reply, what: str) -> Exception:
+        """400: the request is invalid (ValueError, the controller skips it); any other error
+        is the worker's failure (ConnectionError, retried elsewhere)."""
+        if reply.status == 400:
+            return ValueError(f"worker {self.url} rejected the request: {reply.text}")
+        return ConnectionError(f"worker {self.url}: HTTP {reply.status}: {reply.text}")
+
+    def _unreachable(self, error: Exception, what: str) -> Exception:
+        return ConnectionError(f"worker {self.url} unreachable: {error}")
+
     def _call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
     ) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        try:
-            req = urllib.request.Request(self.endpoint.url() + path, data=data, method=method)
-            req.add_header("Content-Type", "application/json")
-            if self.token:
-                req.add_header("Authorization", f"Bearer {self.token}")
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            if e.code == 400:
-                raise ValueError(f"worker {self.url} rejected the request: {detail}") from e
-            raise ConnectionError(f"worker {self.url}: HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, OSError) as e:
-            raise ConnectionError(f"worker {self.url} unreachable: {e}") from e
+        return self.http.call(method, path, body, timeout_s=timeout_s)
 
     def submit(self, groups: Sequence[dict[str, Any]]) -> int:
         return self._call("POST", "/v1/groups", {"groups": list(groups)})["accepted"]
@@ -184,11 +180,9 @@ def worker_mesh(mesh_shape: str) -> Any:
 
 
 def _worker_command(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
-    from rlax_tasks.rollout.worker import FixedWeights
+    from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
 
     mesh = worker_mesh(args.mesh_shape)
     policy = load_pretrained(args.model_dir, dtype=args.dtype, mesh=mesh)
@@ -207,10 +201,7 @@ def _worker_command(args: argparse.Namespace) -> int:
         worker.start()
     except RuntimeError as e:  # e.g. the PS refused our token: a configuration mistake
         raise ValueError(f"cannot load weights: {e}") from e
-    sys.stdout.write(url + "\n")  # first-line contract: the controller reads the address
-    sys.stdout.flush()
-    if args.publish:
-        publish(args.publish, url)
+    announce(url, args.publish)  # first-line contract: the controller reads the address
     log.info(
         "worker %s serving %s on %s (weights v%s)",
         args.worker_id,
@@ -220,7 +211,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     )
     app = create_app(worker, os.environ.get(TOKEN_ENV))
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        serve_app(app, sock)
     finally:
         worker.stop()
         if args.ps_url:
@@ -238,11 +229,12 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="HF directory: architecture and tokenizer (and the weights, without --ps-url)",
     )
-    p.add_argument(
+    add_url_arg(
+        p,
         "--ps-url",
-        help="parameter server URL, or the service file it publishes to (token from "
-        "RLAX_PS_TOKEN): weights "
-        "follow it; without it the model directory's weights serve as version 0",
+        "the parameter server's",
+        note=" (token from RLAX_PS_TOKEN): weights follow it; without it the model "
+        "directory's weights serve as version 0",
     )
     p.add_argument("--worker-id", default=f"worker-{socket.gethostname()}-{os.getpid()}")
     add_address_args(p)

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_tasks.models import ModelConfig, Policy, make_mesh
+from rlax_tasks.models import Policy, make_mesh
 from rlax_tasks.paramserver import (
     AuthenticationError,
     CorruptedWeightsError,
@@ -28,17 +28,9 @@ from rlax_tasks.paramserver import (
 )
 from rlax_tasks.paramserver.wire import ArraySpec, Manifest, block_header_size
 from tests.paramserver.helpers import TOKEN, CorruptingProxy
+from tests.tiny_model import tiny_model_config
 
-TINY = ModelConfig(
-    "qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+TINY = tiny_model_config(model_type="qwen3", qkv_bias=False)
 
 
 def _params(version: int, n: int = 3, rows: int = 64) -> dict[str, np.ndarray]:
@@ -106,7 +98,7 @@ def test_explicit_shardings_dtypes_scalars_and_empty_arrays(server, client_for):
         c.pull(shardings={"nope": sh})
 
 
-def test_versions_strictly_increase_and_pull_waits_with_a_timeout(server, client_for):
+def test_versions_strictly_increase_and_pull_waits_with_a_timeout(server, client_for, monkeypatch):
     c = client_for(server.address)
     assert c.latest_version() is None
     with pytest.raises(PullTimeoutError):
@@ -117,14 +109,21 @@ def test_versions_strictly_increase_and_pull_waits_with_a_timeout(server, client
     with pytest.raises(VersionConflictError):
         c.push(1, _params(1))
 
+    waiting = threading.Event()  # set when the server starts waiting for the pull's version
+    wait_for = server.store.wait_for
+
+    def spy(min_version: int | None, timeout_s: float):  # noqa: ANN202
+        waiting.set()
+        return wait_for(min_version, timeout_s)
+
+    monkeypatch.setattr(server.store, "wait_for", spy)
     got = {}
     waiter = threading.Thread(target=lambda: got.update(r=c.pull(min_version=3, timeout_s=10)))
     waiter.start()
-    time.sleep(0.3)
-    assert waiter.is_alive()  # blocked: nothing >= 3 yet
+    assert waiting.wait(10)  # the pull reached the server, which holds 2 only: it waits
     c.push(3, _params(3))
     waiter.join(timeout=10)
-    version, arrays = got["r"]
+    version, arrays = got["r"]  # the waiting pull got the version pushed after it
     assert version == 3
     _check(3, arrays)
 
@@ -195,7 +194,7 @@ def test_missing_token_is_401_and_wrong_token_is_403(server, client_for, method,
     status, _, _ = _raw(server.address, method, path, {"Authorization": "Basic abc"})
     assert status == 401
     status, body, _ = _raw(server.address, method, path, {"Authorization": "Bearer wrong"})
-    assert status == 403 and b"invalid token" in body
+    assert status == 403 and b"wrong bearer token" in body
     status, _, _ = _raw(server.address, "GET", "/v1/latest", {"Authorization": f"Bearer {TOKEN}"})
     assert status == 200
 
@@ -350,10 +349,10 @@ def test_half_finished_push_is_discarded_after_the_io_timeout(make_server, clien
         + man
         + b"RXB2"
     )
-    time.sleep(1.2)  # the trainer stalls: the server gives up after io_timeout_s
-    assert server.store.latest_version() is None
-    assert sock.recv(1024) == b""  # the server closed the connection
+    sock.settimeout(10)  # far above io_timeout_s: a server that waits on fails the test
+    assert sock.recv(1024) == b""  # the trainer stalled: the server gave up and closed
     sock.close()
+    assert server.store.latest_version() is None
     c = client_for(server.address)
     c.push(1, _params(1))  # the version number is free again
     _check(1, c.pull()[1])

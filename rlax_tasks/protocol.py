@@ -1,0 +1,32 @@
+"""Errors that cross the wire between the controller and the trainer: defined once, here.
+
+The trainer service raises them and answers HTTP 409; its client raises ``TrainerBehindError``
+again on the controller's side, which replays the steps the trainer lost. Importable without
+JAX, FastAPI or either package (neither imports the other for these).
+"""
+
+from __future__ import annotations
+
+
+class StepConflictError(ValueError):
+    """The controller sent a step the trainer cannot apply (not the next one, not a replay)."""
+
+
+class TrainerBehindError(RuntimeError):
+    """The trainer restarted from the checkpoint of ``trainer_step``, before the step asked for.
+
+    The trainer checkpoints every ``trainer.checkpoint_every`` steps; the controller then gives
+    it the steps since that checkpoint again, rebuilt from ``rollouts/`` (DESIGN §7).
+    """
+
+    def __init__(self, trainer_step: int, message: str = "") -> None:
+        super().__init__(message or f"the trainer is at step {trainer_step}")
+        self.trainer_step = trainer_step
+
+
+class StepAheadError(StepConflictError, TrainerBehindError):
+    """``TrainerBehindError`` as the trainer service raises it: the step sent is more than one
+    past the trainer's ``trainer_step``, so it is also a ``StepConflictError`` (409)."""
+
+    def __init__(self, trainer_step: int, message: str = "") -> None:
+        TrainerBehindError.__init__(self, trainer_step, message)  # (ValueError's comes first)
