@@ -16,7 +16,7 @@ from rlax_tasks.rewards.service import add_verify_parser
 from rlax_tasks.rollout.service import add_worker_parser
 from rlax_tasks.run import add_run_parser
 from rlax_tasks.run.export import add_export_parser
-from rlax_tasks.trainer.service import add_trainer_parser
+from rlax_tasks.run.trainer_process import add_trainer_parser
 
 # user mistakes: reported as one line, never a traceback
 USER_ERRORS = (CheckpointError, ModelConfigError, ValueError, FileNotFoundError)

@@ -1,54 +1,41 @@
 """The controller (DESIGN §2, §3, §7): prompt mixture, rollout buffer under the staleness rules,
-snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer."""
+snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer.
 
-from rlax_tasks.controller.buffer import (
-    Batch,
-    DroppedGroup,
-    RolloutBuffer,
-    ScoredGroup,
-    SkippedPrompt,
-)
-from rlax_tasks.controller.controller import (
-    Controller,
-    ControllerSettings,
-    Scorer,
-    ScorerError,
-    TrainerBehindError,
-    TrainStep,
-    WorkerError,
-    WorkerPool,
-)
-from rlax_tasks.controller.lineage import LineageWriter, lineage_record, read_lineage
-from rlax_tasks.controller.mixture import MixtureComponent, Prompt, PromptMixture, make_source
-from rlax_tasks.controller.rollouts import read_rollouts
-from rlax_tasks.controller.snapshot import Snapshot, SnapshotError, SnapshotStore
-from rlax_tasks.controller.staleness import should_reload, within_staleness
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
 
-__all__ = [
-    "Batch",
-    "Controller",
-    "ControllerSettings",
-    "DroppedGroup",
-    "LineageWriter",
-    "MixtureComponent",
-    "Prompt",
-    "PromptMixture",
-    "RolloutBuffer",
-    "ScoredGroup",
-    "Scorer",
-    "SkippedPrompt",
-    "ScorerError",
-    "Snapshot",
-    "SnapshotError",
-    "SnapshotStore",
-    "TrainStep",
-    "TrainerBehindError",
-    "WorkerError",
-    "WorkerPool",
-    "lineage_record",
-    "make_source",
-    "read_lineage",
-    "read_rollouts",
-    "should_reload",
-    "within_staleness",
-]
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Batch": ".buffer",
+        "Controller": ".controller",
+        "ControllerSettings": ".controller",
+        "DroppedGroup": ".buffer",
+        "LineageWriter": ".lineage",
+        "MixtureComponent": ".mixture",
+        "Prompt": ".mixture",
+        "PromptMixture": ".mixture",
+        "RolloutBuffer": ".buffer",
+        "ScoredGroup": ".buffer",
+        "Scorer": ".controller",
+        "ScorerError": ".controller",
+        "SkippedPrompt": ".buffer",
+        "Snapshot": ".snapshot",
+        "SnapshotError": ".snapshot",
+        "SnapshotStore": ".snapshot",
+        "TrainStep": ".controller",
+        "TrainerBehindError": ".controller",
+        "WorkerError": ".controller",
+        "WorkerPool": ".controller",
+        "lineage_record": ".lineage",
+        "make_source": ".mixture",
+        "read_lineage": ".lineage",
+        "read_rollouts": ".rollouts",
+        "should_reload": ".staleness",
+        "within_staleness": ".staleness",
+    },
+)

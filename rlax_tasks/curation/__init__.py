@@ -1,19 +1,24 @@
 """Dataset curation: read any supported layout (rlax_tasks.data) with a quarantine, normalize,
 filter, deduplicate (exact + MinHash), split by date, decontaminate, and keep prompts of
-partial pass rate."""
+partial pass rate.
 
-from rlax_tasks.curation.dedup import MinHashConfig, minhash_signatures, near_duplicates
-from rlax_tasks.curation.pipeline import CurationConfig, CurationResult, run_curation
-from rlax_tasks.curation.report import write_outputs
-from rlax_tasks.data.readers import Rejected
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
 
-__all__ = [
-    "CurationConfig",
-    "CurationResult",
-    "MinHashConfig",
-    "Rejected",
-    "minhash_signatures",
-    "near_duplicates",
-    "run_curation",
-    "write_outputs",
-]
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CurationConfig": ".pipeline",
+        "CurationResult": ".pipeline",
+        "MinHashConfig": ".dedup",
+        "Rejected": "rlax_tasks.data.readers",
+        "minhash_signatures": ".dedup",
+        "near_duplicates": ".dedup",
+        "run_curation": ".pipeline",
+        "write_outputs": ".report",
+    },
+)

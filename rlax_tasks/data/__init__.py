@@ -8,35 +8,29 @@ without pandas: verifier worker processes read answers through them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlax_tasks.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "CodeCase": "code_tests",
-    "CodeTests": "code_tests",
-    "DataFormat": "formats",
-    "DatasetRows": "dataset",
-    "FORMAT_NAMES": "formats",
-    "FieldError": "errors",
-    "PromptRenderer": "prompts",
-    "PromptSettings": "prompts",
-    "PromptSettingsError": "prompts",
-    "RawTable": "readers",
-    "Rejected": "readers",
-    "expand_inputs": "files",
-    "get_format": "formats",
-    "gsm8k_answer": "answers",
-    "last_boxed": "answers",
-    "load_dataset": "dataset",
-    "prompt_text": "schema",
-    "read_dataset": "dataset",
-    "read_inputs": "readers",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'rlax_tasks.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"rlax_tasks.data.{_EXPORTS[name]}"), name)
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CodeCase": ".code_tests",
+        "CodeTests": ".code_tests",
+        "DataFormat": ".formats",
+        "DatasetRows": ".dataset",
+        "FORMAT_NAMES": ".formats",
+        "FieldError": ".errors",
+        "PromptRenderer": ".prompts",
+        "PromptSettings": ".prompts",
+        "PromptSettingsError": ".prompts",
+        "RawTable": ".readers",
+        "Rejected": ".readers",
+        "expand_inputs": ".files",
+        "get_format": ".formats",
+        "gsm8k_answer": ".answers",
+        "last_boxed": ".answers",
+        "load_dataset": ".dataset",
+        "prompt_text": ".schema",
+        "read_dataset": ".dataset",
+        "read_inputs": ".readers",
+    },
+)

@@ -1,23 +1,27 @@
-"""Evaluation: pass@k (unbiased estimator), maj@k, an evaluator over datasets, reports."""
+"""Evaluation: pass@k (unbiased estimator), maj@k, an evaluator over datasets, reports.
 
-from rlax_tasks.evaluation.checkpoints import load_model, register_loader, unregister_loader
-from rlax_tasks.evaluation.evaluator import EvalConfig, EvalResult, evaluate
-from rlax_tasks.evaluation.generation import GenerateFn, PolicyGenerator
-from rlax_tasks.evaluation.metrics import maj_at_k, majority_answer, mean_pass_at_k, pass_at_k
-from rlax_tasks.evaluation.report import write_eval_outputs
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
 
-__all__ = [
-    "EvalConfig",
-    "EvalResult",
-    "GenerateFn",
-    "PolicyGenerator",
-    "evaluate",
-    "load_model",
-    "maj_at_k",
-    "majority_answer",
-    "mean_pass_at_k",
-    "pass_at_k",
-    "register_loader",
-    "unregister_loader",
-    "write_eval_outputs",
-]
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "EvalConfig": ".evaluator",
+        "EvalResult": ".evaluator",
+        "GenerateFn": ".generation",
+        "PolicyGenerator": ".generation",
+        "evaluate": ".evaluator",
+        "load_model": ".checkpoints",
+        "maj_at_k": ".metrics",
+        "majority_answer": ".metrics",
+        "mean_pass_at_k": ".metrics",
+        "pass_at_k": ".metrics",
+        "register_loader": ".checkpoints",
+        "unregister_loader": ".checkpoints",
+        "write_eval_outputs": ".report",
+    },
+)

@@ -1,15 +1,20 @@
-"""Policy model: a Flax transformer for the Llama / Qwen2 / Qwen3 families with HF load/save."""
+"""Policy model: a Flax transformer for the Llama / Qwen2 / Qwen3 families with HF load/save.
 
-from rlax_tasks.models.config import ModelConfig, ModelConfigError
-from rlax_tasks.models.hf_io import CheckpointError
-from rlax_tasks.models.policy import Policy, load_pretrained
-from rlax_tasks.models.sharding import make_mesh
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
 
-__all__ = [
-    "CheckpointError",
-    "ModelConfig",
-    "ModelConfigError",
-    "Policy",
-    "load_pretrained",
-    "make_mesh",
-]
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CheckpointError": ".hf_io",
+        "ModelConfig": ".config",
+        "ModelConfigError": ".config",
+        "Policy": ".policy",
+        "load_pretrained": ".policy",
+        "make_mesh": ".sharding",
+    },
+)

@@ -2,35 +2,31 @@
 
 DESIGN §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
 ``rlax ps serve``; see ``server`` for the protocol and ``wire`` for the byte format.
-"""
 
-from rlax_tasks.paramserver.client import (
-    AuthenticationError,
-    CorruptedWeightsError,
-    ParameterServerClient,
-    ParameterServerError,
-    PullTimeoutError,
-    PushAssemblyTimeoutError,
-    PushTimeoutError,
-    ServerUnavailableError,
+
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
+
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "AuthenticationError": ".client",
+        "CorruptedWeightsError": ".client",
+        "ParameterServer": ".server",
+        "ParameterServerClient": ".client",
+        "ParameterServerError": ".client",
+        "PullTimeoutError": ".client",
+        "PushAssemblyTimeoutError": ".client",
+        "PushTimeoutError": ".client",
+        "ServerConfig": ".server",
+        "ServerUnavailableError": ".client",
+        "VersionConflictError": ".store",
+        "add_ps_parser": ".server",
+        "flatten_named": ".naming",
+        "unflatten_named": ".naming",
+    },
 )
-from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
-from rlax_tasks.paramserver.server import ParameterServer, ServerConfig, add_ps_parser
-from rlax_tasks.paramserver.store import VersionConflictError
-
-__all__ = [
-    "AuthenticationError",
-    "CorruptedWeightsError",
-    "ParameterServer",
-    "ParameterServerClient",
-    "ParameterServerError",
-    "PullTimeoutError",
-    "PushAssemblyTimeoutError",
-    "PushTimeoutError",
-    "ServerConfig",
-    "ServerUnavailableError",
-    "VersionConflictError",
-    "add_ps_parser",
-    "flatten_named",
-    "unflatten_named",
-]

@@ -1,19 +1,22 @@
-"""Rollout generation: the KV-cache sampler with continuous batching, and the inference worker."""
+"""Rollout generation: the KV-cache sampler with continuous batching, and the inference worker.
 
-from rlax_tasks.rollout.requests import (
-    Completion,
-    Request,
-    SamplingParams,
-    per_prompt_params,
-    prompt_seeds,
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
+
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Completion": ".requests",
+        "GroupRequest": ".requests",
+        "GroupResult": ".requests",
+        "Request": ".requests",
+        "Sampler": ".sampler",
+        "SamplingParams": ".requests",
+        "per_prompt_params": ".requests",
+        "prompt_seeds": ".requests",
+    },
 )
-from rlax_tasks.rollout.sampler import Sampler
-
-__all__ = [
-    "Completion",
-    "Request",
-    "Sampler",
-    "SamplingParams",
-    "per_prompt_params",
-    "prompt_seeds",
-]

@@ -19,96 +19,30 @@ Jobs without accelerator work (``ps``, ``controller``, ``verifier``) always get
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PLATFORMS = ("auto", "cpu", "gpu", "tpu")
-MODES = ("disaggregated", "colocated")
+from rlax_tasks.compute.devices import (  # re-exported: the launchers' names for them
+    ACCELERATORS,
+    MODES,
+    PLATFORMS,
+    TPU_CHIP_BOUNDS,
+    Accelerator,
+    format_bytes,
+    host_memory,
+    parse_bytes,
+    resolve_mesh,
+)
+
 # jobs that never need an accelerator
 CPU_JOBS = ("ps", "controller", "verifier")
 # share of a GPU's memory the processes on it preallocate together when memory_fraction is unset
 GPU_MEMORY_TOTAL = 0.9
 # first libtpu port of the processes on a TPU host (libtpu's own default), one per process
 TPU_PORT_BASE = 8476
-MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """One accelerator model: its platform and the memory of one device (bytes)."""
-
-    name: str
-    platform: str
-    memory: int
-
-
-# Device memory as the runtime reports it (nvidia-smi's MiB for GPUs, HBM per chip for TPUs).
-ACCELERATORS: dict[str, Accelerator] = {
-    a.name: a
-    for a in (
-        Accelerator("a100-40gb", "gpu", 40_960 * MiB),
-        Accelerator("a100-80gb", "gpu", 81_920 * MiB),
-        Accelerator("h100-80gb", "gpu", 81_559 * MiB),
-        Accelerator("h200", "gpu", 143_771 * MiB),
-        Accelerator("v4", "tpu", 32 * GiB),
-        Accelerator("v5e", "tpu", 16 * GiB),
-        Accelerator("v5p", "tpu", 95 * GiB),
-        Accelerator("v6e", "tpu", 32 * GiB),
-    )
-}
-
-# chips of one process on a TPU host → TPU_CHIPS_PER_PROCESS_BOUNDS (x,y,z): a box of the host's
-# chip grid (2x2 on v4/v5p hosts, 2x4 on v5e/v6e hosts)
-TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": TiB,
-}  # fmt: skip
-
-
-def parse_bytes(value: Any) -> int:
-    """Bytes from an integer or a size such as "64GiB", "1.5TiB", "500GB" (ValueError if not)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = _SIZE_RE.match(value) if isinstance(value, str) else None
-    if m is None:
-        raise ValueError(f"must be a size in bytes such as 64GiB, 1.5TiB or 500GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
-
-
-def format_bytes(n: float) -> str:
-    """A size in GiB with 1 decimal (MiB below 1 GiB)."""
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
-
-
-def host_memory() -> int:
-    """RAM of this machine (bytes)."""
-    import psutil
-
-    return int(psutil.virtual_memory().total)
-
-
-def resolve_mesh(shape: Sequence[int], devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) over ``devices`` devices, the one -1 entry filled in; a mesh that does
-    not use exactly those devices is a ValueError saying why."""
-    sizes = list(shape)
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if devices % known:
-            raise ValueError(f"{devices} device(s) do not split into mesh {list(shape)}")
-        sizes[sizes.index(-1)] = devices // known
-    if math.prod(sizes) != devices:
-        raise ValueError(
-            f"mesh {list(shape)} uses {math.prod(sizes)} device(s), the job has {devices}"
-        )
-    return sizes[0], sizes[1], sizes[2]
 
 
 # --------------------------------------------------------------------------- jobs and devices

@@ -1,27 +1,30 @@
 """The trainer: old-policy prefill, RL objective, micro-batched Optax updates over a device mesh,
-Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7)."""
+Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7).
 
-from rlax_tasks.trainer.checkpointing import Checkpointer, is_complete_checkpoint
-from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
-from rlax_tasks.trainer.metrics import MetricsWriter, read_metrics
-from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
-from rlax_tasks.trainer.train_step import BATCH_KEYS, StepSettings, make_train_step
-from rlax_tasks.trainer.trainer import BatchFormatError, RestoredCheckpoint, Trainer, build_mesh
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
 
-__all__ = [
-    "BATCH_KEYS",
-    "BatchFormatError",
-    "Checkpointer",
-    "MetricsWriter",
-    "RestoredCheckpoint",
-    "StepSettings",
-    "Trainer",
-    "TrainerConfig",
-    "TrainerConfigError",
-    "build_mesh",
-    "is_complete_checkpoint",
-    "learning_rate_schedule",
-    "make_optimizer",
-    "make_train_step",
-    "read_metrics",
-]
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "BATCH_KEYS": ".train_step",
+        "BatchFormatError": ".trainer",
+        "Checkpointer": ".checkpointing",
+        "MetricsWriter": ".metrics",
+        "RestoredCheckpoint": ".trainer",
+        "StepSettings": ".train_step",
+        "Trainer": ".trainer",
+        "TrainerConfig": ".config",
+        "TrainerConfigError": ".config",
+        "build_mesh": ".trainer",
+        "is_complete_checkpoint": ".checkpointing",
+        "learning_rate_schedule": ".optimizer",
+        "make_optimizer": ".optimizer",
+        "make_train_step": ".train_step",
+        "read_metrics": ".metrics",
+    },
+)

@@ -19,32 +19,28 @@ checking that. Binds 127.0.0.1; ``RLAX_TRAINER_TOKEN`` (when set) is required as
 With ``trainer.hosts`` > 1 the same command runs on every host of the trainer's slice, joined by
 ``jax.distributed`` (rlax_tasks.trainer.process_group): host 0 serves and sends the group's
 device work through a ``CommandChannel``; the other hosts follow it and serve nothing.
+The command that builds it from the run configuration: rlax_tasks/run/trainer_process.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import hmac
 import io
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from rlax_tasks.controller.controller import TrainerBehindError as ControllerTrainerBehindError
-from rlax_tasks.endpoints import Endpoint, add_address_args, bind_host, listen, publish
+from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.paramserver.client import VersionConflictError
+from rlax_tasks.protocol import StepAheadError, StepConflictError, TrainerBehindError
+from rlax_tasks.run_paths import run_paths
+from rlax_tasks.service_http import JsonClient, Reply, authorized_app
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +48,7 @@ TOKEN_ENV = "RLAX_TRAINER_TOKEN"
 # scalars sent beside a batch's arrays (the controller's per-step counts, e.g. prompts skipped):
 # written to that step's metrics row, never trained on
 STAT_PREFIX = "stat_"
-
-
-class StepConflictError(ValueError):
-    """The controller sent a step the trainer cannot apply (not the next one, not a replay)."""
-
-
-class TrainerBehindError(StepConflictError, ControllerTrainerBehindError):
-    """The trainer is at ``trainer_step``, more than one step before the step it was sent."""
-
-    def __init__(self, trainer_step: int, message: str) -> None:
-        ControllerTrainerBehindError.__init__(self, trainer_step, message)
+# StepConflictError, TrainerBehindError: defined in rlax_tasks.protocol, importable from here too
 
 
 class TrainerService:
@@ -183,7 +169,7 @@ class TrainerService:
         run_dir = self.trainer.run_dir
         if "://" in run_dir or not self.is_leader:
             return
-        with open(os.path.join(run_dir, "weight_sync.jsonl"), "a") as f:
+        with open(run_paths(run_dir).weight_sync, "a") as f:
             f.write(json.dumps({"step": step, "push_s": round(seconds, 4)}) + "\n")
 
     def _repush_loop(self) -> None:
@@ -205,7 +191,7 @@ class TrainerService:
                     )
                 return {"version": step, "replayed": True, "metrics": self.last_metrics}
             if step != self.step + 1:
-                raise TrainerBehindError(
+                raise StepAheadError(
                     self.step,
                     f"step {step} cannot follow the trainer's step {self.step}: send steps "
                     f"{self.step + 1}-{step - 1} first (the trainer restarted from an older "
@@ -252,17 +238,7 @@ def _decode_batch(payload: bytes) -> dict[str, np.ndarray]:
 
 def create_app(service: TrainerService, token: str | None = None) -> Any:
     """The FastAPI application of a started ``TrainerService``."""
-
-    def authorize(request: Request) -> None:
-        if not token:
-            return
-        header = request.headers.get("authorization", "")
-        if not header.startswith("Bearer "):
-            raise HTTPException(401, "missing bearer token", {"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode()):
-            raise HTTPException(403, "wrong bearer token")
-
-    app = FastAPI(title="RLAX trainer", dependencies=[Depends(authorize)])
+    app = authorized_app("RLAX trainer", token)
 
     @app.get("/v1/status")
     def status() -> dict:
@@ -303,6 +279,14 @@ class TrainerClient:
         self.give_up_after_s, self.retry_s = give_up_after_s, retry_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.last: dict[str, Any] | None = None
+        # connection failures and transient statuses (5xx, 408, 429) are retried every retry_s
+        # until give_up_after_s: a restarting trainer answers again
+        self.http = JsonClient(
+            self.endpoint, self.token, timeout_s=timeout_s, retries=None,
+            give_up_after_s=give_up_after_s, backoff_s=retry_s, max_backoff_s=retry_s,
+            retry_status=_transient, refused=self._refused, unreachable=self._unreachable,
+            retry_log_level=logging.WARNING,
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -310,40 +294,22 @@ class TrainerClient:
 
     def train(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """POSTs step ``step``; connection failures are retried (the step is idempotent)."""
-        import time
+        body = _encode_batch(arrays)
+        self.last = self.http.call("POST", f"/v1/steps/{step}", body, what=f"step {step}")
+        return self.last
 
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        body = buf.getvalue()
-        deadline = time.monotonic() + self.give_up_after_s
-        while True:
-            try:
-                url = f"{self.endpoint.url()}/v1/steps/{step}"  # NotPublishedError: an OSError
-                req = urllib.request.Request(url, data=body, method="POST")
-                req.add_header("Content-Type", "application/octet-stream")
-                if self.token:
-                    req.add_header("Authorization", f"Bearer {self.token}")
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    import json
+    def _refused(self, reply: Reply, what: str) -> Exception:
+        """409 with ``trainer_step``: restarted from an older checkpoint (TrainerBehindError:
+        replay first); any other 4xx is ours to fix (RuntimeError, no retry)."""
+        behind = _trainer_step(reply.text) if reply.status == 409 else None
+        if behind is not None:
+            return TrainerBehindError(behind, reply.text)
+        return RuntimeError(
+            f"trainer {self.url} refused {what} (HTTP {reply.status}): {reply.text}"
+        )
 
-                    self.last = json.loads(resp.read())
-                    return self.last
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")
-                behind = _trainer_step(detail) if e.code == 409 else None
-                if behind is not None:  # restarted from an older checkpoint: replay first
-                    raise ControllerTrainerBehindError(behind, detail) from e
-                if 400 <= e.code < 500 and e.code not in (408, 429):  # ours to fix: no retry
-                    raise RuntimeError(
-                        f"trainer {self.url} refused step {step} (HTTP {e.code}): {detail}"
-                    ) from e
-                err: Exception = e
-            except (urllib.error.URLError, OSError) as e:
-                err = e
-            if time.monotonic() >= deadline:
-                raise ConnectionError(f"trainer {self.url} unreachable for step {step}: {err}")
-            log.warning("trainer %s: %s; retrying step %d", self.url, err, step)
-            time.sleep(self.retry_s)
+    def _unreachable(self, error: Exception, what: str) -> Exception:
+        return ConnectionError(f"trainer {self.url} unreachable for {what}: {error}")
 
     def __call__(self, batch: Any) -> int:
         """``TrainStep`` for the controller: a ``Batch`` producing ``batch.version``."""
@@ -357,6 +323,11 @@ def step_arrays(batch: Any) -> dict[str, np.ndarray]:
     return {**batch.arrays(), **stats}
 
 
+def _transient(status: int) -> bool:
+    """A status worth sending the step again for: the trainer's failure, not the request's."""
+    return status >= 500 or status in (408, 429)
+
+
 def _trainer_step(detail: str) -> int | None:
     """``trainer_step`` of a 409 answer from ``TrainerBehindError``, else None."""
     try:
@@ -365,67 +336,3 @@ def _trainer_step(detail: str) -> int | None:
         return None
     step = body.get("trainer_step") if isinstance(body, dict) else None
     return step if isinstance(step, int) else None
-
-
-def _trainer_command(args: argparse.Namespace) -> int:
-
-    import uvicorn
-
-    from rlax_tasks.algorithms import make_objective
-    from rlax_tasks.config import load_config
-    from rlax_tasks.models import load_pretrained
-    from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
-    from rlax_tasks.trainer.trainer import Trainer
-
-    cfg = load_config(args.config)
-    group = ProcessGroup.from_env(cfg.trainer.hosts)
-    if group is not None:  # before anything touches a device
-        group.initialize()
-    policy = load_pretrained(
-        cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
-    )
-    objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
-    run_dir = cfg.run_dir
-    # checkpoints at least every step: a trainer without any would replay the whole run
-    every = max(1, cfg.trainer.checkpoint_every)
-    trainer = Trainer(
-        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every), run_dir
-    )
-    ps = None
-    if args.ps_url:
-        from rlax_tasks.paramserver import ParameterServerClient
-
-        ps = ParameterServerClient(args.ps_url)
-    channel = CommandChannel() if group is not None else None
-    service = TrainerService(trainer, ps, channel=channel).start()
-    if not service.is_leader:  # host 0 serves the controller; this host does what it sends
-        # a stop reaches every host from host 0 (with the group's final checkpoint); a SIGTERM
-        # here would leave host 0 waiting in a collective
-        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: host 0 stops the group"))
-        service.follow()
-        return 0
-    sock, url = listen(bind_host(args.host), args.port)
-    sys.stdout.write(url + "\n")  # first-line contract
-    sys.stdout.flush()
-    if args.publish:
-        publish(args.publish, url)
-    try:
-        uvicorn.Server(
-            uvicorn.Config(create_app(service, os.environ.get(TOKEN_ENV)), log_level="warning")
-        ).run(sockets=[sock])
-    finally:
-        service.stop()
-    return 0
-
-
-def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax trainer`."""
-    p = sub.add_parser("trainer", help="the trainer service: applies the controller's batches")
-    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    p.add_argument(
-        "--ps-url",
-        help="parameter server URL, or the service file it publishes to (token from "
-        "RLAX_PS_TOKEN)",
-    )
-    add_address_args(p)
-    p.set_defaults(func=_trainer_command)

@@ -9,27 +9,31 @@ with label smoothing over the answer tokens: the base then knows most answers (g
 samples them diffusely at temperature 1 (pass@1 ~20%, pass@8 ~75%), like a pretrained LLM whose
 pass@k far exceeds its pass@1. That gap is what a few minutes of GRPO can close on 2 cores;
 without smoothing, the gap is small and RL gained only a few points in 3 minutes (measured).
-"""
 
-from rlax_tasks.warmup.base_model import MARKER, base_model_name, ensure_base_model, read_marker
-from rlax_tasks.warmup.pass_rates import evaluate_pass_rates, score_pass_rates
-from rlax_tasks.warmup.recipe import WarmupRecipe, WarmupRecipeError
-from rlax_tasks.warmup.supervised import WarmupStats, train_base_policy, training_problems
-from rlax_tasks.warmup.tiny_arith import FORMAT_VERSION, TinyArith, encode_text
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MARKER",
-    "TinyArith",
-    "WarmupRecipe",
-    "WarmupRecipeError",
-    "WarmupStats",
-    "base_model_name",
-    "encode_text",
-    "ensure_base_model",
-    "evaluate_pass_rates",
-    "read_marker",
-    "score_pass_rates",
-    "train_base_policy",
-    "training_problems",
-]
+Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+its heavy modules."""
+
+from __future__ import annotations
+
+from rlax_tasks.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "FORMAT_VERSION": ".tiny_arith",
+        "MARKER": ".base_model",
+        "TinyArith": ".tiny_arith",
+        "WarmupRecipe": ".recipe",
+        "WarmupRecipeError": ".recipe",
+        "WarmupStats": ".supervised",
+        "base_model_name": ".base_model",
+        "encode_text": ".tiny_arith",
+        "ensure_base_model": ".base_model",
+        "evaluate_pass_rates": ".pass_rates",
+        "read_marker": ".base_model",
+        "score_pass_rates": ".pass_rates",
+        "train_base_policy": ".supervised",
+        "training_problems": ".supervised",
+    },
+)

@@ -21,8 +21,7 @@ from rlax_tasks.controller import (
     should_reload,
 )
 from rlax_tasks.rewards.scoring import SampleScore
-from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
-from rlax_tasks.rollout.worker import GroupResult
+from rlax_tasks.rollout.requests import Completion, GroupResult, Request, SamplingParams
 
 UNENCODABLE = "<unencodable>"  # ``encode`` refuses a prompt containing this
 

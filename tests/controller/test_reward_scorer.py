@@ -14,8 +14,7 @@ from rlax_tasks.rewards import math as math_verifier
 from rlax_tasks.rewards import scoring
 from rlax_tasks.rewards.sandbox import SandboxError
 from rlax_tasks.rewards.scoring import SampleScore
-from rlax_tasks.rollout.requests import Completion, Request, SamplingParams
-from rlax_tasks.rollout.worker import GroupResult
+from rlax_tasks.rollout.requests import Completion, GroupResult, Request, SamplingParams
 from tests.controller.fakes import ListSource
 
 TOTAL = CodeTests(

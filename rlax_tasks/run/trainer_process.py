@@ -1,0 +1,74 @@
+"""`rlax trainer`: one trainer process built from the run configuration (the disaggregated
+layout's trainer; run/colocated.py builds the colocated one).
+
+It loads the run config, joins the trainer's process group, loads the policy and objective, and
+serves ``rlax_tasks.trainer.service.TrainerService`` to the controller. It lives here, in the
+composition root, because the run configuration (rlax_tasks/config.py) itself builds on the
+trainer's settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+
+from rlax_tasks.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
+from rlax_tasks.service_http import serve_app
+from rlax_tasks.trainer.service import TOKEN_ENV, TrainerService, create_app
+
+log = logging.getLogger(__name__)
+
+
+def _trainer_command(args: argparse.Namespace) -> int:
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.config import load_config
+    from rlax_tasks.models import load_pretrained
+    from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
+    from rlax_tasks.trainer.trainer import Trainer
+
+    cfg = load_config(args.config)
+    group = ProcessGroup.from_env(cfg.trainer.hosts)
+    if group is not None:  # before anything touches a device
+        group.initialize()
+    policy = load_pretrained(
+        cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+    )
+    objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
+    run_dir = cfg.run_dir
+    # checkpoints at least every step: a trainer without any would replay the whole run
+    every = max(1, cfg.trainer.checkpoint_every)
+    trainer = Trainer(
+        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every), run_dir
+    )
+    ps = None
+    if args.ps_url:
+        from rlax_tasks.paramserver import ParameterServerClient
+
+        ps = ParameterServerClient(args.ps_url)
+    channel = CommandChannel() if group is not None else None
+    service = TrainerService(trainer, ps, channel=channel).start()
+    if not service.is_leader:  # host 0 serves the controller; this host does what it sends
+        # a stop reaches every host from host 0 (with the group's final checkpoint); a SIGTERM
+        # here would leave host 0 waiting in a collective
+        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: host 0 stops the group"))
+        service.follow()
+        return 0
+    sock, url = listen(bind_host(args.host), args.port)
+    announce(url, args.publish)  # first-line contract
+    try:
+        serve_app(create_app(service, os.environ.get(TOKEN_ENV)), sock)
+    finally:
+        service.stop()
+    return 0
+
+
+def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `rlax trainer`."""
+    p = sub.add_parser("trainer", help="the trainer service: applies the controller's batches")
+    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
+    add_url_arg(p, "--ps-url", "the parameter server's", note=" (token from RLAX_PS_TOKEN)")
+    add_address_args(p)
+    p.set_defaults(func=_trainer_command)

@@ -1,0 +1,228 @@
+"""Import hygiene (issue 19): the light modules load no JAX, and the packages form no cycle.
+
+Airflow's scheduler and triggerer import the configuration, the controller's message types, the
+compute backends and the Airflow operators; each of those must stay importable without JAX,
+Flax, Optax or Orbax. Data flows down the package layers (data below curation, evaluation and
+the controller; the run configuration below every service that reads it), so the graph of
+imports between packages has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import rlax_tasks
+
+PACKAGE_DIR = pathlib.Path(rlax_tasks.__file__).parent
+HEAVY = ("jax", "flax", "optax", "orbax")
+# imported by the scheduler, the triggerer, the DAG files and the controller's process
+LIGHT_MODULES = (
+    "rlax_tasks.config",
+    "rlax_tasks.controller",
+    "rlax_tasks.airflow",
+    "rlax_tasks.data",
+    "rlax_tasks.rollout.requests",
+    "rlax_tasks.algorithms.config",
+    "rlax_tasks.compute",
+    "rlax_tasks.run_paths",
+    "rlax_tasks.service_http",
+    "rlax_tasks.protocol",
+    "rlax_tasks.validation",
+)
+LAZY_PACKAGES = tuple(
+    f"rlax_tasks.{p}"
+    for p in ("airflow", "algorithms", "controller", "curation", "data", "evaluation", "models")
+    + ("paramserver", "rollout", "trainer", "warmup")
+)
+# the composition roots: they may import every package, and only they may import each other
+COMPOSITION_ROOTS = frozenset({"cli", "run", "airflow"})
+
+# Runs in a fresh interpreter: a meta-path finder that sees every import records, for the first
+# heavy module asked for, the frames of rlax_tasks code that asked (outermost first).
+_PROBE = textwrap.dedent(
+    """
+    import importlib, json, sys
+
+    HEAVY, MODULES = {heavy!r}, {modules!r}
+    chains = {{}}
+
+    class Recorder:
+        def find_spec(self, name, path=None, target=None):
+            top = name.partition(".")[0]
+            if top in HEAVY and top not in chains:
+                frames, f = [], sys._getframe(1)
+                while f is not None:
+                    mod = f.f_globals.get("__name__", "")
+                    if mod.startswith("rlax_tasks") or mod == "__main__":
+                        frames.append(f"{{mod}}:{{f.f_lineno}} ({{f.f_code.co_name}})")
+                    f = f.f_back
+                chains[top] = frames[::-1] + [name]
+            return None
+
+    sys.meta_path.insert(0, Recorder())
+    for m in MODULES:
+        importlib.import_module(m)
+    print(json.dumps({{"loaded": sorted(t for t in HEAVY if t in sys.modules), "chains": chains}}))
+    """
+)
+
+
+def test_light_modules_import_without_jax() -> None:
+    """The scheduler's and triggerer's imports load none of JAX, Flax, Optax, Orbax."""
+    code = _PROBE.format(heavy=HEAVY, modules=LIGHT_MODULES)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
+    assert report["loaded"] == [], (
+        f"light imports loaded {report['loaded']}; first import of:\n{chains}"
+    )
+
+
+# --------------------------------------------------------------------------- package graph
+# Nodes are rlax_tasks' sub-packages (rlax_tasks.X.* → "X") and its top-level modules
+# (rlax_tasks/config.py → "config"). Every import counts: module-level, inside functions (a lazy
+# import still couples the layers) and under TYPE_CHECKING, and so do the modules a package's
+# lazy export table names (rlax_tasks.lazy_exports).
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _node(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rlax_tasks" and len(parts) > 1 else None
+
+
+def _resolve(name: str, level: int, package: str) -> str:
+    if not level:
+        return name
+    base = package.split(".")[: len(package.split(".")) - level + 1]
+    return ".".join(base + ([name] if name else []))
+
+
+def _imports(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+    """(line, imported module) of every import in ``path``."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module or "", node.level, package)
+            if base != "rlax_tasks":
+                yield node.lineno, base
+            else:  # `from rlax_tasks import storage` imports a module
+                yield from ((node.lineno, f"{base}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "lazy_exports":
+            for table in node.args[1:2]:
+                for value in getattr(table, "values", []):
+                    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                        yield node.lineno, _resolve(*_split_relative(value.value), package)
+
+
+def _split_relative(name: str) -> tuple[str, int]:
+    stripped = name.lstrip(".")
+    return stripped, len(name) - len(stripped)
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """{node: {imported node: ["module:line -> imported module", ...]}} over rlax_tasks."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module = _module_name(path)
+        src = _node(module)
+        if src is None:  # rlax_tasks/__init__.py
+            continue
+        for line, target in _imports(path):
+            dst = _node(target)
+            if dst is not None and dst != src:
+                graph.setdefault(src, {}).setdefault(dst, []).append(f"{module}:{line} -> {target}")
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str] | None:
+    """One cycle of ``graph`` as its nodes (first == last), or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, {})):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def _describe(graph: dict[str, dict[str, list[str]]], cycle: list[str]) -> str:
+    lines = [" -> ".join(cycle)]
+    for a, b in zip(cycle, cycle[1:], strict=False):
+        lines += [f"  {a} -> {b}:"] + [f"    {edge}" for edge in graph[a][b]]
+    return "\n".join(lines)
+
+
+def test_packages_have_no_import_cycle() -> None:
+    """Layers flow down: no package imports one that (transitively) imports it back."""
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between rlax_tasks packages:\n" + _describe(graph, cycle)
+
+
+def test_only_composition_roots_import_composition_roots() -> None:
+    """``cli``, ``run`` and ``airflow`` wire the system together; nothing below imports them."""
+    wrong = [
+        edge
+        for src, targets in package_graph().items()
+        if src not in COMPOSITION_ROOTS
+        for dst in COMPOSITION_ROOTS & set(targets)
+        for edge in targets[dst]
+    ]
+    assert wrong == [], "lower layers import a composition root:\n" + "\n".join(wrong)
+
+
+def test_find_cycle_reports_the_cycle() -> None:
+    """The checker itself: a two-package loop is found and named with its edges."""
+    graph = {"a": {"b": ["rlax_tasks.a.x:3 -> rlax_tasks.b"]}, "b": {"a": ["rlax_tasks.b:7 -> a"]}}
+    cycle = find_cycle(graph)
+    assert cycle == ["a", "b", "a"]
+    assert "rlax_tasks.b:7 -> a" in _describe(graph, cycle)
+    assert find_cycle({"a": {"b": []}, "b": {}}) is None
+
+
+def test_lazy_packages_list_and_resolve_their_names() -> None:
+    """Lazy package exports stay public: in ``__all__`` and ``dir()``, importable by name."""
+    import importlib
+
+    for name in LAZY_PACKAGES:
+        package = importlib.import_module(name)
+        assert set(package.__all__) <= set(dir(package)), name
+        for export in package.__all__:  # every table entry names a real definition
+            assert getattr(package, export) is not None, f"{name}.{export}"
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.evaluation import pass_at_k
+    from rlax_tasks.rollout import GroupRequest, Sampler
+
+    assert callable(make_objective) and pass_at_k(2, 1, 1) == 0.5
+    assert Sampler.__module__ == "rlax_tasks.rollout.sampler"
+    assert GroupRequest.__module__ == "rlax_tasks.rollout.requests"
