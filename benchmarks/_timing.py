@@ -12,6 +12,7 @@ other work shared the CPU, so a slow figure from a busy machine is never taken f
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import resource
@@ -242,7 +243,7 @@ def describe_load(load: dict[str, Any] | None) -> str:
     if not load:
         return "load n/a"
     return (
-        f"load {_fmt(load.get('load_1m'))} (1 min), {_fmt(load.get('busy_cores'))} of "
+        f"load {fmt_opt(load.get('load_1m'))} (1 min), {fmt_opt(load.get('busy_cores'))} of "
         f"{load.get('cpu_count')} cores busy with other work"
     )
 
@@ -258,10 +259,11 @@ def contended_mark(*loads: dict[str, Any] | None) -> str:
     before = [x["load_1m"] for x in given if x.get("when") != "after" and x.get("load_1m")]
     busy = max((x["busy_cores"] for x in given if x.get("busy_cores") is not None), default=None)
     load = f"load {max(before):.1f}, " if before else ""
-    return f" [CONTENDED: {load}busy {_fmt(busy, 1)} cores]"
+    return f" [CONTENDED: {load}busy {fmt_opt(busy, 1)} cores]"
 
 
-def _fmt(x: float | None, digits: int = 2) -> str:
+def fmt_opt(x: float | None, digits: int = 2) -> str:
+    """``x`` with ``digits`` decimals, or "n/a" when it is None."""
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
@@ -277,3 +279,11 @@ def fmt_si(x: float, unit: str = "") -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {prefix}{unit}"
     return f"{x:.2f} {unit}"
+
+
+def write_json(path: str | None, results: dict[str, Any], log: logging.Logger) -> None:
+    """Writes ``results`` as JSON to ``path`` (a benchmark's --json-out), if one was given."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+        log.info("wrote %s", path)

@@ -32,7 +32,6 @@ The default run takes about 1-3 minutes on a 2-core CPU; no network access is ne
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -43,20 +42,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models  # noqa: E402  (the benchmarks' model shape, next to this file)
 import _timing  # noqa: E402  (the benchmarks' shared helper module, next to this file)
 
+_opt = _timing.fmt_opt  # a figure or "n/a"
 log = logging.getLogger("benchmarks.forward")
 
-# ~29.6M parameters with tied embeddings (the exact count is computed and printed).
-MODEL_SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=384,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+MODEL_SHAPE = _models.MODEL_SHAPE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,17 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_hf_checkpoint(path: str, seed: int, seq_len: int) -> Any:
     """A randomly initialised Qwen2ForCausalLM saved (float32) to ``path``; returns its config."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        **MODEL_SHAPE,
-        max_position_embeddings=max(2048, seq_len),
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        use_sliding_window=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = _models.hf_config(max(2048, seq_len))
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).eval()
     n = sum(p.numel() for p in model.parameters())  # tied lm_head is the same tensor: once
@@ -295,10 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine_load": {"before": load_before, "after": load_after},
     }
     print_table(results)
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
-        log.info("wrote %s", args.json_out)
+    _timing.write_json(args.json_out, results, log)
     return results
 
 
@@ -364,10 +345,6 @@ def print_table(r: dict[str, Any]) -> None:
         "",
     ]
     print("\n".join(lines), flush=True)
-
-
-def _opt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

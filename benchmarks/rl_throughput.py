@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks import _timing  # noqa: E402
+from benchmarks import _models, _timing  # noqa: E402
 
 log = logging.getLogger("benchmarks.rl_throughput")
 
@@ -46,9 +46,7 @@ def build_model(path: str, tokenizer_dir: str, seed: int = 0) -> int:
     """The 30M model (forward.py's shape) with ``tokenizer_dir``'s tokenizer widened to VOCAB
     entries, saved as an HF directory at ``path``; returns its parameter count."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from benchmarks.forward import MODEL_SHAPE
+    from transformers import Qwen2ForCausalLM
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
@@ -59,10 +57,7 @@ def build_model(path: str, tokenizer_dir: str, seed: int = 0) -> int:
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         json.dump(tok, f)
     shutil.copy(os.path.join(tokenizer_dir, "tokenizer_config.json"), path)
-    shape = {**MODEL_SHAPE, "vocab_size": VOCAB}
-    cfg = Qwen2Config(**shape, max_position_embeddings=2048, rope_theta=10000.0,
-                      rms_norm_eps=1e-6, use_sliding_window=False, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)  # fmt: skip
+    cfg = _models.hf_config(2048, vocab_size=VOCAB, pad_token_id=0)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(path)

@@ -31,7 +31,6 @@ Run (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -42,9 +41,11 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models  # noqa: E402  (the benchmarks' model shape, next to this file)
 import _timing  # noqa: E402  (the benchmarks' shared helper module, next to this file)
-import forward as forward_benchmark  # noqa: E402  (the model shape and forward FLOP count)
+import forward as forward_benchmark  # noqa: E402  (the forward FLOP count)
 
+_opt = _timing.fmt_opt  # a figure or "n/a"
 log = logging.getLogger("benchmarks.train_step")
 
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
 
     from rlax_tasks.algorithms import make_objective
-    from rlax_tasks.models import ModelConfig, Policy
+    from rlax_tasks.models import Policy
     from rlax_tasks.trainer import Trainer, TrainerConfig
 
     env = {
@@ -100,14 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "busy_cores_before": load_before["busy_cores"],
     }
     log.info("environment: %s", env)
-    shape = forward_benchmark.MODEL_SHAPE
-    config = ModelConfig(
-        model_type="qwen2",
-        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        qkv_bias=True,
-        max_position_embeddings=max(2048, args.seq_len),
-        **shape,
-    )
+    config = _models.rlax_config(max(2048, args.seq_len))
     n_params = config.num_parameters()
     policy = Policy.init(config, seed=args.seed)
     objective = make_objective(args.objective)
@@ -158,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "train_step",
         "args": vars(args),
         "environment": env,
-        "model": {"shape": shape, "num_parameters": n_params},
+        "model": {"shape": _models.MODEL_SHAPE, "num_parameters": n_params},
         "tokens_per_step": tokens,
         "timing": timing.as_dict(),
         "tokens_per_s": tokens / timing.median_s,
@@ -178,10 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t_start,
     }
     print_table(results)
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
-        log.info("wrote %s", args.json_out)
+    _timing.write_json(args.json_out, results, log)
     return results
 
 
@@ -214,10 +205,6 @@ def print_table(r: dict[str, Any]) -> None:
         "",
     ]
     print("\n".join(lines), flush=True)
-
-
-def _opt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

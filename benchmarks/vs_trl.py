@@ -57,13 +57,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks import rl_throughput  # noqa: E402
-from benchmarks._timing import (  # noqa: E402
-    contended_mark,
-    describe_load,
-    machine_load,
-    peak_rss_bytes,
-)
+from benchmarks import _timing, rl_throughput  # noqa: E402
 from benchmarks.async_vs_sync import (  # noqa: E402
     PRESET,
     after_first_step,
@@ -467,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    load_before = machine_load(log)
+    load_before = _timing.machine_load(log)
     busy = load_before["busy_cores"]
     model_dir = base_model_dir()
     cache_state = "cold (a fresh cache per run)"
@@ -543,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tiny-arith: ours (rlax run, j={s.reload_every}, k={s.max_staleness}; "
         f"{', '.join(layouts)}) vs TRL GRPOTrainer (PyTorch CPU), {os.cpu_count()} CPUs "
-        f"(before start: {describe_load(load_before)}); "
+        f"(before start: {_timing.describe_load(load_before)}); "
         f"ours' JAX compilation cache: {cache_state}"
     )
     print(
@@ -577,12 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         results, "held-out pass@1 by step (seconds of training when that step's weights existed):"
     )
     ratios: dict[str, dict[str, float | None]] = {}
-    load_after = machine_load(log, when="after")
+    load_after = _timing.machine_load(log, when="after")
     print()
-    print(f"ratios{contended_mark(load_before, load_after) or ' (quiet machine)'}:")
+    print(f"ratios{_timing.contended_mark(load_before, load_after) or ' (quiet machine)'}:")
     for label in [k for k in results if k.startswith("ours")]:
         ratios[label] = _ratios(results, label)
-    print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
+    print(f"peak RSS of this process: {_timing.peak_rss_bytes() / 2**20:.0f} MiB")
     ratio = (ratios.get("ours-colocated") or next(iter(ratios.values()), {})).get("end_to_end")
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 
@@ -18,14 +18,10 @@ The slice is deleted by a teardown task whatever happens.
 """
 
 
-@dag(
-    dag_id="rlax_curate",
+@rc.rlax_dag(
+    "rlax_curate",
     schedule=None,
-    start_date=rc.START_DATE,
-    catchup=False,
-    max_active_runs=1,
-    default_args=rc.DEFAULT_ARGS,
-    tags=["rlax", "data"],
+    tags=["data"],
     doc_md=DOC,
     params={
         "inputs": Param(
@@ -54,11 +50,7 @@ The slice is deleted by a teardown task whatever happens.
             None, type=["null", "string"], format="date",
             description="rows before this ISO date go to train, the rest to test",
         ),
-        "accelerator_type": Param(
-            "cpu", type="string", minLength=1,
-            description="the job's slice: cpu on the local backend, a 1-host Cloud TPU type "
-            "(e.g. v5litepod-1) on cloud_tpu (booting its family's default runtime)",
-        ),
+        "accelerator_type": rc.accelerator_type_param(),
         "run_root": Param(rc.default_run_root(), type="string", minLength=1),
     },
 )  # fmt: skip
@@ -104,14 +96,9 @@ def rlax_curate():
         return path
 
     p = plan()
-    root = rc.default_run_root()
-    slice_ = rc.provision(
-        "provision", root, p["slice"], p["run_id"], p["accelerator_type"],
-        runtime_version=p["runtime_version"],
-    )  # fmt: skip
+    root, slice_, cleanup = rc.single_slice(p)
     curate = rc.job("curate", root, slice_.output, p["argv"])
     done = publish(p)
-    cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
     p >> slice_ >> curate >> done >> cleanup
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 
@@ -20,14 +20,10 @@ by its own DAG at the same time is harmless.
 """
 
 
-@dag(
-    dag_id="rlax_janitor",
+@rc.rlax_dag(
+    "rlax_janitor",
     schedule="@hourly",
-    start_date=rc.START_DATE,
-    catchup=False,
-    max_active_runs=1,
-    default_args=rc.DEFAULT_ARGS,
-    tags=["rlax", "maintenance"],
+    tags=["maintenance"],
     doc_md=DOC,
     params={
         "grace_minutes": Param(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 
@@ -20,24 +20,16 @@ evaluated. All evaluations share one slice, deleted by a teardown task.
 """
 
 
-@dag(
-    dag_id="rlax_nightly_eval",
+@rc.rlax_dag(
+    "rlax_nightly_eval",
     schedule="0 2 * * *",
-    start_date=rc.START_DATE,
-    catchup=False,
-    max_active_runs=1,
-    default_args=rc.DEFAULT_ARGS,
-    tags=["rlax", "evaluation"],
+    tags=["evaluation"],
     doc_md=DOC,
     params={
         "active_hours": Param(
             24, type="integer", minimum=1, description="runs silent longer than this are skipped"
         ),
-        "accelerator_type": Param(
-            "cpu", type="string", minLength=1,
-            description="the job's slice: cpu on the local backend, a 1-host Cloud TPU type "
-            "(e.g. v5litepod-1) on cloud_tpu (booting its family's default runtime)",
-        ),
+        "accelerator_type": rc.accelerator_type_param(),
     },
 )
 def rlax_nightly_eval():
@@ -73,13 +65,8 @@ def rlax_nightly_eval():
         return p["runs"]
 
     p = plan()
-    root = rc.default_run_root()
-    slice_ = rc.provision(
-        "provision", root, p["slice"], p["run_id"], p["accelerator_type"],
-        runtime_version=p["runtime_version"],
-    )  # fmt: skip
+    root, slice_, cleanup = rc.single_slice(p)
     evals = rc.mapped_jobs("evaluate", root, slice_.output, eval_argvs(p))
-    cleanup = rc.teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
     p >> slice_ >> evals >> publish(p) >> cleanup
 
 

@@ -3,7 +3,7 @@ teardown — triggered from the UI with a validated Params form (or by a curated
 
 from __future__ import annotations
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 
@@ -40,14 +40,11 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
 """
 
 
-@dag(
-    dag_id="rlax_train",
+@rc.rlax_dag(
+    "rlax_train",
     schedule=[rc.CURATED_DATASET],
-    start_date=rc.START_DATE,
-    catchup=False,
     max_active_runs=4,
-    default_args=rc.DEFAULT_ARGS,
-    tags=["rlax", "training"],
+    tags=["training"],
     doc_md=DOC,
     params={
         "preset": Param(

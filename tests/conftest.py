@@ -47,3 +47,23 @@ def chat_model_dir(tmp_path_factory):
     from tests.data.chat_model import build_chat_model
 
     return build_chat_model(str(tmp_path_factory.mktemp("chat-model")))
+
+
+@pytest.fixture
+def tiny_config():
+    """The tests' tiny model (``tests.tiny_model.tiny_model_config()``); other shapes: call
+    ``tiny_model_config(shape, **overrides)``."""
+    from tests.tiny_model import tiny_model_config
+
+    return tiny_model_config()
+
+
+@pytest.fixture(scope="module")
+def gcs_bucket(request):
+    """``gs://<bucket>`` on an in-process GCS emulator (STORAGE_EMULATOR_HOST set), one per test
+    module, the bucket named after the module."""
+    from tests.paramserver.helpers import gcs_emulator
+
+    name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    with gcs_emulator(name) as root:
+        yield root

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from rlax_tasks import storage
+from rlax_tasks.run_paths import EVAL_RESULTS, run_paths
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,8 @@ def list_run_ids(run_root: str) -> list[str]:
     for name in storage.list_children(run_root):
         if not RUN_ID_RE.match(name):
             continue
-        d = storage.join(run_root, name)
-        if storage.exists(storage.join(d, "config.yaml")) or storage.exists(
-            storage.join(d, "metrics.jsonl")
-        ):
+        paths = run_paths(storage.join(run_root, name))
+        if storage.exists(paths.config) or storage.exists(paths.metrics):
             out.append(name)
     return out
 
@@ -177,12 +176,13 @@ def list_run_ids(run_root: str) -> list[str]:
 def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSeries:
     """Reward, staleness, weight-sync time and pass@k series of the run at ``path``
     (``metrics``: its metrics.jsonl rows when the caller has read them already)."""
+    paths = run_paths(path)
     if metrics is None:
-        metrics = read_jsonl(storage.join(path, "metrics.jsonl"))
+        metrics = read_jsonl(paths.metrics)
     reward = _points(metrics, "reward_mean")
     staleness = _points(metrics, "staleness_mean")
     if not staleness:
-        lineage = read_jsonl(storage.join(path, "lineage.jsonl"))
+        lineage = read_jsonl(paths.lineage)
         rows = []
         for r in lineage:
             versions = [v for v in r.get("rollout_versions") or [] if _number(v) is not None]
@@ -194,7 +194,7 @@ def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSe
         staleness = _points(rows, "v")
     weight_sync = _points(metrics, "weight_sync_s")
     if not weight_sync:
-        weight_sync = _points(read_jsonl(storage.join(path, "weight_sync.jsonl")), "push_s")
+        weight_sync = _points(read_jsonl(paths.weight_sync), "push_s")
     return RunSeries(reward, staleness, weight_sync, _pass_at_series(path, metrics))
 
 
@@ -212,8 +212,9 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
     for row in metrics:
         if _step(row) is not None:
             add(row["step"], row)
-    eval_dir = storage.join(path, "eval")
-    report = _read_json(storage.join(eval_dir, "report.json"))
+    paths = run_paths(path)
+    eval_dir = paths.eval
+    report = _read_json(paths.report_json)
     if isinstance(report, dict):
         before, after = report.get("before"), report.get("after")
         if isinstance(before, dict):
@@ -222,7 +223,7 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
             last = max((s for s in (_step(r) for r in metrics) if s is not None), default=0)
             version = _number(after.get("version"))
             add(int(version) if version is not None else last, after)
-    for row in read_jsonl(storage.join(eval_dir, "progress.jsonl")):  # eval.every_steps
+    for row in read_jsonl(paths.eval_progress):  # eval.every_steps
         version = _number(row.get("version")) if isinstance(row, dict) else None
         if version is not None:
             add(int(version), row)
@@ -230,7 +231,7 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
         m = _EVAL_VERSION_RE.match(name)
         if not m:
             continue
-        results = _read_json(storage.join(eval_dir, name, "results.json"))
+        results = _read_json(storage.join(eval_dir, name, EVAL_RESULTS))
         models = results.get("models") if isinstance(results, dict) else None
         if isinstance(models, list) and models and isinstance(models[0], dict):
             add(int(m.group(1)), models[0].get("overall"))
@@ -240,18 +241,19 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
 def summarize(root_index: int, run_root: str, run_id: str, active_window_s: float) -> RunSummary:
     """The table row of one run: state, last step, last reward, newest pass@k."""
     path = run_dir(run_root, run_id)
-    metrics_path = storage.join(path, "metrics.jsonl")
+    paths = run_paths(path)
+    metrics_path = paths.metrics
     metrics = read_jsonl(metrics_path)
     series = read_series(path, metrics)
     step = max((s for s in (_step(r) for r in metrics) if s is not None), default=None)
     updated = modified_time(metrics_path)
-    status = _read_json(storage.join(path, "status.json"))
+    status = _read_json(paths.status)
     dag_run_id = None
     if isinstance(status, dict) and isinstance(status.get("state"), str):
         state = status["state"]
         dag_run_id = status.get("dag_run_id") if isinstance(status.get("dag_run_id"), str) else None
         updated = max(filter(None, [updated, _number(status.get("updated"))]), default=None)
-    elif storage.exists(storage.join(path, "eval", "report.json")):
+    elif storage.exists(paths.report_json):
         state = "finished"
     elif step is None:
         state = "pending"

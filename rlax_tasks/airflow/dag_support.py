@@ -29,7 +29,7 @@ import time
 from importlib import resources
 from typing import Any
 
-from airflow.sdk import Asset
+from airflow.sdk import Asset, Param, dag
 
 log = logging.getLogger(__name__)
 OWNER = "rlax"
@@ -64,7 +64,6 @@ DATA_FORMATS = ("rlax", "gsm8k", "math", "dapo", "messages", "code", "columns")
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 # TPU VM runtime versions (images), e.g. "v2-alpha-tpuv5-lite", "tpu-ubuntu2204-base"
 RUNTIME_VERSION_PATTERN = r"^[a-z0-9][a-z0-9.-]*$"
-STATUS_FILE = "status.json"
 ACTIVE_STATES = ("provisioning", "running")
 
 
@@ -211,16 +210,18 @@ def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
 def write_status(run_dir: str, state: str, dag_run_id: str | None = None, **extra: Any) -> None:
     """Writes run_dir/status.json (read by the dashboard and the janitor)."""
     from rlax_tasks import storage
+    from rlax_tasks.run_paths import run_paths
 
     record = {"state": state, "updated": time.time(), "dag_run_id": dag_run_id, **extra}
-    storage.write_bytes(storage.join(run_dir, STATUS_FILE), json.dumps(record).encode())
+    storage.write_bytes(run_paths(run_dir).status, json.dumps(record).encode())
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
     from rlax_tasks import storage
+    from rlax_tasks.run_paths import run_paths
 
     try:
-        data = json.loads(storage.read_bytes(storage.join(run_dir, STATUS_FILE)))
+        data = json.loads(storage.read_bytes(run_paths(run_dir).status))
     except (FileNotFoundError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -294,9 +295,9 @@ def worker_slice_layout(params: dict[str, Any]) -> Any:
 def done_marker(run_dir: str) -> str:
     """run_dir/DONE: written once the controller reached the run's steps; the service jobs'
     watchers then stop their jobs (on whichever slice instance they run now)."""
-    from rlax_tasks import storage
+    from rlax_tasks.run_paths import run_paths
 
-    return storage.join(run_dir, "DONE")
+    return run_paths(run_dir).done
 
 
 def check_slice_memory(cfg: Any, params: dict[str, Any]) -> None:
@@ -487,6 +488,7 @@ def eval_dataset_file(cfg: Any) -> str:
     written once to run_dir/eval/heldout.jsonl in the curated schema."""
     from rlax_tasks import storage
     from rlax_tasks.config import FileSource, SyntheticSource
+    from rlax_tasks.run_paths import run_paths
 
     spec = cfg.eval.dataset
     if spec is None:
@@ -494,7 +496,7 @@ def eval_dataset_file(cfg: Any) -> str:
     if isinstance(spec.source, FileSource):
         return spec.source.path
     assert isinstance(spec.source, SyntheticSource)
-    path = storage.join(cfg.run_dir, "eval", "heldout.jsonl")
+    path = run_paths(cfg.run_dir).heldout
     if storage.exists(path):
         return path
     src = spec.source
@@ -521,9 +523,10 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
     """`rlax eval` of weight ``version`` mirrored under the run, into run_dir/eval/v<version>/
     (the directory the dashboard reads pass@k from): the dataset read in its format, prompts
     rendered by the run's own `prompt` section (its config.yaml), as in training."""
-    from rlax_tasks import storage
     from rlax_tasks.config import FileSource
+    from rlax_tasks.run_paths import run_paths
 
+    paths = run_paths(cfg.run_dir)
     e = cfg.eval
     source = e.dataset.source if e.dataset is not None else None
     data_format = []
@@ -537,8 +540,8 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
         "--limit", str(e.num_prompts), "--temperature", str(e.temperature),
         "--max-new-tokens", str(cfg.rollout.max_new_tokens),
         "--max-len", str(cfg.workers.max_len), "--max-slots", str(cfg.workers.slots),
-        "--dtype", cfg.model.dtype, "--out", storage.join(cfg.run_dir, "eval", f"v{version}"),
-        "--prompt-config", storage.join(cfg.run_dir, "config.yaml"), *data_format,
+        "--dtype", cfg.model.dtype, "--out", paths.eval_dir(version),
+        "--prompt-config", paths.config, *data_format,
     ]  # fmt: skip
 
 
@@ -554,8 +557,9 @@ def load_run_config(run_dir: str) -> Any:
     """The resolved run configuration saved at run_dir/config.yaml."""
     from rlax_tasks import storage
     from rlax_tasks.config import load_config
+    from rlax_tasks.run_paths import run_paths
 
-    path = storage.join(run_dir, "config.yaml")
+    path = run_paths(run_dir).config
     if not storage.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
     return load_config(path)
@@ -565,25 +569,25 @@ def runs_to_evaluate(roots: list[str], active_within_s: float) -> list[dict[str,
     """Runs under ``roots`` with a committed weight version not evaluated yet and activity
     (metrics or status) within ``active_within_s``: [{"run_dir", "version"}]."""
     from rlax_tasks import storage
+    from rlax_tasks.run_paths import run_paths
 
     out = []
     now = time.time()
     for root in roots:
         for name in storage.list_children(root):
             run_dir = storage.join(root, name)
-            if not re.match(RUN_ID_PATTERN, name) or not storage.exists(
-                storage.join(run_dir, "config.yaml")
-            ):
+            paths = run_paths(run_dir)
+            if not re.match(RUN_ID_PATTERN, name) or not storage.exists(paths.config):
                 continue
             status = read_status(run_dir) or {}
             updated = float(status.get("updated") or 0.0)
-            metrics = storage.join(run_dir, "metrics.jsonl")
+            metrics = paths.metrics
             if not storage.is_gcs(metrics) and os.path.exists(metrics):
                 updated = max(updated, os.stat(metrics).st_mtime)
             if now - updated > active_within_s:
                 continue
             version = newest_version(run_dir)
-            done = storage.join(run_dir, "eval", f"v{version}", "results.json")
+            done = paths.eval_results(version)
             if version is not None and not storage.exists(done):
                 out.append({"run_dir": run_dir, "version": version})
     return out
@@ -620,6 +624,46 @@ def slice_run_dir(handle: dict[str, Any]) -> str | None:
     if not run_id or not run_root:
         return None
     return storage.join(run_root, run_id)
+
+
+# --------------------------------------------------------------------------- DAGs
+def rlax_dag(
+    dag_id: str,
+    *,
+    schedule: Any,
+    tags: list[str],
+    doc_md: str,
+    params: dict[str, Any],
+    max_active_runs: int = 1,
+) -> Any:
+    """``airflow.sdk.dag`` with what every RLAX DAG shares: START_DATE without catch-up,
+    DEFAULT_ARGS (owner, retries) and the "rlax" tag before ``tags``."""
+    return dag(
+        dag_id=dag_id, schedule=schedule, start_date=START_DATE, catchup=False,
+        max_active_runs=max_active_runs, default_args=DEFAULT_ARGS, tags=["rlax", *tags],
+        doc_md=doc_md, params=params,
+    )  # fmt: skip
+
+
+def accelerator_type_param() -> Param:
+    """The ``accelerator_type`` Param of a DAG whose job runs on one 1-host slice
+    (``single_host_slice`` resolves it)."""
+    return Param(
+        "cpu", type="string", minLength=1,
+        description="the job's slice: cpu on the local backend, a 1-host Cloud TPU type "
+        "(e.g. v5litepod-1) on cloud_tpu (booting its family's default runtime)",
+    )  # fmt: skip
+
+
+def single_slice(plan: Any) -> tuple[Any, Any, Any]:
+    """(run root, provision, teardown) of the one slice a plan task's output describes (its
+    "slice", "run_id", "accelerator_type", "runtime_version"): the teardown always runs."""
+    root = default_run_root()
+    slice_ = provision(
+        "provision", root, plan["slice"], plan["run_id"], plan["accelerator_type"],
+        runtime_version=plan["runtime_version"],
+    )  # fmt: skip
+    return root, slice_, teardown("teardown", root, slice_.output).as_teardown(setups=slice_)
 
 
 # --------------------------------------------------------------------------- operators

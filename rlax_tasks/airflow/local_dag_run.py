@@ -67,16 +67,19 @@ def run_train_dag(
         ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): str(ti.state)
         for ti in dr.get_task_instances()
     }
+    from rlax_tasks.run_paths import run_paths
+
     run_dir = os.path.join(run_root, conf["run_id"])
     out: dict[str, Any] = {"state": str(dr.state), "tasks": tasks, "run_dir": run_dir}
-    eval_root = os.path.join(run_dir, "eval")
+    paths = run_paths(run_dir)
+    eval_root = paths.eval
     versions = sorted(
         int(d[1:])
         for d in (os.listdir(eval_root) if os.path.isdir(eval_root) else [])
         if d.startswith("v") and d[1:].isdigit()
     )
     if versions:
-        path = os.path.join(eval_root, f"v{versions[-1]}", "results.json")
+        path = paths.eval_results(versions[-1])
         try:
             with open(path) as f:
                 out["eval"] = {"version": versions[-1], **json.load(f)["models"][0]["overall"]}

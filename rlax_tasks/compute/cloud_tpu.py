@@ -57,6 +57,7 @@ from rlax_tasks.compute.types import (
     SliceSpec,
     SliceState,
 )
+from rlax_tasks.run_paths import SLICES
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class CloudTpuBackend:
 
         parent = name.split("/queuedResources/")[0]
         instance_id = uuid.uuid4().hex[:12]
-        root = storage.join(self.run_root, spec.run_id, "slices", spec.name, instance_id)
+        root = storage.join(self.run_root, spec.run_id, SLICES, spec.name, instance_id)
         try:
             script = pathlib.Path(self.startup_script_path).read_text()
         except FileNotFoundError as e:

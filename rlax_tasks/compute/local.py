@@ -37,6 +37,7 @@ from rlax_tasks.compute.types import (
     SliceSpec,
     SliceState,
 )
+from rlax_tasks.run_paths import SLICES
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ slices
     def _slice_dir(self, spec: SliceSpec) -> str:
-        return os.path.join(self.run_root, spec.run_id, "slices", spec.name)
+        return os.path.join(self.run_root, spec.run_id, SLICES, spec.name)
 
     def _handle(self, spec: SliceSpec, info: dict[str, Any]) -> SliceHandle:
         return SliceHandle(
@@ -138,7 +139,7 @@ class LocalBackend:
         want = dict(label_filter or {})
         runs = sorted(os.listdir(self.run_root)) if os.path.isdir(self.run_root) else []
         for run in runs:
-            slices = os.path.join(self.run_root, run, "slices")
+            slices = os.path.join(self.run_root, run, SLICES)
             for name in sorted(os.listdir(slices)) if os.path.isdir(slices) else []:
                 info = jobstatus.read_json(os.path.join(slices, name, SLICE_FILE))
                 if info is None or info.get("state") == SliceState.DELETED.value:

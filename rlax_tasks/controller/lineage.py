@@ -18,10 +18,9 @@ from typing import Any
 
 from rlax_tasks import storage
 from rlax_tasks.controller.buffer import Batch
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
-
-FILE_NAME = "lineage.jsonl"
 
 
 def lineage_record(step: int, batch: Batch) -> dict[str, Any]:
@@ -73,7 +72,7 @@ class LineageWriter:
     """Appends lineage records to run_dir/lineage.jsonl, once per step."""
 
     def __init__(self, run_dir: str) -> None:
-        self.path = storage.join(run_dir, FILE_NAME)
+        self.path = run_paths(run_dir).lineage
         data = storage.read_bytes(self.path) if storage.exists(self.path) else b""
         self._records, good = _parse(data, self.path)
         if good != len(data):
@@ -123,7 +122,7 @@ class LineageWriter:
 
 def read_lineage(run_dir: str) -> list[dict[str, Any]]:
     """The complete records of run_dir/lineage.jsonl (a truncated last line is ignored)."""
-    path = storage.join(run_dir, FILE_NAME)
+    path = run_paths(run_dir).lineage
     if not storage.exists(path):
         return []
     return _parse(storage.read_bytes(path), path)[0]

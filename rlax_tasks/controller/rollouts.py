@@ -20,13 +20,12 @@ from typing import Any
 
 from rlax_tasks import storage
 from rlax_tasks.controller.buffer import Batch, ScoredGroup
-
-DIR_NAME = "rollouts"
+from rlax_tasks.run_paths import run_paths
 
 
 def rollouts_dir(run_dir: str) -> str:
     """run_dir/rollouts."""
-    return storage.join(run_dir, DIR_NAME)
+    return run_paths(run_dir).rollouts
 
 
 def step_path(run_dir: str, step: int) -> str:

@@ -19,11 +19,11 @@ import logging
 from typing import Any
 
 from rlax_tasks import storage
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = 1
-POINTER = "LATEST"
 
 
 class SnapshotError(RuntimeError):
@@ -88,8 +88,8 @@ class SnapshotStore:
     def __init__(self, run_dir: str, keep: int | None = 5) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None, got {keep}")
-        self.dir = storage.join(run_dir, "snapshots")
-        self.pointer = storage.join(self.dir, POINTER)
+        paths = run_paths(run_dir)
+        self.dir, self.pointer = paths.snapshots, paths.snapshot_pointer
         self.keep = keep
         self._generation: int | None = None  # of the pointer, as this store last saw it
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from rlax_tasks.run_paths import CHECKPOINTS
+
 logger = logging.getLogger(__name__)
 
 # (path) -> Policy or None when the loader does not recognise the path; tried in order
@@ -44,7 +46,7 @@ def _is_orbax_checkpoint(path: str) -> bool:
 def _export_command(path: str) -> str:
     """The `rlax export` command for a checkpoint step directory (RUN_DIR/checkpoints/<step>)."""
     checkpoints, step = os.path.split(os.path.normpath(path))
-    if step.isdigit() and os.path.basename(checkpoints) == "checkpoints":
+    if step.isdigit() and os.path.basename(checkpoints) == CHECKPOINTS:
         return f"rlax export {os.path.dirname(checkpoints) or '.'}@{step} OUT_DIR"
     return "rlax export RUN_DIR[@STEP] OUT_DIR"
 

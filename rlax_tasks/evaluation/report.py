@@ -10,6 +10,7 @@ from typing import Any
 
 from rlax_tasks.data.files import join, write_bytes
 from rlax_tasks.evaluation.evaluator import EvalResult
+from rlax_tasks.run_paths import EVAL_RESULTS
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def write_eval_outputs(results: list[EvalResult], dataset: str, out_dir: str) ->
         for row in r.rows
     )
     files = {
-        "results.json": json.dumps(data, indent=2).encode("utf-8"),
+        EVAL_RESULTS: json.dumps(data, indent=2).encode("utf-8"),
         "summary.md": summary_markdown(results, dataset).encode("utf-8"),
         "samples.jsonl": samples.encode("utf-8"),
         **_plots(results),

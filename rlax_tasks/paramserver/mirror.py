@@ -42,6 +42,7 @@ from rlax_tasks.paramserver.wire import (
     read_manifest,
     version_digest,
 )
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 def weights_root(run_root: str) -> str:
-    return storage.join(run_root, "weights")
+    return run_paths(run_root).weights
 
 
 def version_dir(run_root: str, version: int) -> str:

@@ -30,10 +30,11 @@ import numpy as np
 
 from rlax_tasks import storage
 from rlax_tasks.models.config import SUPPORTED_DTYPES
+from rlax_tasks.run_paths import CONFIG as RUN_CONFIG
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
-RUN_CONFIG = "config.yaml"
 # the array tree Trainer._state saves: {"params": {MODEL: ..., VALUE_HEAD: ...}, "opt_state", "rng"}
 PARAMS_KEY = "params"
 # files of the base model that are not copied: config.json is written anew, weights replaced
@@ -100,7 +101,7 @@ def export_checkpoint(
     cfg = _run_config(run_dir)
     _check_out_dir(out_dir, overwrite)
     _refuse_replacing(out_dir, "the run directory", run_dir)
-    ckpt_dir = cfg.trainer.checkpoint_dir or storage.join(run_dir, "checkpoints")
+    ckpt_dir = cfg.trainer.checkpoint_dir or run_paths(run_dir).checkpoints
     _refuse_replacing(out_dir, "the run's checkpoints", ckpt_dir)
     step = _pick_step(ckpt_dir, step, cfg.trainer.checkpoint_every)
     step_dir = storage.join(ckpt_dir, str(step))
@@ -138,7 +139,7 @@ def _run_config(run_dir: str) -> Any:
 
     if not storage.is_gcs(run_dir) and not os.path.isdir(run_dir):
         raise ExportError(f"run directory {run_dir} does not exist (give run_root/<run_id>)")
-    path = storage.join(run_dir, RUN_CONFIG)
+    path = run_paths(run_dir).config
     if not storage.exists(path):
         raise ExportError(
             f"{run_dir} has no {RUN_CONFIG}: not a run directory (give run_root/<run_id>, "
@@ -186,7 +187,7 @@ def _base_config(base: str, run_dir: str) -> tuple[Any, dict[str, Any]]:
     except hf_io.CheckpointError as e:
         raise ExportError(
             f"the run's base model: {e}. The export takes config.json and the tokenizer from it "
-            f"(model.path in {storage.join(run_dir, RUN_CONFIG)})"
+            f"(model.path in {run_paths(run_dir).config})"
         ) from None
     return ModelConfig.from_hf_dict(raw), raw
 

@@ -21,6 +21,7 @@ from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe, is_colocated
 from rlax_tasks.run.supervisor import Component, Supervisor
 from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _last_json_line(path: str) -> dict[str, Any] | None:
 
 
 def _status_line(run_dir: str, steps: int, started: float) -> str:
-    m = _last_json_line(os.path.join(run_dir, "metrics.jsonl")) or {}
+    m = _last_json_line(run_paths(run_dir).metrics) or {}
     step = m.get("step", 0)
     reward = m.get("reward_mean")
     elapsed = time.monotonic() - started
@@ -73,16 +74,17 @@ class _Progress:
     def __init__(self, evaluator: Any, run_dir: str, ps_url: str, token: str, t0: float) -> None:
         self.evaluator, self.run_dir, self.t0 = evaluator, run_dir, t0
         self.ps_url, self.token = ps_url, token
-        self.path = os.path.join(run_dir, "eval", "progress.jsonl")
+        self.paths = run_paths(run_dir)
+        self.path = self.paths.eval_progress
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        last = _last_json_line(os.path.join(run_dir, "metrics.jsonl")) or {}
+        last = _last_json_line(self.paths.metrics) or {}
         self.done_step = int(last.get("step", 0))  # a resumed run evaluates new steps only
         self.client: Any = None
 
     def _version_time(self, version: int) -> float | None:
         from rlax_tasks.run.report import read_jsonl
 
-        for row in read_jsonl(os.path.join(self.run_dir, "metrics.jsonl")):
+        for row in read_jsonl(self.paths.metrics):
             if row.get("step") == version and "time" in row:
                 return float(row["time"])
         return None
@@ -101,9 +103,7 @@ class _Progress:
             f.write(json.dumps(row) + "\n")
 
     def maybe_evaluate(self, every: int) -> None:
-        step = int(
-            (_last_json_line(os.path.join(self.run_dir, "metrics.jsonl")) or {}).get("step", 0)
-        )
+        step = int((_last_json_line(self.paths.metrics) or {}).get("step", 0))
         if step < (self.done_step // every + 1) * every:
             return
         from rlax_tasks.paramserver import ParameterServerClient, ParameterServerError
@@ -169,7 +169,7 @@ def run_local(
     if not is_colocated(cfg):
         write_workers_file(cfg, topology)
     ps_url = topology.ps_url
-    sup = Supervisor(os.path.join(run_dir, "logs"))
+    sup = Supervisor(run_paths(run_dir).logs)
     t0 = time.monotonic()
     progress = None
     if evaluator is not None and cfg.eval.every_steps:

@@ -54,11 +54,11 @@ import os
 from typing import Any
 
 from rlax_tasks import storage
+from rlax_tasks.compute.devices import GiB
 from rlax_tasks.run.placement import (
     ACCELERATORS,
     COLOCATED,
     CPU_JOBS,
-    GiB,
     describe,
     describe_devices,
     format_bytes,

@@ -15,6 +15,7 @@ import numpy as np
 
 from rlax_tasks import storage
 from rlax_tasks.config import RunConfig
+from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +187,11 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = cfg.run_dir
-    out_dir = storage.join(run_dir, "eval")
-    metrics = read_jsonl(storage.join(run_dir, "metrics.jsonl"))
-    lineage = read_jsonl(storage.join(run_dir, "lineage.jsonl"))
-    syncs = read_jsonl(storage.join(run_dir, "weight_sync.jsonl"))
+    paths = run_paths(cfg.run_dir)
+    out_dir = paths.eval
+    metrics = read_jsonl(paths.metrics)
+    lineage = read_jsonl(paths.lineage)
+    syncs = read_jsonl(paths.weight_sync)
     plots = {}
 
     def save(fig: Any, name: str) -> None:
@@ -210,7 +211,7 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
 
     before, after = report.get("before") or {}, report.get("after") or {}
     ks = [k for k in before if k.startswith("pass@")]
-    progress = read_jsonl(storage.join(out_dir, "progress.jsonl"))
+    progress = read_jsonl(paths.eval_progress)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if progress:  # eval.every_steps: held-out pass@k per step
         rows = sorted({r["step"]: r for r in progress}.values(), key=lambda r: r["step"])
@@ -251,7 +252,7 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
         "plots": plots,
     }
     storage.write_bytes(
-        storage.join(out_dir, "report.json"),
+        paths.report_json,
         json.dumps(summary, indent=2, default=float).encode("utf-8"),
     )
     lines = [
@@ -269,6 +270,6 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
         "",
         *[f"![{name}]({name}.png)" for name in plots],
     ]
-    storage.write_bytes(storage.join(out_dir, "report.md"), ("\n".join(lines) + "\n").encode())
+    storage.write_bytes(paths.report_md, ("\n".join(lines) + "\n").encode())
     print("\n".join(lines[: 6 + len(ks)]))
-    return {"report": storage.join(out_dir, "report.md"), "plots": plots}
+    return {"report": paths.report_md, "plots": plots}

@@ -33,6 +33,7 @@ from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.endpoints import service_file
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
+from rlax_tasks.run_paths import run_paths
 
 TOKEN_ENV = "RLAX_PS_TOKEN"
 TRAINER_SLICE = "trainer"
@@ -237,7 +238,7 @@ def plan_topology(
 
 def workers_file(cfg: Any) -> str:
     """run_dir/workers.json: {worker id: URL}, what the controller dispatches to."""
-    return storage.join(cfg.run_dir, "workers.json")
+    return run_paths(cfg.run_dir).workers
 
 
 def write_workers_file(cfg: Any, topology: Topology) -> str:

@@ -23,7 +23,6 @@ from rlax_tasks import storage
 
 log = logging.getLogger(__name__)
 
-FILE_NAME = "metrics.jsonl"
 FLUSH_EVERY_S = 5.0  # the longest a gs:// metrics row waits before it is uploaded
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_tasks.models import Policy
 from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
+from rlax_tasks.run_paths import run_paths
 from rlax_tasks.trainer.checkpointing import Checkpointer
 from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.metrics import MetricsWriter
@@ -168,13 +168,13 @@ class Trainer:
         )
         self._ref_logprobs = jax.jit(make_logprobs_fn(self._graphdef, settings))
 
-        ckpt_dir = config.checkpoint_dir or _join(run_dir, "checkpoints")
+        ckpt_dir = config.checkpoint_dir or run_paths(run_dir).checkpoints
         self.checkpointer = Checkpointer(
             ckpt_dir, max_to_keep=config.max_to_keep, async_save=config.async_checkpointing
         )
         if metrics_writer is None and jax.process_index() == 0:
             # a local file, or a gs:// object rewritten every few seconds (by host 0 only)
-            metrics_writer = MetricsWriter(_join(run_dir, "metrics.jsonl"))
+            metrics_writer = MetricsWriter(run_paths(run_dir).metrics)
         self.metrics_writer = metrics_writer
         log.info(
             "trainer ready: %s, mesh %s, %.2fM trainable parameters, micro-batch %s",
@@ -387,7 +387,3 @@ def bucketed_width(width: int, bucket: int) -> int:
     if width >= bucket:
         return -(-width // bucket) * bucket
     return max(1, 1 << (width - 1).bit_length())
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)

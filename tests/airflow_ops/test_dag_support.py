@@ -103,10 +103,10 @@ def test_provision_passes_the_runtime_version_to_the_operator(monkeypatch):
 def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch):
     """cloud_tpu: the trainer slice over all its hosts, the worker slices one worker per host,
     each job placed on its slice and hosts; services publish their addresses under the run."""
-    from tests.run.test_local_run import tiny_model
+    from tests.tiny_model import save_char_model
 
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
-    tiny_model(str(tmp_path / "model"))
+    save_char_model(str(tmp_path / "model"))
     params = {
         "preset": "tiny-arith",
         "run_root": str(tmp_path / "runs"),
@@ -145,9 +145,9 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
 
 
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
-    from tests.run.test_local_run import tiny_model
+    from tests.tiny_model import save_char_model
 
-    tiny_model(str(tmp_path / "model"))
+    save_char_model(str(tmp_path / "model"))
     params = {
         "preset": "tiny-arith",
         "run_root": str(tmp_path / "runs"),

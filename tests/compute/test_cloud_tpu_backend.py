@@ -16,18 +16,14 @@ from tests.compute.helpers import (
     host_record,
     preempt,
     read_counter,
+    tpu_slice_spec,
     wait_for,
 )
 from tests.paramserver.helpers import gcs_emulator
 
 pytestmark = pytest.mark.slow
 
-SPEC = SliceSpec(
-    name="w0",
-    accelerator_type="v5litepod-8",
-    runtime_version="v2-alpha-tpuv5-lite",
-    labels={"rlax-run-id": "r1"},
-)
+SPEC = tpu_slice_spec("w0", "v5litepod-8", "v2-alpha-tpuv5-lite")
 
 
 @pytest.fixture

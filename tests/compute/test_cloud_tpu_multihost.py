@@ -9,7 +9,7 @@ import psutil
 import pytest
 import requests
 
-from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
+from rlax_tasks.compute import JobSpec, JobState, SliceState, get_backend
 from tests.compute.helpers import (
     ENTRYPOINT,
     FAKE_IMAGE,
@@ -19,17 +19,13 @@ from tests.compute.helpers import (
     host_record,
     preempt,
     read_vars,
+    tpu_slice_spec,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
 
-SPEC = SliceSpec(
-    name="t0",
-    accelerator_type="v4-16",
-    runtime_version="tpu-ubuntu2204-base",
-    labels={"rlax-run-id": "r1"},
-)
+SPEC = tpu_slice_spec("t0", "v4-16", "tpu-ubuntu2204-base")
 NODE = "projects/proj/locations/us-central2-b/nodes/t0"
 
 

@@ -39,6 +39,17 @@ def full_run(run_dir: str, steps: int = N) -> tuple[Controller, World]:
     return c, world
 
 
+def started_beside_a_reference(tmp_path) -> tuple[str, World, Controller]:  # noqa: ANN001
+    """Runs the uninterrupted reference in tmp_path/ref; (run dir, world, started controller) of
+    a second run in tmp_path/run, to compare with it."""
+    full_run(str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "run")
+    world = World()
+    c = make(run_dir, world)
+    c.start()
+    return run_dir, world, c
+
+
 def test_uninterrupted_run_trains_drops_and_records(tmp_path):
     c, world = full_run(str(tmp_path / "a"))
     lineage = read_lineage(str(tmp_path / "a"))
@@ -70,11 +81,7 @@ def test_two_uninterrupted_runs_are_identical(tmp_path):
 
 
 def test_controller_crash_at_snapshot_then_restore_matches_uninterrupted(tmp_path):
-    full_run(str(tmp_path / "ref"))
-    run_dir = str(tmp_path / "run")
-    world = World()
-    first = make(run_dir, world)
-    first.start()
+    run_dir, world, first = started_beside_a_reference(tmp_path)
     first.run(N // 2, max_iterations=500)
     snap = SnapshotStore(run_dir).load_latest()
     assert snap.step == N // 2 and snap.in_flight and snap.buffer["groups"]
@@ -90,11 +97,7 @@ def test_controller_crash_at_snapshot_then_restore_matches_uninterrupted(tmp_pat
 def test_crash_between_snapshot_write_and_pointer_commit(tmp_path, monkeypatch):
     """Steps after the committed snapshot are replayed; the uncommitted snapshot is never used;
     lineage ends up exactly as in an uninterrupted run (no step recorded twice)."""
-    full_run(str(tmp_path / "ref"))
-    run_dir = str(tmp_path / "run")
-    world = World()
-    first = make(run_dir, world)
-    first.start()
+    run_dir, world, first = started_beside_a_reference(tmp_path)
     first.run(N // 2, max_iterations=500)
     restored_world = copy.deepcopy(world)  # trainer checkpoint + PS + workers at step N/2
 
@@ -128,11 +131,7 @@ def test_crash_after_the_trainer_applied_a_step_replays_it_without_applying_it_t
     """Write-ahead snapshot: the controller dies after the trainer applied step N/2 + 1 but
     before it heard back; the restored controller re-sends exactly that batch, the trainer
     answers it as a replay, and the run ends identical to an uninterrupted one."""
-    full_run(str(tmp_path / "ref"))
-    run_dir = str(tmp_path / "run")
-    world = World()
-    first = make(run_dir, world)
-    first.start()
+    run_dir, world, first = started_beside_a_reference(tmp_path)
     first.run(N // 2, max_iterations=500)
     world.trainer.crash_after_next = True
     with pytest.raises(KeyboardInterrupt):
@@ -338,11 +337,7 @@ def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
     """rollouts/ (DESIGN §7): one row per completion the trainer saw, also across a replay."""
     from rlax_tasks.controller import read_rollouts
 
-    full_run(str(tmp_path / "ref"))
-    run_dir = str(tmp_path / "run")
-    world = World()
-    first = make(run_dir, world)
-    first.start()
+    run_dir, world, first = started_beside_a_reference(tmp_path)
     world.trainer.crash_after_next = True  # step applied, answer lost: the step is replayed
     with pytest.raises(KeyboardInterrupt):
         first.run(N, max_iterations=500)
@@ -367,11 +362,7 @@ def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
 def test_a_trainer_restored_from_an_older_checkpoint_gets_the_missing_steps_again(tmp_path):
     """trainer.checkpoint_every > 1: a restarted trainer is behind; the controller replays the
     steps since its checkpoint from rollouts/, exactly the batches it trained on before."""
-    full_run(str(tmp_path / "ref"))
-    run_dir = str(tmp_path / "run")
-    world = World()
-    c = make(run_dir, world)
-    c.start()
+    run_dir, world, c = started_beside_a_reference(tmp_path)
     c.run(7, max_iterations=500)
     first = list(world.trainer.batches)
     world.trainer.version = 4  # kill -9, restored from the checkpoint of step 4

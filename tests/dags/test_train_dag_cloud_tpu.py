@@ -54,12 +54,12 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     from airflow.utils.state import DagRunState
 
     from rlax_tasks.airflow import dag_support
-    from tests.run.test_local_run import tiny_model
+    from tests.tiny_model import save_char_model
 
     run_root = str(tmp_path / "runs")
     run_dir = os.path.join(run_root, RUN_ID)
     model = str(tmp_path / "model")
-    tiny_model(model)
+    save_char_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
         settings = fake_backend_settings(url)  # run_root: the DAG's, added by dag_support
         monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")

@@ -59,7 +59,7 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     from airflow.utils.state import DagRunState, TaskInstanceState
 
     from rlax_tasks.airflow import dag_support
-    from tests.run.test_local_run import tiny_model
+    from tests.tiny_model import save_char_model
 
     run_root = str(tmp_path / "runs")
     monkeypatch.setenv("RLAX_RUN_ROOT", run_root)
@@ -70,7 +70,7 @@ def test_rlax_train_end_to_end_with_a_killed_job(tmp_path, monkeypatch, airflow_
     importlib.reload(dag_support)  # re-read the settings above (retry delay, run root)
     dag = DagBag(dag_folder=DAGS).dags["rlax_train"]
     model = str(tmp_path / "model")
-    tiny_model(model)
+    save_char_model(model)
 
     run_id = "dagtest"
     run_dir = os.path.join(run_root, run_id)

@@ -75,16 +75,15 @@ def _template_into_config(directory: str) -> None:
 
 def build_chat_model(directory: str) -> str:
     """Writes the checkpoint (config.json, safetensors, tokenizer, generation_config.json)."""
-    from rlax_tasks.models import ModelConfig, Policy
+    from rlax_tasks.models import Policy
+    from tests.tiny_model import tiny_model_config
 
     tokenizer = _tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (PAD, IM_END, BOS)}
-    config = ModelConfig(
-        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=512, qkv_bias=True, bos_token_id=ids[BOS],
-        eos_token_id=ids[IM_END], pad_token_id=ids[PAD],
-    )
+    config = tiny_model_config(
+        "one_layer", vocab_size=len(tokenizer), max_position_embeddings=512,
+        bos_token_id=ids[BOS], eos_token_id=ids[IM_END], pad_token_id=ids[PAD],
+    )  # fmt: skip
     Policy.init(config, seed=0, tokenizer=tokenizer).save_pretrained(directory)
     _template_into_config(directory)
     generation = {

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from rlax_tasks.models import ModelConfig, Policy
+from rlax_tasks.models import Policy
 from rlax_tasks.models.tokenizer import DIGITS_AND_SYMBOLS, char_tokenizer
 from rlax_tasks.rewards.tasks import make_task
+from tests.tiny_model import tiny_model_config
 
 
 def arithmetic_rows(n: int, seed: int = 0, level: int | None = None, **knobs) -> list[dict]:
@@ -36,15 +37,7 @@ def write_jsonl(path, rows) -> str:
 def tiny_policy(seed: int = 0) -> Policy:
     """A 1-layer random Llama with a character tokenizer covering the arithmetic prompts."""
     tok = char_tokenizer(DIGITS_AND_SYMBOLS + "\\{}")
-    config = ModelConfig(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        eos_token_id=2,
+    config = tiny_model_config(
+        "one_layer", model_type="llama", vocab_size=len(tok), qkv_bias=False, eos_token_id=2
     )
     return Policy.init(config, seed=seed, tokenizer=tok)

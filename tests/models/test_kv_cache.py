@@ -7,20 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tasks.models import ModelConfig, Policy, forward
+from rlax_tasks.models import Policy, forward
 from rlax_tasks.models.kv_cache import init_cache
+from tests.tiny_model import tiny_model_config
 
-CONFIG = ModelConfig(
-    model_type="qwen3",
-    vocab_size=89,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
+CONFIG = tiny_model_config(model_type="qwen3", vocab_size=89, qkv_bias=False, qk_norm=True)
 
 
 @pytest.fixture(scope="module")

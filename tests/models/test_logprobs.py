@@ -7,20 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tasks.models import ModelConfig, Policy, forward
+from rlax_tasks.models import Policy, forward
 from tests.models.hf_models import left_padded_batch
+from tests.tiny_model import tiny_model_config
 
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=211,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    qkv_bias=True,
-)
+CONFIG = tiny_model_config(vocab_size=211)
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,16 @@ import pytest
 from rlax_tasks import storage
 from rlax_tasks.models import model_cache
 from rlax_tasks.models.model_cache import MARKER_FILE, ModelCacheError, local_model_dir
-from tests.paramserver.helpers import gcs_emulator
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 CHUNK = 64 * 1024  # several ranges per shard
 FAST = dict(workers=4, chunk_bytes=CHUNK)
 
 
-@pytest.fixture(scope="module")
-def bucket():
-    with gcs_emulator("model-cache-test") as root:
-        yield root
-
-
 @pytest.fixture
-def model(bucket, request):
+def model(gcs_bucket, request):
     """gs:// path of an HF directory: the files a loader needs, plus some it does not."""
-    path = storage.join(bucket, "org", request.node.name)
+    path = storage.join(gcs_bucket, "org", request.node.name)
     rng = random.Random(request.node.name)
     files = {
         "config.json": b'{"model_type": "qwen2", "hidden_size": 8}',
@@ -107,12 +100,12 @@ def test_download_is_ranged_verified_and_happens_once(model, tmp_path, monkeypat
     assert local_model_dir(str(tmp_path)) == str(tmp_path)  # a local path stays as it is
 
 
-def test_a_prefix_without_config_names_the_missing_object(bucket, tmp_path):
-    storage.write_bytes(storage.join(bucket, "not-a-model", "weights.safetensors"), b"x")
-    with pytest.raises(FileNotFoundError, match="gs://model-cache-test/not-a-model/config.json"):
-        local_model_dir(storage.join(bucket, "not-a-model"), str(tmp_path))
+def test_a_prefix_without_config_names_the_missing_object(gcs_bucket, tmp_path):
+    storage.write_bytes(storage.join(gcs_bucket, "not-a-model", "weights.safetensors"), b"x")
+    with pytest.raises(FileNotFoundError, match=f"{gcs_bucket}/not-a-model/config.json"):
+        local_model_dir(storage.join(gcs_bucket, "not-a-model"), str(tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        local_model_dir(storage.join(bucket, "nothing-here"), str(tmp_path))
+        local_model_dir(storage.join(gcs_bucket, "nothing-here"), str(tmp_path))
 
 
 def flip_first_byte(out):  # noqa: ANN001, ANN201
@@ -256,10 +249,10 @@ def test_two_callers_at_once_download_once(model, tmp_path, monkeypatch):
     assert read_dir(results[0]) == files
 
 
-def test_tokenizer_only_then_weights(chat_model_dir, bucket, tmp_path, monkeypatch):
+def test_tokenizer_only_then_weights(chat_model_dir, gcs_bucket, tmp_path, monkeypatch):
     from rlax_tasks.data import PromptRenderer, PromptSettings
 
-    path = storage.join(bucket, "chat-model")
+    path = storage.join(gcs_bucket, "chat-model")
     for name in os.listdir(chat_model_dir):
         with open(os.path.join(chat_model_dir, name), "rb") as fh:
             storage.write_bytes(storage.join(path, name), fh.read())

@@ -28,6 +28,7 @@ from rlax_tasks.paramserver.mirror import (
     version_dir,
 )
 from rlax_tasks.paramserver.wire import ArraySpec, ChecksumError, Manifest, as_bytes, crc32c
+from tests.compute.helpers import wait_for
 from tests.paramserver.helpers import TOKEN, gcs_emulator, start_server_process
 
 
@@ -42,10 +43,15 @@ def _wait_committed(run_root: str, version: int, timeout_s: float = 20.0) -> Non
         time.sleep(0.05)
 
 
+def _partial_manifest(version: int) -> Manifest:
+    """The manifest of the push ``_start_partial_push`` leaves unfinished."""
+    return Manifest(version, (ArraySpec("a", "float32", (128, 64)),), 1)
+
+
 def _start_partial_push(url: str, version: int) -> socket.socket:
     """Sends the headers, the manifest and a piece of the first block, then stops."""
     parts = urllib.parse.urlsplit(url)
-    man = Manifest(version, (ArraySpec("a", "float32", (128, 64)),), 1).encode()
+    man = _partial_manifest(version).encode()
     sock = socket.create_connection((parts.hostname, parts.port))
     sock.sendall(
         f"PUT /v1/versions/{version} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
@@ -67,7 +73,9 @@ def test_server_killed_mid_push_restarts_from_the_mirror_without_the_partial_ver
         _wait_committed(run_root, 2)
         assert mirrored_versions(run_root) == ([2], [])  # every 2nd version only
         sock = _start_partial_push(url, 4)
-        time.sleep(0.3)
+        # the kill lands mid-push: the server has read version 4's manifest and sized its room
+        receiving = {"bytes": _partial_manifest(4).nbytes, "receiving": True}
+        wait_for(lambda: c.status()["pushes"].get("4") == receiving)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         sock.close()

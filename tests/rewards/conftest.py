@@ -30,17 +30,22 @@ def bwrap_required():
         )
 
 
+def _bwrap_children() -> list[tuple[psutil.Process, str]]:
+    """(process, status) of each bwrap below this test process."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == "bwrap":
+                out.append((child, child.status()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def sandbox_processes(marker: str | None = None) -> list[str]:
     """Processes that belong to a sandbox: a bwrap under this test process, a process whose
     command line has `marker`, or (as root) a process running as a sandbox uid."""
-    found = []
-    me = psutil.Process()
-    for child in me.children(recursive=True):
-        try:
-            if child.name() == "bwrap":
-                found.append(f"{child.pid} bwrap child")
-        except psutil.NoSuchProcess:
-            pass
+    found = [f"{child.pid} bwrap child" for child, _ in _bwrap_children()]
     for proc in psutil.process_iter(["pid", "uids", "cmdline", "status"]):
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE:
@@ -75,12 +80,5 @@ def no_leftovers(bwrap_required):
 def no_unreaped_sandboxes():
     """Every bwrap this test started must have been waited for (no zombies either)."""
     yield
-    me = psutil.Process()
-    left = []
-    for child in me.children(recursive=True):
-        try:
-            if child.name() == "bwrap":
-                left.append(f"{child.pid} {child.status()}")
-        except psutil.NoSuchProcess:
-            pass
+    left = [f"{child.pid} {status}" for child, status in _bwrap_children()]
     assert not left, f"bwrap processes left after the test: {left}"

@@ -10,24 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from rlax_tasks.models import ModelConfig, Policy, load_pretrained
+from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
 from tests.models.hf_models import tiny_hf_model
+from tests.tiny_model import tiny_model_config
 
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    qkv_bias=True,
-    eos_token_id=2,
-)
+CONFIG = tiny_model_config("wide", vocab_size=97, eos_token_id=2)
 LENGTHS = [3, 17, 5, 30, 9, 1]
 
 
@@ -147,16 +137,8 @@ def test_per_request_parameters_in_one_batch(sampler, prompts):
 
 def test_stop_token_ids_and_stop_strings():
     tok = char_tokenizer()
-    config = ModelConfig(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        eos_token_id=2,
+    config = tiny_model_config(
+        "one_layer", model_type="llama", vocab_size=len(tok), qkv_bias=False, eos_token_id=2
     )
     policy = Policy.init(config, seed=0, tokenizer=tok)
     sampler = Sampler(policy, max_slots=2, max_len=64)
@@ -169,26 +151,12 @@ def test_stop_token_ids_and_stop_strings():
     # stop at the first occurrence of a token id: it is kept, reason "stop"
     stop_id = free.tokens[7]
     first = free.tokens.index(stop_id)
-    out = sampler.generate(
-        [prompt],
-        max_new_tokens=30,
-        temperature=1.0,
-        seed=3,
-        ignore_eos=True,
-        stop_token_ids=[stop_id],
-    )[0]
+    out = sampler.generate([prompt], **kwargs, stop_token_ids=[stop_id])[0]
     assert out.tokens == free.tokens[: first + 1] and out.finish_reason == "stop"
 
     # a two-character stop string: the completion ends with the token that completes it
     needle = text[10:12]
-    out = sampler.generate(
-        [prompt],
-        max_new_tokens=30,
-        temperature=1.0,
-        seed=3,
-        ignore_eos=True,
-        stop_strings=[needle],
-    )[0]
+    out = sampler.generate([prompt], **kwargs, stop_strings=[needle])[0]
     assert out.finish_reason == "stop"
     assert tok.decode(out.tokens).endswith(needle)
     assert needle not in tok.decode(out.tokens[:-1])

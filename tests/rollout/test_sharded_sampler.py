@@ -7,20 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_tasks.models import ModelConfig, Policy, make_mesh
+from rlax_tasks.models import Policy, make_mesh
 from rlax_tasks.rollout import Sampler, service
+from tests.tiny_model import tiny_model_config
 
 # every sharded dimension divisible by 8 (heads 16, kv heads 8, ffn 128, vocab 256, hidden 64)
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=8,
-    qkv_bias=True,
+CONFIG = tiny_model_config(
+    "wide", vocab_size=256, num_attention_heads=16, num_key_value_heads=8, head_dim=8
 )
 PROMPTS = [[5, 17, 99, 3], [200, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 6]
 SLOTS, MAX_LEN, NEW = 4, 64, 12

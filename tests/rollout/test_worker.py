@@ -12,26 +12,19 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rlax_tasks.models import ModelConfig, Policy
+from rlax_tasks.models import Policy
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Sampler, SamplingParams
 from rlax_tasks.rollout.service import WorkerClient, create_app
 from rlax_tasks.rollout.worker import FixedWeights, GroupRequest, InferenceWorker
+from tests.compute.helpers import wait_for
+from tests.tiny_model import tiny_model_config
 
 TOKENIZER = char_tokenizer()
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=len(TOKENIZER),
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    qkv_bias=True,
-    eos_token_id=2,
-)
-PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+CONFIG = tiny_model_config(vocab_size=len(TOKENIZER), eos_token_id=2)
+# the sampling settings of every group here, as the HTTP API takes them
+PARAMS_JSON = {"max_new_tokens": 12, "temperature": 1.0, "seed": 4, "ignore_eos": True}
+PARAMS = SamplingParams(**PARAMS_JSON)
 
 
 class VersionedWeights:
@@ -167,12 +160,7 @@ def test_http_service_auth_validation_and_results(policies):
                     "prompt_id": "a",
                     "prompt_tokens": TOKENIZER.encode("1+2="),
                     "group_size": 3,
-                    "params": {
-                        "max_new_tokens": 12,
-                        "temperature": 1.0,
-                        "seed": 4,
-                        "ignore_eos": True,
-                    },
+                    "params": PARAMS_JSON,
                 }
             ]
         }
@@ -218,12 +206,7 @@ def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
                     "prompt_id": "q",
                     "prompt_tokens": TOKENIZER.encode("7+8="),
                     "group_size": 3,
-                    "params": {
-                        "max_new_tokens": 12,
-                        "temperature": 1.0,
-                        "seed": 4,
-                        "ignore_eos": True,
-                    },
+                    "params": PARAMS_JSON,
                 }
             ]
         )
@@ -257,15 +240,14 @@ def test_worker_follows_the_real_parameter_server(policies):
             worker.submit([group("a", "1+2=")])
             first = collect(worker, 1)["a"]
             trainer.push(2, policies[2].params)
-            deadline = time.monotonic() + 30
-            while worker.version != 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: worker.version == 2)  # two versions ahead: j=2 reloads
             worker.submit([group("b", "1+2=")])
             second = collect(worker, 1)["b"]
             acked = server.status()["workers"]
         trainer.close()
         source.close()
-    assert first.version in (0, 2) and second.version == 2
+    # j=2: one version ahead (1) is no reason to reload, so "a" ran on 0; 2 came after "a"
+    assert first.version == 0 and second.version == 2
     assert [c.tokens for c in first.completions] == expected(policies[first.version], "1+2=")
     assert [c.tokens for c in second.completions] == expected(policies[2], "1+2=")
     assert acked["w0"]["acked"] == 2

@@ -89,15 +89,12 @@ def llama_run(tmp_path_factory) -> Run:
     """Llama with tied embeddings and no tokenizer, bfloat16 master weights, PPO (value head)."""
     import jax
 
-    from rlax_tasks.models import ModelConfig, Policy, load_pretrained
+    from rlax_tasks.models import Policy, load_pretrained
+    from tests.tiny_model import tiny_model_config
 
     root = tmp_path_factory.mktemp("llama")
     base = str(root / "base")
-    config = ModelConfig(
-        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        tie_word_embeddings=True,
-    )  # fmt: skip
+    config = tiny_model_config(model_type="llama", qkv_bias=False, tie_word_embeddings=True)
     Policy.init(config, seed=1).save_pretrained(base)
     reference = load_pretrained(base, dtype="float32")
 

@@ -11,32 +11,12 @@ import pytest
 from rlax_tasks.config import load_config
 from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
-from rlax_tasks.models import ModelConfig, Policy
-from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.run.local_run import run_local
-
-
-def tiny_model(path: str) -> None:
-    tok = char_tokenizer()
-    config = ModelConfig(
-        model_type="qwen2",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        qkv_bias=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    Policy.init(config, seed=0, tokenizer=tok).save_pretrained(path)
+from tests.tiny_model import save_char_model
 
 
 def small_config(tmp_path, **extra):
-    tiny_model(str(tmp_path / "model"))
+    save_char_model(str(tmp_path / "model"))
     return load_config(
         "tiny-arith",
         {

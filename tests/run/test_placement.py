@@ -216,9 +216,9 @@ class RecordingSupervisor:
 
 
 def _small(tmp_path, **overrides) -> RunConfig:
-    from tests.run.test_local_run import tiny_model
+    from tests.tiny_model import save_char_model
 
-    tiny_model(str(tmp_path / "model"))
+    save_char_model(str(tmp_path / "model"))
     return load_config(
         "tiny-arith",
         {"run_root": str(tmp_path / "runs"), "model.path": str(tmp_path / "model"),

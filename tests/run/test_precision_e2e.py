@@ -8,11 +8,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
-from rlax_tasks.models import ModelConfig, Policy
-from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.run.export import export_checkpoint
 from rlax_tasks.run.local_run import run_local
 from tests.run.test_local_run import small_config
+from tests.tiny_model import save_char_model
 
 
 def _tensors(path) -> dict[str, np.ndarray]:  # noqa: ANN001
@@ -22,22 +21,7 @@ def _tensors(path) -> dict[str, np.ndarray]:  # noqa: ANN001
 def _base_model(path: str) -> None:
     """The tiny-arith shape class (char tokenizer; the embedding rows of characters arithmetic
     never uses get no gradient, ~3% of this model, as of the preset's)."""
-    tok = char_tokenizer()
-    config = ModelConfig(
-        model_type="qwen2",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        qkv_bias=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    Policy.init(config, seed=0, tokenizer=tok).save_pretrained(path)
+    save_char_model(path, "wide")
 
 
 @pytest.mark.slow

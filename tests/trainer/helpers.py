@@ -1,31 +1,21 @@
-"""A tiny Qwen2 policy and deterministic random RL batches for the trainer tests."""
+"""A tiny Qwen2 policy, deterministic random RL batches and small checkpoint states for the
+trainer tests."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from rlax_tasks.models import ModelConfig, Policy
+from rlax_tasks.models import Policy
+from tests.tiny_model import tiny_model_config
 
 VOCAB = 64
 
 
-def tiny_config() -> ModelConfig:
-    # dims divisible by 2 and 8 so that fsdp / tensor really shard
-    return ModelConfig(
-        model_type="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-    )
-
-
 def tiny_policy(seed: int = 0) -> Policy:
-    return Policy.init(tiny_config(), seed=seed)
+    """The tests' tiny model (vocab ``VOCAB``), random weights from ``seed``."""
+    return Policy.init(tiny_model_config(vocab_size=VOCAB), seed=seed)
 
 
 def random_batch(
@@ -54,3 +44,14 @@ def random_batch(
         "rewards": rng.integers(0, 2, batch).astype(np.float32),
         "group_ids": np.repeat(np.arange(batch // group_size), group_size).astype(np.int32),
     }
+
+
+def small_state(seed: int) -> dict:
+    """A two-array checkpoint state whose values follow from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.standard_normal((4, 8), np.float32)), "n": jnp.asarray(seed)}
+
+
+def abstract(state: dict) -> dict:
+    """The shapes and dtypes of ``state`` (what a restore asks for)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

@@ -17,7 +17,7 @@ import pytest
 from rlax_tasks.algorithms import make_objective
 from rlax_tasks.trainer import Checkpointer, Trainer, TrainerConfig, read_metrics
 from tests.trainer._resume_worker import RESUME_CONFIG
-from tests.trainer.helpers import random_batch, tiny_policy
+from tests.trainer.helpers import abstract, random_batch, small_state, tiny_policy
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_resume_worker.py")
 
@@ -75,20 +75,11 @@ def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
             assert a[key] == b[key], key
 
 
-def _small_state(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((4, 8), np.float32)), "n": jnp.asarray(seed)}
-
-
-def _abstract(state: dict) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-
-
 def test_incomplete_checkpoints_are_never_chosen(tmp_path):
     directory = tmp_path / "checkpoints"
     ckpt = Checkpointer(str(directory), max_to_keep=10)
     for step in (1, 2):
-        ckpt.save(step, _small_state(step), {"step": step})
+        ckpt.save(step, small_state(step), {"step": step})
     ckpt.close()
     # what crashes leave behind: a step dir with partial contents, copies missing the commit
     # metadata or an item's metadata, an Orbax temporary directory
@@ -102,16 +93,16 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
 
     reopened = Checkpointer(str(directory), max_to_keep=10)
     assert reopened.complete_steps() == [1, 2]
-    step, state, meta = reopened.restore_latest(_abstract(_small_state(0)))
+    step, state, meta = reopened.restore_latest(abstract(small_state(0)))
     assert (step, meta) == (2, {"step": 2})
-    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(_small_state(2)["w"]))
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(small_state(2)["w"]))
     # the debris is gone, so the next save of step 3 works and becomes the latest
     assert sorted(os.listdir(directory)) == ["1", "2"]
-    reopened.save(3, _small_state(3), {"step": 3})
+    reopened.save(3, small_state(3), {"step": 3})
     reopened.wait()
     assert reopened.latest_step() == 3
     with pytest.raises(FileNotFoundError, match="no complete checkpoint of step 7"):
-        reopened.restore(7, _abstract(_small_state(0)))
+        reopened.restore(7, abstract(small_state(0)))
     reopened.close()
 
 

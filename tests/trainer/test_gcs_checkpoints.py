@@ -8,34 +8,18 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_tasks import storage
 from rlax_tasks.trainer import Checkpointer, MetricsWriter, read_metrics
 from tests.compute.helpers import wait_for
-from tests.paramserver.helpers import gcs_emulator
-
-
-@pytest.fixture(scope="module")
-def bucket():
-    with gcs_emulator("gcs-checkpoints-test") as root:
-        yield root
+from tests.trainer.helpers import abstract, small_state
 
 
 @pytest.fixture
-def run_dir(bucket, request):
-    return storage.join(bucket, "runs", request.node.name)
-
-
-def small_state(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((4, 8), np.float32)), "n": jnp.asarray(seed)}
-
-
-def abstract(state: dict) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+def run_dir(gcs_bucket, request):
+    return storage.join(gcs_bucket, "runs", request.node.name)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -139,10 +123,10 @@ def test_gcs_metrics_upload_in_the_background_and_resume_after_a_restart(run_dir
     assert [r["loss"] for r in read_metrics(path)] == [0.5, 0.25, 0.125]
 
 
-def test_the_dashboard_shows_a_gcs_run(bucket):
+def test_the_dashboard_shows_a_gcs_run(gcs_bucket):
     from rlax_dashboard.runs import list_runs, read_series
 
-    root = storage.join(bucket, "dashboard-root")
+    root = storage.join(gcs_bucket, "dashboard-root")
     run = storage.join(root, "gcs-run")
     storage.write_bytes(storage.join(run, "config.yaml"), b"run_id: gcs-run\n")
     with MetricsWriter(storage.join(run, "metrics.jsonl")) as writer:

@@ -13,7 +13,7 @@ from rlax_tasks.algorithms import make_objective
 from rlax_tasks.models import Policy
 from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.trainer import Trainer
-from tests.trainer.helpers import random_batch, tiny_config
+from tests.trainer.helpers import random_batch
 
 jax = pytest.importorskip("jax")
 
@@ -25,8 +25,8 @@ LOSS_TOLERANCE = 0.05
 LOGPROB_TOLERANCE = 0.1
 
 
-def _train(dtype: str, param_dtype: str, lr: float, steps: int, tmp_path) -> tuple:  # noqa: ANN001
-    policy = Policy.init(tiny_config(), dtype=dtype, param_dtype=param_dtype, seed=0)
+def _train(model, dtype: str, param_dtype: str, lr: float, steps: int, tmp_path) -> tuple:  # noqa: ANN001
+    policy = Policy.init(model, dtype=dtype, param_dtype=param_dtype, seed=0)
     initial = [np.asarray(x, np.float32) for x in jax.tree.leaves(policy.params)]
     config = TrainerConfig(learning_rate=lr, mesh_shape=(1, 1, 1), async_checkpointing=False)
     run_dir = tmp_path / f"{dtype}-{param_dtype}-{lr}"
@@ -56,9 +56,11 @@ def _train(dtype: str, param_dtype: str, lr: float, steps: int, tmp_path) -> tup
     )
 
 
-def test_bfloat16_compute_keeps_float32_master_weights_and_moments(tmp_path) -> None:  # noqa: ANN001
-    f32, _, f32_dtypes, _ = _train("float32", "float32", 1e-6, 3, tmp_path)[:4]
-    mixed, _, mixed_dtypes, mixed_moments = _train("bfloat16", "float32", 1e-6, 3, tmp_path)[:4]
+def test_bfloat16_compute_keeps_float32_master_weights_and_moments(tiny_config, tmp_path) -> None:  # noqa: ANN001
+    f32, _, f32_dtypes, _ = _train(tiny_config, "float32", "float32", 1e-6, 3, tmp_path)[:4]
+    mixed, _, mixed_dtypes, mixed_moments = _train(
+        tiny_config, "bfloat16", "float32", 1e-6, 3, tmp_path
+    )[:4]
     assert f32 >= 0.95, f32
     assert mixed >= 0.95, f"bfloat16 compute changed only {mixed:.1%} of the float32 weights"
     assert mixed_dtypes == {"float32"} and mixed_moments == {"float32"}, (
@@ -66,17 +68,17 @@ def test_bfloat16_compute_keeps_float32_master_weights_and_moments(tmp_path) -> 
         mixed_moments,
     )
     # what the presets did before (parameters in the compute dtype): the updates are lost
-    low, _, low_dtypes, _ = _train("bfloat16", "bfloat16", 1e-6, 3, tmp_path)[:4]
+    low, _, low_dtypes, _ = _train(tiny_config, "bfloat16", "bfloat16", 1e-6, 3, tmp_path)[:4]
     assert low_dtypes == {"bfloat16"}
     assert low < 0.2, low
 
 
-def test_bfloat16_compute_trains_like_float32(tmp_path) -> None:  # noqa: ANN001
-    _, loss32, _, _, lp32 = _train("float32", "float32", 1e-3, 20, tmp_path)
-    _, loss16, _, _, lp16 = _train("bfloat16", "float32", 1e-3, 20, tmp_path)
+def test_bfloat16_compute_trains_like_float32(tiny_config, tmp_path) -> None:  # noqa: ANN001
+    _, loss32, _, _, lp32 = _train(tiny_config, "float32", "float32", 1e-3, 20, tmp_path)
+    _, loss16, _, _, lp16 = _train(tiny_config, "bfloat16", "float32", 1e-3, 20, tmp_path)
     assert np.abs(loss16 - loss32).max() <= LOSS_TOLERANCE * np.abs(loss32).max(), (loss32, loss16)
     held_out = random_batch(99, batch=8, seq_len=32)
-    initial = Policy.init(tiny_config(), seed=0).token_logprobs(
+    initial = Policy.init(tiny_config, seed=0).token_logprobs(
         held_out["input_ids"], held_out["attention_mask"]
     )
     initial = np.asarray(initial) * held_out["completion_mask"]

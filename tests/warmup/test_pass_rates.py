@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlax_tasks.models import ModelConfig, Policy
+from rlax_tasks.models import Policy
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rewards.tasks import ArithmeticTask, Problem
 from rlax_tasks.warmup import TinyArith, evaluate_pass_rates
+from tests.tiny_model import tiny_model_config
 
 TOKENIZER = char_tokenizer()
 VOCAB = len(TOKENIZER)
@@ -28,15 +29,13 @@ def bigram_policy(next_tokens: dict[str, list[str]]) -> Policy:
     Attention and MLP outputs are zero, so the residual stream is the one-hot embedding of the
     current token; the LM head row of that token holds the bigram logits.
     """
-    config = ModelConfig(
-        model_type="qwen2",
+    config = tiny_model_config(
+        "one_layer",
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         head_dim=40,
+        qkv_bias=False,
         eos_token_id=TOKENIZER.eos_token_id,
         bos_token_id=TOKENIZER.bos_token_id,
         pad_token_id=TOKENIZER.pad_token_id,

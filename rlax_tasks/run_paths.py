@@ -1,0 +1,98 @@
+"""The file names of one run directory (DESIGN §7): the one module that spells them.
+
+``run_paths(run_dir)`` gives every fixed file and folder of ``run_root/<run_id>/`` (a local path
+or a ``gs://`` URI, joined with ``storage.join``); everything else imports it. JAX-free, so the
+Airflow plugin, the DAGs and the trainer all use it::
+
+    paths = run_paths(cfg.run_dir)
+    storage.write_bytes(paths.status, ...)          # <run_dir>/status.json
+    paths.eval_results(3)                           # <run_dir>/eval/v3/results.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlax_tasks import storage
+
+# the names, relative to the run directory (DESIGN §7 is the contract: do not rename)
+CONFIG = "config.yaml"  # the resolved run configuration
+CHECKPOINTS = "checkpoints"  # Orbax checkpoints, checkpoints/<step>/
+WEIGHTS = "weights"  # the parameter server's durable mirror, weights/v<version>/
+SNAPSHOTS = "snapshots"  # controller snapshots, snapshots/<step>.json
+SNAPSHOT_POINTER = "LATEST"  # snapshots/LATEST: the newest committed snapshot
+ROLLOUTS = "rollouts"  # scored rollouts as Parquet
+LINEAGE = "lineage.jsonl"  # per step: prompts consumed, rollout versions used, dropped
+METRICS = "metrics.jsonl"  # per step metrics
+WEIGHT_SYNC = "weight_sync.jsonl"  # per pushed version: the push time
+TB = "tb"  # TensorBoard events
+EVAL = "eval"  # evaluation results and plots
+EVAL_RESULTS = "results.json"  # eval/v<version>/results.json: one evaluation's results
+EVAL_PROGRESS = "progress.jsonl"  # eval/progress.jsonl: the in-training evaluations
+HELDOUT = "heldout.jsonl"  # eval/heldout.jsonl: the held-out prompts
+REPORT_JSON = "report.json"  # eval/report.json: the run report's numbers
+REPORT_MD = "report.md"  # eval/report.md: the run report
+STATUS = "status.json"  # the Airflow run's status record
+WORKERS = "workers.json"  # the rollout workers' addresses
+SERVICES = "services"  # services/<job>.json: the address each service published
+LOGS = "logs"  # the local run's process logs
+DONE = "DONE"  # marker: the run is complete
+SLICES = "slices"  # the compute backends' per-slice state, slices/<name>/
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The paths of one run directory's fixed files and folders (see the module constants)."""
+
+    root: str
+    config: str
+    checkpoints: str
+    weights: str
+    snapshots: str
+    snapshot_pointer: str
+    rollouts: str
+    lineage: str
+    metrics: str
+    weight_sync: str
+    tb: str
+    eval: str
+    eval_progress: str
+    heldout: str
+    report_json: str
+    report_md: str
+    status: str
+    workers: str
+    services: str
+    logs: str
+    done: str
+    slices: str
+
+    def service(self, job: str) -> str:
+        """``services/<job>.json``: where job ``job`` publishes its address."""
+        return storage.join(self.services, f"{job}.json")
+
+    def eval_dir(self, version: int) -> str:
+        """``eval/v<version>``: the evaluation of weight version ``version``."""
+        return storage.join(self.eval, f"v{version}")
+
+    def eval_results(self, version: int) -> str:
+        """``eval/v<version>/results.json``."""
+        return storage.join(self.eval_dir(version), EVAL_RESULTS)
+
+
+# attribute of RunPaths -> its path below the run directory
+_LAYOUT: dict[str, tuple[str, ...]] = {
+    "config": (CONFIG,), "checkpoints": (CHECKPOINTS,), "weights": (WEIGHTS,),
+    "snapshots": (SNAPSHOTS,), "snapshot_pointer": (SNAPSHOTS, SNAPSHOT_POINTER),
+    "rollouts": (ROLLOUTS,), "lineage": (LINEAGE,), "metrics": (METRICS,),
+    "weight_sync": (WEIGHT_SYNC,), "tb": (TB,), "eval": (EVAL,),
+    "eval_progress": (EVAL, EVAL_PROGRESS), "heldout": (EVAL, HELDOUT),
+    "report_json": (EVAL, REPORT_JSON), "report_md": (EVAL, REPORT_MD), "status": (STATUS,),
+    "workers": (WORKERS,), "services": (SERVICES,), "logs": (LOGS,), "done": (DONE,),
+    "slices": (SLICES,),
+}  # fmt: skip
+
+
+def run_paths(run_dir: str) -> RunPaths:
+    """The fixed paths of the run directory ``run_dir`` (local path or gs:// URI)."""
+    return RunPaths(run_dir, **{k: storage.join(run_dir, *p) for k, p in _LAYOUT.items()})

@@ -1,0 +1,99 @@
+"""rlax_tasks.run_paths: the run directory's layout (DESIGN §7), spelled in one module only."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+
+from rlax_tasks import run_paths as layout
+from rlax_tasks.run_paths import run_paths
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+OWNER = "rlax_tasks/run_paths.py"
+
+# DESIGN §7 (and the files the services and Airflow add): attribute -> path below the run
+LAYOUT = {
+    "config": "config.yaml",
+    "checkpoints": "checkpoints",
+    "weights": "weights",
+    "snapshots": "snapshots",
+    "snapshot_pointer": "snapshots/LATEST",
+    "rollouts": "rollouts",
+    "lineage": "lineage.jsonl",
+    "metrics": "metrics.jsonl",
+    "weight_sync": "weight_sync.jsonl",
+    "tb": "tb",
+    "eval": "eval",
+    "eval_progress": "eval/progress.jsonl",
+    "heldout": "eval/heldout.jsonl",
+    "report_json": "eval/report.json",
+    "report_md": "eval/report.md",
+    "status": "status.json",
+    "workers": "workers.json",
+    "services": "services",
+    "logs": "logs",
+    "done": "DONE",
+    "slices": "slices",
+}
+
+
+@pytest.mark.parametrize("root", ["/tmp/runs/r1", "/tmp/runs/r1/", "gs://bucket/runs/r1"])
+def test_every_fixed_path_sits_where_design_7_puts_it(root):
+    paths = run_paths(root)
+    base = root.rstrip("/")
+    fields = {f.name for f in dataclasses.fields(paths)} - {"root"}
+    assert fields == set(LAYOUT)
+    for name, rel in LAYOUT.items():
+        assert getattr(paths, name) == f"{base}/{rel}", name
+    assert paths.service("ps") == f"{base}/services/ps.json"
+    assert paths.eval_dir(3) == f"{base}/eval/v3"
+    assert paths.eval_results(3) == f"{base}/eval/v3/results.json"
+
+
+def test_run_paths_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run_paths("/r").metrics = "/elsewhere"  # type: ignore[misc]
+
+
+# the names no module but the owner may spell as a string literal
+NAMES = [v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and "." in v] + [
+    layout.CHECKPOINTS,
+    layout.SNAPSHOTS,
+    layout.SNAPSHOT_POINTER,
+    layout.SERVICES,
+]
+# short names that are also ordinary words ("eval" the subcommand, "DONE" a trigger state):
+# only joining them onto a path counts
+JOINED = [layout.EVAL, layout.DONE, layout.WEIGHTS, layout.ROLLOUTS, layout.LOGS, layout.TB]
+JOINED.append(layout.SLICES)
+# a module that spells one of the names for something that is not a run directory
+ELSEWHERE = {"rlax_tasks/curation/report.py": {"report.json", "report.md"}}  # curation output
+
+
+def _offences(text: str, allowed: set[str]) -> list[str]:
+    out = [n for n in NAMES if n not in allowed and re.search(rf"[\"']{re.escape(n)}[\"']", text)]
+    out += [n for n in JOINED if re.search(rf"join\([^)]*[\"']{re.escape(n)}[\"']", text)]
+    return out
+
+
+def test_no_module_but_run_paths_spells_a_run_file_name():
+    sources = [p for d in ("rlax_tasks", "dags", "plugins") for p in (REPO / d).rglob("*.py")]
+    assert len(sources) > 50
+    found = {}
+    for path in sources:
+        rel = path.relative_to(REPO).as_posix()
+        if rel == OWNER:
+            continue
+        offences = _offences(path.read_text(encoding="utf-8"), ELSEWHERE.get(rel, set()))
+        if offences:
+            found[rel] = offences
+    assert not found, f"spell these through rlax_tasks.run_paths: {found}"
+
+
+def test_the_check_catches_a_spelled_name():
+    assert _offences('path = storage.join(run_dir, "metrics.jsonl")', set()) == ["metrics.jsonl"]
+    assert _offences('done = os.path.join(run_dir, "DONE")', set()) == ["DONE"]
+    assert _offences('state = "DONE"', set()) == []
