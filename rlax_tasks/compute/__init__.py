@@ -31,48 +31,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Protocol, runtime_checkable
 
-from rlax_tasks.compute.types import (
-    CONFIG_ERROR_EXIT_CODE,
-    COORDINATOR_ADDRESS_ENV,
-    COORDINATOR_PORT_ENV,
-    DEFAULT_COORDINATOR_PORT,
-    HOST_ADDRESS_ENV,
-    MANAGED_LABEL,
-    NUM_PROCESSES_ENV,
-    PROCESS_ID_ENV,
-    RUN_ID_LABEL,
-    WORKER_ID_ENV,
-    JobHandle,
-    JobSpec,
-    JobState,
-    JobStatus,
-    SliceHandle,
-    SliceSpec,
-    SliceState,
-)
+from rlax_tasks.compute import types as _types
+from rlax_tasks.compute.types import *  # noqa: F403  (the specs, handles, states, env names)
 
-__all__ = [
-    "BACKENDS",
-    "CONFIG_ERROR_EXIT_CODE",
-    "COORDINATOR_ADDRESS_ENV",
-    "COORDINATOR_PORT_ENV",
-    "DEFAULT_COORDINATOR_PORT",
-    "HOST_ADDRESS_ENV",
-    "MANAGED_LABEL",
-    "NUM_PROCESSES_ENV",
-    "PROCESS_ID_ENV",
-    "RUN_ID_LABEL",
-    "WORKER_ID_ENV",
-    "Backend",
-    "JobHandle",
-    "JobSpec",
-    "JobState",
-    "JobStatus",
-    "SliceHandle",
-    "SliceSpec",
-    "SliceState",
-    "get_backend",
-]
+__all__ = [*_types.__all__, "BACKENDS", "Backend", "get_backend"]
 
 BACKENDS = ("local", "cloud_tpu")
 
@@ -83,19 +45,23 @@ class Backend(Protocol):
 
     name: str
 
-    def provision(self, spec: SliceSpec) -> SliceHandle: ...
+    def provision(self, spec: _types.SliceSpec) -> _types.SliceHandle: ...
 
-    def slice_state(self, handle: SliceHandle | dict) -> SliceState: ...
+    def slice_state(self, handle: _types.SliceHandle | dict) -> _types.SliceState: ...
 
-    def start_job(self, handle: SliceHandle | dict, job: JobSpec) -> JobHandle: ...
+    def start_job(
+        self, handle: _types.SliceHandle | dict, job: _types.JobSpec
+    ) -> _types.JobHandle: ...
 
-    def job_state(self, job: JobHandle | dict) -> JobStatus: ...
+    def job_state(self, job: _types.JobHandle | dict) -> _types.JobStatus: ...
 
-    def stop_job(self, job: JobHandle | dict) -> None: ...
+    def stop_job(self, job: _types.JobHandle | dict) -> None: ...
 
-    def teardown(self, handle: SliceHandle | dict) -> None: ...
+    def teardown(self, handle: _types.SliceHandle | dict) -> None: ...
 
-    def list_slices(self, label_filter: dict[str, str] | None = None) -> list[SliceHandle]: ...
+    def list_slices(
+        self, label_filter: dict[str, str] | None = None
+    ) -> list[_types.SliceHandle]: ...
 
 
 def get_backend(name: str = "local", **settings: Any) -> Backend:

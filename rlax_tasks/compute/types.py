@@ -12,6 +12,14 @@ import enum
 import re
 from typing import Any
 
+# what rlax_tasks.compute exports from here
+__all__ = [
+    "CONFIG_ERROR_EXIT_CODE", "COORDINATOR_ADDRESS_ENV", "COORDINATOR_PORT_ENV",
+    "DEFAULT_COORDINATOR_PORT", "HOST_ADDRESS_ENV", "MANAGED_LABEL", "NUM_PROCESSES_ENV",
+    "PROCESS_ID_ENV", "RUN_ID_LABEL", "WORKER_ID_ENV", "JobHandle", "JobSpec", "JobState",
+    "JobStatus", "SliceHandle", "SliceSpec", "SliceState",
+]
+
 # label carrying the run id: local slices live under <run_root>/<run_id>/slices/<name>/ and the
 # janitor filters on it
 RUN_ID_LABEL = "rlax-run-id"
