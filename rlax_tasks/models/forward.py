@@ -113,14 +113,22 @@ def extend_cache(
     cache: KVCache,
     start: jax.Array,
     fresh: bool = False,
+    window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
 
     Returns float32 logits [B, T, V] and the updated cache; prefill and decode are both this call.
     ``fresh``: an empty cache of exactly T entries at offset 0 (attention is self-attention).
+    ``window`` (static): attention reads only the cache's first ``window`` entries.
     """
     model = nnx.merge(graphdef, params)
     hidden, cache = model.hidden_states_cached(
-        jnp.asarray(input_ids, jnp.int32), positions, valid.astype(bool), cache, start, fresh
+        jnp.asarray(input_ids, jnp.int32),
+        positions,
+        valid.astype(bool),
+        cache,
+        start,
+        fresh,
+        window,
     )
     return model.unembed(hidden), cache

@@ -112,8 +112,8 @@ def _prefill(
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
     cache = KVCache(
-        k=cache.k.at[:, slots, :bucket].set(fresh.k, mode="drop"),
-        v=cache.v.at[:, slots, :bucket].set(fresh.v, mode="drop"),
+        k=cache.k.at[:, slots, :, :, :bucket].set(fresh.k, mode="drop"),
+        v=cache.v.at[:, slots, :, :bucket].set(fresh.v, mode="drop"),
         positions=cache.positions.at[slots, :bucket].set(positions, mode="drop"),
         valid=cache.valid.at[slots].set(row_valid, mode="drop"),
     )
@@ -130,14 +130,22 @@ def _decode(
     steps: int,
     filtering: bool,
     sampling: bool,
+    window: int | None,
+    refill: jax.Array,
 ) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
-    """``steps`` decode steps of every slot; returns tokens, log-probs, emitted flags [steps, S].
+    """Up to ``steps`` decode steps of every slot in one device loop; returns tokens, log-probs
+    and emitted flags [steps, S] (rows past the last step run: nothing emitted).
 
-    A slot that finishes (stop token or budget) stops emitting and writing within the chunk.
+    Stop, EOS and length checks run on the device: a slot that finishes stops emitting and
+    writing. The loop ends early when no slot is active, or, with ``refill`` (a bool scalar: the
+    host has requests waiting for a slot), as soon as a slot has finished. ``window`` (static):
+    attention reads only the first ``window`` cache entries, which hold every slot's tokens to
+    the end of the call (``decode_window``).
     """
+    slots = state.active.shape[0]
 
-    def step(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple, tuple]:
-        cache, st = carry
+    def step(carry: tuple) -> tuple:
+        i, cache, st, out, ended = carry
         logits, cache = forward.extend_cache(
             graphdef,
             params,
@@ -146,6 +154,7 @@ def _decode(
             st.active[:, None],
             cache,
             st.position,
+            window=window,
         )
         keys = jax.vmap(token_key)(st.key, st.generated)
         tokens, logprobs = sample_tokens(
@@ -153,21 +162,42 @@ def _decode(
         )
         emitted = st.active
         generated = st.generated + emitted.astype(jnp.int32)
+        active = emitted & ~_finished(tokens, generated, st)
         st = st._replace(
             last_token=jnp.where(emitted, tokens, st.last_token),
             position=st.position + emitted.astype(jnp.int32),
             generated=generated,
-            active=emitted & ~_finished(tokens, generated, st),
+            active=active,
         )
-        return (constrain_cache(cache), st), (tokens, logprobs, emitted)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (tokens, logprobs, emitted), strict=True))
+        return i + 1, constrain_cache(cache), st, out, ended | jnp.any(emitted & ~active)
 
-    (cache, state), out = jax.lax.scan(step, (cache, state), None, length=steps)
+    def more(carry: tuple) -> jax.Array:
+        i, _, st, _, ended = carry
+        return (i < steps) & jnp.any(st.active) & ~(refill & ended)
+
+    out = (
+        jnp.zeros((steps, slots), jnp.int32),
+        jnp.zeros((steps, slots), jnp.float32),
+        jnp.zeros((steps, slots), bool),
+    )
+    start = (jnp.zeros((), jnp.int32), cache, state, out, jnp.zeros((), bool))
+    _, cache, state, out, _ = jax.lax.while_loop(more, step, start)
     return cache, state, *out
 
 
 # module-level: one compilation cache shared by every Sampler of the same model and shapes
 _PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 9, 10), donate_argnums=(3, 4))
-_DECODE = jax.jit(_decode, static_argnums=(0, 4, 5, 6), donate_argnums=(2, 3))
+_DECODE = jax.jit(_decode, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(2, 3))
+# the smallest attention window of a decode chunk: windows are this times a power of two (at
+# most max_len), so a sampler compiles a handful of decode programs
+MIN_WINDOW = 64
+
+
+def decode_window(end: int, max_len: int) -> int:
+    """The cache entries a decode chunk attends over when its slots' tokens end before ``end``:
+    MIN_WINDOW times a power of two covering ``end``, at most max_len."""
+    return min(max(MIN_WINDOW, 1 << (end - 1).bit_length()), max_len)
 
 
 def prompt_bucket(length: int, max_len: int) -> int:
@@ -465,9 +495,14 @@ class Sampler:
             self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
 
     def _decode_chunk(self, finished: list[Completion]) -> None:
-        live = [s.request.params for s in self._slots if s is not None]
+        slots = [s for s in self._slots if s is not None]
+        live = [s.request.params for s in slots]
         filtering = any(p.filtering for p in live)
         sampling = any(p.temperature > 0 for p in live)
+        # a slot's next token goes to cache entry len(prompt) + generated - 1: after this chunk
+        # every entry written lies below ``end``
+        end = max(len(s.request.prompt) + len(s.tokens) for s in slots) + self.decode_chunk
+        window = decode_window(end, self.max_len)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(
@@ -478,6 +513,10 @@ class Sampler:
                 self.decode_chunk,
                 filtering,
                 sampling,
+                window,
+                # continuous batching: back to the host as soon as a slot frees for a waiting
+                # request (static batching refills only when every slot is free)
+                np.bool_(self.batching == "continuous" and bool(self._waiting)),
             )
             tokens, logprobs, emitted, active = jax.device_get(
                 (tokens, logprobs, emitted, self._state.active)

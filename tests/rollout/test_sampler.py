@@ -14,6 +14,7 @@ from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
+from rlax_tasks.rollout.sampler import decode_window
 from tests.models.hf_models import tiny_hf_model
 from tests.tiny_model import tiny_model_config
 
@@ -45,6 +46,21 @@ def test_greedy_equals_no_cache_reference_decode(sampler, policy, prompts):
     for o in outs:
         assert o.finish_reason == ("eos" if o.tokens[-1] == 2 else "length")
         assert len(o.tokens) == len(o.logprobs)
+
+
+def test_decode_attends_over_a_window_that_grows_with_its_slots(policy):
+    """Decode reads only the cache entries its slots have written (a window of MIN_WINDOW times a
+    power of two); completions that cross from one window into the next stay exact."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, CONFIG.vocab_size, n)] for n in (50, 3, 61)]
+    sampler = Sampler(policy, max_slots=2, max_len=200, decode_chunk=5)
+    outs = sampler.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    assert [o.tokens for o in outs] == greedy_decode(policy, prompts, 40, stop_ids=[])
+    for prompt, out in zip(prompts, outs, strict=True):  # every step saw every earlier token
+        forward = policy.token_logprobs(np.array(prompt + out.tokens)[None])[0, len(prompt) :]
+        np.testing.assert_allclose(out.logprobs, np.asarray(forward), atol=1e-5)
+    windows = [decode_window(n, 200) for n in (1, 64, 65, 128, 129, 257)]
+    assert windows == [64, 64, 128, 128, 200, 200]
 
 
 def test_greedy_equals_transformers_generate(tmp_path):
