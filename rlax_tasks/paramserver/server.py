@@ -58,6 +58,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -341,6 +342,14 @@ class _Server(http.server.ThreadingHTTPServer):
         self.socket.close()
         self.socket, self.server_address = sock, sock.getsockname()
         self.server_name, self.server_port = self.server_address[:2]
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-request (reset, timed out) is a debug line, not a
+        traceback on stderr; anything else is reported as the standard library does."""
+        if isinstance(sys.exc_info()[1], ConnectionResetError | BrokenPipeError | TimeoutError):
+            log.debug("client %s went away: %s", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
 
 
 class _Bounded:
