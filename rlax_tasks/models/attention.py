@@ -29,12 +29,6 @@ SPLASH_BLOCK = 128
 MASK_VALUE = -1e30
 
 
-# einsum layouts of k and v (b: batch, s: key position, k: kv head, d: head dim): activations, and
-# the KV cache's, whose keys are stored transposed so that neither decode product transposes them
-ACTIVATION_LAYOUTS = ("bskd", "bskd")
-CACHE_LAYOUTS = ("bkds", "bksd")
-
-
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -42,30 +36,22 @@ def attend(
     q_positions: jax.Array,
     k_positions: jax.Array,
     k_valid: jax.Array,
-    layouts: tuple[str, str] = ACTIVATION_LAYOUTS,
 ) -> jax.Array:
     """Grouped-query attention with a position-based causal mask (the reference).
 
-    q [B,T,H,hd]; k, v [B,S,KV,hd] (or as ``layouts`` says: CACHE_LAYOUTS for a KV cache's
-    k [B,KV,hd,S] and v [B,KV,S,hd]); a query attends to valid keys whose position is not after its
+    q [B,T,H,hd]; k, v [B,S,KV,hd]; a query attends to valid keys whose position is not after its
     own. Positions (not indices) define causality, so left padding and a KV cache use one code path.
     """
-    k_layout, v_layout = layouts
-    dtype = v.dtype
-    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        # XLA's CPU dot has no bf16 x bf16 -> f32 kernel for every layout (UNIMPLEMENTED at run
-        # time): upcast the operands; their products are exact in f32, so the result is the same
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     b, t, h, hd = q.shape
-    kv = v.shape[v_layout.index("k")]
+    kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum(f"btkgd,{k_layout}->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
     mask = (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(v.dtype)
-    out = jnp.einsum(f"bkgts,{v_layout}->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(dtype).reshape(b, t, h, hd)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(v.dtype).reshape(b, t, h, hd)
 
 
 def blocked_causal_attend(

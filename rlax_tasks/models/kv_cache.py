@@ -18,20 +18,15 @@ from rlax_tasks.models.sharding import BATCH, AxisSpec, constrain, fit_spec
 # mesh axes of each cache array: slots over the data-parallel axes, kv heads over "tensor" (the
 # layout of the attention's k/v activations, so a decode step never moves the cache)
 CACHE_AXES: dict[str, tuple[AxisSpec, ...]] = {
-    "k": (None, BATCH, "tensor", None, None),
-    "v": (None, BATCH, "tensor", None, None),
+    "k": (None, BATCH, None, "tensor", None),
+    "v": (None, BATCH, None, "tensor", None),
     "positions": (BATCH, None),
     "valid": (BATCH, None),
 }
 
 
 class KVCache(NamedTuple):
-    """k: [layers, B, kv_heads, head_dim, S] (keys transposed), v: [layers, B, kv_heads, S,
-    head_dim]; positions [B, S] int32; valid [B, S] bool.
-
-    Each layer's slice is already in the layout of the decode attention's two matrix products
-    (q·K and p·V, batched over slots and kv heads), so a decode step reads the cache without
-    transposing it (half the attention time of a [B, S, kv_heads, head_dim] cache on CPU)."""
+    """k, v: [layers, B, S, kv_heads, head_dim]; positions [B, S] int32; valid [B, S] bool."""
 
     k: jax.Array
     v: jax.Array
@@ -40,15 +35,15 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.positions.shape[1]
+        return self.k.shape[2]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """An empty cache (every entry invalid) for ``batch`` rows of ``max_len`` tokens."""
-    layers, kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
     return KVCache(
-        k=jnp.zeros((layers, batch, kv, hd, max_len), dtype),
-        v=jnp.zeros((layers, batch, kv, max_len, hd), dtype),
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
         positions=jnp.zeros((batch, max_len), jnp.int32),
         valid=jnp.zeros((batch, max_len), bool),
     )
