@@ -121,10 +121,6 @@ class HttpStatusError(Exception):
         self.reply = reply
 
 
-def _status_error(reply: Reply, what: str) -> Exception:
-    return HttpStatusError(reply, what)
-
-
 def _as_is(error: Exception, what: str) -> Exception:
     return error
 
@@ -152,7 +148,7 @@ class JsonClient:
         backoff_s: float = 0.1,
         max_backoff_s: float = 1.0,
         retry_status: Callable[[int], bool] | None = None,
-        refused: Callable[[Reply, str], Exception] = _status_error,
+        refused: Callable[[Reply, str], Exception] = HttpStatusError,
         unreachable: Callable[[Exception, str], Exception] = _as_is,
         retry_log_level: int = logging.DEBUG,
     ) -> None:

@@ -41,6 +41,7 @@ from rlax_tasks.data.schema import (
     check_tests,
     is_missing,
 )
+from rlax_tasks.validation import did_you_mean
 
 Record = Mapping[str, Any]
 Row = dict[str, Any]
@@ -459,10 +460,7 @@ def get_format(name: str, columns: Mapping[str, str] | None = None) -> DataForma
     if columns:
         raise ValueError(f"columns: only for format 'columns', not {name!r}")
     if name not in FORMATS:
-        import difflib
-
-        close = difflib.get_close_matches(str(name), FORMAT_NAMES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(name, FORMAT_NAMES)
         raise ValueError(
             f"unknown dataset format {name!r}{hint}; formats: {', '.join(FORMAT_NAMES)}"
         )

@@ -259,7 +259,8 @@ class ParameterServerClient:
             except PushTimeoutError:
                 raise  # a TimeoutError, hence an OSError: not a transport error to retry
             except _TRANSPORT_ERRORS as e:
-                self._transfer_failed(e, attempt, f"push of {what} to {self.url}")
+                where = f"push of {what} to {self.url}"
+                self._transfer_failed(e, attempt, where, attempt >= self.retries)
         log.info(
             "pushed %s (%.1f MB, %d blocks) in %.2fs",
             what,
@@ -441,7 +442,8 @@ class ParameterServerClient:
                     ) from e
                 log.warning("version %d failed verification (%s); pulling again", version, e)
             except _TRANSPORT_ERRORS as e:
-                self._transfer_failed(e, attempt, f"pull of version {version} from {self.url}")
+                what = f"pull of version {version} from {self.url}"
+                self._transfer_failed(e, attempt, what, attempt >= self.retries)
         raise AssertionError  # pragma: no cover
 
     def _pull_once(
@@ -565,12 +567,10 @@ class ParameterServerClient:
         """One small JSON request, retried on transport errors; the decoded JSON reply."""
         return self._http.call(method, path, body, headers=self._extra_headers())
 
-    def _transfer_failed(
-        self, error: Exception, attempt: int, what: str, last: bool | None = None
-    ) -> None:
-        """After a push or pull broke off: ServerUnavailableError when it was the last attempt
-        (by default: attempt ``retries``), else a warning and a back-off before the next."""
-        if last if last is not None else attempt >= self.retries:
+    def _transfer_failed(self, error: Exception, attempt: int, what: str, last: bool) -> None:
+        """After a push or pull broke off: ServerUnavailableError when it was the ``last``
+        attempt, else a warning and the back-off after ``attempt`` before the next."""
+        if last:
             raise ServerUnavailableError(f"{what} failed: {error!r}") from error
         log.warning("%s failed (%r); retrying", what, error)
         time.sleep(backoff_s(attempt, 0.2, 2.0))

@@ -189,20 +189,25 @@ def _decode(
 # module-level: one compilation cache shared by every Sampler of the same model and shapes
 _PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 9, 10), donate_argnums=(3, 4))
 _DECODE = jax.jit(_decode, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(2, 3))
-# the smallest attention window of a decode chunk: windows are this times a power of two (at
-# most max_len), so a sampler compiles a handful of decode programs
+# the smallest attention window of a decode chunk: windows are powers of two (at most max_len),
+# so a sampler compiles a handful of decode programs
 MIN_WINDOW = 64
+
+
+def _power_of_two_bucket(n: int, smallest: int, max_len: int) -> int:
+    """The next power of two >= n, at least ``smallest``, at most max_len: a few static shapes."""
+    return min(max(smallest, 1 << (n - 1).bit_length()), max_len)
 
 
 def decode_window(end: int, max_len: int) -> int:
     """The cache entries a decode chunk attends over when its slots' tokens end before ``end``:
-    MIN_WINDOW times a power of two covering ``end``, at most max_len."""
-    return min(max(MIN_WINDOW, 1 << (end - 1).bit_length()), max_len)
+    the next power of two (>= MIN_WINDOW) covering ``end``, at most max_len."""
+    return _power_of_two_bucket(end, MIN_WINDOW, max_len)
 
 
 def prompt_bucket(length: int, max_len: int) -> int:
     """The padded prefill length for a prompt: the next power of two (>= 16), at most max_len."""
-    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_len)
+    return _power_of_two_bucket(length, MIN_BUCKET, max_len)
 
 
 @dataclasses.dataclass
