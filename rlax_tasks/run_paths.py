@@ -38,6 +38,7 @@ SERVICES = "services"  # services/<job>.json: the address each service published
 LOGS = "logs"  # the local run's process logs
 DONE = "DONE"  # marker: the run is complete
 SLICES = "slices"  # the compute backends' per-slice state, slices/<name>/
+NOTICES = "notices.jsonl"  # what a person watching the run must read (fallbacks, fatal errors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class RunPaths:
     logs: str
     done: str
     slices: str
+    notices: str
 
     def service(self, job: str) -> str:
         """``services/<job>.json``: where job ``job`` publishes its address."""
@@ -89,7 +91,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "eval_progress": (EVAL, EVAL_PROGRESS), "heldout": (EVAL, HELDOUT),
     "report_json": (EVAL, REPORT_JSON), "report_md": (EVAL, REPORT_MD), "status": (STATUS,),
     "workers": (WORKERS,), "services": (SERVICES,), "logs": (LOGS,), "done": (DONE,),
-    "slices": (SLICES,),
+    "slices": (SLICES,), "notices": (NOTICES,),
 }  # fmt: skip
 
 

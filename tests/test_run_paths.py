@@ -37,6 +37,7 @@ LAYOUT = {
     "logs": "logs",
     "done": "DONE",
     "slices": "slices",
+    "notices": "notices.jsonl",
 }
 
 
