@@ -39,6 +39,9 @@ LOGS = "logs"  # the local run's process logs
 DONE = "DONE"  # marker: the run is complete
 SLICES = "slices"  # the compute backends' per-slice state, slices/<name>/
 NOTICES = "notices.jsonl"  # what a person watching the run must read (fallbacks, fatal errors)
+LOCK = "run.lock"  # held while a run is alive: a local file lock, or a lease object on gs://
+CONFIG_CHANGES = "config_changes.jsonl"  # settings changed on an allowed resume, with the step
+AIRFLOW_LOG = "airflow.log"  # logs/airflow.log: Airflow's own logs of `rlax airflow train`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,9 @@ class RunPaths:
     done: str
     slices: str
     notices: str
+    lock: str
+    config_changes: str
+    airflow_log: str
 
     def service(self, job: str) -> str:
         """``services/<job>.json``: where job ``job`` publishes its address."""
@@ -92,6 +98,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "report_json": (EVAL, REPORT_JSON), "report_md": (EVAL, REPORT_MD), "status": (STATUS,),
     "workers": (WORKERS,), "services": (SERVICES,), "logs": (LOGS,), "done": (DONE,),
     "slices": (SLICES,), "notices": (NOTICES,),
+    "lock": (LOCK,), "config_changes": (CONFIG_CHANGES,), "airflow_log": (LOGS, AIRFLOW_LOG),
 }  # fmt: skip
 
 

@@ -38,6 +38,9 @@ LAYOUT = {
     "done": "DONE",
     "slices": "slices",
     "notices": "notices.jsonl",
+    "lock": "run.lock",
+    "config_changes": "config_changes.jsonl",
+    "airflow_log": "logs/airflow.log",
 }
 
 
