@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlax_tasks.progress_meter import ProgressMeter
+
 _WORD_RE = re.compile(r"\w+")
 
 
@@ -38,11 +40,11 @@ class _Grams:
     hashes: np.ndarray
 
 
-def _grams(texts: Sequence[str], n: int) -> _Grams:
+def _grams(texts: Sequence[str], n: int, progress: ProgressMeter | None = None) -> _Grams:
     """The n-grams of every text (a text shorter than n words is one n-gram of all its words),
     hashed with numpy from per-word hashes: Python touches each word once."""
     word_hashes, lengths = array("q"), array("q")
-    for text in texts:
+    for text in texts if progress is None else progress.track(texts):
         ws = words(text)
         word_hashes.extend(map(hash, ws))
         lengths.append(len(ws))
@@ -105,12 +107,15 @@ class NgramIndex:
         pos = np.minimum(np.searchsorted(self._sorted, hashes), len(self._sorted) - 1)
         return np.where(self._sorted[pos] == hashes, pos, -1)
 
-    def match_many(self, texts: Sequence[str]) -> list[str | None]:
-        """Per text, the reason naming the evaluation set and the shared n-gram, or None."""
+    def match_many(
+        self, texts: Sequence[str], progress: ProgressMeter | None = None
+    ) -> list[str | None]:
+        """Per text, the reason naming the evaluation set and the shared n-gram, or None
+        (``progress`` counts the texts read)."""
         out: list[str | None] = [None] * len(texts)
         if not len(self._sorted) or not len(texts):
             return out
-        grams = _grams(texts, self.n)
+        grams = _grams(texts, self.n, progress)
         hits = self._lookup(grams.hashes)
         found = np.flatnonzero(hits >= 0)
         hit_rows, first = np.unique(grams.rows[found], return_index=True)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
+from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.validation import check_int, check_number, field_error
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # 64-bit golden-ratio constant (Fibonacci hashing)
@@ -166,14 +167,17 @@ def _candidate_pairs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def near_duplicates(
-    texts: list[str], config: MinHashConfig | None = None
+    texts: list[str],
+    config: MinHashConfig | None = None,
+    progress: ProgressMeter | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(rep, similarity): for each row the index of the earliest row of its near-duplicate
     cluster (itself when it is kept) and its estimated Jaccard similarity to that row. Rows
     join a cluster through confirmed candidate pairs, so a cluster may chain (A~B, B~C).
 
     Only the LSH band keys of all rows are kept (8 bytes per band per row); the signatures
-    of the few rows in candidate pairs are recomputed to confirm them."""
+    of the few rows in candidate pairs are recomputed to confirm them. ``progress`` counts
+    the rows signed (the long part)."""
     config = config or MinHashConfig()
     n = len(texts)
     if n == 0:
@@ -182,6 +186,8 @@ def near_duplicates(
     for lo, sig in _signature_chunks(texts, config):
         for band in range(config.bands):
             keys[lo : lo + len(sig), band] = _band_keys(sig, band, config.rows_per_band)
+        if progress is not None:
+            progress.update(len(sig))
     i, j = _candidate_pairs(keys)
     del keys
     parent = np.arange(n)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from rlax_tasks.evaluation.generation import GenerateFn
+from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.scoring import score_completions
 
 logger = logging.getLogger(__name__)
@@ -25,14 +26,17 @@ def measure_pass_rates(
     *,
     unusable: Callable[[Sequence[str]], list[str | None]] | None = None,
     batch_size: int = 256,
+    progress: ProgressMeter | None = None,
 ) -> tuple[list[float | None], list[str | None]]:
     """(rate, reason) per prompt: rate = correct/k (None when not measured); reason is set
-    for prompts to drop (rate 0 or 1, or a prompt the generator cannot take)."""
+    for prompts to drop (rate 0 or 1, or a prompt the generator cannot take). ``progress``
+    (else a meter of its own, finished here) counts the prompts done, a batch at a time."""
     if k < 1:
         raise ValueError(f"pass-rate k must be >= 1, got {k}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     n = len(prompts)
+    meter = progress or ProgressMeter("pass-rate filter", n, logger=logger, unit="prompts")
     rates: list[float | None] = [None] * n
     reasons: list[str | None] = [None] * n
     problems = unusable(prompts) if unusable is not None else [None] * n
@@ -42,6 +46,8 @@ def measure_pass_rates(
             reasons[i] = f"cannot sample from the policy: {problem}"
         else:
             usable.append(i)
+    if len(usable) < n:  # counted as done: nothing to sample
+        meter.update(n - len(usable))
     for lo in range(0, len(usable), batch_size):
         idx = usable[lo : lo + batch_size]
         completions = generate([prompts[i] for i in idx], k)
@@ -55,5 +61,7 @@ def measure_pass_rates(
                 reasons[i] = f"pass rate 0/{k}: the policy never solves it (too hard)"
             elif correct == k:
                 reasons[i] = f"pass rate {k}/{k}: the policy always solves it (too easy)"
-        logger.info("pass-rate filter: %d/%d prompts sampled", lo + len(idx), len(usable))
+        meter.update(len(idx))
+    if progress is None:
+        meter.finish()
     return rates, reasons

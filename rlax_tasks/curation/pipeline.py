@@ -27,6 +27,7 @@ from rlax_tasks.data.normalize import dedup_key, normalize_prompt, normalize_tex
 from rlax_tasks.data.readers import Rejected, snippet
 from rlax_tasks.data.schema import prompt_text
 from rlax_tasks.evaluation.generation import GenerateFn
+from rlax_tasks.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +131,32 @@ class CurationResult:
 
 
 class _Tracker:
-    """Removes rows from the working frame stage by stage, logging each with its reason."""
+    """Removes rows from the working frame stage by stage, logging each with its reason, and
+    each stage's progress over the rows (one line every few seconds, one when done)."""
 
     def __init__(self, frame: pd.DataFrame) -> None:
         self.frame = frame
         self.rejected: list[Rejected] = []
         self.stages: list[StageCount] = []
 
-    def drop(self, stage: str, field: str, reasons: Sequence[str | None]) -> None:
+    def meter(self, stage: str) -> ProgressMeter:
+        """A progress meter over the working frame's rows, for ``stage``."""
+        return ProgressMeter(stage, len(self.frame), logger=logger, unit="rows")
+
+    def check(self, stage: str, field: str, rule: Callable[..., str | None], *columns: str) -> None:
+        """Drops the rows for which ``rule(*values of columns)`` gives a reason."""
+        meter = self.meter(stage)
+        values = zip(*(self.frame[c].tolist() for c in columns), strict=True)
+        self.drop(stage, field, [rule(*v) for v in meter.track(values)], meter)
+
+    def drop(
+        self,
+        stage: str,
+        field: str,
+        reasons: Sequence[str | None],
+        meter: ProgressMeter | None = None,
+    ) -> None:
+        """Drops the rows with a reason; ``meter`` (the stage's progress) is finished here."""
         frame = self.frame
         mask = np.fromiter((r is not None for r in reasons), bool, len(frame))
         files = frame["origin_file"].tolist()
@@ -149,7 +168,10 @@ class _Tracker:
             )
         self.stages.append(StageCount(stage, len(frame), int(mask.sum())))
         self.frame = frame[~mask].reset_index(drop=True)
-        logger.info("%s: removed %d of %d rows", stage, int(mask.sum()), len(frame))
+        if meter is None:
+            logger.info("%s: removed %d of %d rows", stage, int(mask.sum()), len(frame))
+        else:
+            meter.finish(removed=int(mask.sum()))
 
 
 def _where(frame: pd.DataFrame, i: int) -> str:
@@ -173,14 +195,15 @@ def _exact_dedup(track: _Tracker) -> None:
 
 def _near_dedup(track: _Tracker, config: dedup.MinHashConfig) -> None:
     frame = track.frame
-    rep, sim = dedup.near_duplicates(frame["_key"].tolist(), config)
+    meter = track.meter("near_dedup")
+    rep, sim = dedup.near_duplicates(frame["_key"].tolist(), config, meter)
     reasons: list[str | None] = [None] * len(frame)
     for i in np.flatnonzero(rep != np.arange(len(frame))).tolist():
         reasons[i] = (
             f"near duplicate of {_where(frame, int(rep[i]))} (estimated Jaccard {sim[i]:.2f} "
             f"over {config.shingle}-character shingles; threshold {config.threshold})"
         )
-    track.drop("near_dedup", "prompt", reasons)
+    track.drop("near_dedup", "prompt", reasons, meter)
 
 
 def _load_eval_prompts(path: str, config: CurationConfig) -> list[str]:
@@ -236,44 +259,27 @@ def run_curation(
             )
 
     # object columns: Python strings are made once, not again at every .tolist()
-    prompts = [normalize_prompt(p) for p in frame["prompt"].tolist()]
-    frame["prompt"] = pd.Series(prompts, dtype=object)
-    texts = [prompt_text(p) for p in prompts]
-    frame["_text"] = pd.Series(texts, dtype=object)
-    frame["_key"] = pd.Series([dedup_key(t) for t in texts], dtype=object)
-    del prompts, texts
     track = _Tracker(frame)
-    del frame  # the tracker holds the only reference: dropped rows can be freed
+    meter = track.meter("normalize")
+    prompts, texts, keys = [], [], []
+    for prompt in meter.track(frame["prompt"].tolist()):
+        prompts.append(normalize_prompt(prompt))
+        texts.append(prompt_text(prompts[-1]))
+        keys.append(dedup_key(texts[-1]))
+    frame["prompt"] = pd.Series(prompts, dtype=object)
+    frame["_text"] = pd.Series(texts, dtype=object)
+    frame["_key"] = pd.Series(keys, dtype=object)
+    del prompts, texts, keys, frame  # the tracker holds the only reference: rows can be freed
     track.drop(
         "normalize",
         "prompt",
         [None if t.strip() else "empty after normalization" for t in track.frame["_text"].tolist()],
+        meter,
     )
-    track.drop(
-        "missing_reference",
-        "answer,tests",
-        [
-            filters.missing_reference(a, t)
-            for a, t in zip(
-                track.frame["answer"].tolist(), track.frame["tests"].tolist(), strict=True
-            )
-        ],
-    )
-    track.drop(
-        "non_english",
-        "prompt",
-        [filters.non_english(t, config.language_min_words) for t in track.frame["_text"].tolist()],
-    )
-    track.drop(
-        "interactive",
-        "prompt",
-        [
-            filters.interactive(t, m)
-            for t, m in zip(
-                track.frame["_text"].tolist(), track.frame["metadata"].tolist(), strict=True
-            )
-        ],
-    )
+    track.check("missing_reference", "answer,tests", filters.missing_reference, "answer", "tests")
+    min_words = config.language_min_words
+    track.check("non_english", "prompt", lambda t: filters.non_english(t, min_words), "_text")
+    track.check("interactive", "prompt", filters.interactive, "_text", "metadata")
     _exact_dedup(track)
     if config.near_dedup:
         _near_dedup(track, config.minhash)
@@ -309,12 +315,15 @@ def run_curation(
     track = _Tracker(train)
     if config.decontaminate_against_test and len(test):
         eval_index.add(texts[is_test].tolist(), "test split")
-    track.drop("decontaminate", "prompt", eval_index.match_many(texts[~is_test].tolist()))
+    meter = track.meter("decontaminate") if len(eval_index) else None
+    reasons = eval_index.match_many(texts[~is_test].tolist(), meter)
+    track.drop("decontaminate", "prompt", reasons, meter)
 
     train = track.frame
     train["pass_rate"] = pd.Series([None] * len(train), dtype=object)
     test["pass_rate"] = pd.Series([None] * len(test), dtype=object)
     if config.pass_rate_k:
+        meter = track.meter("pass_rate")
         rates, reasons = measure_pass_rates(
             train["prompt"].tolist(),
             train["answer"].tolist(),
@@ -323,10 +332,11 @@ def run_curation(
             config.pass_rate_k,
             unusable=unusable,  # type: ignore[arg-type]
             batch_size=config.pass_rate_batch,
+            progress=meter,
         )
         train["pass_rate"] = pd.Series(rates, dtype=object)
         track.frame = train
-        track.drop("pass_rate", "prompt", reasons)
+        track.drop("pass_rate", "prompt", reasons, meter)
         train = track.frame
     stages.extend(track.stages)
     rejected.extend(track.rejected)

@@ -15,6 +15,7 @@ import pandas as pd
 
 from rlax_tasks.evaluation.generation import GenerateFn
 from rlax_tasks.evaluation.metrics import maj_at_k, pass_at_k
+from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.scoring import score_completions
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ def evaluate(
     unusable: Callable[[Sequence[Any]], list[str | None]] | None = None,
 ) -> EvalResult:
     """Samples `config.n` completions per row with `generate`, scores them, and aggregates;
-    rows `unusable` names a reason for (a prompt too long to sample) are skipped and listed."""
+    rows `unusable` names a reason for (a prompt too long to sample) are skipped and listed.
+    Logs prompts done / total, ETA and the mean reward so far every few seconds."""
     rows: list[dict] = []
     skipped: list[dict[str, Any]] = []
     if unusable is not None:
@@ -124,6 +126,8 @@ def evaluate(
     prompts = frame["prompt"].tolist()
     answers = frame["answer"].tolist()
     tests = frame["tests"].tolist()
+    meter = ProgressMeter(f"eval {name}", len(frame), logger=logger, unit="prompts")
+    reward_sum = 0.0
     for lo in range(0, len(frame), config.batch_size):
         hi = min(lo + config.batch_size, len(frame))
         completions = generate(prompts[lo:hi], config.n)
@@ -147,7 +151,9 @@ def evaluate(
                     "completions": comps,
                 }
             )
-        logger.info("%s: %d/%d prompts evaluated", name, hi, len(frame))
+            reward_sum += float(np.mean(rewards))
+        meter.update(hi - lo, reward=reward_sum / hi)
+    meter.finish(reward=reward_sum / len(frame))
     groups: dict[str, dict[str, list[dict]]] = {
         "source": defaultdict(list),
         "difficulty": defaultdict(list),

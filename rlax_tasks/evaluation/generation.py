@@ -14,6 +14,7 @@ from typing import Any
 
 from rlax_tasks.data.prompts import PromptRenderer, PromptSettings
 from rlax_tasks.data.schema import Prompt
+from rlax_tasks.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def sample_token_ids(
     stop_strings: Sequence[str] = (),
 ) -> list[list[list[int]]]:
     """n completions (token ids) per tokenized prompt, from `rlax_tasks.rollout.Sampler`
-    (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls)."""
+    (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls);
+    logs samples done / total every few seconds (`rlax_tasks.progress_meter`)."""
     from rlax_tasks.rollout import Sampler, per_prompt_params
 
     if not prompt_ids:
@@ -76,7 +78,11 @@ def sample_token_ids(
         temperature=float(temperature),
         stop_strings=tuple(stop_strings),
     )
-    outs = sampler.generate([list(p) for p in prompt_ids], n=n, params=params)
+    meter = ProgressMeter("sampling", len(prompt_ids) * n, logger=logger, unit="samples")
+    outs = sampler.generate(
+        [list(p) for p in prompt_ids], n=n, params=params, on_complete=lambda _: meter.update()
+    )
+    meter.finish()
     if len(outs) != len(prompt_ids) * n:
         raise RuntimeError(
             f"sampler returned {len(outs)} completions for {len(prompt_ids)} prompts x n={n}"

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.progress_meter import ProgressMeter, format_si
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +172,18 @@ def read_params(
     """Fills ``abstract_params`` (shapes from ``nnx.eval_shape``) with the tensors of an HF dir.
 
     ``place`` puts each host array on devices (e.g. with its sharding); default ``jax.device_put``.
-    Host memory peaks at one parameter (all its layers) at a time.
+    Host memory peaks at one parameter (all its layers) at a time. Logs parameters loaded / total
+    every few seconds (a 70B checkpoint takes minutes) and once when done.
     """
     files = _tensor_files(path)
     np_dtype = NP_DTYPES[dtype]
     place = place or (lambda _p, a: jax.device_put(a))
     pure = nnx.to_pure_dict(abstract_params)
     used: set[str] = set()
+    total = sum(math.prod(a.shape) for _, a in _leaves(pure))
+    meter = ProgressMeter(
+        f"loading {path}", total, logger=log, unit="params", format_count=format_si
+    )
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
 
@@ -194,6 +200,7 @@ def read_params(
                     "from config.json"
                 )
             used.add(name)
+            meter.update(tensor.size)
             return tensor
 
         for leaf_path, abstract in _leaves(pure):
@@ -223,6 +230,7 @@ def read_params(
         )
     if "lm_head.weight" in files and "lm_head.weight" not in used:
         log.warning("tie_word_embeddings=true: ignoring the checkpoint's lm_head.weight")
+    meter.finish()
     nnx.replace_by_pure_dict(abstract_params, pure)
     return abstract_params
 

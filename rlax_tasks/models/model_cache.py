@@ -16,7 +16,8 @@ tokenizer and chat-template files; nothing else under the prefix) into
   fetched again; files the prefix no longer holds are removed.
 - Safe across processes: one ``fcntl`` lock per model directory, so ranks, workers or jobs on one
   host that ask at once download once; the others wait and find it complete.
-- Progress: one log line every ``progress_every_s`` seconds (bytes done / total, MB/s).
+- Progress: bytes done / total, MB/s and ETA logged every ``progress_every_s`` seconds (default:
+  ``rlax_tasks.progress_meter``'s, 5), and a final line.
 
 All GCS access goes through ``rlax_tasks.storage`` (so ``STORAGE_EMULATOR_HOST`` works).
 """
@@ -33,10 +34,10 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 from rlax_tasks import storage
+from rlax_tasks.progress_meter import ProgressMeter
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def local_model_dir(
     weights: bool = True,
     workers: int = DEFAULT_WORKERS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    progress_every_s: float = 5.0,
+    progress_every_s: float | None = None,
 ) -> str:
     """A local HF model directory for ``path``: itself when local, else the verified cache copy
     of the gs:// directory (see the module docstring). ``weights=False`` fetches only config and
@@ -198,7 +199,7 @@ def _is_current(target: str, entry: dict | None, obj: storage.ObjectInfo) -> boo
 class _Settings:
     workers: int
     chunk_bytes: int
-    progress_every_s: float
+    progress_every_s: float | None  # None: rlax_tasks.progress_meter's default
 
 
 def _sync(
@@ -225,7 +226,13 @@ def _sync(
     for obj in todo:  # a stale copy must not be mistaken for the new one if this run dies
         marker.pop(obj.name, None)
     _write_marker(target, path, marker)
-    progress = _Progress(path, sum(o.size for o in todo), settings.progress_every_s)
+    progress = ProgressMeter(
+        f"model cache {path}",
+        sum(o.size for o in todo),
+        logger=log,
+        every_s=settings.progress_every_s,
+        format_count=_size,
+    )
     marker_lock = threading.Lock()
 
     def done(obj: storage.ObjectInfo) -> None:
@@ -235,48 +242,17 @@ def _sync(
 
     jobs = [_FileJob(obj, target, progress, done) for obj in todo]
     _run_jobs(jobs, settings)
-    progress.finish(target)
+    progress.finish(f"-> {target}")
 
 
-class _Progress:
-    """Bytes fetched so far; logs bytes done / total and MB/s every ``every_s`` seconds."""
-
-    def __init__(self, path: str, total: int, every_s: float) -> None:
-        self.path, self.total, self.every_s = path, total, every_s
-        self.done = 0
-        self.start = self.last_log = time.monotonic()
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.monotonic()
-            if now - self.last_log < self.every_s:
-                return
-            self.last_log = now
-            done, elapsed = self.done, now - self.start
-        log.info(
-            "model cache: %s %s / %s (%.0f%%), %.1f MB/s",
-            self.path, _size(done), _size(self.total), 100.0 * done / max(self.total, 1),
-            done / 1e6 / max(elapsed, 1e-9),
-        )  # fmt: skip
-
-    def finish(self, target: str) -> None:
-        elapsed = time.monotonic() - self.start
-        log.info(
-            "model cache: %s fetched, %s in %.1f s (%.1f MB/s) -> %s",
-            self.path, _size(self.done), elapsed, self.done / 1e6 / max(elapsed, 1e-9), target,
-        )  # fmt: skip
-
-
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 class _RangeWriter:
     """A write-only stream putting bytes at increasing offsets of an open file (``pwrite``)."""
 
-    def __init__(self, fd: int, offset: int, progress: _Progress) -> None:
+    def __init__(self, fd: int, offset: int, progress: ProgressMeter) -> None:
         self.fd, self.offset, self.progress = fd, offset, progress
 
     def write(self, data: bytes) -> int:
@@ -285,7 +261,7 @@ class _RangeWriter:
             n = os.pwrite(self.fd, view, self.offset)
             self.offset += n
             view = view[n:]
-        self.progress.add(len(data))
+        self.progress.update(len(data))
         return len(data)
 
 
@@ -297,7 +273,7 @@ class _FileJob:
         self,
         obj: storage.ObjectInfo,
         target: str,
-        progress: _Progress,
+        progress: ProgressMeter,
         done: Callable[[storage.ObjectInfo], None],
     ) -> None:
         self.obj, self.progress, self.done = obj, progress, done

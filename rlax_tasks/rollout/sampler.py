@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -402,11 +402,13 @@ class Sampler:
         stop_strings: Sequence[str] = (),
         ignore_eos: bool = False,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_complete: Callable[[Completion], None] | None = None,
     ) -> list[Completion]:
         """n completions per prompt, prompt-major. ``params`` (one, or one per prompt) overrides
         the keyword settings. ``seed`` is per request: every prompt given the same seed draws
         the same random numbers, so pass ``params=per_prompt_params(seed, len(prompts), ...)``
-        when the prompts' samples must be independent (evaluation)."""
+        when the prompts' samples must be independent (evaluation). ``on_complete`` is called
+        with each completion as it finishes (progress)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if params is None:
@@ -437,6 +439,8 @@ class Sampler:
         while self.has_unfinished:
             for c in self.step():
                 done[c.request.request_id] = c
+                if on_complete is not None:
+                    on_complete(c)
         return [done[r.request_id] for r in requests]
 
     # ------------------------------------------------------------------ internals

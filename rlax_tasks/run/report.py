@@ -106,8 +106,14 @@ class HeldOutEvaluator:
             temperature=float(e.temperature),
             stop_strings=self.cfg.prompt.stop,
         )
-        outs = self.sampler.generate(self.prompt_ids, n=e.num_samples, params=settings)
+        from rlax_tasks.progress_meter import ProgressMeter
+
         n = e.num_samples
+        meter = ProgressMeter("held-out eval", len(self.prompt_ids) * n, logger=log, unit="samples")
+        with meter:
+            outs = self.sampler.generate(
+                self.prompt_ids, n=n, params=settings, on_complete=lambda _: meter.update()
+            )
         return [outs[i * n : (i + 1) * n] for i in range(len(self.prompt_ids))]
 
     def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def ensure_base_model(
     recipe: WarmupRecipe | None = None,
     *,
     name: str | None = None,
-    log_every_s: float = 10.0,
+    log_every_s: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> str:
     """The HF directory of the recipe's base model under ``cache_dir``, built when missing.
@@ -99,7 +99,7 @@ def _build(
     name: str,
     target: str,
     recipe: WarmupRecipe,
-    log_every_s: float,
+    log_every_s: float | None,
     on_step: Callable[[int, float], None] | None,
 ) -> None:
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)

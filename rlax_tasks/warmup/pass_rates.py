@@ -9,6 +9,7 @@ from typing import Any
 
 from rlax_tasks.evaluation import mean_pass_at_k
 from rlax_tasks.models import Policy
+from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout import Sampler, per_prompt_params
 from rlax_tasks.warmup.tiny_arith import TinyArith
@@ -54,7 +55,9 @@ def evaluate_pass_rates(
     params = per_prompt_params(
         seed, len(prompts), max_new_tokens=max_new_tokens, temperature=float(temperature)
     )
-    outs = sampler.generate(prompts, n=n, params=params)
+    meter = ProgressMeter("pass rates", len(prompts) * n, logger=log, unit="samples")
+    outs = sampler.generate(prompts, n=n, params=params, on_complete=lambda _: meter.update())
+    meter.finish()
     result = score_pass_rates(fmt, policy.tokenizer, problems, [o.tokens for o in outs], n, k_list)
     result.update(num_prompts=len(problems), num_samples=n, seconds=time.perf_counter() - t0)
     return result

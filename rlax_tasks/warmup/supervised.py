@@ -7,6 +7,7 @@ all derive from them. One jitted AdamW step over fixed-shape batches (one compil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,10 +19,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rlax_tasks.models import Policy, forward
+from rlax_tasks.models import ModelConfig, Policy, forward
 from rlax_tasks.models.policy import abstract_model
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.models.transformer import Transformer
+from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.warmup.recipe import WarmupRecipe
 
@@ -130,28 +132,44 @@ def make_warmup_optimizer(recipe: WarmupRecipe) -> optax.GradientTransformation:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _compiled_init(config: ModelConfig, seed: int) -> Callable[[], nnx.State]:
+    """The jitted initializers, kept: building the same model again does not compile again."""
+    return jax.jit(lambda: nnx.split(Transformer(config, "float32", nnx.Rngs(seed)), nnx.Param)[1])
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_step(recipe: WarmupRecipe, graphdef: nnx.GraphDef) -> Callable[..., Any]:
+    """The recipe's jitted step, kept: a rebuild of the same recipe (after a crash, in tests)
+    does not compile it again."""
+    return _make_step(
+        graphdef,
+        make_warmup_optimizer(recipe),
+        recipe.label_smoothing,
+        answer_distribution(char_tokenizer(), recipe.model_config().vocab_size),
+    )
+
+
 def init_policy(recipe: WarmupRecipe, tokenizer: Any) -> Policy:
     """The untrained model: ``Policy.init``'s initializers, run as one jitted program (faster
     than eager init on CPU, where each of the many small init ops would dispatch on its own)."""
     config = recipe.model_config()
     graphdef, _ = abstract_model(config, "float32")
-
-    def init() -> nnx.State:
-        return nnx.split(Transformer(config, "float32", nnx.Rngs(recipe.seed)), nnx.Param)[1]
-
-    params = jax.jit(init)()
+    params = _compiled_init(config, recipe.seed)()
     return Policy(config, graphdef, params, dtype="float32", tokenizer=tokenizer)
 
 
 def train_base_policy(
     recipe: WarmupRecipe,
     *,
-    log_every_s: float = 10.0,
+    log_every_s: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[Policy, WarmupStats]:
     """Initializes the tiny model and trains it supervised; returns the policy and what it did.
 
-    ``on_step(step, loss)`` is called after every step (progress hooks, tests).
+    ``on_step(step, loss)`` is called after every step (progress hooks, tests). A status line
+    (steps, steps/s, ETA, mean loss since the previous line) is logged every ``log_every_s``
+    seconds (None: ``rlax_tasks.progress_meter``'s default, 5).
     """
     t0 = time.perf_counter()
     tokenizer = char_tokenizer()
@@ -161,12 +179,7 @@ def train_base_policy(
     optimizer = make_warmup_optimizer(recipe)
     params = policy.params  # our own buffers: the step may donate them
     opt_state = optimizer.init(params)
-    step_fn = _make_step(
-        policy.graphdef,
-        optimizer,
-        recipe.label_smoothing,
-        answer_distribution(tokenizer, policy.config.vocab_size),
-    )
+    step_fn = _compiled_step(recipe, policy.graphdef)
     rng = np.random.default_rng(recipe.seed)
     log.info(
         "warm-up: %.2fM-parameter qwen2, %d steps x %d problems (pool %d), lr %g",
@@ -178,8 +191,8 @@ def train_base_policy(
     )
     order = rng.permutation(len(problems))
     cursor = 0
-    last_log = time.perf_counter()
-    recent: list[float] = []
+    meter = ProgressMeter("warm-up", recipe.steps, logger=log, unit="steps", every_s=log_every_s)
+    recent_sum, recent_n = 0.0, 0  # the loss line shows the mean since the previous line
     loss_value = float("nan")
     for step in range(1, recipe.steps + 1):
         if cursor + recipe.batch_size > len(order):
@@ -188,21 +201,12 @@ def train_base_policy(
         cursor += recipe.batch_size
         params, opt_state, loss = step_fn(params, opt_state, ids[rows], attn[rows], target[rows])
         loss_value = float(loss)
-        recent.append(loss_value)
+        recent_sum, recent_n = recent_sum + loss_value, recent_n + 1
         if on_step is not None:
             on_step(step, loss_value)
-        now = time.perf_counter()
-        if now - last_log >= log_every_s or step == recipe.steps:
-            elapsed = now - t0
-            log.info(
-                "warm-up step %d/%d  loss %.4f  %.1fs elapsed  eta %.0fs",
-                step,
-                recipe.steps,
-                float(np.mean(recent)),
-                elapsed,
-                elapsed / step * (recipe.steps - step),
-            )
-            recent, last_log = [], now
+        if meter.update(loss=recent_sum / recent_n):
+            recent_sum, recent_n = 0.0, 0
+    meter.finish(loss=recent_sum / recent_n if recent_n else loss_value)
     stats = WarmupStats(
         steps=recipe.steps,
         final_loss=loss_value,
