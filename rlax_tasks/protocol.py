@@ -1,8 +1,9 @@
 """Errors that cross the wire between the controller and the trainer: defined once, here.
 
 The trainer service raises them and answers HTTP 409; its client raises ``TrainerBehindError``
-again on the controller's side, which replays the steps the trainer lost. Importable without
-JAX, FastAPI or either package (neither imports the other for these).
+again on the controller's side, which replays the steps the trainer lost. ``StepReplayedError``
+is the client's: the trainer answered as a replay a step the client itself had not sent before.
+Importable without JAX, FastAPI or either package (neither imports the other for these).
 """
 
 from __future__ import annotations
@@ -30,3 +31,15 @@ class StepAheadError(StepConflictError, TrainerBehindError):
 
     def __init__(self, trainer_step: int, message: str = "") -> None:
         TrainerBehindError.__init__(self, trainer_step, message)  # (ValueError's comes first)
+
+
+class StepReplayedError(RuntimeError):
+    """The trainer answered step ``step`` as a replay: it had applied that step before.
+
+    Normal only when the controller sent that step before (it restarted after the trainer
+    applied it); for a step the controller never sent, someone else trained the policy.
+    """
+
+    def __init__(self, step: int, version: int, metrics: dict | None = None) -> None:
+        super().__init__(f"the trainer had already applied step {step} (version {version})")
+        self.step, self.version, self.metrics = step, version, metrics

@@ -1,37 +1,78 @@
-"""HTTP plumbing every RLAX service shares: the bearer-token check (DESIGN §13), a FastAPI app
-guarded by it and served on a socket from ``rlax_tasks.endpoints.listen``, and ``JsonClient``
-(an ``Endpoint``, the token, a timeout per call, retries with exponential back-off).
+"""HTTP plumbing every RLAX service shares: the run's bearer token (DESIGN §13), a FastAPI app
+guarded by it and by a body-size limit, bounded long-polls, served on a socket from
+``rlax_tasks.endpoints.listen``, and ``JsonClient`` (an ``Endpoint``, the token, a timeout per
+call, retries with exponential back-off).
 
+    token = service_token()                          # RLAX_PS_TOKEN, or ValueError (exit 2)
     check_bearer(request_headers.get("Authorization"), token)  # AuthError: 401 / 403
-    app = authorized_app("RLAX trainer", token)                # FastAPI, every route guarded
+    app = authorized_app("RLAX trainer", token, max_body_bytes=n)  # every request guarded
+    wait_s = check_wait_s(raw)                       # finite, in [0, MAX_WAIT_S]; ValueError
     client = JsonClient(url_or_service_file, token, timeout_s=10.0, retries=3)
-    client.call("POST", "/v1/reset", {})                       # decoded JSON reply
+    client.call("POST", "/v1/reset", {})             # decoded JSON reply
 
-Importable without JAX; FastAPI and uvicorn are imported only by the functions that build or
-serve an app (the parameter server and the clients use neither).
+One token per run: every service of a run (parameter server, trainer, workers, verifier) and
+every client of them reads the same variable, ``RLAX_PS_TOKEN`` (the name DESIGN §6 gave the
+parameter server's token, kept for the whole run). ``rlax run`` and the rlax_train DAG generate it
+(``run_token``: the user's own when exported) and pass it to every job in its environment, never
+on a command line; a service started without it refuses to start (``service_token``).
+
+Importable without JAX; FastAPI, Starlette and uvicorn are imported only by the functions that
+build or serve an app (the parameter server and the clients use none of them).
 """
 
-# no `from __future__ import annotations`: FastAPI reads bearer_dependency's annotation at runtime
+from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import http.client
 import json
 import logging
+import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from rlax_tasks.endpoints import Endpoint
+from rlax_tasks.validation import check_number, field_error
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+# the run's bearer token, read by every service and client of the run (one token per run)
+TOKEN_ENV = "RLAX_PS_TOKEN"
 BEARER = "Bearer "
 MISSING_TOKEN = "missing bearer token"
 WRONG_TOKEN = "wrong bearer token"
+# the longest wait any request may ask for (a service may answer a long-poll sooner)
+MAX_WAIT_S = 300.0
+# the body limit of a service's JSON requests unless it sets its own
+DEFAULT_MAX_BODY_BYTES = 1 << 20
 # what a request that never got a reply raises (refused, reset, timed out, cut short)
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException, EOFError)
+
+
+# --------------------------------------------------------------------------- the run's token
+def service_token(env: Mapping[str, str] | None = None) -> str:
+    """The run's token, which a service needs to start: ``RLAX_PS_TOKEN``; ValueError (the
+    command exits 2 with it) naming the variable when it is unset or empty."""
+    token = (os.environ if env is None else env).get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(
+            f"{TOKEN_ENV} is not set: export the run's secret token (every service of a run "
+            "and its clients share it; `rlax run` generates one)"
+        )
+    return token
+
+
+def run_token(env: Mapping[str, str] | None = None) -> str:
+    """The token of a new run: the user's ``RLAX_PS_TOKEN`` when exported, else a new random one
+    (what a launcher passes to every job of the run in its environment)."""
+    token = (os.environ if env is None else env).get(TOKEN_ENV, "").strip()
+    return token or secrets.token_hex(16)
 
 
 # --------------------------------------------------------------------------- auth
@@ -62,32 +103,138 @@ def bearer_header(token: str | None) -> dict[str, str]:
     return {"Authorization": f"{BEARER}{token}"} if token else {}
 
 
-def bearer_dependency(token: str | None) -> Callable[..., None]:
-    """A FastAPI dependency that answers ``check_bearer``'s 401 / 403 (no check without a token)."""
-    from fastapi import HTTPException, Request
+# --------------------------------------------------------------------------- request bounds
+def check_wait_s(value: Any, field: str = "wait_s", maximum: float = MAX_WAIT_S) -> float:
+    """``value`` (a number or its text) as seconds to wait: finite, in [0, ``maximum``];
+    ValueError naming ``field`` otherwise (a NaN or infinite wait would spin or hang a thread)."""
+    seconds = check_number(field, value, field_error(ValueError), low=0.0, from_text=True)
+    if seconds > maximum:
+        raise ValueError(f"{field} must be at most {maximum:g} seconds, got {seconds:g}")
+    return seconds
 
-    def authorize(request: Request) -> None:
+
+async def long_poll(
+    poll: Callable[[], list[T]], wait_s: float, interval_s: float = 0.05
+) -> list[T]:
+    """``poll()`` until it returns a non-empty list or ``wait_s`` passed, sleeping on the event
+    loop in between: a waiting request holds no thread (any number of them leave the service's
+    other routes their thread pool), and a shutdown cancels it at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = poll()
+        left = deadline - time.monotonic()
+        if found or left <= 0:
+            return found
+        await asyncio.sleep(min(interval_s, left))
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route of a service: the bearer token first (401 / 403
+    before any byte of the body is read), then the body size: 413 when the ``Content-Length``
+    exceeds ``max_body_bytes`` (before reading), or as soon as a streamed (chunked) body read so
+    far does."""
+
+    def __init__(self, app: Any, token: str, max_body_bytes: int) -> None:
+        self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers
+        from starlette.exceptions import HTTPException
+
+        headers = Headers(scope=scope)
         try:
-            check_bearer(request.headers.get("authorization"), token)
+            check_bearer(headers.get("authorization"), self.token)
         except AuthError as e:
-            raise HTTPException(e.status, e.message, e.headers or None) from None
+            return await _refuse(scope, receive, send, e.status, e.message, e.headers)
+        length = headers.get("content-length")
+        if length is not None and not length.isdigit():
+            return await _refuse(scope, receive, send, 400, f"bad Content-Length {length[:32]!r}")
+        if length is not None and int(length) > self.max_body_bytes:
+            return await _refuse(scope, receive, send, 413, self._too_large(int(length)))
+        received = 0
 
-    return authorize
+        async def bounded_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HTTPException(413, self._too_large(received, streamed=True))
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+    def _too_large(self, nbytes: int, streamed: bool = False) -> str:
+        what = f"more than {nbytes} bytes" if streamed else f"{nbytes} bytes"
+        return f"request body of {what} exceeds this service's limit of {self.max_body_bytes}"
 
 
-def authorized_app(title: str, token: str | None, **kwargs: Any) -> Any:
-    """A FastAPI application whose every route needs ``token`` as its bearer token."""
-    from fastapi import Depends, FastAPI
+async def _refuse(
+    scope: dict,
+    receive: Callable,
+    send: Callable,
+    status: int,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Answers ``{"detail": message}`` with ``status`` (as FastAPI's errors read), closing the
+    connection: the body the client may still be sending is never read."""
+    from starlette.responses import JSONResponse
 
-    return FastAPI(title=title, dependencies=[Depends(bearer_dependency(token))], **kwargs)
+    reply = JSONResponse({"detail": message}, status, {**(headers or {}), "Connection": "close"})
+    await reply(scope, receive, send)
 
 
-def serve_app(app: Any, sock: socket.socket, log_level: str = "warning", **config: Any) -> None:
+def authorized_app(
+    title: str, token: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **kwargs: Any
+) -> Any:
+    """A FastAPI application whose every request needs ``token`` as its bearer token and has a
+    body of at most ``max_body_bytes`` (``RequestGuard``); no API docs routes (they would be
+    served to anyone). ValueError without a token: a service never runs open."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    if not token:
+        raise ValueError(f"{title}: no bearer token (set {TOKEN_ENV})")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    options = {"docs_url": None, "redoc_url": None, "openapi_url": None, **kwargs}
+    app = FastAPI(title=title, **options)
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    return app
+
+
+async def _invalid_request(request: Any, exc: Any) -> Any:
+    """422 naming each invalid field and why, without echoing its value (a NaN or infinite
+    number would not even encode as JSON: FastAPI's own answer fails with a 500)."""
+    from starlette.responses import JSONResponse
+
+    errors = [
+        {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg")), "type": e.get("type")}
+        for e in exc.errors()
+    ]
+    return JSONResponse({"detail": errors}, 422)
+
+
+def serve_app(
+    app: Any,
+    sock: socket.socket,
+    log_level: str = "warning",
+    graceful_s: float | None = None,
+    **config: Any,
+) -> None:
     """Serves an ASGI ``app`` with uvicorn on ``sock`` (from ``endpoints.listen``) until it is
-    stopped (SIGINT / SIGTERM)."""
+    stopped (SIGINT / SIGTERM); requests still running ``graceful_s`` after the signal are
+    cancelled (None: waited for)."""
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level, **config)).run(sockets=[sock])
+    uv_config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=graceful_s, **config
+    )
+    uvicorn.Server(uv_config).run(sockets=[sock])
 
 
 # --------------------------------------------------------------------------- client
@@ -99,10 +246,12 @@ def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """A service's answer: its HTTP status and body."""
+    """A service's answer: its HTTP status and body, and how many times the request was sent
+    to get it (> 1: an earlier attempt may have reached the service without an answer)."""
 
     status: int
     body: bytes
+    attempts: int = 1
 
     @property
     def text(self) -> str:
@@ -210,7 +359,7 @@ class JsonClient:
             try:
                 reply = self._send_once(method, path, data, all_headers, timeout_s)
                 if self.retry_status is None or not self.retry_status(reply.status):
-                    return reply
+                    return dataclasses.replace(reply, attempts=attempt + 1)
                 error: Exception = HttpStatusError(reply, what)
             except TRANSPORT_ERRORS as e:
                 error = e

@@ -62,7 +62,73 @@ def test_a_fastapi_app_answers_401_403_and_serves_the_right_token():
     assert client.get("/ping", headers={"Authorization": "Bearer nope"}).status_code == 403
     ok = client.get("/ping", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200 and ok.json() == {"pong": True}
-    assert TestClient(authorized_app("open", None)).get("/docs").status_code == 200
+    for path in ("/docs", "/openapi.json"):  # no API docs, not even behind the token
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 404
+    with pytest.raises(ValueError, match="RLAX_PS_TOKEN"):  # a service never runs open
+        authorized_app("open", None)
+    with pytest.raises(ValueError, match="RLAX_PS_TOKEN"):
+        authorized_app("open", "")
+
+
+def test_a_request_is_refused_before_its_body_is_read():
+    """The guard answers a stranger (401) and an oversized or malformed Content-Length (413,
+    400) without reading any of the body: the app's receive is never called."""
+    import asyncio
+
+    from rlax_tasks.service_http import RequestGuard
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202 - reached only when allowed
+        raise AssertionError("the app was reached")
+
+    guard = RequestGuard(app, "tok", max_body_bytes=100)
+
+    def answer(headers: dict[str, str]) -> int:
+        sent, read = [], []
+
+        async def receive() -> dict:
+            read.append(1)
+            return {"type": "http.request", "body": b"x" * 10, "more_body": True}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": raw}
+        asyncio.run(guard(scope, receive, send))
+        assert read == [], "the body was read"
+        return sent[0]["status"]
+
+    auth = {"Authorization": "Bearer tok"}
+    assert answer({"Content-Length": "10"}) == 401
+    assert answer({"Authorization": "Bearer nope", "Content-Length": "10"}) == 403
+    assert answer({**auth, "Content-Length": str(10**10)}) == 413
+    assert answer({**auth, "Content-Length": "-5"}) == 400
+
+
+def test_wait_seconds_are_finite_non_negative_and_capped():
+    from rlax_tasks.service_http import MAX_WAIT_S, check_wait_s
+
+    assert check_wait_s("2.5") == 2.5 and check_wait_s(0) == 0.0
+    assert check_wait_s(MAX_WAIT_S) == MAX_WAIT_S
+    for bad, why in (("nan", "finite"), (float("inf"), "finite"), ("-1", ">= 0"),
+                     (MAX_WAIT_S + 1, "at most 300 seconds"), ("soon", "finite")):  # fmt: skip
+        with pytest.raises(ValueError, match=why) as info:
+            check_wait_s(bad, "wait_s")
+        assert str(info.value).startswith("wait_s ")
+
+
+def test_one_token_per_run_from_the_environment():
+    from rlax_tasks.service_http import TOKEN_ENV, run_token, service_token
+
+    assert TOKEN_ENV == "RLAX_PS_TOKEN"
+    assert service_token({TOKEN_ENV: "abc"}) == "abc"
+    for env in ({}, {TOKEN_ENV: ""}, {TOKEN_ENV: "  "}):
+        with pytest.raises(ValueError, match="RLAX_PS_TOKEN is not set"):
+            service_token(env)
+    assert run_token({TOKEN_ENV: "mine"}) == "mine"  # the user's, when exported
+    new = run_token({})
+    assert len(new) == 32 and new != run_token({})
 
 
 # --------------------------------------------------------------------------- JsonClient
@@ -238,3 +304,35 @@ def test_trainer_client_retries_a_restarting_trainer_and_maps_409_and_4xx(script
         TrainerClient(f"http://127.0.0.1:{_free_port()}", give_up_after_s=0.2, retry_s=0.01).train(
             2, arrays
         )
+
+
+def test_worker_client_maps_a_refused_token_and_an_oversized_submission(scripted):
+    from rlax_tasks.rollout.service import WorkerClient
+
+    client = WorkerClient(_url(scripted), token="tok")
+    scripted.script = [(403, {"detail": "wrong bearer token"})]
+    with pytest.raises(RuntimeError, match="same RLAX_PS_TOKEN") as info:
+        client.status()
+    assert not isinstance(info.value, ConnectionError)  # not a dead worker: no retry mends it
+    scripted.script = [(413, {"detail": "too large"})]
+    with pytest.raises(ValueError, match="too large"):  # the controller then sends one by one
+        client.submit([{}])
+
+
+def test_trainer_client_raises_a_replay_it_did_not_cause_and_takes_one_it_did(scripted, sleeps):
+    """A replay answer to the first attempt: someone else's step (StepReplayedError, for the
+    controller to judge); after a retry: our own lost answer (returned)."""
+    np = pytest.importorskip("numpy")
+    from rlax_tasks.protocol import StepReplayedError
+    from rlax_tasks.trainer.service import TrainerClient
+
+    arrays = {"x": np.zeros(2)}
+    replayed = {"version": 3, "replayed": True, "metrics": None}
+    client = TrainerClient(_url(scripted), token="t", give_up_after_s=30, retry_s=0.01)
+    scripted.script = [(200, replayed)]
+    with pytest.raises(StepReplayedError, match="already applied step 3") as info:
+        client.train(3, arrays)
+    assert info.value.version == 3
+    scripted.seen.clear()
+    scripted.script = [(503, {}), (200, replayed)]
+    assert client.train(3, arrays)["replayed"] is True and len(scripted.seen) == 2

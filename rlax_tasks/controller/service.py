@@ -4,7 +4,9 @@ Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` (or
 worker's service file, rlax_tasks.endpoints) that the launcher rewrites when a worker (re)starts,
 so workers can join, leave or move; the trainer is a
 ``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
-the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset.
+the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset. Every call to
+the trainer and the workers carries the run's token (``RLAX_PS_TOKEN``, rlax_tasks.service_http):
+`rlax controller` refuses to start without it (exit 2).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompt
 from rlax_tasks.endpoints import Endpoint, add_url_arg
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.rollout.service import WorkerClient
+from rlax_tasks.service_http import service_token
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,11 @@ log = logging.getLogger(__name__)
 class HttpWorkerPool:
     """The ``WorkerPool`` over the ``rlax worker`` services of a JSON file (re-read on change)."""
 
-    def __init__(self, workers_file: str, timeout_s: float = 10.0) -> None:
-        self.workers_file, self.timeout_s = workers_file, timeout_s
+    def __init__(
+        self, workers_file: str, timeout_s: float = 10.0, token: str | None = None
+    ) -> None:
+        # token None: RLAX_PS_TOKEN (WorkerClient reads it)
+        self.workers_file, self.timeout_s, self.token = workers_file, timeout_s, token
         self._generation: int | None = None
         self._clients: dict[str, WorkerClient] = {}
 
@@ -54,7 +60,7 @@ class HttpWorkerPool:
         self._clients = {
             w: self._clients[w]
             if w in self._clients and self._clients[w].endpoint.spec == Endpoint(a).spec
-            else WorkerClient(a, timeout_s=self.timeout_s)
+            else WorkerClient(a, self.token, timeout_s=self.timeout_s)
             for w, a in sorted(addresses.items())
         }
         self._generation = info.generation
@@ -132,11 +138,15 @@ class RewardScorer:
         return [x if x is not None else [] for x in out]
 
 
-def build_controller(cfg: Any, trainer_url: str, workers_file: str) -> Controller:
-    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet over HTTP."""
+def build_controller(
+    cfg: Any, trainer_url: str, workers_file: str, token: str | None = None
+) -> Controller:
+    """A Controller for run config ``cfg`` wired to the trainer and the worker fleet over HTTP,
+    calling them with ``token`` (None: ``RLAX_PS_TOKEN``)."""
     from rlax_tasks.trainer.service import TrainerClient
 
-    return make_controller(cfg, HttpWorkerPool(workers_file), TrainerClient(trainer_url))
+    pool = HttpWorkerPool(workers_file, token=token)
+    return make_controller(cfg, pool, TrainerClient(trainer_url, token))
 
 
 def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
@@ -171,8 +181,9 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
 def _controller_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
 
+    token = service_token()  # the trainer and the workers refuse calls without it
     cfg = load_config(args.config)
-    controller = build_controller(cfg, args.trainer_url, args.workers_file)
+    controller = build_controller(cfg, args.trainer_url, args.workers_file, token)
     steps = args.steps or cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the run config has no trainer.total_steps)")

@@ -82,8 +82,8 @@ from rlax_tasks.paramserver.wire import (
     split_blocks,
     version_digest,
 )
+from rlax_tasks.service_http import MAX_WAIT_S, JsonClient, Reply, backoff_s
 from rlax_tasks.service_http import TRANSPORT_ERRORS as _TRANSPORT_ERRORS
-from rlax_tasks.service_http import JsonClient, Reply, backoff_s
 from rlax_tasks.storage import read_into
 
 log = logging.getLogger(__name__)
@@ -449,7 +449,8 @@ class ParameterServerClient:
     def _pull_once(
         self, path: str, query: dict, wait_s: float, shardings: Any, like: Any
     ) -> tuple[int, Any] | None:
-        if path == "/v1/pull":
+        if path == "/v1/pull":  # the server holds a poll for less anyway (its max_wait_s)
+            wait_s = min(wait_s, MAX_WAIT_S)
             query = {**query, "wait_s": f"{wait_s:.3f}"}
         target = path + ("?" + urllib.parse.urlencode(query) if query else "")
         conn = self._connection(self.timeout_s + wait_s)

@@ -8,7 +8,8 @@ CRC32C is checked as soon as its bytes are in (``verify_push``), the end frame's
 a corrupted push is refused (422) before it can become visible. (gRPC would need
 generated stubs -- no protoc here -- and copies each message into protobuf bytes.)
 
-Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``; missing -> 401, wrong -> 403):
+Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``, the run's token; missing -> 401,
+wrong -> 403; `rlax ps serve` refuses to start without it):
 
     GET    /v1/status                      versions, workers, mirror state (JSON)
     GET    /v1/latest                      {"version": newest or null, "digest", "parts"}
@@ -45,6 +46,12 @@ version is served like any other, its blocks ordered by (array, part, stream ord
 over the manifest and their headers in that order (``wire.version_digest``) and ``/v1/latest``
 also lists each part's own digest ("parts").
 ``/v1/status`` shows the versions being assembled ("assembling").
+
+Bounds (DESIGN §13): ``wait_s`` must be a finite number in [0, ``MAX_WAIT_S``] (400 naming it; the
+server holds a poll at most ``max_wait_s``), versions and ``min_version`` integers >= 0. A JSON
+body over ``MAX_JSON_BYTES`` is refused (413) before it is read, a chunked body (411) too. A push's
+Content-Length must fit the manifest it starts with (413 otherwise, before any block is read), and
+no block is allocated beyond the bytes the body has left.
 """
 
 from __future__ import annotations
@@ -54,7 +61,6 @@ import dataclasses
 import http.server
 import json
 import logging
-import os
 import re
 import signal
 import socket
@@ -80,9 +86,11 @@ from rlax_tasks.paramserver.store import (
     WeightVersion,
 )
 from rlax_tasks.paramserver.wire import (
+    END_FRAME_SIZE,
     ChecksumError,
     Manifest,
     WireError,
+    block_header_size,
     check_coverage,
     crc32c,
     read_block_header,
@@ -90,13 +98,21 @@ from rlax_tasks.paramserver.wire import (
     read_manifest,
     version_digest,
 )
-from rlax_tasks.service_http import AuthError, check_bearer
+from rlax_tasks.service_http import (
+    MAX_WAIT_S,
+    TOKEN_ENV,
+    AuthError,
+    check_bearer,
+    check_wait_s,
+    service_token,
+)
 from rlax_tasks.storage import read_into
 from rlax_tasks.validation import check_int, check_number, field_error
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "RLAX_PS_TOKEN"
+# TOKEN_ENV (RLAX_PS_TOKEN, the run's token) and MAX_WAIT_S: from rlax_tasks.service_http
+MAX_JSON_BYTES = 65536  # a JSON request body (reserve, ack)
 WORKER_HEADER = "X-RLAX-Worker"
 VERSION_HEADER = "X-RLAX-Version"
 PART_HEADER = "X-RLAX-Push-Part"  # this push is part i (0-based) ...
@@ -235,6 +251,7 @@ class ParameterServer:
             t0 = time.perf_counter()
             reader = _Bounded(body, length)
             manifest = self._read_manifest(reader, version)
+            check_stream_length(manifest, reader.left)  # before any block is read
             self.store.fit_push(version, manifest.nbytes)  # its room, before any block arrives
             try:
                 blocks = self._read_blocks(reader, manifest)
@@ -263,7 +280,11 @@ class ParameterServer:
             try:
                 manifest = self._read_manifest(reader, version)
                 self.store.start_part(assembly, part, manifest)
+                check_stream_length(manifest, reader.left)  # before any block is read
                 blocks = self._read_blocks(reader, manifest, assembly)
+            except VersionTooLargeError as e:  # its body is never read: the version fails
+                self.store.fail_part(assembly, part, e)
+                raise
             except (ChecksumError, WireError) as e:  # a broken or corrupted part: no retry fixes it
                 reader.drain()  # the rest of the body first: the pusher then reads our answer
                 self.store.fail_part(assembly, part, e)  # raises the version's error
@@ -314,6 +335,11 @@ class ParameterServer:
             spec = manifest.arrays[header.array]
             if covered[header.array] + header.nbytes > spec.nbytes:
                 raise WireError(f"blocks of array {spec.name!r} exceed its {spec.nbytes} bytes")
+            if header.nbytes > reader.left:  # never allocated beyond what the body still holds
+                raise WireError(
+                    f"block {block_no} of {header.nbytes} bytes, but the body has {reader.left} "
+                    "left"
+                )
             data = np.empty(header.nbytes, np.uint8)
             read_into(reader, memoryview(data))
             if self.config.verify_push and (got := crc32c(data)) != header.crc32c:
@@ -350,6 +376,21 @@ class _Server(http.server.ThreadingHTTPServer):
             log.debug("client %s went away: %s", client_address, sys.exc_info()[1])
             return
         super().handle_error(request, client_address)
+
+
+def check_stream_length(manifest: Manifest, left: int) -> None:
+    """VersionTooLargeError when the ``left`` bytes after the manifest exceed what its blocks
+    and end frame can take: the arrays' bytes, a header per block (a block holds at least one
+    byte, so at most that many headers) and the end frame."""
+    ndim = max((len(a.shape) for a in manifest.arrays), default=0)
+    headers = min(manifest.num_blocks, manifest.nbytes) * block_header_size(ndim)
+    most = manifest.nbytes + headers + END_FRAME_SIZE
+    if left > most:
+        raise VersionTooLargeError(
+            f"the body holds {left} bytes after the manifest of version {manifest.version}, "
+            f"more than its {manifest.num_blocks} blocks of {manifest.nbytes} array bytes can "
+            f"take ({most})"
+        )
 
 
 class _Bounded:
@@ -399,14 +440,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         url = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(url.query)
         parts = [p for p in url.path.split("/") if p]
+        self._body_left = 0
         try:
             self._authenticate()
+            self._body_left = self._body_length(method)
             worker = self.headers.get(WORKER_HEADER)
             if worker:
                 self.ps.store.touch(_worker_id(worker))
             self._route(method, parts, query)
+            if self._body_left:  # a body the route did not read: the connection cannot go on
+                self.close_connection = True
         except _HTTPError as e:
-            self._send_json(e.status, {"error": e.message}, close=e.close, headers=e.headers)
+            close = e.close or self._body_left > 0  # an unread body: the connection ends
+            self._send_json(e.status, {"error": e.message}, close=close, headers=e.headers)
         except (TimeoutError, ConnectionError, EOFError) as e:
             log.warning("%s %s from %s aborted: %r", method, url.path, self.client_address, e)
             self.close_connection = True
@@ -428,8 +474,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
         if method == "GET" and route == ["pull"]:
             min_version = _int_param(query, "min_version")
-            wait_s = _float_param(query, "wait_s", 0.0)
-            wait_s = min(max(wait_s, 0.0), ps.config.max_wait_s)
+            wait_s = min(_wait_param(query), ps.config.max_wait_s)
             weights = ps.store.wait_for(min_version, wait_s)
             if weights is None:
                 return self._send_json(204, None)
@@ -459,8 +504,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if method == "POST" and len(route) == 3 and route[2] == "ack":
                 body = self._read_json()
                 version = body.get("version")
-                if not isinstance(version, int):
-                    raise _HTTPError(400, 'ack body must be {"version": <int>}')
+                if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                    raise _HTTPError(400, 'ack body must be {"version": <int >= 0>}')
                 try:
                     deleted = ps.store.ack(worker, version)
                 except UnknownVersionError:
@@ -482,7 +527,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         nbytes = self._read_json().get("nbytes")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise _HTTPError(400, 'reserve body must be {"nbytes": <int >= 0>}')
-        wait_s = min(max(_float_param(query, "wait_s", 0.0), 0.0), self.ps.config.max_wait_s)
+        wait_s = min(_wait_param(query), self.ps.config.max_wait_s)
         part = self._part()
         try:
             self.ps.store.reserve(
@@ -511,8 +556,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _push(self, version: int) -> None:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None:
             raise _HTTPError(411, "push needs a Content-Length", close=True)
+        self._body_left = 0  # read (or refused with the connection closed) from here on
         part = self._part(close=True)
         what = f"push of version {version}"
         try:
@@ -571,10 +617,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(frame)
         log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
 
+    def _body_length(self, method: str) -> int:
+        """The request's Content-Length, checked before any of the body is read: digits only,
+        no chunked body (411), at most ``MAX_JSON_BYTES`` unless it is a push (413)."""
+        if self.headers.get("Transfer-Encoding"):
+            raise _HTTPError(411, "send a Content-Length (no chunked bodies)", close=True)
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return 0
+        if not raw.isdigit():
+            raise _HTTPError(400, f"bad Content-Length {raw[:32]!r}", close=True)
+        length = int(raw)
+        if method != "PUT" and length > MAX_JSON_BYTES:
+            raise _HTTPError(
+                413,
+                f"a body of {length} bytes exceeds the limit of {MAX_JSON_BYTES} for JSON requests",
+                close=True,
+            )
+        return length
+
     def _read_json(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > 65536:
-            raise _HTTPError(413, "JSON body too large", close=True)
+        length, self._body_left = self._body_left, 0
         raw = self.rfile.read(length) if length else b"{}"
         try:
             body = json.loads(raw or b"{}")
@@ -610,9 +673,12 @@ def _worker_id(raw: str) -> str:
 
 def _int_segment(raw: str, what: str) -> int:
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise _HTTPError(400, f"{what} must be an integer, got {raw[:32]!r}") from None
+        value = -1
+    if value < 0:
+        raise _HTTPError(400, f"{what} must be an integer >= 0, got {raw[:32]!r}")
+    return value
 
 
 def _int_param(query: dict[str, list[str]], name: str) -> int | None:
@@ -620,14 +686,15 @@ def _int_param(query: dict[str, list[str]], name: str) -> int | None:
     return None if not values or values[0] == "" else _int_segment(values[0], name)
 
 
-def _float_param(query: dict[str, list[str]], name: str, default: float) -> float:
+def _wait_param(query: dict[str, list[str]], name: str = "wait_s") -> float:
+    """The ``wait_s`` of a long-poll (0 when absent): finite, in [0, MAX_WAIT_S], else 400."""
     values = query.get(name)
     if not values:
-        return default
+        return 0.0
     try:
-        return float(values[0])
-    except ValueError:
-        raise _HTTPError(400, f"{name} must be a number") from None
+        return check_wait_s(values[0][:64], name, MAX_WAIT_S)
+    except ValueError as e:
+        raise _HTTPError(400, str(e)) from None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -667,9 +734,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        token = os.environ.get(TOKEN_ENV, "")
-        if not token:
-            raise ValueError(f"{TOKEN_ENV} is not set: export a secret token for the server")
+        token = service_token()
         config = ServerConfig(
             token=token,
             host=bind_host(args.host),

@@ -1,7 +1,10 @@
 """`rlax verify serve`: the math and code verifiers as a local HTTP service, plus its client.
 
 Lets verification run on other machines than the inference workers. Binds 127.0.0.1 unless
-told otherwise; with --port 0 the chosen address is printed on the first stdout line.
+told otherwise; with --port 0 the chosen address is printed on the first stdout line. It runs
+code, so every call needs the run's token (``RLAX_PS_TOKEN``, rlax_tasks.service_http; missing
+→ 401, wrong → 403) and the service refuses to start without it (exit 2). A body over
+``--max-body-mb`` is refused (413) before it is read; every field is bounded (422 naming it).
 """
 
 import argparse
@@ -15,17 +18,33 @@ from rlax_tasks.endpoints import announce, listen
 from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
 from rlax_tasks.rewards.math import MathResult
 from rlax_tasks.rewards.sandbox import ExecResult
-from rlax_tasks.service_http import JsonClient, Reply, serve_app
+from rlax_tasks.service_http import (
+    TOKEN_ENV,
+    JsonClient,
+    Reply,
+    authorized_app,
+    serve_app,
+    service_token,
+)
 
 logger = logging.getLogger(__name__)
 
 _MAX_ITEMS = 4096
+_MAX_TEXT = 1 << 20  # characters of a response, reference or program
+_MAX_NAME = 64  # characters of a language or comparison name
+_MAX_TESTS = 16384  # test cases in one judge request, over all its submissions
+MAX_BODY_MB = 128  # default body limit: code problems carry their test cases
 
 
 def create_app(
-    math_workers: int | None = None, math_timeout_s: float = 5.0, max_parallel: int | None = None
+    token: str,
+    math_workers: int | None = None,
+    math_timeout_s: float = 5.0,
+    max_parallel: int | None = None,
+    max_body_bytes: int = MAX_BODY_MB << 20,
 ) -> Any:
-    """The FastAPI application; verifiers (and their worker processes) start with the app."""
+    """The FastAPI application, every call needing ``token``; verifiers (and their worker
+    processes) start with the app."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, HTTPException
@@ -47,18 +66,18 @@ def create_app(
         finally:
             state["math"].close()
 
-    app = FastAPI(title="RLAX verifiers", lifespan=lifespan)
+    app = authorized_app("RLAX verifiers", token, max_body_bytes=max_body_bytes, lifespan=lifespan)
 
     class MathItem(BaseModel):
-        response: str
-        reference: str
+        response: str = Field(max_length=_MAX_TEXT)
+        reference: str = Field(max_length=_MAX_TEXT)
 
     class MathRequest(BaseModel):
         items: list[MathItem] = Field(max_length=_MAX_ITEMS)
 
     class RunRequest(BaseModel):
-        source: str
-        language: str = "python"
+        source: str = Field(max_length=_MAX_TEXT)
+        language: str = Field("python", max_length=_MAX_NAME)
         stdin: str = ""
         timeout_s: float = Field(2.0, gt=0, le=60)
         memory_mb: int = Field(256, gt=0, le=16384)
@@ -68,16 +87,16 @@ def create_app(
         expected: str
 
     class CheckerModel(BaseModel):
-        source: str
-        language: str = "python"
+        source: str = Field(max_length=_MAX_TEXT)
+        language: str = Field("python", max_length=_MAX_NAME)
         timeout_s: float = Field(5.0, gt=0, le=60)
         memory_mb: int = Field(512, gt=0, le=16384)
 
     class SubmissionModel(BaseModel):
-        source: str
+        source: str = Field(max_length=_MAX_TEXT)
         tests: list[TestModel] = Field(min_length=1, max_length=_MAX_ITEMS)
-        language: str = "python"
-        comparison: str = "tokens"
+        language: str = Field("python", max_length=_MAX_NAME)
+        comparison: str = Field("tokens", max_length=_MAX_NAME)
         checker: CheckerModel | None = None
         timeout_s: float = Field(2.0, gt=0, le=60)
         memory_mb: int = Field(256, gt=0, le=16384)
@@ -113,6 +132,11 @@ def create_app(
 
     @app.post("/v1/code/judge")
     def code_judge(req: JudgeRequest) -> dict:
+        tests = sum(len(s.tests) for s in req.submissions)
+        if tests > _MAX_TESTS:
+            raise HTTPException(
+                422, f"submissions: at most {_MAX_TESTS} tests per request in all, got {tests}"
+            )
         subs = [
             Submission(
                 s.source,
@@ -136,31 +160,38 @@ def create_app(
 
 
 def serve(
+    token: str,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
     math_workers: int | None = None,
     math_timeout_s: float = 5.0,
     max_parallel: int | None = None,
+    max_body_bytes: int = MAX_BODY_MB << 20,
     log_level: str = "info",
 ) -> None:
     """Run the service until interrupted; prints its URL on the first line of stdout."""
-    app = create_app(math_workers, math_timeout_s, max_parallel)
+    app = create_app(token, math_workers, math_timeout_s, max_parallel, max_body_bytes)
     sock, url = listen(host, port)
     announce(url)  # first-line contract
     serve_app(app, sock, log_level=log_level, lifespan="on")
 
 
 def _serve_command(args: argparse.Namespace) -> int:
+    token = service_token()  # it runs code: never without the run's token (exit 2)
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr
     )
     serve(
+        token,
         args.host,
         args.port,
         math_workers=args.math_workers,
         math_timeout_s=args.math_timeout,
         max_parallel=args.max_parallel,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
         log_level=args.log_level,
     )
     return 0
@@ -192,6 +223,12 @@ def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "--max-parallel", type=int, default=None, help="concurrent sandboxes (default: CPU count)"
     )
     serve_p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_MB,
+        help=f"largest request body in MiB, refused before it is read (default {MAX_BODY_MB})",
+    )
+    serve_p.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     serve_p.set_defaults(func=_serve_command)
@@ -209,12 +246,14 @@ def _verifier_error(reply: Reply, what: str) -> VerifierError:
 class VerifierClient:
     """Small stdlib client of the verifier service."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0) -> None:
-        """`url` as printed by `rlax verify serve`, e.g. http://127.0.0.1:8000."""
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 300.0) -> None:
+        """`url` as printed by `rlax verify serve`, e.g. http://127.0.0.1:8000; ``token``: the
+        run's (None: ``RLAX_PS_TOKEN``)."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
         # no retries; a connection error is raised as it is (an OSError)
-        self.http = JsonClient(self.url, timeout_s=timeout_s, refused=_verifier_error)
+        self.http = JsonClient(self.url, token, timeout_s=timeout_s, refused=_verifier_error)
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         return self.http.call(method, path, body)
@@ -291,7 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlax")
     add_verify_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # a user mistake: one line, exit 2 (as `rlax` does)
+        print(f"rlax verify: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

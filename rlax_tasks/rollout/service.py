@@ -3,8 +3,16 @@
 Endpoints (JSON): POST /v1/groups {"groups": [GroupRequest...]} queues work; GET /v1/results
 ?wait_s=&max_groups= long-polls finished groups (each tagged with its weight version); POST
 /v1/reset drops all work (a restarted controller re-issues its in-flight prompts); GET /v1/status.
-Binds 127.0.0.1 unless told otherwise; with ``RLAX_WORKER_TOKEN`` set every call needs
-``Authorization: Bearer <token>`` (missing → 401, wrong → 403). The first stdout line is the URL.
+Binds 127.0.0.1 unless told otherwise. Every call needs the run's token (``RLAX_PS_TOKEN``,
+rlax_tasks.service_http; the worker refuses to start without it) as ``Authorization: Bearer
+<token>`` (missing → 401, wrong → 403). The first stdout line is the URL.
+
+Bounds (DESIGN §13): a body over ``MAX_BODY_BYTES`` is refused (413) before it is read; a
+submission holds at most ``MAX_GROUPS`` groups of at most ``MAX_GROUP_SIZE`` completions each
+(``MAX_SAMPLES`` in all), each prompt within the sampler's ``max_len`` (400 naming the field);
+``wait_s`` lies in [0, ``MAX_WAIT_S``] (422). A long-poll waits on the event loop, not in a
+thread, so open polls never starve the other routes, and a SIGTERM ends it within
+``GRACEFUL_S``.
 """
 
 from __future__ import annotations
@@ -28,20 +36,57 @@ from rlax_tasks.endpoints import (
     listen,
 )
 from rlax_tasks.rollout.requests import GroupRequest
-from rlax_tasks.service_http import JsonClient, Reply, authorized_app, serve_app
+from rlax_tasks.service_http import (
+    MAX_WAIT_S,
+    TOKEN_ENV,
+    JsonClient,
+    Reply,
+    authorized_app,
+    check_wait_s,
+    long_poll,
+    serve_app,
+    service_token,
+)
 
 if TYPE_CHECKING:  # the worker loads JAX and Flax: only its command needs them
     from rlax_tasks.rollout.worker import InferenceWorker
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "RLAX_WORKER_TOKEN"
-MAX_WAIT_S = 30.0
+# TOKEN_ENV (RLAX_PS_TOKEN, the run's one token) and MAX_WAIT_S: from rlax_tasks.service_http
+MAX_BODY_BYTES = 16 << 20  # a submission's JSON
+MAX_GROUPS = 4096  # groups in one submission (and results in one answer)
+MAX_GROUP_SIZE = 1024  # completions of one prompt
+MAX_SAMPLES = 65536  # completions in one submission
+GRACEFUL_S = 2.0  # requests still open this long after a SIGTERM are cancelled
 
 
-def create_app(worker: InferenceWorker, token: str | None = None) -> Any:
-    """The FastAPI application around a started ``InferenceWorker``."""
-    app = authorized_app("RLAX inference worker", token)
+def check_groups(raw: Any) -> list[GroupRequest]:
+    """The groups of a ``POST /v1/groups`` body, within this module's bounds; ValueError
+    naming the field otherwise."""
+    if not isinstance(raw, list):
+        raise ValueError('expected {"groups": [...]}')
+    if len(raw) > MAX_GROUPS:
+        raise ValueError(f"groups: at most {MAX_GROUPS} groups per request, got {len(raw)}")
+    groups = [GroupRequest.from_dict(g) for g in raw]
+    for g in groups:
+        if g.group_size > MAX_GROUP_SIZE:
+            raise ValueError(
+                f"group_size must be at most {MAX_GROUP_SIZE}, got {g.group_size} "
+                f"(prompt_id {g.prompt_id!r})"
+            )
+    total = sum(g.group_size for g in groups)
+    if total > MAX_SAMPLES:
+        raise ValueError(
+            f"groups: at most {MAX_SAMPLES} completions (sum of group_size) per request, got "
+            f"{total}: send fewer groups at a time"
+        )
+    return groups
+
+
+def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
+    """The FastAPI application around a started ``InferenceWorker``; every call needs ``token``."""
+    app = authorized_app("RLAX inference worker", token, max_body_bytes=max_body_bytes)
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -53,20 +98,23 @@ def create_app(worker: InferenceWorker, token: str | None = None) -> Any:
 
     @app.post("/v1/groups")
     def submit(body: dict) -> dict:
-        raw = body.get("groups")
-        if not isinstance(raw, list):
-            raise HTTPException(400, 'expected {"groups": [...]}')
-        try:
-            groups = [GroupRequest.from_dict(g) for g in raw]
+        try:  # (400: the controller skips the prompt the message names)
+            groups = check_groups(body.get("groups"))
             worker.submit(groups)
         except (ValueError, TypeError) as e:
             raise HTTPException(400, str(e)) from e
         return {"accepted": len(groups)}
 
     @app.get("/v1/results")
-    def results(wait_s: float = 0.0, max_groups: int | None = None) -> dict:
+    async def results(wait_s: float = 0.0, max_groups: int | None = None) -> dict:
         try:
-            done = worker.results(min(max(wait_s, 0.0), MAX_WAIT_S), max_groups)
+            wait_s = check_wait_s(wait_s)
+            if max_groups is not None and not 1 <= max_groups <= MAX_GROUPS:
+                raise ValueError(f"max_groups must lie in [1, {MAX_GROUPS}], got {max_groups}")
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        try:  # on the event loop: worker.results(0) only takes the worker's lock briefly
+            done = await long_poll(lambda: worker.results(0.0, max_groups), wait_s)
         except RuntimeError as e:
             raise HTTPException(500, str(e)) from e
         return {"results": [r.to_dict() for r in done]}
@@ -95,10 +143,17 @@ class WorkerClient:
         return str(self.endpoint)
 
     def _refused(self, reply: Reply, what: str) -> Exception:
-        """400: the request is invalid (ValueError, the controller skips it); any other error
-        is the worker's failure (ConnectionError, retried elsewhere)."""
-        if reply.status == 400:
+        """400 / 413: the request is invalid or too large (ValueError: the controller sends its
+        groups one by one and skips the one refused); 401 / 403: the run's token is not the
+        worker's (RuntimeError: no retry mends it); any other error is the worker's failure
+        (ConnectionError, retried elsewhere)."""
+        if reply.status in (400, 413):
             return ValueError(f"worker {self.url} rejected the request: {reply.text}")
+        if reply.status in (401, 403):
+            return RuntimeError(
+                f"worker {self.url} refused {what} (HTTP {reply.status}: {reply.text}): give "
+                f"every job of the run the same {TOKEN_ENV}"
+            )
         return ConnectionError(f"worker {self.url}: HTTP {reply.status}: {reply.text}")
 
     def _unreachable(self, error: Exception, what: str) -> Exception:
@@ -113,6 +168,7 @@ class WorkerClient:
         return self._call("POST", "/v1/groups", {"groups": list(groups)})["accepted"]
 
     def results(self, wait_s: float = 0.0, max_groups: int | None = None) -> list[dict[str, Any]]:
+        wait_s = min(max(wait_s, 0.0), MAX_WAIT_S)
         query = f"?wait_s={wait_s}" + (f"&max_groups={max_groups}" if max_groups else "")
         reply = self._call("GET", "/v1/results" + query, timeout_s=self.timeout_s + wait_s)
         return reply["results"]
@@ -180,6 +236,7 @@ def worker_mesh(mesh_shape: str) -> Any:
 
 
 def _worker_command(args: argparse.Namespace) -> int:
+    token = service_token()  # before anything slow: no token, no worker (exit 2)
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
     from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
@@ -190,7 +247,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient
 
-        source: Any = ParameterServerClient(args.ps_url, worker_id=args.worker_id)
+        source: Any = ParameterServerClient(args.ps_url, token, worker_id=args.worker_id)
         _register(source, args.ps_url, args.ps_wait_s)
         source.start_heartbeats(args.heartbeat_s)
     else:
@@ -209,9 +266,9 @@ def _worker_command(args: argparse.Namespace) -> int:
         url,
         worker.version,
     )
-    app = create_app(worker, os.environ.get(TOKEN_ENV))
+    app = create_app(worker, token)
     try:
-        serve_app(app, sock)
+        serve_app(app, sock, graceful_s=GRACEFUL_S)
     finally:
         worker.stop()
         if args.ps_url:

@@ -21,6 +21,12 @@ Addresses: with ``ports`` (``rlax run``: every job on this machine) the services
 until the slices exist, and new after a re-provision) every service binds its host's address on a
 free port and publishes it to ``run_dir/services/<job>.json``; clients get those files
 (rlax_tasks.endpoints) and the node agent sets the group variables. Importable without JAX.
+
+One token per run (DESIGN §13): ``token`` goes into every job's environment as ``RLAX_PS_TOKEN``
+(never onto a command line); the parameter server, the trainer, the workers and the controller
+all read that one variable (rlax_tasks.service_http), each service refusing to start without it.
+A launcher gets the token from ``service_http.run_token()``: the user's own when exported, else a
+new random one.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.endpoints import service_file
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
 from rlax_tasks.run_paths import run_paths
+from rlax_tasks.service_http import TOKEN_ENV  # (re-exported: the run's one token)
 
-TOKEN_ENV = "RLAX_PS_TOKEN"
 TRAINER_SLICE = "trainer"
 
 
@@ -154,6 +160,8 @@ def plan_topology(
     ``--keep-versions``/``--keep-bytes``), with ``token`` and ``base_env`` in every job's
     environment and each job's own devices (rlax_tasks.run.placement). ``ports=None``: published
     addresses (see the module docstring); ``worker_slices``: the workers' own slices."""
+    if not token:
+        raise ValueError(f"no token for the run: every job needs {TOKEN_ENV}")
     n = cfg.workers.count
     if ports is not None and len(ports.workers) != n:
         raise ValueError(f"{len(ports.workers)} worker ports for {n} workers")

@@ -2,7 +2,9 @@
 layout's trainer; run/colocated.py builds the colocated one).
 
 It loads the run config, joins the trainer's process group, loads the policy and objective, and
-serves ``rlax_tasks.trainer.service.TrainerService`` to the controller. It lives here, in the
+serves ``rlax_tasks.trainer.service.TrainerService`` to the controller, behind the run's token
+(``RLAX_PS_TOKEN``: without it the command exits 2 before loading anything) and a body limit sized
+from the run's batch (prompts_per_step × group_size rows of workers.max_len). It lives here, in the
 composition root, because the run configuration (rlax_tasks/config.py) itself builds on the
 trainer's settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back.
 """
@@ -12,17 +14,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 
 from rlax_tasks.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
-from rlax_tasks.service_http import serve_app
-from rlax_tasks.trainer.service import TOKEN_ENV, TrainerService, create_app
+from rlax_tasks.service_http import serve_app, service_token
+from rlax_tasks.trainer.service import TrainerService, batch_body_limit, create_app
 
 log = logging.getLogger(__name__)
 
 
 def _trainer_command(args: argparse.Namespace) -> int:
+    # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
+    token = service_token()
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
     from rlax_tasks.models import load_pretrained
@@ -47,7 +50,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient
 
-        ps = ParameterServerClient(args.ps_url)
+        ps = ParameterServerClient(args.ps_url, token)
     channel = CommandChannel() if group is not None else None
     service = TrainerService(trainer, ps, channel=channel).start()
     if not service.is_leader:  # host 0 serves the controller; this host does what it sends
@@ -59,7 +62,9 @@ def _trainer_command(args: argparse.Namespace) -> int:
     sock, url = listen(bind_host(args.host), args.port)
     announce(url, args.publish)  # first-line contract
     try:
-        serve_app(create_app(service, os.environ.get(TOKEN_ENV)), sock)
+        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        limit = batch_body_limit(rows, cfg.workers.max_len)
+        serve_app(create_app(service, token, max_body_bytes=limit), sock)
     finally:
         service.stop()
     return 0

@@ -14,7 +14,16 @@ never applied twice to the same weights, and a big model is not written out at e
 
 On start it restores the newest complete checkpoint and makes sure the parameter server holds
 its version (a PS restarted from an older mirror gets it again); a background thread keeps
-checking that. Binds 127.0.0.1; ``RLAX_TRAINER_TOKEN`` (when set) is required as a bearer token.
+checking that. Binds 127.0.0.1. Every call needs the run's token (``RLAX_PS_TOKEN``,
+rlax_tasks.service_http; the trainer refuses to start without it): a stranger cannot post a step.
+A body over the service's limit (sized from the run's batch, ``batch_body_limit``) is refused
+(413) before it is read, and so is a batch whose arrays would unpack to more; step numbers are
+integers >= 1 (422).
+
+A step answered as a replay is normal only when the controller sends a step it had sent before
+(it restarted after the trainer applied it, or a retry after a lost answer). ``TrainerClient``
+accepts a replay of its own retry; any other replay it raises as ``StepReplayedError`` for the
+controller to judge against its snapshot and lineage.
 
 With ``trainer.hosts`` > 1 the same command runs on every host of the trainer's slice, joined by
 ``jax.distributed`` (rlax_tasks.trainer.process_group): host 0 serves and sends the group's
@@ -38,13 +47,20 @@ from starlette.concurrency import run_in_threadpool
 
 from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.paramserver.client import VersionConflictError
-from rlax_tasks.protocol import StepAheadError, StepConflictError, TrainerBehindError
+from rlax_tasks.protocol import (
+    StepAheadError,
+    StepConflictError,
+    StepReplayedError,
+    TrainerBehindError,
+)
 from rlax_tasks.run_paths import run_paths
-from rlax_tasks.service_http import JsonClient, Reply, authorized_app
+from rlax_tasks.service_http import TOKEN_ENV, JsonClient, Reply, authorized_app
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "RLAX_TRAINER_TOKEN"
+# TOKEN_ENV: RLAX_PS_TOKEN, the run's one token (rlax_tasks.service_http)
+# the body limit without a run configuration to size it from (``batch_body_limit``)
+DEFAULT_MAX_BODY_BYTES = 1 << 30
 # scalars sent beside a batch's arrays (the controller's per-step counts, e.g. prompts skipped):
 # written to that step's metrics row, never trained on
 STAT_PREFIX = "stat_"
@@ -231,14 +247,34 @@ def _encode_batch(batch: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
-def _decode_batch(payload: bytes) -> dict[str, np.ndarray]:
+class BatchTooLargeError(ValueError):
+    """A batch whose arrays would unpack to more bytes than the service takes."""
+
+
+def _decode_batch(payload: bytes, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an .npz body; BatchTooLargeError, before unpacking any, when they would
+    take more than ``max_bytes`` (a small compressed body can unpack to gigabytes)."""
     with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
+        unpacked = sum(info.file_size for info in npz.zip.infolist())
+        if max_bytes is not None and unpacked > max_bytes:
+            raise BatchTooLargeError(
+                f"the batch unpacks to {unpacked} bytes, over this trainer's limit of {max_bytes}"
+            )
         return {k: npz[k] for k in npz.files}
 
 
-def create_app(service: TrainerService, token: str | None = None) -> Any:
-    """The FastAPI application of a started ``TrainerService``."""
-    app = authorized_app("RLAX trainer", token)
+def batch_body_limit(rows: int, max_len: int) -> int:
+    """The body limit of a trainer whose batches have ``rows`` sequences of at most ``max_len``
+    tokens: room for 16 [rows, max_len] arrays of 4 bytes (a batch sends 4, plus ``stat_``
+    scalars) and 1 MiB of framing."""
+    return (1 << 20) + 16 * 4 * rows * max_len
+
+
+def create_app(
+    service: TrainerService, token: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> Any:
+    """The FastAPI application of a started ``TrainerService``; every call needs ``token``."""
+    app = authorized_app("RLAX trainer", token, max_body_bytes=max_body_bytes)
 
     @app.get("/v1/status")
     def status() -> dict:
@@ -246,10 +282,14 @@ def create_app(service: TrainerService, token: str | None = None) -> Any:
 
     @app.post("/v1/steps/{step}")
     async def train(step: int, request: Request) -> dict:
+        if step < 1:
+            raise HTTPException(422, f"step must be an integer >= 1, got {step}")
         body = await request.body()
         try:
-            batch = _decode_batch(body)
-        except (ValueError, OSError) as e:
+            batch = _decode_batch(body, max_body_bytes)
+        except BatchTooLargeError as e:
+            raise HTTPException(413, str(e)) from e
+        except (ValueError, OSError, EOFError) as e:
             raise HTTPException(400, f"the body is not an .npz batch: {e}") from e
         try:
             return await run_in_threadpool(service.train, step, batch)
@@ -293,10 +333,21 @@ class TrainerClient:
         return str(self.endpoint)
 
     def train(self, step: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-        """POSTs step ``step``; connection failures are retried (the step is idempotent)."""
-        body = _encode_batch(arrays)
-        self.last = self.http.call("POST", f"/v1/steps/{step}", body, what=f"step {step}")
-        return self.last
+        """POSTs step ``step``; connection failures are retried (the step is idempotent).
+
+        A replay answer is returned as it is when this call had sent the step before (an
+        attempt whose answer was lost), else raised: ``StepReplayedError``, since this call
+        never sent the step before (the controller knows whether a restart explains it)."""
+        what = f"step {step}"
+        reply = self.http.send("POST", f"/v1/steps/{step}", _encode_batch(arrays), what=what)
+        if reply.status >= 300:
+            raise self._refused(reply, what)
+        self.last = answer = reply.json()
+        if answer.get("replayed") and reply.attempts == 1:
+            raise StepReplayedError(step, int(answer["version"]), answer.get("metrics"))
+        if answer.get("replayed"):
+            log.info("step %d: applied by an earlier attempt whose answer was lost", step)
+        return answer
 
     def _refused(self, reply: Reply, what: str) -> Exception:
         """409 with ``trainer_step``: restarted from an older checkpoint (TrainerBehindError:
@@ -304,8 +355,11 @@ class TrainerClient:
         behind = _trainer_step(reply.text) if reply.status == 409 else None
         if behind is not None:
             return TrainerBehindError(behind, reply.text)
+        hint = ""
+        if reply.status in (401, 403):
+            hint = f": give every job of the run the same {TOKEN_ENV}"
         return RuntimeError(
-            f"trainer {self.url} refused {what} (HTTP {reply.status}): {reply.text}"
+            f"trainer {self.url} refused {what} (HTTP {reply.status}): {reply.text}{hint}"
         )
 
     def _unreachable(self, error: Exception, what: str) -> Exception:

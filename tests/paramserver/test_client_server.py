@@ -345,7 +345,7 @@ def test_half_finished_push_is_discarded_after_the_io_timeout(make_server, clien
     sock = socket.create_connection((url.hostname, url.port))
     sock.sendall(
         b"PUT /v1/versions/1 HTTP/1.1\r\nHost: x\r\n"
-        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 100000\r\n\r\n".encode()
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(man) + 4000}\r\n\r\n".encode()
         + man
         + b"RXB2"
     )

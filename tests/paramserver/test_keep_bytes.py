@@ -54,7 +54,7 @@ def _open_push(address: str, version: int) -> socket.socket:
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
     sock.sendall(
         f"PUT /v1/versions/{version} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Length: {UNIT + 1000}\r\n\r\n".encode()
+        f"Content-Length: {len(manifest) + UNIT}\r\n\r\n".encode()
         + manifest
     )
     return sock

@@ -55,7 +55,7 @@ def _start_partial_push(url: str, version: int) -> socket.socket:
     sock = socket.create_connection((parts.hostname, parts.port))
     sock.sendall(
         f"PUT /v1/versions/{version} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Length: 10000000\r\n\r\n".encode()
+        f"Content-Length: {len(man) + _partial_manifest(version).nbytes}\r\n\r\n".encode()
         + man
         + b"RXB2\0\0"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -49,6 +50,7 @@ def server():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "RLAX_PS_TOKEN": "tok"},
     )
     first: list[str] = []
     reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()))
@@ -57,7 +59,7 @@ def server():
     try:
         assert first and first[0].startswith("http://127.0.0.1:"), proc.stderr.read()
         url = first[0].strip()
-        client = VerifierClient(url, timeout_s=120)
+        client = VerifierClient(url, token="tok", timeout_s=120)
         yield client
     finally:
         children = psutil.Process(proc.pid).children(recursive=True)

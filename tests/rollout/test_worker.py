@@ -177,7 +177,7 @@ def test_http_service_auth_validation_and_results(policies):
 @pytest.mark.slow
 def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
     policies[1].save_pretrained(str(tmp_path / "model"))
-    env = {**os.environ, "RLAX_WORKER_TOKEN": "tok"}
+    env = {**os.environ, "RLAX_PS_TOKEN": "tok"}
     proc = subprocess.Popen(
         [
             sys.executable,

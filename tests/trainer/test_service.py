@@ -20,6 +20,7 @@ from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.metrics import read_metrics
 from rlax_tasks.trainer.service import (
     StepConflictError,
+    StepReplayedError,
     TrainerClient,
     TrainerService,
     create_app,
@@ -104,7 +105,8 @@ def test_http_client_retries_until_the_trainer_is_up_and_errors_are_clear(tmp_pa
     try:
         out = client.train(1, random_batch(1))
         assert out["version"] == 1 and out["replayed"] is False
-        assert client.train(1, random_batch(1))["replayed"] is True
+        with pytest.raises(StepReplayedError, match="already applied step 1"):
+            client.train(1, random_batch(1))
         with pytest.raises(TrainerBehindError, match="cannot follow") as behind:
             client.train(5, random_batch(5))
         assert behind.value.trainer_step == 1
