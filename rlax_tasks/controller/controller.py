@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import numbers
 import time
 import zlib
@@ -38,15 +39,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlax_tasks import notices
 from rlax_tasks.algorithms import overlong_penalty
 from rlax_tasks.config import RunConfig
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer, ScoredGroup
-from rlax_tasks.controller.lineage import LineageWriter, lineage_record
+from rlax_tasks.controller.lineage import LineageWriter, lineage_record, recovered_record
 from rlax_tasks.controller.mixture import Prompt, PromptMixture
 from rlax_tasks.controller.rollouts import read_step_batch, rollouts_dir
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
-from rlax_tasks.protocol import TrainerBehindError  # (re-exported)
+from rlax_tasks.protocol import StepReplayedError, TrainerBehindError  # (re-exported)
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,29 @@ class WorkerPool(Protocol):
         ...
 
 
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a finite float; None for a null, a NaN or infinity, or a non-number (robust
+    parsing of what a verifier or worker sent)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
 def reward_and_verdict(score: Any) -> tuple[float, str]:
     """A ``Scorer``'s score as (reward, verdict): a bare reward (any real number, numpy's
-    too) has the verdict ""."""
-    if isinstance(score, numbers.Real):
-        return float(score), ""
-    return float(score.reward), str(score.verdict)
+    too) has the verdict ""; a reward that is null or not a finite number (a verifier's
+    failure) scores 0 with the verdict "verifier_error"."""
+    if isinstance(score, numbers.Real) or score is None:
+        reward, verdict = score, ""
+    else:
+        reward, verdict = getattr(score, "reward", None), str(getattr(score, "verdict", ""))
+    value = finite_or_none(reward)
+    if value is None:
+        log.warning("a verifier's reward %r is not a finite number: scored 0", reward)
+        return 0.0, "verifier_error"
+    return value, verdict
 
 
 class Scorer(Protocol):
@@ -112,7 +131,8 @@ class Scorer(Protocol):
 
 
 # the trainer side: trains on a batch, pushes the new weights and returns their version; it
-# raises TrainerBehindError when it restarted from a checkpoint older than the previous step
+# raises TrainerBehindError when it restarted from a checkpoint older than the previous step,
+# and may raise StepReplayedError when it had applied the step already (a replay, not applied)
 TrainStep = Callable[[Batch], int]
 
 
@@ -260,12 +280,19 @@ class Controller:
         self.mixture.load_state_dict(snap.mixture)
         self.buffer.load_state_dict(snap.buffer)
         self.counters = collections.Counter(snap.counters)
+        self._restore_lineage(snap)
+        later = self._committed_after(snap)  # steps trained after an older snapshot's
+        trained = {pid for r in later for pid in r["prompt_ids"]}
         self._queue = collections.deque(
-            self.mixture.prompt(q["prompt_id"], q["seq"]) for q in snap.queued
+            self.mixture.prompt(q["prompt_id"], q["seq"])
+            for q in snap.queued
+            if q["prompt_id"] not in trained
         )
         by_worker: dict[str, list[Prompt]] = collections.defaultdict(list)
         orphans: list[Prompt] = []
         for item in snap.in_flight:
+            if item["prompt_id"] in trained:
+                continue
             prompt = self.mixture.prompt(item["prompt_id"], item["seq"])
             (by_worker[item["worker"]] if item["worker"] in live else orphans).append(prompt)
         self._queue.extendleft(reversed(orphans))
@@ -274,6 +301,8 @@ class Controller:
                 self._submit(w, by_worker[w])
         # a pending snapshot carries the steps since the last full one; a full one flushed them
         self._steps_since_snapshot = list(snap.steps) if snap.pending is not None else []
+        if later:
+            self._roll_forward(snap, later, trained)
         self._started = True
         log.info(
             "controller restored step %d (version %d): %d buffered, %d re-issued, %d queued",
@@ -283,7 +312,9 @@ class Controller:
             len(snap.in_flight),
             len(self._queue),
         )
-        if snap.pending is not None:  # a step was under way: train exactly that batch again
+        if later:  # the state now matches the trainer's steps: committed as a snapshot
+            self.snapshot()
+        elif snap.pending is not None:  # a step was under way: train exactly that batch again
             batch = self.buffer.take(self.version + 1)
             if batch is None or batch.prompt_ids != snap.pending:
                 raise RuntimeError(
@@ -291,8 +322,97 @@ class Controller:
                     "that its buffer does not reproduce: the snapshot is inconsistent"
                 )
             log.info("replaying the pending training step %d", self.step + 1)
-            self._train(batch)
+            self._train(batch, sent_before=True)
         return True
+
+    def _restore_lineage(self, snap: Snapshot) -> None:
+        """Puts back the lineage lines of steps the snapshot counts as trained that
+        lineage.jsonl lacks (a line cut short or lost), from ``rollouts/`` or the snapshot."""
+        missing = [k for k in range(1, snap.step + 1) if not self.lineage.has(k)]
+        if not missing:
+            return
+        listed = {s["step"]: s["prompt_ids"] for s in snap.steps}
+        records = [recovered_record(self.run_dir, k, listed.get(k)) for k in missing]
+        restored = self.lineage.restore([r for r in records if r is not None])
+        lost = [k for k, r in zip(missing, records, strict=True) if r is None]
+        if lost:
+            log.warning(
+                "lineage.jsonl has no line for trained steps %s and neither rollouts/ nor the "
+                "snapshot records them: left out", _steps_text(lost),
+            )  # fmt: skip
+        if restored:
+            notices.post(
+                self.run_dir,
+                "fallback",
+                f"lineage.jsonl had no complete line for step(s) {_steps_text(restored)}, which "
+                f"the snapshot of step {snap.step} counts as trained: restored from rollouts/ "
+                '(or the snapshot), marked "restored"',
+                source="controller",
+            )
+
+    def _committed_after(self, snap: Snapshot) -> list[dict[str, Any]]:
+        """The lineage records of steps trained after ``snap`` that its pending replay does not
+        cover: non-empty only when ``snap`` is older than the newest state (a damaged newer
+        snapshot was set aside)."""
+        later = sorted(
+            (r for r in self.lineage.records if r["step"] > snap.step), key=lambda r: r["step"]
+        )
+        steps = [r["step"] for r in later]
+        if steps != list(range(snap.step + 1, snap.step + 1 + len(steps))):
+            raise RuntimeError(
+                f"{self.lineage.path} records steps {_steps_text(steps)} after the snapshot's "
+                f"step {snap.step}, with gaps: remove the lines after the first gap to resume"
+            )
+        if snap.pending is not None and steps == [snap.step + 1]:
+            return []  # the pending step itself: replayed as usual
+        return later
+
+    def _roll_forward(self, snap: Snapshot, later: list[dict[str, Any]], trained: set[str]) -> None:
+        """Brings a restored older snapshot up to the steps trained since (``later``, from
+        lineage.jsonl): their prompts leave the buffer and the queue, the prompts drawn after
+        the snapshot are drawn again (the trained ones passed over, the others queued in draw
+        order) and the step and version move to the last of them. The trainer holds those
+        steps, or is given them again from ``rollouts/`` (``TrainerBehindError``)."""
+        state = self.buffer.state_dict()
+        known = {g["prompt_id"] for g in state["groups"]}
+        known |= {q["prompt_id"] for q in snap.queued} | set(snap.in_flight_ids)
+        # the drops and skips before the first of these steps are in its lineage line already
+        self.buffer.load_state_dict(
+            {
+                **state,
+                "groups": [g for g in state["groups"] if g["prompt_id"] not in trained],
+                "dropped": [],
+                "skipped": [],
+            }
+        )
+        ahead = trained - known  # drawn after the snapshot, trained since
+        budget = max(self.settings.max_outstanding_groups, self.settings.prompts_per_step)
+        limit = len(ahead) + max(64, 4 * budget) * (len(later) + 1)
+        draws = 0
+        while ahead and draws < limit:
+            prompt = self.mixture.next()
+            draws += 1
+            if prompt.id in ahead:
+                ahead.discard(prompt.id)
+            elif self._unusable(prompt) is None:  # (an unusable one was skipped back then)
+                self._queue.append(prompt)
+        self.counters["drawn"] += draws
+        if ahead:
+            log.warning(
+                "%d prompts trained after the snapshot of step %d were not drawn again within "
+                "%d draws; they may be drawn again later", len(ahead), snap.step, draws,
+            )  # fmt: skip
+        last = later[-1]
+        self.step, self.version = int(last["step"]), int(last["version"])
+        self.counters["trained_groups"] += sum(len(r["prompt_ids"]) for r in later)
+        self._steps_since_snapshot += [
+            {"step": r["step"], "prompt_ids": r["prompt_ids"]} for r in later
+        ]
+        log.warning(
+            "the snapshot of step %d is older than lineage.jsonl: steps %s were trained after "
+            "it; continuing from step %d", snap.step, _steps_text([r["step"] for r in later]),
+            self.step,
+        )  # fmt: skip
 
     def run(self, num_steps: int, max_iterations: int | None = None) -> None:
         """Iterates until ``num_steps`` training steps are done (in total, across restarts)."""
@@ -642,7 +762,8 @@ class Controller:
             version=result.version,
             prompt_tokens=tuple(result.prompt_tokens),
             completions=tuple(tuple(int(t) for t in c.tokens) for c in comps),
-            logprobs=tuple(tuple(float(x) for x in c.logprobs) for c in comps),
+            # (a null log-prob arrives as NaN: the trainer stops on a non-finite loss, naming it)
+            logprobs=tuple(tuple(_float(x) for x in c.logprobs) for c in comps),
             finish_reasons=tuple(c.finish_reason for c in comps),
             scores=tuple(scores),
             rewards=tuple(float(x) for x in rewards),
@@ -650,14 +771,18 @@ class Controller:
         )
 
     # ------------------------------------------------------------------ train, record, snapshot
-    def _train(self, batch: Batch) -> None:
+    def _train(self, batch: Batch, sent_before: bool = False) -> None:
+        """Trains the next step on ``batch`` (``sent_before``: the pending step of the restored
+        snapshot, which the trainer may have applied before this controller heard back)."""
         batch = dataclasses.replace(batch, timings=self._end_cycle())
+        step = self.step + 1
+        sent_before = sent_before or self.lineage.has(step)
         with self._timed("train"):
             try:
-                new_version = self.train_step(batch)
+                new_version = self._send_step(batch, step, sent_before)
             except TrainerBehindError as e:
                 self._replay_trainer(e.trainer_step)
-                new_version = self.train_step(batch)
+                new_version = self._send_step(batch, step, sent_before)
         if new_version != batch.version:
             raise RuntimeError(
                 f"the trainer returned version {new_version} for the step producing version "
@@ -693,10 +818,32 @@ class Controller:
             rollouts_dir(self.run_dir),
         )
         for k in range(trainer_step + 1, self.step + 1):
-            version = self.train_step(read_step_batch(self.run_dir, k))
+            version = self._send_step(read_step_batch(self.run_dir, k), k, sent_before=True)
             if version != k:
                 raise RuntimeError(f"replayed step {k} produced version {version}, not {k}")
         self.counters["replayed_steps"] += self.step - trainer_step
+
+    def _send_step(self, batch: Batch, step: int, sent_before: bool) -> int:
+        """``train_step(batch)``: the version it produced. A replay answer (the trainer had
+        applied the step already) stands only for a step this controller sent before; for any
+        other, someone else trained the policy on their own batch, and the run stops here."""
+        try:
+            return self.train_step(batch)
+        except StepReplayedError as e:
+            if sent_before:
+                log.info("the trainer had applied step %d already: replayed, not applied", step)
+                return e.version
+            log.error(
+                "the trainer answered step %d as already applied, but this controller never "
+                "sent it (not the pending step of its snapshot, not in lineage.jsonl): someone "
+                "else trained the policy; stopping",
+                step,
+            )
+            raise RuntimeError(
+                f"the trainer had already applied step {step}, which this controller never "
+                "sent: the policy was trained on a batch from elsewhere. Stop the run, check "
+                "who holds the run's token, and resume from a checkpoint before that step"
+            ) from e
 
     def snapshot(
         self, pending: Batch | None = None, buffer_state: dict[str, Any] | None = None
@@ -741,3 +888,16 @@ class Controller:
             "dropped_zero_variance": self.buffer.counts["zero_variance"],
             "scoring": len(self._not_in_buffer()),
         }
+
+
+def _float(value: Any) -> float:
+    """``float(value)``, NaN for a null (robust parsing of a worker's answer)."""
+    return float("nan") if value is None else float(value)
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """A short list of step numbers for messages."""
+    steps = list(steps)
+    if len(steps) > 6:
+        return f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]} ({len(steps)} steps)"
+    return ", ".join(map(str, steps))

@@ -4,7 +4,11 @@ Each record names the step, the version it produced, the prompt ids consumed (ba
 rollout version of each, the groups dropped since the previous step (stale or zero-variance)
 with their ids, and the prompts skipped since then without generating (with the reason).
 Writing is idempotent on resume: a step already in the file is not appended again, and a
-truncated last line (a crash mid-write) is cut off when the file is opened.
+truncated last line (a crash mid-write) is cut off when the file is opened. A committed step
+whose line is missing or was cut (the controller's snapshot says it was trained) is put back in
+step order by ``restore``, rebuilt by ``recovered_record`` from ``rollouts/`` and marked
+``"restored"`` (the groups dropped and prompts skipped before that step are not recoverable:
+its lists of them are empty).
 Locally lines are appended (fsync'd); on gs:// the object is rewritten whole (objects are
 immutable), which is fine for the few KB a step adds.
 """
@@ -112,12 +116,49 @@ class LineageWriter:
         self._steps.add(step)
         return True
 
+    def restore(self, records: list[dict[str, Any]]) -> list[int]:
+        """Puts back records of committed steps missing from the file, in step order (the
+        file is rewritten whole); returns the steps restored."""
+        new = [r for r in records if r["step"] not in self._steps]
+        if not new:
+            return []
+        merged = sorted(self._records + new, key=lambda r: r["step"])
+        data = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in merged)
+        storage.write_bytes(self.path, data)  # whole, atomically (temp + rename locally)
+        self._records = merged
+        self._steps.update(r["step"] for r in new)
+        return sorted(r["step"] for r in new)
+
     def _rewrite(self, data: bytes) -> None:
         if storage.is_gcs(self.path):
             storage.write_bytes(self.path, data)
         else:
             with open(self.path, "r+b") as fh:
                 fh.truncate(len(data))
+
+
+def recovered_record(
+    run_dir: str, step: int, prompt_ids: list[str] | None = None
+) -> dict[str, Any] | None:
+    """The lineage line of committed step ``step`` rebuilt from ``rollouts/`` (the batch it
+    trained on), or from ``prompt_ids`` (a snapshot's record of the step) when that file is
+    gone; None when neither is there. It says ``"restored"`` from where."""
+    from rlax_tasks.controller.rollouts import read_step_batch
+
+    try:
+        record = lineage_record(step, read_step_batch(run_dir, step))
+        source = "rollouts"
+        if prompt_ids is not None and list(prompt_ids) != record["prompt_ids"]:
+            log.warning("step %d: the snapshot's prompt ids differ from rollouts/: kept", step)
+    except FileNotFoundError:
+        if prompt_ids is None:
+            return None
+        record = {"step": step, "version": step, "prompt_ids": list(prompt_ids),
+                  "rollout_versions": [], "dropped_stale": [], "dropped_zero_variance": [],
+                  "skipped_prompts": []}  # fmt: skip
+        source = "snapshot"
+    record["restored"] = source
+    return record
 
 
 def read_lineage(run_dir: str) -> list[dict[str, Any]]:

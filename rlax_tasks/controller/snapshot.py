@@ -4,9 +4,16 @@ pointer.
 A snapshot is ``<step>.json`` (plus ``<step>.buffer.parquet`` holding the buffered scored groups
 when there are any); the ``LATEST`` pointer, naming the file and its sha256, is written last with
 ``storage.commit_pointer`` (os.replace locally, a generation precondition on GCS). Only what
-``LATEST`` names is ever loaded: a crash between writing a snapshot and committing the pointer
-leaves the previous snapshot in force. A pointer that moved since this store last read it means
-another controller is writing the run, and the write fails instead of overwriting it.
+``LATEST`` names is loaded while it verifies: a crash between writing a snapshot and committing
+the pointer leaves the previous snapshot in force. A pointer that moved since this store last read
+it means another controller is writing the run, and the write fails instead of overwriting it.
+
+Each snapshot also carries the sha256 of its own body (``sha256``; snapshots written before it
+have none and are checked by their contents alone), so an older one verifies without the pointer.
+When what ``LATEST`` names does not verify (missing, cut short, altered, its buffer file damaged)
+or ``LATEST`` itself is unreadable, the damaged files are set aside (renamed
+``<name>.damaged-<time>``, never deleted; on GCS copied, then removed), the newest older snapshot
+that verifies is loaded, ``LATEST`` is committed to it and a "fallback" notice names what happened.
 """
 
 from __future__ import annotations
@@ -16,18 +23,31 @@ import hashlib
 import io
 import json
 import logging
+import os
+import re
+import time
 from typing import Any
 
-from rlax_tasks import storage
+from rlax_tasks import notices, storage
 from rlax_tasks.run_paths import run_paths
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = 1
+DAMAGED_TAG = ".damaged-"  # a damaged file is renamed <name>.damaged-<time>
+_SNAPSHOT_NAME = re.compile(r"^(\d+)(\.pending)?\.json$")
 
 
 class SnapshotError(RuntimeError):
     """A committed snapshot is unreadable or does not match its pointer."""
+
+
+class NoIntactSnapshotError(SnapshotError, ValueError):
+    """No snapshot of the run verifies (a ValueError: ``rlax`` exits 2, restarting won't help)."""
+
+
+class _Damaged(Exception):
+    """A snapshot file that does not verify (the message says why)."""
 
 
 @dataclasses.dataclass
@@ -67,6 +87,21 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _body_sha256(body: dict[str, Any]) -> str:
+    """The sha256 a snapshot carries of itself: of its body without that field, as written."""
+    return _sha256(json.dumps(body, sort_keys=True).encode())
+
+
+def _order(name: str) -> tuple[int, int] | None:
+    """(step, 1 for a pending snapshot else 0) of a snapshot file name: a step's pending
+    snapshot is written after its full one; None for other names."""
+    m = _SNAPSHOT_NAME.match(name)
+    return None if m is None else (int(m.group(1)), 1 if m.group(2) else 0)
+
+
+_REQUIRED = [f.name for f in dataclasses.fields(Snapshot) if f.name != "pending"]
+
+
 def _groups_to_parquet(groups: list[dict[str, Any]]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -89,23 +124,15 @@ class SnapshotStore:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None, got {keep}")
         paths = run_paths(run_dir)
+        self.run_dir = run_dir
         self.dir, self.pointer = paths.snapshots, paths.snapshot_pointer
         self.keep = keep
         self._generation: int | None = None  # of the pointer, as this store last saw it
 
-    def _pointer(self) -> tuple[dict[str, Any] | None, int]:
-        data, generation = storage.read_versioned(self.pointer)
-        if data is None:
-            return None, 0
-        try:
-            return json.loads(data), generation
-        except json.JSONDecodeError as e:
-            raise SnapshotError(f"{self.pointer} is not valid JSON: {e}") from e
-
     def write(self, snapshot: Snapshot) -> str:
         """Writes the snapshot files, then commits the pointer; returns the snapshot's path."""
         if self._generation is None:
-            _, self._generation = self._pointer()
+            _, self._generation = storage.read_versioned(self.pointer)
         body = dataclasses.asdict(snapshot)
         groups = body["buffer"].pop("groups")
         body["format"] = SNAPSHOT_FORMAT
@@ -116,6 +143,7 @@ class SnapshotStore:
             name = f"{stem}.buffer.parquet"
             storage.write_bytes(storage.join(self.dir, name), data)
             body["buffer_file"] = {"name": name, "sha256": _sha256(data), "groups": len(groups)}
+        body["sha256"] = _body_sha256(body)  # lets the file verify without the pointer
         payload = json.dumps(body, sort_keys=True).encode()
         name = f"{stem}.json"
         path = storage.join(self.dir, name)
@@ -135,31 +163,149 @@ class SnapshotStore:
         return path
 
     def load_latest(self) -> Snapshot | None:
-        """The snapshot ``LATEST`` names (verified against its sha256), or None if none."""
-        pointer, generation = self._pointer()
-        self._generation = generation
-        if pointer is None:
+        """The newest committed snapshot that verifies, or None when none was committed.
+
+        What ``LATEST`` names is checked against its sha256; when it (or ``LATEST`` itself) does
+        not verify, the damaged files are set aside and the newest older snapshot that verifies
+        is loaded and committed (see the module docstring). ``NoIntactSnapshotError`` when none
+        does.
+        """
+        data, self._generation = storage.read_versioned(self.pointer)
+        if data is None:
             return None
-        path = storage.join(self.dir, pointer["file"])
+        problems: list[str] = []
+        newest: tuple[int, int] | None = None  # the order of the file LATEST names
+        try:
+            pointer = json.loads(data)
+            name, sha = str(pointer["file"]), str(pointer["sha256"])
+            newest = _order(name)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+            problems.append(f"{self._rel(self.pointer)} is unreadable ({e})")
+            problems[-1] += self._set_aside(self.pointer, copy=True)
+        else:
+            try:
+                return self._load_file(name, sha)
+            except _Damaged as e:
+                problems.append(f"{self._rel(self.pointer)} names {name}, which {e}")
+                aside = self._set_aside_snapshot(name)
+                problems[-1] += aside or self._set_aside(self.pointer, copy=True)
+        for name in self._candidates(newest):
+            try:
+                snap = self._load_file(name, None)
+            except _Damaged as e:
+                problems.append(f"{self._rel(storage.join(self.dir, name))} {e}")
+                problems[-1] += self._set_aside_snapshot(name)
+                continue
+            self._commit(name)
+            notices.post(
+                self.run_dir,
+                "fallback",
+                f"{'; '.join(problems)}; resuming from {self._rel(storage.join(self.dir, name))} "
+                f"(step {snap.step}), the newest snapshot that verifies",
+                source="controller",
+            )
+            return snap
+        message = (
+            f"{'; '.join(problems)}; no older snapshot under {self.dir} verifies. Move "
+            f"{self.dir} aside to start the controller afresh (the trainer's checkpoints and "
+            "lineage.jsonl stay)"
+        )
+        notices.post(self.run_dir, "fatal", message, source="controller")
+        raise NoIntactSnapshotError(message)
+
+    def _rel(self, path: str) -> str:
+        """``path`` relative to the run directory (for notices)."""
+        root = self.run_dir.rstrip("/") + "/"
+        return path[len(root) :] if path.startswith(root) else path
+
+    def _candidates(self, below: tuple[int, int] | None) -> list[str]:
+        """Snapshot file names older than ``below`` (all of them for None), newest first."""
+        named = [(_order(n), n) for n in storage.list_children(self.dir)]
+        older = [(o, n) for o, n in named if o is not None and (below is None or o < below)]
+        return [n for _, n in sorted(older, reverse=True)]
+
+    def _load_file(self, name: str, sha: str | None) -> Snapshot:
+        """The snapshot in file ``name``; ``_Damaged`` when it does not verify (against
+        ``sha``, the pointer's, when given; against its own otherwise)."""
+        path = storage.join(self.dir, name)
         try:
             payload = storage.read_bytes(path)
-        except FileNotFoundError as e:
-            raise SnapshotError(f"{self.pointer} names {path}, which does not exist") from e
-        if _sha256(payload) != pointer["sha256"]:
-            raise SnapshotError(f"{path} does not match the sha256 in {self.pointer}")
-        body = json.loads(payload)
-        if body.pop("format", None) != SNAPSHOT_FORMAT:
-            raise SnapshotError(f"{path}: unknown snapshot format")
+        except FileNotFoundError:
+            raise _Damaged("does not exist") from None
+        if sha is not None and _sha256(payload) != sha:
+            raise _Damaged(f"does not match the sha256 in {self._rel(self.pointer)}")
+        try:
+            body = json.loads(payload)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Damaged(f"is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise _Damaged("does not hold a JSON object")
+        own = body.pop("sha256", None)
+        if own is not None and own != _body_sha256(body):
+            raise _Damaged("does not match its own sha256")
+        if "format" not in body:
+            raise _Damaged("has no format")
+        if body.pop("format") != SNAPSHOT_FORMAT:
+            raise SnapshotError(f"{path}: unknown snapshot format (written by another version?)")
+        missing = [k for k in (*_REQUIRED, "buffer_file") if k not in body]
+        if missing:
+            raise _Damaged(f"has no {', '.join(missing)}")
         sidecar = body.pop("buffer_file")
         groups: list[dict[str, Any]] = []
-        if sidecar is not None:
-            spath = storage.join(self.dir, sidecar["name"])
-            data = storage.read_bytes(spath)
-            if _sha256(data) != sidecar["sha256"]:
-                raise SnapshotError(f"{spath} does not match the sha256 in {path}")
-            groups = _groups_from_parquet(data)
-        body["buffer"]["groups"] = groups
-        return Snapshot(**body)
+        try:
+            if sidecar is not None:
+                spath = storage.join(self.dir, sidecar["name"])
+                try:
+                    data = storage.read_bytes(spath)
+                except FileNotFoundError:
+                    raise _Damaged(f"names {sidecar['name']}, which does not exist") from None
+                if _sha256(data) != sidecar["sha256"]:
+                    raise _Damaged(f"names {sidecar['name']}, which does not match its sha256")
+                groups = _groups_from_parquet(data)
+            body["buffer"]["groups"] = groups
+            return Snapshot(**body)
+        except (KeyError, TypeError, ValueError, OSError) as e:  # (OSError: a bad parquet)
+            if isinstance(e, _Damaged):
+                raise
+            raise _Damaged(f"does not hold a snapshot ({type(e).__name__}: {e})") from None
+
+    def _set_aside_snapshot(self, name: str) -> str:
+        """Sets aside snapshot file ``name`` and its buffer file; the notice's wording."""
+        said = self._set_aside(storage.join(self.dir, name))
+        stem = name[: -len(".json")]
+        buffer = storage.join(self.dir, f"{stem}.buffer.parquet")
+        if storage.exists(buffer):
+            self._set_aside(buffer)
+        return said
+
+    def _set_aside(self, path: str, copy: bool = False) -> str:
+        """Renames ``path`` to ``<path>.damaged-<time>`` (``copy``: keeps ``path``, which is
+        about to be replaced); returns the notice's wording ("" when there was nothing)."""
+        target = f"{path}{DAMAGED_TAG}{time.strftime('%Y%m%dT%H%M%S')}"
+        n = 1
+        while storage.exists(target):
+            n += 1
+            target = f"{path}{DAMAGED_TAG}{time.strftime('%Y%m%dT%H%M%S')}-{n}"
+        try:
+            if storage.is_gcs(path) or copy:
+                storage.write_bytes(target, storage.read_bytes(path))
+                if not copy:
+                    storage.delete_prefix(path)
+            else:
+                os.replace(path, target)
+        except FileNotFoundError:
+            return ""
+        log.warning("%s set aside as %s", path, target)
+        return f": set aside as {self._rel(target)}"
+
+    def _commit(self, name: str) -> None:
+        """Points ``LATEST`` at snapshot file ``name`` (after a fallback)."""
+        payload = storage.read_bytes(storage.join(self.dir, name))
+        step = _order(name)[0]  # type: ignore[index]
+        pointer = {"step": step, "file": name, "sha256": _sha256(payload)}
+        self._generation = storage.commit_pointer(
+            self.pointer, json.dumps(pointer).encode(), if_generation_match=self._generation
+        )
 
     def _prune(self, committed_step: int) -> None:
         """Deletes snapshot files older than the ``keep`` newest (never the committed one)."""

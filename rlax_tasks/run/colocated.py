@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
-import os
-import secrets
 import signal
 import sys
 import threading
@@ -69,6 +68,8 @@ class TrainerWeights:
         ``min_version`` (TimeoutError: the worker keeps generating and asks again)."""
         import jax
 
+        if self.service.trainer.stopped is not None:  # (its weights may be non-finite)
+            raise TimeoutError(f"training stopped: {self.service.trainer.stopped}")
         deadline = time.monotonic() + self.wait_s
         with self._changed:
             while min_version is not None and self.service.step < min_version:
@@ -228,9 +229,10 @@ class ColocatedRun:
     def _start_parameter_server(self) -> None:
         from rlax_tasks.endpoints import bind_host
         from rlax_tasks.paramserver import ParameterServerClient
-        from rlax_tasks.paramserver.server import TOKEN_ENV, ParameterServer, ServerConfig
+        from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+        from rlax_tasks.service_http import run_token
 
-        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+        token = run_token()  # the run's RLAX_PS_TOKEN (or a new one: then only this process has it)
         config = ServerConfig(
             token=token,
             host=bind_host(self.ps_host),
@@ -258,6 +260,8 @@ class ColocatedRun:
         from rlax_tasks.paramserver.client import VersionConflictError
 
         version = self.service.step
+        if self.service.trainer.stopped is not None:  # never push what a stop left behind
+            return
         if (self.ps.latest_version() or -1) >= version:
             return
         t0 = time.perf_counter()
@@ -324,9 +328,34 @@ def _colocated_command(args: argparse.Namespace) -> int:
         if args.publish:
             publish(args.publish, run.server.address)
         run.run(steps, args.status_every_s)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        raise storage_stopped(cfg.run_dir, e) from e  # one line and exit 2, not a traceback
     finally:
         run.stop()
     return 0
+
+
+# the storage refusing to write (full, over quota, read-only, no permission): restarting the
+# job would only fail the same way
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def storage_stopped(run_dir: str, error: OSError) -> ValueError:
+    """The run stopped because its storage refused a write: posted as a "fatal" notice; a
+    ValueError, so that ``rlax`` reports it in one line and exits 2 (do not restart)."""
+    from rlax_tasks import notices
+    from rlax_tasks.trainer.checkpointing import describe_error
+
+    where = error.filename or run_dir
+    message = (
+        f"cannot write {where}: {describe_error(error)}. The run stopped; free space on (or "
+        "fix the permissions of) its storage and run the same command again to resume from "
+        "its last checkpoint and snapshot"
+    )
+    notices.post(run_dir, "fatal", message, source="colocated")
+    return ValueError(message)
 
 
 def add_colocated_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,6 +13,8 @@ One step, for a batch of B sequences split into micro-batches of ``micro_batch_s
    the full-batch loss whatever the micro-batch size, so accumulation needs no loss re-weighting.
 4. clip_by_global_norm + AdamW (``optax``), parameters and optimizer state updated in place
    (their buffers are donated).
+5. the non-finite check (``NONFINITE``): one int32 saying whether the loss, the gradient norm or
+   any updated weight is NaN or infinite, so that the trainer never keeps such an update.
 
 FLOPs per step: prefill 2·N per token, forward+backward 6·N per token (N = parameters).
 """
@@ -42,6 +44,10 @@ BATCH_KEYS = (
 )
 VALUE_HEAD = "value_head"
 MODEL = "model"
+# the step's non-finite check, a bit per quantity (0: all finite); the trainer pops it from the
+# metrics and stops before the update is checkpointed or pushed when it is not 0
+NONFINITE = "nonfinite"
+NONFINITE_BITS = {"loss": 1, "gradient norm": 2, "updated weights": 4}
 
 Params = dict[str, Any]  # {"model": nnx.State, optionally "value_head": {"kernel", "bias"}}
 
@@ -129,6 +135,19 @@ def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
     vals = jnp.where(mask.astype(bool), x.astype(jnp.float32), jnp.nan)
     out = jnp.nanquantile(vals, q)
     return jnp.where(jnp.any(mask.astype(bool)), out, 0.0)
+
+
+def nonfinite_code(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
+    """``NONFINITE``'s bits: which of the loss, the gradient norm and the updated weights hold
+    a NaN or an infinity. One fused reduction over the weights, read back as one int32."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
+    weights_ok = jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+    bits = NONFINITE_BITS
+    return (
+        jnp.where(jnp.isfinite(loss), 0, bits["loss"])
+        + jnp.where(jnp.isfinite(grad_norm), 0, bits["gradient norm"])
+        + jnp.where(weights_ok, 0, bits["updated weights"])
+    ).astype(jnp.int32)
 
 
 def objective_batch(
@@ -237,10 +256,12 @@ def make_train_step(
 
         mask = obj_batch["mask"]
         mismatch = jnp.abs(obj_batch["behavior_logprobs"] - old)
+        grad_norm = optax.tree.norm(grads)
         metrics = {f"objective/{k}": v for k, v in obj_metrics.items()}
+        metrics[NONFINITE] = nonfinite_code(loss, grad_norm, params)
         metrics.update(
             loss=loss,
-            grad_norm=optax.tree.norm(grads),
+            grad_norm=grad_norm,
             update_norm=optax.tree.norm(updates),
             param_norm=optax.tree.norm(params),
             entropy=masked_mean(entropy, mask),

@@ -7,13 +7,22 @@
     trainer.policy()                         # a Policy with the current weights (push / evaluate)
 
 No network code: the controller moves batches in and weights out.
+
+Training stops (``TrainingStoppedError``, a "fatal" notice saying what to do) when a step makes
+the loss, the gradient norm or any weight non-finite (that update is never checkpointed, nor
+returned to be pushed) or when ``MAX_FAILED_CHECKPOINTS`` checkpoints in a row could not be
+written. Raised in the main thread, ``rlax`` exits 2 with it (do not restart); in a service's
+request thread, where an exception would only become an HTTP error and the controller would
+send the step again, the trainer ends the process with exit code 2 itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import os
+import sys
+import threading
 import time
 from typing import Any
 
@@ -23,17 +32,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from rlax_tasks import notices
 from rlax_tasks.models import Policy
 from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
 from rlax_tasks.run_paths import run_paths
-from rlax_tasks.trainer.checkpointing import Checkpointer
+from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS, Checkpointer
 from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.metrics import MetricsWriter
 from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
 from rlax_tasks.trainer.train_step import (
     BATCH_KEYS,
     MODEL,
+    NONFINITE,
+    NONFINITE_BITS,
     VALUE_HEAD,
     StepSettings,
     init_value_head,
@@ -44,10 +56,26 @@ from rlax_tasks.trainer.train_step import (
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
+EXIT_DO_NOT_RESTART = 2  # rlax's exit code for "restarting will not help" (the supervisor stops)
 
 
 class BatchFormatError(ValueError):
     """A training batch is missing a key or has a wrong shape / dtype / value."""
+
+
+class TrainingStoppedError(ValueError):
+    """Training cannot go on and a restart would not help; the message says what to do.
+
+    A ValueError, so that ``rlax`` reports it in one line and exits 2 (do not restart).
+    """
+
+
+class NonFiniteError(TrainingStoppedError):
+    """A step made the loss, the gradient norm or a weight NaN or infinite."""
+
+
+class CheckpointWriteError(TrainingStoppedError):
+    """``MAX_FAILED_CHECKPOINTS`` checkpoints in a row could not be written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +140,7 @@ class Trainer:
         config: TrainerConfig,
         run_dir: str,
         metrics_writer: MetricsWriter | None = None,
+        exit_on_stop: bool | None = None,
     ) -> None:
         self.config = config
         self.objective = objective
@@ -124,6 +153,12 @@ class Trainer:
         self._rng = jax.random.key(config.seed)
         self.step_count = 0
         self.saved_step = 0  # the step of the newest checkpoint started or restored
+        # when training stopped for good (non-finite values, checkpoints that cannot be
+        # written): why; nothing is checkpointed or handed out any more
+        self.stopped: TrainingStoppedError | None = None
+        # on a stop: end the process (exit 2) instead of raising; None = when the step runs
+        # outside the main thread (a service's request thread)
+        self.exit_on_stop = exit_on_stop
 
         params: dict[str, Any] = {MODEL: policy.params}
         if objective.needs_values:
@@ -176,6 +211,8 @@ class Trainer:
             # a local file, or a gs:// object rewritten every few seconds (by host 0 only)
             metrics_writer = MetricsWriter(run_paths(run_dir).metrics)
         self.metrics_writer = metrics_writer
+        self._closed = False
+        self._failures_posted = 0  # checkpoint failures in a row already posted
         log.info(
             "trainer ready: %s, mesh %s, %.2fM trainable parameters, micro-batch %s",
             getattr(objective, "name", type(objective).__name__),
@@ -209,8 +246,11 @@ class Trainer:
         """A Policy with the current weights on the trainer's mesh.
 
         Its arrays are the trainer's own: the next ``step`` donates them, so push / evaluate it
-        before stepping again (or copy it).
+        before stepping again (or copy it). Refused (``TrainingStoppedError``) once training
+        stopped: the weights may be non-finite and are never handed out.
         """
+        if self.stopped is not None:
+            raise self.stopped
         return dataclasses.replace(self._template, params=self._params[MODEL])
 
     # ------------------------------------------------------------------ training
@@ -225,6 +265,8 @@ class Trainer:
         ``data_cursor`` is stored with the automatic checkpoint when ``checkpoint_every`` hits;
         ``extra_metrics`` (e.g. the controller's counts for the step) join the metrics row.
         """
+        if self.stopped is not None:
+            raise self.stopped
         arrays = self._place_batch(batch)
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
@@ -236,6 +278,9 @@ class Trainer:
                 self._params, self._opt_state, arrays
             )
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        nonfinite = int(metrics.pop(NONFINITE))
+        if nonfinite:  # before anything records, checkpoints or hands out this update
+            self._stop(NonFiniteError(self._nonfinite_message(nonfinite, metrics)))
         elapsed = time.perf_counter() - t0
         metrics["lr"] = float(self._schedule(self.step_count))
         self.step_count += 1
@@ -244,14 +289,61 @@ class Trainer:
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
         metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
         metrics.update(extra_metrics or {})
-        if not math.isfinite(metrics["loss"]):
-            log.warning("step %d: non-finite loss %s", self.step_count, metrics["loss"])
         if self.metrics_writer is not None:
             self.metrics_writer.write(self.step_count, metrics)
         every = self.config.checkpoint_every
         if every and self.step_count % every == 0:
             self.save(data_cursor)
         return metrics
+
+    def _nonfinite_message(self, code: int, metrics: dict[str, float]) -> str:
+        what = [f"the {name}" for name, bit in NONFINITE_BITS.items() if code & bit]
+        what_text = " and ".join(what) if len(what) < 3 else f"{what[0]}, {what[1]} and {what[2]}"
+        values = ", ".join(f"{k}={metrics[k]}" for k in ("loss", "grad_norm") if k in metrics)
+        lr = float(self._schedule(self.step_count))
+        return (
+            f"training step {self.step_count + 1} made {what_text} non-finite ({values}): "
+            f"training stopped before that update was checkpointed or pushed. "
+            f"{self._resume_hint()} Lower trainer.learning_rate (now {lr:g}) and run the same "
+            "command again to resume"
+        )
+
+    def _resume_hint(self) -> str:
+        directory = self.checkpointer.directory
+        if self.saved_step:
+            return f"The last good checkpoint, step {self.saved_step} under {directory}, is intact."
+        return f"There is no checkpoint under {directory} yet: a resume starts from the base model."
+
+    def _stop(self, error: TrainingStoppedError) -> None:
+        """Stops training for good: a "fatal" notice, then the error raised (or, outside the
+        main thread, the process ended with ``EXIT_DO_NOT_RESTART``)."""
+        self.stopped = error
+        if jax.process_index() == 0:
+            notices.post(self.run_dir, "fatal", str(error), source="trainer")  # (also logged)
+        else:
+            log.error("%s", error)
+        exit_now = self.exit_on_stop
+        if exit_now is None:
+            exit_now = threading.current_thread() is not threading.main_thread()
+        if exit_now:
+            self._exit()
+        raise error
+
+    def _exit(self) -> None:
+        """Ends the process with ``EXIT_DO_NOT_RESTART`` once the checkpoint under way (a good
+        one) is written and the logs are flushed."""
+        try:
+            if jax.process_count() == 1:  # (other hosts would wait for this one in Orbax)
+                self.close()
+            elif self.metrics_writer is not None:
+                self.metrics_writer.close()
+        except Exception as e:  # noqa: BLE001 - exiting anyway: the reason is already posted
+            log.warning("closing the trainer before exiting: %s", e)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_DO_NOT_RESTART)
 
     def _place_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Validates the numpy batch and places it on the mesh, batch axis over (data, fsdp)."""
@@ -322,7 +414,15 @@ class Trainer:
         }
 
     def save(self, data_cursor: dict[str, Any] | None = None) -> None:
-        """Starts an async checkpoint of the current step (params, optimizer, RNG, data cursor)."""
+        """Starts an async checkpoint of the current step (params, optimizer, RNG, data cursor).
+
+        A checkpoint the storage refuses is tried again at the next interval; after
+        ``MAX_FAILED_CHECKPOINTS`` in a row training stops (``CheckpointWriteError``). Once
+        training stopped nothing is checkpointed.
+        """
+        if self.stopped is not None:
+            log.warning("step %d is not checkpointed: training stopped", self.step_count)
+            return
         meta = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step_count,
@@ -337,15 +437,50 @@ class Trainer:
             state = fresh_copy(state, self._state_shardings())
         self.checkpointer.save(self.step_count, state, meta)
         self.saved_step = self.step_count
+        self._check_checkpoints()
+
+    def _check_checkpoints(self) -> None:
+        """After a save or a wait: a failed checkpoint is posted (a "warning" at first, "fatal"
+        with ``CheckpointWriteError`` at the ``MAX_FAILED_CHECKPOINTS``-th in a row)."""
+        ckpt = self.checkpointer
+        failure = ckpt.last_failure
+        if failure is None or ckpt.failures == 0:
+            self._failures_posted = 0
+            return
+        self.saved_step = ckpt.last_good_step or 0  # what a resume would restore
+        if ckpt.failures <= self._failures_posted:
+            return
+        self._failures_posted = ckpt.failures
+        what = f"the checkpoint of step {failure.step} could not be written to {failure.path}"
+        if ckpt.failures < MAX_FAILED_CHECKPOINTS:
+            if jax.process_index() == 0:
+                notices.post(
+                    self.run_dir,
+                    "warning",
+                    f"{what}: {failure.error} ({ckpt.failures} in a row; training goes on and "
+                    f"tries again at the next checkpoint, it stops after "
+                    f"{MAX_FAILED_CHECKPOINTS})",
+                    source="trainer",
+                )
+            return
+        self._stop(
+            CheckpointWriteError(
+                f"{what}: {failure.error} ({ckpt.failures} checkpoints in a row failed): "
+                f"training stopped. {self._resume_hint()} Free space on (or fix the "
+                f"permissions of) {ckpt.directory} and run the same command again to resume"
+            )
+        )
 
     def restore_latest(self) -> RestoredCheckpoint | None:
-        """Loads the newest COMPLETE checkpoint into the trainer; None when there is none."""
+        """Loads the newest COMPLETE, intact checkpoint into the trainer; None when there is
+        none. Damaged newer ones are set aside (renamed) with a "fallback" notice."""
         state = self._state()
         shardings = self._state_shardings()
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
         )
         found = self.checkpointer.restore_latest(abstract)
+        self._post_set_aside(None if found is None else found[0])
         if found is None:
             log.info("no complete checkpoint under %s: starting fresh", self.checkpointer.directory)
             return None
@@ -361,13 +496,45 @@ class Trainer:
         log.info("restored step %d from %s", step, self.checkpointer.directory)
         return RestoredCheckpoint(step=self.step_count, data_cursor=meta.get("data_cursor"))
 
+    def _post_set_aside(self, restored: int | None) -> None:
+        """One "fallback" notice for the damaged checkpoints set aside so far (if any)."""
+        damaged, self.checkpointer.set_aside = self.checkpointer.set_aside, []
+        if not damaged or jax.process_index() != 0:
+            return
+        what = "; ".join(f"checkpoint {d.step} {d.reason}: set aside as {d.path}" for d in damaged)
+        then = (
+            f"restored the newest intact one, step {restored} (the steps after it are given "
+            "to the trainer again)"
+            if restored is not None
+            else "no intact checkpoint is left: the trainer starts from the base model and is "
+            "given every step again"
+        )
+        notices.post(self.run_dir, "fallback", f"{what}; {then}", source="trainer")
+
     def wait_for_checkpoint(self) -> None:
-        """Blocks until the last async save is committed."""
+        """Blocks until the last async save is committed (or failed: see ``save``)."""
         self.checkpointer.wait()
+        self._check_checkpoints()
 
     def close(self) -> None:
-        """Finishes pending checkpoint writes and the metrics file (on gs://: its last rows)."""
+        """Finishes pending checkpoint writes and the metrics file (on gs://: its last rows).
+        A last checkpoint that could not be written is posted as a warning, not raised: the
+        process is ending and a resume restores the one before."""
+        if self._closed:
+            return
+        self._closed = True
         self.checkpointer.close()
+        failure = self.checkpointer.last_failure
+        new_failure = failure is not None and self.checkpointer.failures > self._failures_posted
+        if new_failure and self.stopped is None and jax.process_index() == 0:
+            notices.post(
+                self.run_dir,
+                "warning",
+                f"the checkpoint of step {failure.step} could not be written to {failure.path}: "
+                f"{failure.error}; a resume restores step {self.checkpointer.last_good_step or 0} "
+                "and replays the steps after it",
+                source="trainer",
+            )
         if self.metrics_writer is not None:
             self.metrics_writer.close()
 

@@ -96,8 +96,11 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
     step, state, meta = reopened.restore_latest(abstract(small_state(0)))
     assert (step, meta) == (2, {"step": 2})
     np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(small_state(2)["w"]))
-    # the debris is gone, so the next save of step 3 works and becomes the latest
-    assert sorted(os.listdir(directory)) == ["1", "2"]
+    # the debris is gone and finalized directories that do not verify were set aside (renamed,
+    # never deleted), so the next save of step 3 works and becomes the latest
+    names = sorted(os.listdir(directory))
+    assert [n for n in names if ".damaged-" not in n] == ["1", "2"]
+    assert sorted(n.split(".damaged-")[0] for n in names if ".damaged-" in n) == ["3", "4", "5"]
     reopened.save(3, small_state(3), {"step": 3})
     reopened.wait()
     assert reopened.latest_step() == 3
