@@ -43,7 +43,7 @@ def test_console_script_entry_point():
 
 def test_airflow_train_user_mistakes_are_one_line_errors(tmp_path, capsys):
     """`rlax airflow train` validates before it starts Airflow (the run itself is tested by
-    tests/dags/test_train_dag_e2e.py)."""
+    tests/airflow_ops/test_airflow_train_cli.py)."""
     assert main(["airflow", "train", "--set", "rollout.group_size=0", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "rollout.group_size" in err and "Traceback" not in err
@@ -52,3 +52,15 @@ def test_airflow_train_user_mistakes_are_one_line_errors(tmp_path, capsys):
     assert main([*argv, "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "no rlax_train.py there" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_rlax_run_steps_must_be_positive(steps, tmp_path, capsys):
+    run_root = tmp_path / "runs"
+    assert main(["run", "--run-root", str(run_root), "--steps", steps]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"rlax run: error: --steps must be a positive number of training steps, got {steps}\n"
+    )
+    assert not run_root.exists()

@@ -1,5 +1,5 @@
-"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--dry-run]`, `rlax controller` and
-`rlax colocated` (the jobs it starts)."""
+"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--allow-config-change] [--dry-run]`,
+`rlax controller` and `rlax colocated` (the jobs it starts)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ from typing import Any
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    import sys
+
     from rlax_tasks.config import load_config
     from rlax_tasks.run.local_run import run_local
+    from rlax_tasks.run.supervisor import Interrupted
 
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive number of training steps, got {args.steps}")
     overrides = {}
     if args.run_root:
         overrides["run_root"] = args.run_root
@@ -26,10 +31,26 @@ def _run_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or args.preset, overrides)
     if args.dry_run:
         return _dry_run(cfg, args.model_config)
-    steps = args.steps or cfg.trainer.total_steps
+    steps = args.steps if args.steps is not None else cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the run config has no trainer.total_steps)")
-    run_local(cfg, steps, evaluate=not args.no_eval)
+    try:
+        report = run_local(
+            cfg, steps, evaluate=not args.no_eval, allow_config_change=args.allow_config_change
+        )
+    except Interrupted as e:
+        print(
+            f"rlax run: stopped by {e}: every component stopped; run the same command again to "
+            "resume",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
+    if "already_at" in report:  # done already: exit 0, as a finished command run again should
+        print(
+            f"rlax run: run {report['run_dir']} is already at step {report['already_at']} of "
+            f"{steps}: nothing to train (give --steps above {report['already_at']} to go on)",
+            flush=True,
+        )
     return 0
 
 
@@ -57,6 +78,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="training steps (default trainer.total_steps)")
     p.add_argument("--set", action="append", help="override a config field: dotted.key=value")
     p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="let a resume change training settings (learning rate, group size, datasets...); "
+        "each change is recorded in the run's config_changes.jsonl with its step",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",

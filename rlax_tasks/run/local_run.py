@@ -2,26 +2,36 @@
 
 Starts the parameter server, the trainer, the inference workers and the controller (each a
 `rlax` sub-command), restarts any that dies (they all resume from the run's checkpoints,
-snapshots and weight mirror), prints a status line while the run goes, and ends with held-out
-pass@k before and after plus plots (rlax_tasks.run.report). Running it again with the same run
-id resumes the run.
+snapshots and weight mirror), prints a status line and every new notice (notices.jsonl) while
+the run goes, and ends with held-out pass@k before and after plus plots (rlax_tasks.run.report).
+Running it again with the same run id resumes the run.
+
+Before anything starts: the memory plan and the datasets are checked (rlax_tasks.run.preflight),
+the run lock is taken (rlax_tasks.run.run_lock: a second `rlax run` on a live run is refused),
+and a resume may not change training settings unless allowed (``save_resolved``). The components
+die with it (rlax_tasks.run.supervisor); a component's user error or repeated failure, or a
+fatal notice, stops the run with that component's own message (``ComponentFailed``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import secrets
 import time
 from typing import Any
 
+from rlax_tasks import notices
 from rlax_tasks.config import RunConfig, save_resolved
+from rlax_tasks.run import run_lock
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe, is_colocated
+from rlax_tasks.run.preflight import check_datasets
 from rlax_tasks.run.progress import HeldOutProgress, status_line
-from rlax_tasks.run.supervisor import Component, Supervisor
+from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
 from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
 from rlax_tasks.run_paths import run_paths
+from rlax_tasks.service_http import run_token
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,23 @@ def ensure_model(cfg: RunConfig) -> None:
     ensure_base_model(parent, name=name)
 
 
+def trained_step(run_dir: str) -> int:
+    """The last step in run_dir/metrics.jsonl (0 before the first): how far the run is."""
+    try:
+        with open(run_paths(run_dir).metrics, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
 def run_local(
     cfg: RunConfig,
     steps: int,
@@ -44,8 +71,16 @@ def run_local(
     evaluate: bool = True,
     status_every_s: float = 10.0,
     supervisor_hook: Any = None,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
-    """Runs ``steps`` training steps (in total, across resumes) of ``cfg`` on this machine."""
+    """Runs ``steps`` training steps (in total, across resumes) of ``cfg`` on this machine.
+
+    A run already at ``steps`` starts nothing and returns ``{"already_at": step, ...}``. Raises
+    ValueError (a user mistake: a bad plan or dataset, a refused settings change), RunLocked,
+    ComponentFailed, or Interrupted (SIGTERM/SIGINT/SIGHUP); every component is stopped first.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: give a positive number of training steps, got {steps!r}")
     if "://" in cfg.run_root:
         raise ValueError("rlax run with local processes needs a local run_root")
     if cfg.placement.hosts > 1:
@@ -57,74 +92,100 @@ def run_local(
 
     plan = memory_plan(cfg, offline=False)
     plan.check()  # refused before anything starts (PlanDoesNotFit names the job and the fix)
+    check_datasets(cfg)  # DatasetError names the file and the row
     log.info("%s", describe(cfg))
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    ensure_model(cfg)
-    config_path = save_resolved(cfg)
-    report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
-    enable_in_process(cfg)
-    evaluator = None
-    if evaluate:
-        from rlax_tasks.run.report import HeldOutEvaluator
+    with run_lock.acquire(run_dir) as lock, stop_on_signals() as signals:
+        done = trained_step(run_dir)
+        if done >= steps:
+            return {"run_dir": run_dir, "steps": steps, "already_at": done}
+        ensure_model(cfg)
+        config_path = save_resolved(cfg, allow_config_change)
+        report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
+        enable_in_process(cfg)
+        evaluator = None
+        if evaluate:
+            from rlax_tasks.run.report import HeldOutEvaluator
 
-        evaluator = HeldOutEvaluator(cfg)
-        report["before"] = evaluator.evaluate()
+            evaluator = HeldOutEvaluator(cfg)
+            report["before"] = evaluator.evaluate()
+        token = run_token()
+        topology = plan_topology(
+            cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token,
+            base_env=cache_env(cfg),
+        )  # fmt: skip
+        if not is_colocated(cfg):
+            write_workers_file(cfg, topology)
+        ps_url = topology.ps_url
+        sup = Supervisor(run_paths(run_dir).logs)
+        sup.progress = lambda: trained_step(run_dir)  # a failure repeated without a step trained
+        t0 = time.monotonic()
+        progress = None
+        if evaluator is not None and cfg.eval.every_steps:
+            progress = HeldOutProgress(evaluator, run_dir, ps_url, token, time.time())
+            progress.record(0, report["before"])
+        _, seen = notices.read_since(run_dir)  # a resume prints only the notices of this run
+        try:
+            for name, job, env in topology.processes():
+                # exit 0 of the controller = done (a crash is still restarted); the hosts of a
+                # multi-host trainer restart together
+                group = job.name if len(job.hosts) > 1 else None
+                sup.add(Component(name, job.argv, env, restart=job.service, group=group))
+            # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
+            ending = next(job.name for job in topology.jobs if not job.service)
+            last = 0.0
+            while True:
+                lock.check()
+                seen = _print_notices(run_dir, seen)
+                try:
+                    finished = sup.poll()
+                except ComponentFailed:
+                    _print_notices(run_dir, seen)  # its fatal notice says more than its log
+                    raise
+                if ending in finished:
+                    break
+                if supervisor_hook is not None:
+                    supervisor_hook(sup)
+                if progress is not None:
+                    progress.maybe_evaluate(cfg.eval.every_steps)
+                if time.monotonic() - last >= status_every_s:
+                    last = time.monotonic()
+                    log.info("%s", status_line(run_dir, steps, t0))
+                time.sleep(0.2)
+            _print_notices(run_dir, seen)
+            report["train_seconds"] = time.monotonic() - t0
+            report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
+            if evaluator is not None and is_colocated(cfg):  # its PS ended with it
+                from rlax_tasks.run.report import MirroredWeights
 
-    token = secrets.token_hex(16)
-    topology = plan_topology(
-        cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token, base_env=cache_env(cfg)
-    )
-    if not is_colocated(cfg):
-        write_workers_file(cfg, topology)
-    ps_url = topology.ps_url
-    sup = Supervisor(run_paths(run_dir).logs)
-    t0 = time.monotonic()
-    progress = None
-    if evaluator is not None and cfg.eval.every_steps:
-        progress = HeldOutProgress(evaluator, run_dir, ps_url, token, time.time())
-        progress.record(0, report["before"])
-    try:
-        for name, job, env in topology.processes():
-            # exit 0 of the controller = done (a crash is still restarted); the hosts of a
-            # multi-host trainer restart together
-            group = job.name if len(job.hosts) > 1 else None
-            sup.add(Component(name, job.argv, env, restart=job.service, group=group))
-        # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
-        ending = next(job.name for job in topology.jobs if not job.service)
-        last = 0.0
-        while True:
-            finished = sup.poll()
-            if ending in finished:
-                break
-            if supervisor_hook is not None:
-                supervisor_hook(sup)
-            if progress is not None:
-                progress.maybe_evaluate(cfg.eval.every_steps)
-            if time.monotonic() - last >= status_every_s:
-                last = time.monotonic()
-                log.info("%s", status_line(run_dir, steps, t0))
-            time.sleep(0.2)
-        report["train_seconds"] = time.monotonic() - t0
-        report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
-        if evaluator is not None and is_colocated(cfg):  # its parameter server ended with it
-            from rlax_tasks.run.report import MirroredWeights
+                report["after"] = evaluator.evaluate(MirroredWeights(run_dir, evaluator.policy))
+            elif evaluator is not None:
+                from rlax_tasks.paramserver import ParameterServerClient
 
-            report["after"] = evaluator.evaluate(MirroredWeights(run_dir, evaluator.policy))
-        elif evaluator is not None:
-            from rlax_tasks.paramserver import ParameterServerClient
-
-            client = ParameterServerClient(ps_url, token=token)
-            report["after"] = evaluator.evaluate(client)
-            client.close()
-        if evaluator is not None:
+                client = ParameterServerClient(ps_url, token=token)
+                report["after"] = evaluator.evaluate(client)
+                client.close()
             if progress is not None:
                 progress.record(report["after"]["version"], report["after"])
                 progress.close()
-    finally:
-        sup.stop()
-    if evaluator is not None:
-        from rlax_tasks.run.report import write_report
+        finally:
+            signals.stopping()  # a second Ctrl-C must not cut the stopping short
+            sup.stop()
+        if evaluator is not None:
+            from rlax_tasks.run.report import write_report
 
-        report.update(write_report(cfg, report))
+            report.update(write_report(cfg, report))
     return report
+
+
+def _print_notices(run_dir: str, offset: int) -> int:
+    """Prints the notices posted since ``offset`` (once each); a fatal one stops the run."""
+    new, offset = notices.read_since(run_dir, offset)
+    for notice in new:
+        print(notice.format(), flush=True)
+    for notice in new:
+        if notice.kind == "fatal":
+            path = os.path.join(run_paths(run_dir).logs, f"{notice.source}.log")
+            raise ComponentFailed(notice.source, f"{notice.source}: {notice.message} (log: {path})")
+    return offset

@@ -1,23 +1,76 @@
-"""A small process supervisor: starts `rlax` components, restarts the ones that die.
+"""A small process supervisor: starts `rlax` components, restarts the ones that die, owns them.
 
-Each component runs as ``python -m rlax_tasks.cli <argv>`` in its own process group, with its
-output appended to ``<log_dir>/<name>.log``. Ports are chosen once and reused on restart, so the
-other components reach a restarted one at the same address.
+Each component runs as ``python -m rlax_tasks.cli <argv>`` in its own process group, with
+``RLAX_JOB_NAME=<name>`` in its environment and its output appended to ``<log_dir>/<name>.log``.
+Ports are chosen once and reused on restart, so the other components reach a restarted one at
+the same address.
+
+The children die with the supervisor (DESIGN §13): on Linux each child asks the kernel for
+SIGKILL when the thread that started it dies (``PR_SET_PDEATHSIG``, set by a small launcher
+that then execs the component; so use a Supervisor from one long-lived thread, `rlax run`'s
+main thread), which covers a ``kill -9`` of `rlax run`;
+``stop()`` ends every child's process group on the normal exit path, and ``stop_on_signals``
+turns SIGTERM/SIGINT/SIGHUP into that exit path. Their own children die with them too: the
+verifier pool's workers set their own parent-death signal, the code sandbox runs bwrap with
+``--die-with-parent``, and whatever else stays in a child's process group is killed by ``stop``.
+
+A component that exits with code 2 (an `rlax` user error), or that fails twice in a row with
+the same last error line and no progress in between, raises ``ComponentFailed`` with that line
+and its log's path: restarting will not help. A kill by a signal (a chaos test, the OOM killer)
+and a transient error (a connection refused while a service is still starting) are restarted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+JOB_NAME_ENV = "RLAX_JOB_NAME"  # rlax_tasks.notices reads it as a notice's source
+_PR_SET_PDEATHSIG = 1
+# the last error line of a component's log: an `rlax <cmd>: error: ...` line (a user error) or
+# the last line of a Python traceback
+_CLI_ERROR = re.compile(r"^rlax [\w .-]*: error: ")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Failed|Interrupt)\b")
+_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+")
+# failures that depend on another component's timing (a peer restarting, still starting, or
+# not published yet), never "the same failure" as a reason to stop
+_TRANSIENT = re.compile(
+    r"connection refused|connect(ion)?error|connection reset|remote ?disconnected|"
+    r"remoteprotocolerror|readerror|timed? ?out|deadline exceeded|unavailable|not published|"
+    r"name resolution|\b50[234]\b|broken pipe",
+    re.IGNORECASE,
+)
+_TAIL_BYTES = 65536
+
+
+class ComponentFailed(RuntimeError):
+    """A component failed in a way restarting will not fix; the message is one line for the
+    terminal: the component, its own error and its log's path."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class Interrupted(KeyboardInterrupt):
+    """`rlax run` was asked to stop by a signal (SIGTERM, SIGINT, SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,7 +82,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclasses.dataclass
 class Component:
-    """One supervised process: ``argv`` after ``rlax``; ``restart`` unless it may finish."""
+    """One supervised process: ``argv`` after ``rlax``; ``restart`` unless it may finish.
+    ``command`` replaces ``python -m rlax_tasks.cli`` (a program that is not an rlax command)."""
 
     name: str
     argv: list[str]
@@ -38,18 +92,59 @@ class Component:
     # components of one group (the hosts of a multi-host trainer) live and die together: when
     # one dies the others are killed, and all restart
     group: str | None = None
+    command: list[str] | None = None
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
+    log_offset: int = 0  # where this start's output begins in its log
+    # (last error line, progress) of its previous failure since a success or a signal kill
+    last_failure: tuple[str, Any] | None = None
+
+
+# Runs argv[2:] with SIGKILL as its parent-death signal (kept across exec): set here, in the
+# child, because a preexec_fn would make the parent fork() with its threads (JAX's) running
+_LAUNCHER = """
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
+    sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the parent died before prctl: nobody would kill this one later
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _owned(command: list[str]) -> list[str]:
+    """``command`` started so that it dies with this process (Linux; elsewhere as it is)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    import shutil
+
+    program = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
+    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), program, *command[1:]]
 
 
 class Supervisor:
-    """Starts components, restarts dead ones (with a short back-off), stops them all at exit."""
+    """Starts components, restarts dead ones (with a short back-off), stops them all at exit.
 
-    def __init__(self, log_dir: str, backoff_s: float = 1.0, max_restarts: int = 50) -> None:
+    ``progress`` (optional) returns how far the run is (`rlax run`: the last trained step); a
+    component failing twice with the same error and the same progress stops the run.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        backoff_s: float = 1.0,
+        max_restarts: int = 50,
+        progress: Callable[[], Any] | None = None,
+    ) -> None:
         self.log_dir, self.backoff_s, self.max_restarts = log_dir, backoff_s, max_restarts
+        self.progress = progress
         self.components: dict[str, Component] = {}
         os.makedirs(log_dir, exist_ok=True)
+
+    def log_path(self, name: str) -> str:
+        """The log file of component ``name``."""
+        return os.path.join(self.log_dir, f"{name}.log")
 
     def add(self, component: Component) -> Component:
         self.components[component.name] = component
@@ -57,24 +152,26 @@ class Supervisor:
         return component
 
     def _spawn(self, c: Component) -> None:
-        out = open(os.path.join(self.log_dir, f"{c.name}.log"), "ab")  # noqa: SIM115
-        out.write(
-            f"\n==== start {time.strftime('%H:%M:%S')} (restart {c.restarts}) ====\n".encode()
-        )
-        out.flush()
-        c.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlax_tasks.cli", *c.argv],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **c.env},
-            start_new_session=True,
-        )
-        out.close()
+        with open(self.log_path(c.name), "ab") as out:
+            out.write(
+                f"\n==== start {time.strftime('%H:%M:%S')} (restart {c.restarts}) ====\n".encode()
+            )
+            out.flush()
+            c.log_offset = out.tell()
+            c.proc = subprocess.Popen(
+                _owned(c.command or [sys.executable, "-m", "rlax_tasks.cli", *c.argv]),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, JOB_NAME_ENV: c.name, **c.env},
+                start_new_session=True,
+            )
         c.started_at = time.monotonic()
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
     def poll(self) -> dict[str, int]:
-        """Restarts dead restartable components; returns {name: exit code} of finished ones."""
+        """Restarts dead restartable components; returns {name: exit code} of finished ones.
+        Raises ComponentFailed for a failure that restarting will not fix."""
         finished = {}
         for c in self.components.values():
             code = c.proc.poll() if c.proc else None
@@ -83,15 +180,9 @@ class Supervisor:
             if code == 0 and not c.restart:
                 finished[c.name] = 0
                 continue
-            if code == 2:  # rlax's exit code for a configuration error: restarting won't help
-                raise RuntimeError(
-                    f"{c.name} failed with a configuration error; see its log "
-                    f"{os.path.join(self.log_dir, c.name + '.log')}"
-                )
-            if c.restarts >= self.max_restarts:
-                raise RuntimeError(f"{c.name} died {c.restarts} times; giving up")
             if time.monotonic() - c.started_at < self.backoff_s:
                 continue
+            self._judge(c, code)
             members = [
                 m for m in self.components.values() if c.group is not None and m.group == c.group
             ] or [c]
@@ -111,6 +202,30 @@ class Supervisor:
                 self._spawn(m)
         return finished
 
+    def _judge(self, c: Component, code: int) -> None:
+        """Raises ComponentFailed when restarting ``c`` (exited with ``code``) will not help."""
+        path = self.log_path(c.name)
+        line = error_line(path, c.log_offset)
+        detail = _CLI_ERROR.sub("", line) if line else f"exited with code {code}"
+        if code == 2:  # rlax's exit code for a user error: restarting won't help
+            raise ComponentFailed(c.name, f"{c.name} failed: {detail} (log: {path})")
+        if c.restarts >= self.max_restarts:
+            raise ComponentFailed(
+                c.name, f"{c.name} died {c.restarts + 1} times; giving up; last: {detail} "
+                f"(log: {path})",
+            )  # fmt: skip
+        if code < 0 or code == 0 or not line or _TRANSIENT.search(line):
+            c.last_failure = None  # killed by a signal, or not its own fault: not a streak
+            return
+        progress = self.progress() if self.progress is not None else None
+        if c.last_failure == (line, progress):
+            raise ComponentFailed(
+                c.name,
+                f"{c.name} failed twice in a row with the same error and no progress in "
+                f"between: {detail} (log: {path})",
+            )
+        c.last_failure = (line, progress)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to a component's process group (chaos tests, preemption drills)."""
         c = self.components[name]
@@ -119,25 +234,88 @@ class Supervisor:
             c.proc.wait()
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``."""
+        """SIGTERM to every running component's process group, then SIGKILL after
+        ``timeout_s``; whatever is left in such a group after its leader exited is killed too."""
         targets = [self.components[n] for n in (names or list(self.components))]
-        for c in targets:
-            if c.proc and c.proc.poll() is None:
-                os.killpg(c.proc.pid, signal.SIGTERM)
+        running = [c for c in targets if c.proc is not None and c.proc.poll() is None]
+        for c in running:
+            _signal_group(c.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for c in targets:
-            if c.proc is None:
-                continue
+        for c in running:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+                log.warning("%s did not stop within %.0fs: killing it", c.name, timeout_s)
+            # (only groups whose leader was running just now: a long-gone leader's id may be
+            # another process's by now)
+            _kill_group(c.proc)
+
+
+def error_line(path: str, offset: int = 0) -> str:
+    """The last error line a component wrote to its log after byte ``offset``: its last
+    ``rlax <cmd>: error: ...`` line, else the last line of a traceback, else ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(offset, f.tell() - _TAIL_BYTES))
+            lines = [x.strip() for x in f.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [x for x in lines if x]
+    for pattern in (_CLI_ERROR, _EXCEPTION):
+        for x in reversed(lines):
+            if pattern.match(x):
+                return _TIMESTAMP.sub("", x)
+    return ""
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL to the process group of ``proc`` (its leader and whatever it started there)."""
+    _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+class SignalGuard:
+    """What ``stop_on_signals`` yields: ``stopping()`` marks the exit path as begun, after which
+    a signal is only logged (it must not interrupt the stopping of the components)."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def stopping(self) -> None:
+        self.raised = True
+
+    def handler(self, signum: int, _frame: Any) -> None:
+        if self.raised:
+            log.warning("%s: already stopping the components", signal.Signals(signum).name)
+            return
+        self.raised = True
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[SignalGuard]:
+    """SIGTERM, SIGINT and SIGHUP raise ``Interrupted`` in the main thread (once), so `rlax run`
+    unwinds through its exit path and stops every component; the previous handlers come back at
+    the end. Outside the main thread signals cannot be handled: nothing is installed."""
+    guard = SignalGuard()
+    if threading.current_thread() is not threading.main_thread():
+        yield guard
+        return
+    # a signal ignored when we started (nohup, a background job) stays ignored
+    sigs = [
+        s
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if signal.getsignal(s) is not signal.SIG_IGN
+    ]
+    previous = {s: signal.signal(s, guard.handler) for s in sigs}
+    try:
+        yield guard
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

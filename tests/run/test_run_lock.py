@@ -1,0 +1,106 @@
+"""The run lock: a local flock, and a gs:// lease (on the GCS emulator) renewed in the
+background and taken over once it expired."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+from rlax_tasks import storage
+from rlax_tasks.run import run_lock
+from rlax_tasks.run.run_lock import FileLock, Holder, Lease, RunLocked
+from rlax_tasks.run_paths import run_paths
+from tests.compute.helpers import wait_for
+
+
+def test_a_local_run_is_locked_until_released(tmp_path, caplog):
+    run_dir = str(tmp_path / "run")
+    first = run_lock.acquire(run_dir)
+    assert isinstance(first, FileLock)
+    with pytest.raises(RunLocked) as info:  # a second holder (its own open file) is refused
+        run_lock.acquire(run_dir)
+    msg = str(info.value)
+    assert f"run {run_dir} is in use by pid {os.getpid()} on {socket.gethostname()} since" in msg
+    assert f"kill {os.getpid()}" in msg and "the same command resumes it" in msg
+    first.release()
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    with run_lock.acquire(run_dir):  # released cleanly: taken without a word
+        pass
+    assert "taken over" not in caplog.text
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over_and_logged(tmp_path, caplog):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    dead = Holder("x", 999999, "old-host", time.time() - 3600)
+    with open(run_paths(run_dir).lock, "wb") as f:  # written, but nobody holds the flock
+        f.write(dead.to_bytes())
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    with run_lock.acquire(run_dir):
+        held = Holder.parse(open(run_paths(run_dir).lock, "rb").read())
+        assert held is not None and held.pid == os.getpid()
+    assert "pid 999999 on old-host" in caplog.text and "taken over" in caplog.text
+
+
+def test_gcs_lease_refuses_a_second_holder_then_is_taken_over_after_expiry(gcs_bucket, caplog):
+    run_dir = f"{gcs_bucket}/runs/lease"
+    first = Lease(run_dir, ttl_s=1.5, renew_every_s=3600).acquire()  # never renewed
+    with pytest.raises(RunLocked, match=rf"in use by pid {os.getpid()} on .* \(its lease runs to"):
+        run_lock.acquire(run_dir, ttl_s=1.5)
+    wait_for(lambda: time.time() > first.holder.expires, timeout_s=10)
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    second = run_lock.acquire(run_dir, ttl_s=30)
+    assert isinstance(second, Lease)
+    assert "expired at" in caplog.text and "taken over" in caplog.text
+    with pytest.raises(RunLocked, match="lost its lock"):  # the first one learns it lost it
+        first.check()
+    assert first.renew() is False
+    first.release()  # not its lease any more: left alone
+    holder = Holder.parse(storage.read_bytes(run_paths(run_dir).lock))
+    assert holder is not None and holder.id == second.holder.id
+    second.release()
+    caplog.clear()
+    with run_lock.acquire(run_dir):  # released: free at once, no takeover
+        pass
+    assert "taken over" not in caplog.text
+
+
+def test_gcs_lease_is_renewed_while_the_run_lives(gcs_bucket):
+    run_dir = f"{gcs_bucket}/runs/renewed"
+    lease = Lease(run_dir, ttl_s=1.0, renew_every_s=0.1).acquire()
+    first_expiry = lease.holder.expires
+    try:
+
+        def renewed_past_first_expiry() -> bool:
+            raw = json.loads(storage.read_bytes(run_paths(run_dir).lock))
+            return time.time() > first_expiry and raw["expires"] > time.time()
+
+        wait_for(renewed_past_first_expiry, timeout_s=20)
+        with pytest.raises(RunLocked):
+            run_lock.acquire(run_dir, ttl_s=1.0)
+        lease.check()
+    finally:
+        lease.release()
+
+
+def test_a_lease_race_has_one_winner(tmp_path, monkeypatch):
+    """Two runs see the same expired lease; the second write fails its generation precondition
+    (local commit_pointer enforces it; the GCS emulator ignores preconditions)."""
+    run_dir = str(tmp_path / "run")
+    path = run_paths(run_dir).lock
+    expired = Holder("old", 1, "h", 0.0, expires=1.0)
+    storage.commit_pointer(path, expired.to_bytes())
+    seen = storage.read_versioned(path)
+    winner = Lease(run_dir, ttl_s=60, renew_every_s=3600).acquire()
+    read = storage.read_versioned
+    stale = [seen]  # the loser read the lease before the winner wrote it
+    monkeypatch.setattr(storage, "read_versioned", lambda p: stale.pop() if stale else read(p))
+    with pytest.raises(RunLocked, match=f"is in use by pid {os.getpid()}"):
+        Lease(run_dir, ttl_s=60).acquire()
+    assert Holder.parse(read(path)[0]).id == winner.holder.id
+    winner.release()
