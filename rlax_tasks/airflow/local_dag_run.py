@@ -4,19 +4,31 @@ Runs the real DAG file with ``dag.test()`` (Airflow's own local runner: every ta
 process, deferred triggers inline, SQLite metadata under ``AIRFLOW_HOME``), with the local
 compute backend: the same tasks, operators, triggers and retries as on a deployment, no
 scheduler or web server needed. For the UI, run ``airflow standalone`` (see the README).
+
+The terminal shows what a person needs (``dag_watch``): a line per task transition, the training
+status line, notices, a failed task's last log lines, and at the end a before/after table of
+held-out pass@k. Airflow's own logs, the task logs and warnings go to the run's
+``logs/airflow.log`` (``rlax -v`` keeps them on the terminal).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
+
+from rlax_tasks.run.progress import format_duration
+from rlax_tasks.run_paths import run_paths
+from rlax_tasks.trainer.scalar_export import log_scalars
 
 log = logging.getLogger(__name__)
 
+DAG_ID = "rlax_train"
+SCORES = ("pass@", "maj@", "mean_reward")  # the evaluation's scores sent to TensorBoard
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -32,24 +44,38 @@ def _setup_env(airflow_home: str, dags_folder: str, run_root: str) -> None:
     os.environ.setdefault("RLAX_RUN_ROOTS", run_root)
 
 
+def _check_dags_folder(dags_folder: str) -> None:
+    if not os.path.isfile(os.path.join(dags_folder, "rlax_train.py")):
+        raise FileNotFoundError(
+            f"--dags-folder {dags_folder}: no rlax_train.py there (give the repository's dags/)"
+        )
+
+
 def run_train_dag(
     conf: dict[str, Any],
     *,
     airflow_home: str,
     dags_folder: str,
     run_root: str,
+    out: TextIO | None = None,
+    airflow_log: str | None = None,
 ) -> dict[str, Any]:
-    """Runs rlax_train with Params ``conf``; returns {"state", "tasks", "run_dir", "eval"}."""
-    if not os.path.isfile(os.path.join(dags_folder, "rlax_train.py")):
-        raise FileNotFoundError(
-            f"--dags-folder {dags_folder}: no rlax_train.py there (give the repository's dags/)"
-        )
+    """Runs rlax_train with Params ``conf``; returns {"state", "tasks", "run_dir", "eval",
+    "before", "training_seconds"} ("eval"/"before": the newest and the v0 evaluation, when
+    present).
+
+    ``out``: where task transitions, the training status line and notices are printed while it
+    runs (None: nowhere); ``airflow_log``: the file Airflow's logs go to (for a failed task's
+    last lines)."""
+    _check_dags_folder(dags_folder)
     if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != airflow_home:
         log.warning("Airflow was imported before its settings were made; they may not apply")
     _setup_env(airflow_home, dags_folder, run_root)
     os.makedirs(airflow_home, exist_ok=True)
     from airflow.dag_processing.dagbag import DagBag
     from airflow.utils import db
+
+    from rlax_tasks.airflow.dag_watch import DagRunWatcher, metadata_task_states
 
     log.info("Airflow metadata database under %s", airflow_home)
     db.initdb()  # creates or upgrades the SQLite database; a no-op when current
@@ -59,33 +85,138 @@ def run_train_dag(
             f"{path}: {text.strip().splitlines()[-1]}" for path, text in bag.import_errors.items()
         )
         raise ValueError(f"the DAG files do not import: {errors}")
-    dag = bag.dags["rlax_train"]
+    dag = bag.dags[DAG_ID]
     dag.params.validate()
+    run_dir = os.path.join(run_root, conf["run_id"])
+    watcher = None
+    if out is not None:
+        states = metadata_task_states(DAG_ID)
+        watcher = DagRunWatcher(out, states, run_dir, int(conf["steps"]), airflow_log)
+        watcher.start()
     log.info("running DAG rlax_train with %s", json.dumps(conf))
-    dr = dag.test(run_conf=conf)
+    try:
+        dr = dag.test(run_conf=conf)
+    finally:
+        if watcher is not None:
+            watcher.stop()
     tasks = {
         ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): str(ti.state)
         for ti in dr.get_task_instances()
     }
-    from rlax_tasks.run_paths import run_paths
+    result: dict[str, Any] = {"state": str(dr.state), "tasks": tasks, "run_dir": run_dir}
+    if watcher is not None:
+        result["training_seconds"] = watcher.training_seconds
+    versions = eval_versions(run_dir)
+    if versions and versions[-1] > 0:
+        result["eval"] = {"version": versions[-1], **read_overall(run_dir, versions[-1])}
+    if 0 in versions:
+        result["before"] = {"version": 0, **read_overall(run_dir, 0)}
+    for key in ("before", "eval"):  # TensorBoard's tb/eval/ ("eval/pass@k"); once per version
+        if key in result:
+            scores = {k: v for k, v in result[key].items() if k.startswith(SCORES)}
+            log_scalars(run_dir, result[key]["version"], scores, "eval")
+    return result
 
-    run_dir = os.path.join(run_root, conf["run_id"])
-    out: dict[str, Any] = {"state": str(dr.state), "tasks": tasks, "run_dir": run_dir}
+
+def eval_versions(run_dir: str) -> list[int]:
+    """The weight versions evaluated under ``eval/v<N>/results.json``, ascending."""
     paths = run_paths(run_dir)
-    eval_root = paths.eval
-    versions = sorted(
+    names = os.listdir(paths.eval) if os.path.isdir(paths.eval) else []
+    return sorted(
         int(d[1:])
-        for d in (os.listdir(eval_root) if os.path.isdir(eval_root) else [])
-        if d.startswith("v") and d[1:].isdigit()
+        for d in names
+        if d.startswith("v") and d[1:].isdigit() and os.path.isfile(paths.eval_results(int(d[1:])))
     )
-    if versions:
-        path = paths.eval_results(versions[-1])
-        try:
-            with open(path) as f:
-                out["eval"] = {"version": versions[-1], **json.load(f)["models"][0]["overall"]}
-        except (OSError, ValueError, KeyError):
-            pass
-    return out
+
+
+def read_overall(run_dir: str, version: int) -> dict[str, Any]:
+    """The "overall" scores (pass@k, mean_reward...) of eval/v<version>/results.json ({} when
+    unreadable)."""
+    try:
+        with open(run_paths(run_dir).eval_results(version)) as f:
+            return dict(json.load(f)["models"][0]["overall"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+
+
+class _QuietTerminal:
+    """Sends everything Python writes (Airflow's logs and task logs, warnings, third-party
+    messages) to ``path`` while it is active; the command writes its own lines to the terminal
+    stream it kept.
+
+    Python-level: ``sys.stdout``/``sys.stderr`` are replaced (Airflow configures its handlers and
+    structlog at import, after this, so they write to the file), and every logging handler
+    already writing to the terminal is pointed at the file. Subprocesses (the run's jobs) have
+    log files of their own.
+    """
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path = path
+        # stays open to the end of the process: Airflow's handlers keep writing to it at exit
+        self.file = open(path, "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+        self._saved: list[tuple[logging.StreamHandler, Any]] = []
+
+    def __enter__(self) -> _QuietTerminal:
+        self._streams = (sys.stdout, sys.stderr)
+        for handler in _stream_handlers():
+            if handler.stream in self._streams:
+                self._saved.append((handler, handler.setStream(self.file)))
+        sys.stdout = sys.stderr = self.file
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout, sys.stderr = self._streams
+        for handler, stream in self._saved:
+            handler.setStream(stream)
+        self.file.flush()
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    loggers = [logging.getLogger()] + [
+        x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger)
+    ]
+    return [
+        h
+        for lg in loggers
+        for h in lg.handlers
+        if type(h) is logging.StreamHandler  # not FileHandler (a subclass)
+    ]
+
+
+def _positive_steps(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"--steps {text!r}: give a positive number of training steps")
+    return value
+
+
+def _summary(result: dict[str, Any], ks: list[int], run_root: str) -> str:
+    """The end-of-run table: held-out pass@k before/after, training time, where things are."""
+    before, after = result.get("before", {}), result.get("eval", {})
+
+    def score(row: dict[str, Any], key: str) -> str:
+        v = row.get(key)
+        return f"{v:.3f}" if isinstance(v, int | float) else "-"
+
+    head_after = f"after (v{after['version']})" if after else "after"
+    rows = [("", "before (v0)", head_after)]
+    rows += [(f"held-out pass@{k}", score(before, f"pass@{k}"), score(after, f"pass@{k}"))
+             for k in ks]  # fmt: skip
+    seconds = result.get("training_seconds")
+    report = run_paths(result["run_dir"]).report_md
+    rows += [
+        ("training time", format_duration(seconds) if seconds is not None else "-", ""),
+        ("report", report if os.path.isfile(report) else "-", ""),
+        ("dashboard", "http://localhost:8080/rlax/ (under `airflow standalone`: README)", ""),
+        ("tensorboard", f"tensorboard --logdir {run_root}", ""),
+    ]
+    return "\n".join(f"  {a:<18} {b:<14} {c}".rstrip() for a, b, c in rows)
 
 
 def _train_command(args: argparse.Namespace) -> int:
@@ -99,8 +230,9 @@ def _train_command(args: argparse.Namespace) -> int:
         if not sep:
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
         overrides[key] = yaml.safe_load(value)
+    steps = _positive_steps(args.steps)
     cfg = load_config(args.preset, dict(overrides))  # validates before Airflow starts
-    steps = args.steps or cfg.trainer.total_steps
+    steps = steps or cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the preset has no trainer.total_steps)")
     run_root = os.path.abspath(args.run_root)
@@ -114,19 +246,26 @@ def _train_command(args: argparse.Namespace) -> int:
         "max_staleness": cfg.staleness.max_staleness,
         "overrides": overrides,
     }
-    result = run_train_dag(
-        conf,
-        airflow_home=os.path.abspath(args.airflow_home),
-        dags_folder=os.path.abspath(args.dags_folder),
-        run_root=run_root,
-    )
+    dags_folder = os.path.abspath(args.dags_folder)
+    _check_dags_folder(dags_folder)
+    run_dir = os.path.join(run_root, args.run_id)
+    airflow_log = run_paths(run_dir).airflow_log
+    terminal = sys.stdout
+    print(f"rlax airflow train: run {args.run_id}, {steps} steps, in {run_dir}", flush=True)
+    quiet = None if args.verbose else _QuietTerminal(airflow_log)
+    if quiet is not None:
+        print(f"Airflow's logs and the task logs: {airflow_log} (-v: here)", flush=True)
+    with quiet or contextlib.nullcontext():
+        result = run_train_dag(
+            conf,
+            airflow_home=os.path.abspath(args.airflow_home),
+            dags_folder=dags_folder,
+            run_root=run_root,
+            out=terminal,
+            airflow_log=airflow_log if quiet is not None else None,
+        )
     print(f"rlax_train {result['state']}: {result['run_dir']}")
-    for name, state in result["tasks"].items():
-        print(f"  {name:<16} {state}")
-    if "eval" in result:
-        e = result["eval"]
-        ks = ", ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
-        print(f"held-out evaluation of weight version {e['version']}: {ks}")
+    print(_summary(result, list(cfg.eval.ks), run_root), flush=True)
     return 0 if result["state"] == "success" else 1
 
 
@@ -139,7 +278,7 @@ def add_airflow_parser(sub: argparse._SubParsersAction) -> None:
         help="run the rlax_train DAG end to end (dag.test, local backend, SQLite metadata)",
     )
     t.add_argument("--preset", default="tiny-arith", help="run-config preset (default tiny-arith)")
-    t.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    t.add_argument("--steps", help="training steps, a positive integer (default: the preset's)")
     t.add_argument("--run-id", default="tiny-arith-airflow", help="same id = resume that run")
     t.add_argument("--run-root", default="runs", help="local directory of the runs")
     t.add_argument("--set", action="append", help="override a config field: dotted.key=value")

@@ -1,5 +1,6 @@
-"""What a person watching a run sees: the status line read from metrics.jsonl, and held-out
-pass@k measured every ``eval.every_steps`` steps while the run goes (eval/progress.jsonl)."""
+"""What a person watching a run sees: the status line read from the run's files (metrics.jsonl,
+lineage.jsonl, weight_sync.jsonl), and held-out pass@k measured every ``eval.every_steps`` steps
+while the run goes (eval/progress.jsonl, and TensorBoard's tb/eval/ as "heldout/pass@k")."""
 
 from __future__ import annotations
 
@@ -10,34 +11,126 @@ import time
 from typing import Any
 
 from rlax_tasks.run_paths import run_paths
+from rlax_tasks.trainer.scalar_export import log_scalars
 
 log = logging.getLogger(__name__)
 
+HELDOUT = "heldout"  # the TensorBoard / W&B group of the in-training held-out pass@k
+TAIL_BYTES = 65536  # the end of metrics.jsonl read for a status line (~50 rows)
+WINDOW_ROWS = 20  # steps/s over at most the last 20 steps...
+WINDOW_S = 120.0  # ...of the last 2 minutes; none newer than that: stalled, no rate
 
-def last_json_line(path: str) -> dict[str, Any] | None:
+
+def tail_json_lines(path: str, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+    """The JSON objects of the last ``max_bytes`` of a local JSONL file, oldest first (a line
+    cut by the window or by a crash is skipped); [] when the file is missing."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
+            f.seek(max(0, f.tell() - max_bytes))
             lines = f.read().splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    rows = []
+    for line in lines:
         try:
-            return json.loads(line)
+            row = json.loads(line)
         except ValueError:
             continue
-    return None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
-def status_line(run_dir: str, steps: int, started: float) -> str:
-    m = last_json_line(run_paths(run_dir).metrics) or {}
-    step = m.get("step", 0)
-    reward = m.get("reward_mean")
-    elapsed = time.monotonic() - started
-    eta = (elapsed / step * (steps - step)) if step else float("nan")
-    reward_txt = f"{reward:.3f}" if isinstance(reward, float) else "-"
-    return f"step {step}/{steps}  reward {reward_txt}  elapsed {elapsed:.0f}s  eta {eta:.0f}s"
+def last_json_line(path: str) -> dict[str, Any] | None:
+    """The last complete JSON object of a local JSONL file, or None."""
+    rows = tail_json_lines(path)
+    return rows[-1] if rows else None
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``3m 05s``, ``2h 07m`` (never negative)."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def steps_per_second(rows: list[dict[str, Any]], now: float) -> float | None:
+    """Steps per second over the recent metrics rows (their "step" and wall-clock "time"): the
+    last ``WINDOW_ROWS`` rows within ``WINDOW_S`` of the newest, at least two. None when there
+    are fewer than two, or the newest is older than ``WINDOW_S`` (stalled, or a resumed run
+    that has not stepped yet)."""
+    timed = [
+        (int(r["step"]), float(r["time"]))
+        for r in rows
+        if isinstance(r.get("step"), int) and isinstance(r.get("time"), int | float)
+    ][-WINDOW_ROWS:]
+    if len(timed) < 2 or now - timed[-1][1] > WINDOW_S:
+        return None
+    recent = [x for x in timed if x[1] >= timed[-1][1] - WINDOW_S]
+    (s0, t0), (s1, t1) = (recent if len(recent) >= 2 else timed[-2:])[0], timed[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+
+
+_dropped_cache: dict[str, tuple[int, int]] = {}  # lineage path -> (bytes read, dropped so far)
+
+
+def dropped_stale(run_dir: str) -> int:
+    """Rollout groups dropped as too stale so far (lineage.jsonl "dropped_stale"), read
+    incrementally: each call reads only what was appended since the last."""
+    path = run_paths(run_dir).lineage
+    offset, total = _dropped_cache.get(path, (0, 0))
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < offset:  # replaced or cut: count again
+                offset, total = 0, 0
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return 0
+    data = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
+    for line in data.splitlines():
+        try:
+            total += len(json.loads(line).get("dropped_stale") or ())
+        except (ValueError, AttributeError, TypeError):
+            continue
+    _dropped_cache[path] = (offset + len(data), total)
+    return total
+
+
+def status_line(run_dir: str, steps: int, started: float, *, now: float | None = None) -> str:
+    """One line of a run's progress, from its files only: ``step 12/300  reward 0.412  dropped
+    3 stale  weights v12  0.45 steps/s  eta 10m 20s  elapsed 31s``.
+
+    ``steps``: the run's total; ``started``: ``time.monotonic()`` at launch (for "elapsed");
+    ``now``: the wall clock (default ``time.time()``; metrics rows carry wall-clock "time").
+    The step shown never exceeds ``steps``; the ETA is never negative ("-" while unknown).
+    """
+    now = time.time() if now is None else now
+    paths = run_paths(run_dir)
+    elapsed = format_duration(time.monotonic() - started)
+    rows = tail_json_lines(paths.metrics)
+    if not rows or not isinstance(rows[-1].get("step"), int):
+        return f"step 0/{steps}  waiting for the first step  elapsed {elapsed}"
+    last = rows[-1]
+    step = min(max(0, last["step"]), steps)
+    reward = last.get("reward_mean")
+    reward_txt = f"{reward:.3f}" if isinstance(reward, int | float) else "-"
+    synced = last_json_line(paths.weight_sync)  # pushed versions (a colocated run: none)
+    version = synced["step"] if synced and isinstance(synced.get("step"), int) else last["step"]
+    rate = steps_per_second(rows, now)
+    if step >= steps:
+        eta = "0s"
+    else:
+        eta = format_duration((steps - step) / rate) if rate else "-"
+    rate_txt = f"{rate:.2f}" if rate else "-"
+    return (
+        f"step {step}/{steps}  reward {reward_txt}  dropped {dropped_stale(run_dir)} stale  "
+        f"weights v{version}  {rate_txt} steps/s  eta {eta}  elapsed {elapsed}"
+    )
 
 
 class HeldOutProgress:
@@ -78,6 +171,9 @@ class HeldOutProgress:
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        # TensorBoard (tb/eval/, "heldout/pass@k") and W&B when configured
+        scores = {k: v for k, v in row.items() if k.startswith("pass@") or k == "mean_reward"}
+        log_scalars(self.run_dir, step, scores, HELDOUT)
 
     def maybe_evaluate(self, every: int) -> None:
         step = int((last_json_line(self.paths.metrics) or {}).get("step", 0))

@@ -5,6 +5,9 @@ writer keeps the file's bytes in memory and a background thread rewrites the who
 every ``flush_every_s`` seconds when rows were added; ``flush``/``close`` (and interpreter exit, and
 garbage collection of the writer) write the last rows. A step therefore costs no request; readers
 (the dashboard) see complete rows, at most ``flush_every_s`` late.
+
+The same numbers go to TensorBoard events under the run's ``tb/`` (and to W&B when configured):
+see ``rlax_tasks.trainer.scalar_export``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks import storage
+from rlax_tasks.trainer.scalar_export import step_scalars_for
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class MetricsWriter:
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.last_step = _last_step_cutting_a_torn_line(path)
+        # TensorBoard (local run directories) and W&B, for a run directory's metrics.jsonl
+        self._scalars = step_scalars_for(path, self.last_step)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Adds {"step": step, **metrics}; a step already written (a step replayed after a
@@ -64,6 +70,8 @@ class MetricsWriter:
         self.last_step = int(step)
         record = {"step": int(step)}
         record.update({k: to_json_value(v) for k, v in metrics.items()})
+        if self._scalars is not None:  # before the row: a kill in between replays the step,
+            self._scalars.write(step, record)  # and the replay supersedes this event
         line = json.dumps(record, sort_keys=False) + "\n"
         if self._remote is not None:
             self._remote.append(line.encode("utf-8"))
@@ -79,6 +87,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Writes the last rows and stops the background upload; the writer is done."""
+        if self._scalars is not None:
+            self._scalars.close()
         if self._remote is not None:
             self._finalizer()
 
