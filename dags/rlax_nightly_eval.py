@@ -15,8 +15,10 @@ DOC = """
 At 02:00 every day (no catch-up): for each run under `RLAX_RUN_ROOTS` that was active within
 `active_hours` and has a committed weight version (`weights/v<N>`) not evaluated yet, runs
 `rlax eval` of that version on the run's held-out set into `<run>/eval/v<N>/` (the RLAX dashboard
-plots pass@k from there), then publishes the Asset **rlax_nightly_eval** listing what was
-evaluated. All evaluations share one slice, deleted by a teardown task.
+plots pass@k from there), appends a row (date, version, pass@k...) to each evaluated run's
+history `<run>/eval/history.jsonl` (**record_history**, also when some evaluations failed; the
+dashboard shows it on the run's page), then publishes the Asset **rlax_nightly_eval** listing what
+was evaluated. All evaluations share one slice, deleted by a teardown task.
 """
 
 
@@ -34,7 +36,7 @@ evaluated. All evaluations share one slice, deleted by a teardown task.
 )
 def rlax_nightly_eval():
     @task
-    def plan(params: dict, run_id: str) -> dict:
+    def plan(params: dict, run_id: str, dag_run=None) -> dict:
         accelerator_type, runtime_version = rc.single_host_slice(params.get("accelerator_type"))
         todo = rc.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
         argvs = []
@@ -43,7 +45,7 @@ def rlax_nightly_eval():
             argvs.append(rc.eval_argv(cfg, item["version"], rc.eval_dataset_file(cfg)))
         rid = rc.dag_run_run_id(f"nightly-{run_id}")
         # the janitor leaves this run's slice alone while the status is fresh
-        rc.write_status(f"{rc.default_run_root()}/{rid}", "running", run_id)
+        rc.write_status(f"{rc.default_run_root()}/{rid}", "running", run_id, dag_id=dag_run.dag_id)
         log.info("evaluating %d run(s): %s", len(todo), todo)
         return {
             "runs": todo,
@@ -59,6 +61,10 @@ def rlax_nightly_eval():
         # a task of its own: Airflow maps only over a task's whole return value
         return p["argvs"]
 
+    @task(trigger_rule="all_done")  # the evaluations that succeeded, whatever the others did
+    def record_history(p: dict, run_id: str) -> list[dict]:
+        return rc.record_nightly_history(p["runs"], run_id)
+
     @task(outlets=[rc.NIGHTLY_EVAL])
     def publish(p: dict, outlet_events=None) -> list[dict]:
         outlet_events[rc.NIGHTLY_EVAL].extra = {"evaluated": p["runs"]}
@@ -68,6 +74,7 @@ def rlax_nightly_eval():
     root, slice_, cleanup = rc.single_slice(p)
     evals = rc.mapped_jobs("evaluate", root, slice_.output, eval_argvs(p))
     p >> slice_ >> evals >> publish(p) >> cleanup
+    evals >> record_history(p)
 
 
 rlax_nightly_eval()

@@ -7,6 +7,10 @@ from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 
+# the evaluations' watchers poll more often than the services' (10 s): an evaluation is short
+# next to training, and the run waits on each (a small model's is done in seconds)
+EVAL_POLL_S = 3.0
+
 DOC = """
 ### rlax_train
 One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `local`):
@@ -25,7 +29,13 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    `worker_accelerator_type`, `worker_slices` slices of that type with one worker per host
    (else the workers run on the trainer slice). Services bind their host's address and publish
    it under `<run>/services/`; clients find each other there, also after a re-provision.
-3. **start_services** starts every job at once; **ps**, **trainer**, **worker** (mapped over
+3. **base_eval** / **evaluate_base** / **record_base_eval** — the held-out evaluation of the
+   starting weights into `<run>/eval/v0/` (the "before" of the run; the same `rlax eval` as the
+   final one, on the trainer's devices before training takes them). Cached per run root under
+   `<run_root>/base-evals/<fingerprint>/` by model files, held-out data and evaluation settings:
+   a resumed or repeated run copies it (evaluate_base is skipped). A broken evaluation setting
+   fails the run here, before hours of training.
+4. **start_services** starts every job at once; **ps**, **trainer**, **worker** (mapped over
    the worker index) and **controller** watch them — long-running `rlax` jobs watched by
    deferrable triggers. A preempted or killed job is retried and resumes from the newest
    checkpoint, controller snapshot and weight mirror; a configuration error fails without
@@ -33,10 +43,12 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    A colocated run (`placement.mode: colocated`, the tiny preset's) is one job — trainer,
    sampler, parameter server and controller in one process — watched by **controller**; the
    ps, trainer and worker tasks are skipped.
-4. **finish** — once the controller reached `steps`, stops whatever still runs.
-5. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/`.
-6. **teardown** — deletes the slices, always (all_done), and records the final state in
-   `<run>/status.json` (read by the RLAX dashboard and the janitor).
+5. **finish** — once the controller reached `steps`, stops whatever still runs.
+6. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/` (the "after"; the
+   RLAX dashboard shows both, and compares runs).
+7. **teardown** — deletes the slices, always (all_done), and records the final state in
+   `<run>/status.json` with this DAG run's id (read by the RLAX dashboard, which links the DAG
+   run, and the janitor).
 """
 
 
@@ -102,11 +114,16 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             {}, type="object",
             description='run-config overrides by dotted key, e.g. {"rollout.group_size": 4}',
         ),
+        "allow_config_change": Param(
+            False, type="boolean",
+            description="resume this run_id with settings that change training (recorded in "
+            "config_changes.jsonl); off: such a resume fails the plan, listing the fields",
+        ),
     },
 )  # fmt: skip
 def rlax_train():
     @task(retries=0)
-    def plan(params: dict, run_id: str, triggering_asset_events=None) -> dict:
+    def plan(params: dict, run_id: str, dag_run=None, triggering_asset_events=None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
         dataset, verifier = "", "math"
@@ -118,7 +135,7 @@ def rlax_train():
             p = rc.plan_training(dict(params), run_id, dataset, verifier)
         except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
             raise AirflowFailException(str(e)) from None
-        rc.write_status(p["run_dir"], "running", run_id, steps=p["steps"])
+        rc.write_status(p["run_dir"], "running", run_id, dag_id=dag_run.dag_id, steps=p["steps"])
         return p
 
     @task
@@ -131,6 +148,20 @@ def rlax_train():
         backend = get_backend(rc.backend_name(), **rc.backend_settings(p["run_root"]))
         for handle in rc.service_job_handles(slice_handles):
             backend.stop_job(handle)
+
+    @task
+    def base_eval(p: dict) -> dict:
+        """Copies the cached evaluation of the starting weights into eval/v0, or plans one."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        try:
+            return rc.prepare_base_eval(p["run_dir"])
+        except rc.PlanError as e:  # no held-out dataset: retrying cannot help
+            raise AirflowFailException(str(e)) from None
+
+    @task(trigger_rule="none_failed")  # also after a skipped evaluate_base (a cache hit)
+    def record_base_eval(base: dict) -> None:
+        rc.record_base_eval(base)
 
     @task
     def eval_argv(p: dict) -> list[str]:
@@ -151,12 +182,16 @@ def rlax_train():
         return rc.start_services(p, slices)
 
     @task(trigger_rule="all_done")
-    def record_state(p: dict, dag_run=None, ti=None) -> str:
+    def record_state(p: dict | None, dag_run=None, ti=None) -> str:
+        if not p:  # plan failed: there is no run directory to record the state in
+            return "failed"
         runs = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id])
         states = runs.get(dag_run.run_id, {})
         failed = sorted(k for k, v in states.items() if v in ("failed", "upstream_failed"))
         state = "failed" if failed else "succeeded"
-        rc.write_status(p["run_dir"], state, dag_run.run_id, failed_tasks=failed)
+        rc.write_status(
+            p["run_dir"], state, dag_run.run_id, dag_id=dag_run.dag_id, failed_tasks=failed
+        )
         return state
 
     p = plan()
@@ -164,7 +199,13 @@ def rlax_train():
     # the trainer slice and the worker slices, as plan checked them (types, runtime versions)
     slices = rc.provision_slices("provision", root, p["slices"], p["run_id"])
     everything, h = slices.output, slices.output["trainer"]
+    base = base_eval(p)  # beside provisioning: it needs no slice
+    # the starting weights on the trainer's devices, before training takes them
+    evaluate_base = rc.job(
+        "evaluate_base", root, h, base["argv"], p["env"], poll_interval_s=EVAL_POLL_S
+    )
     started = start_services(p, everything)
+    evaluate_base >> record_base_eval(base) >> started
     watch = {"started_jobs": started, "done_when": "controller", "done_marker": p["done_marker"]}
     ps = rc.job("ps", root, h, p["argv_ps"], p["env_ps"], **watch)
     trainer = rc.job(
@@ -174,7 +215,7 @@ def rlax_train():
     controller = rc.job("controller", root, h, p["argv_controller"], p["env_controller"], **watch)
     stop = finish(p, everything["all"])
     final_eval = eval_argv(p)
-    evaluate = rc.job("evaluate", root, h, final_eval, p["env"])
+    evaluate = rc.job("evaluate", root, h, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
     p >> slices >> started >> [ps, trainer, workers, controller]
     controller >> stop >> final_eval >> evaluate >> cleanup

@@ -1,7 +1,8 @@
 """The RLAX Airflow plugin: the dashboard app at /rlax and an "RLAX" entry in the UI navigation.
 
 The entry embeds the dashboard (an iframe at /plugin/rlax); its routes need an Airflow session,
-like the rest of the UI. Run roots come from ``RLAX_RUN_ROOTS`` (comma-separated local
+like the rest of the UI, and its pages link each run to its DAG run in the UI
+(/dags/<dag_id>/runs/<run_id>). Run roots come from ``RLAX_RUN_ROOTS`` (comma-separated local
 directories or gs:// URIs, default "runs"); set ``RLAX_DASHBOARD_AUTH=0`` to serve the dashboard
 without Airflow authentication (local development only).
 """
@@ -32,7 +33,8 @@ class RlaxPlugin(AirflowPlugin):
     name = "rlax"
     fastapi_apps = [
         {
-            "app": create_app(require_auth=_auth_required()),
+            # links to DAG runs: the UI's root is ".." of the dashboard's (mounted at /rlax)
+            "app": create_app(require_auth=_auth_required(), airflow_ui=".."),
             "url_prefix": URL_PREFIX,
             "name": "RLAX dashboard",
         }

@@ -29,6 +29,7 @@ TB = "tb"  # TensorBoard events
 EVAL = "eval"  # evaluation results and plots
 EVAL_RESULTS = "results.json"  # eval/v<version>/results.json: one evaluation's results
 EVAL_PROGRESS = "progress.jsonl"  # eval/progress.jsonl: the in-training evaluations
+EVAL_HISTORY = "history.jsonl"  # eval/history.jsonl: one row per nightly evaluation
 HELDOUT = "heldout.jsonl"  # eval/heldout.jsonl: the held-out prompts
 REPORT_JSON = "report.json"  # eval/report.json: the run report's numbers
 REPORT_MD = "report.md"  # eval/report.md: the run report
@@ -42,6 +43,9 @@ NOTICES = "notices.jsonl"  # what a person watching the run must read (fallbacks
 LOCK = "run.lock"  # held while a run is alive: a local file lock, or a lease object on gs://
 CONFIG_CHANGES = "config_changes.jsonl"  # settings changed on an allowed resume, with the step
 AIRFLOW_LOG = "airflow.log"  # logs/airflow.log: Airflow's own logs of `rlax airflow train`
+# beside the runs, in the run root: <run_root>/base-evals/<fingerprint>/, the cached evaluations
+# of base models (rlax_tasks.evaluation.base_eval), shared by every run of that root
+BASE_EVALS = "base-evals"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,7 @@ class RunPaths:
     tb: str
     eval: str
     eval_progress: str
+    eval_history: str
     heldout: str
     report_json: str
     report_md: str
@@ -94,7 +99,8 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "snapshots": (SNAPSHOTS,), "snapshot_pointer": (SNAPSHOTS, SNAPSHOT_POINTER),
     "rollouts": (ROLLOUTS,), "lineage": (LINEAGE,), "metrics": (METRICS,),
     "weight_sync": (WEIGHT_SYNC,), "tb": (TB,), "eval": (EVAL,),
-    "eval_progress": (EVAL, EVAL_PROGRESS), "heldout": (EVAL, HELDOUT),
+    "eval_progress": (EVAL, EVAL_PROGRESS), "eval_history": (EVAL, EVAL_HISTORY),
+    "heldout": (EVAL, HELDOUT),
     "report_json": (EVAL, REPORT_JSON), "report_md": (EVAL, REPORT_MD), "status": (STATUS,),
     "workers": (WORKERS,), "services": (SERVICES,), "logs": (LOGS,), "done": (DONE,),
     "slices": (SLICES,), "notices": (NOTICES,),
@@ -105,3 +111,9 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
 def run_paths(run_dir: str) -> RunPaths:
     """The fixed paths of the run directory ``run_dir`` (local path or gs:// URI)."""
     return RunPaths(run_dir, **{k: storage.join(run_dir, *p) for k, p in _LAYOUT.items()})
+
+
+def base_eval_dir(run_root: str, fingerprint: str) -> str:
+    """``<run_root>/base-evals/<fingerprint>``: a base model's cached evaluation (a run-root
+    folder, not a run's: every run of the root with the same model, data and settings reuses it)."""
+    return storage.join(run_root, BASE_EVALS, fingerprint)

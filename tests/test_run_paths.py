@@ -28,6 +28,7 @@ LAYOUT = {
     "tb": "tb",
     "eval": "eval",
     "eval_progress": "eval/progress.jsonl",
+    "eval_history": "eval/history.jsonl",
     "heldout": "eval/heldout.jsonl",
     "report_json": "eval/report.json",
     "report_md": "eval/report.md",
@@ -57,6 +58,11 @@ def test_every_fixed_path_sits_where_design_7_puts_it(root):
     assert paths.eval_results(3) == f"{base}/eval/v3/results.json"
 
 
+@pytest.mark.parametrize("root", ["/tmp/runs", "gs://bucket/runs/"])
+def test_base_evaluations_sit_in_the_run_root(root):
+    assert layout.base_eval_dir(root, "ab12") == f"{root.rstrip('/')}/base-evals/ab12"
+
+
 def test_run_paths_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         run_paths("/r").metrics = "/elsewhere"  # type: ignore[misc]
@@ -72,7 +78,7 @@ NAMES = [v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str
 # short names that are also ordinary words ("eval" the subcommand, "DONE" a trigger state):
 # only joining them onto a path counts
 JOINED = [layout.EVAL, layout.DONE, layout.WEIGHTS, layout.ROLLOUTS, layout.LOGS, layout.TB]
-JOINED.append(layout.SLICES)
+JOINED += [layout.SLICES, layout.BASE_EVALS]
 # a module that spells one of the names for something that is not a run directory
 ELSEWHERE = {"rlax_tasks/curation/report.py": {"report.json", "report.md"}}  # curation output
 

@@ -14,10 +14,14 @@ A run is a child ``<run_id>/`` of a run root (local directory or ``gs://bucket/p
   at its ``version`` or the last step), ``eval/progress.jsonl`` (``rlax run``'s pass@k during
   the run, one row per evaluated ``version``) and ``eval/v<version>/results.json`` (``rlax
   eval`` outputs of the DAG and the nightly evaluation: ``models[0].overall["pass@k"]``).
-- ``status.json`` ({"state": ..., "updated": unix seconds, "dag_run_id": ...}) written by the
-  rlax_train DAG; without it the state is inferred: "finished" when eval/report.json exists,
-  "running" when metrics.jsonl changed within ``active_window_s``, "stopped" otherwise, and
-  "pending" before the first step.
+- ``eval/history.jsonl`` (the nightly evaluations, one row each: ``date``, ``version``,
+  ``pass@k``...; rlax_tasks.evaluation.history).
+- ``config.yaml`` (the resolved run configuration: the compare view lists the keys that differ).
+- ``status.json`` ({"state": ..., "updated": unix seconds, "dag_run_id": ..., "dag_id": ...})
+  written by the rlax_train DAG (a record without "dag_id" predates it: rlax_train's); the
+  dashboard links that DAG run in the Airflow UI. Without it the state is inferred: "finished"
+  when eval/report.json exists, "running" when metrics.jsonl changed within
+  ``active_window_s``, "stopped" otherwise, and "pending" before the first step.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import math
 import os
 import re
 import time
+import urllib.parse
 from typing import Any
+
+import yaml
 
 from rlax_tasks import storage
 from rlax_tasks.run_paths import EVAL_RESULTS, run_paths
@@ -44,6 +51,10 @@ _EVAL_VERSION_RE = re.compile(r"^v(\d+)$")
 _PASS_RE = re.compile(r"^pass@(\d+)$")
 # metrics.jsonl keys the dashboard plots (see the module docstring)
 METRIC_KEYS = ("reward_mean", "staleness_mean", "weight_sync_s")
+# the DAG whose runs wrote status.json before the record named its DAG
+DEFAULT_DAG_ID = "rlax_train"
+# config keys that always differ between runs and say nothing (the runs are named anyway)
+_SAME_BY_NAME = ("run_id",)
 
 
 def run_roots_from_env(value: str | None = None) -> list[str]:
@@ -66,9 +77,21 @@ class RunSummary:
     pass_at: dict[str, float]
     updated: float | None
     dag_run_id: str | None = None
+    dag_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "dag_run_path": self.dag_run_path}
+
+    @property
+    def dag_run_path(self) -> str | None:
+        """The run's DAG run in the Airflow UI, relative to the UI's root (Airflow 3's route
+        ``dags/<dag_id>/runs/<run_id>``); None when no DAG started it."""
+        if not self.dag_run_id:
+            return None
+        quote = urllib.parse.quote
+        return f"dags/{quote(self.dag_id or DEFAULT_DAG_ID, safe='')}/runs/" + quote(
+            self.dag_run_id, safe=""
+        )
 
 
 @dataclasses.dataclass
@@ -79,6 +102,8 @@ class RunSeries:
     staleness: list[tuple[int, float]]
     weight_sync: list[tuple[int, float]]
     pass_at: dict[str, list[tuple[int, float]]]  # "pass@1" -> [(version or step, value)]
+    # "pass@1" -> [(training seconds when that version was produced, value)]
+    pass_at_time: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +111,7 @@ class RunSeries:
             "staleness": self.staleness,
             "weight_sync": self.weight_sync,
             "pass_at": self.pass_at,
+            "pass_at_time": self.pass_at_time,
         }
 
 
@@ -195,7 +221,45 @@ def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSe
     weight_sync = _points(metrics, "weight_sync_s")
     if not weight_sync:
         weight_sync = _points(read_jsonl(paths.weight_sync), "push_s")
-    return RunSeries(reward, staleness, weight_sync, _pass_at_series(path, metrics))
+    pass_at = _pass_at_series(path, metrics)
+    seconds = training_seconds(metrics)
+    pass_at_time = {
+        k: [(seconds[x], v) for x, v in pts if x in seconds] for k, pts in pass_at.items()
+    }
+    return RunSeries(reward, staleness, weight_sync, pass_at, pass_at_time)
+
+
+def training_seconds(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    """{step: seconds from the start of training until that step was applied} from the
+    metrics' wall-clock ``time`` (the start: the first step's time less its ``step_time_s``);
+    step 0, the starting weights, is at 0. {} when the metrics carry no times."""
+    times = {}
+    for row in metrics:
+        s, t = _step(row), _number(row.get("time"))
+        if s is not None and t is not None:
+            times[s] = (t, _number(row.get("step_time_s")) or 0.0)
+    if not times:
+        return {}
+    first_time, first_duration = times[min(times)]
+    start = first_time - first_duration
+    return {0: 0.0, **{s: max(0.0, t - start) for s, (t, _) in sorted(times.items())}}
+
+
+def _eval_overall(path: str) -> dict[int, dict[str, Any]]:
+    """{version: overall metrics} of the run's ``rlax eval`` outputs (eval/v<version>/)."""
+    eval_dir = run_paths(path).eval
+    out = {}
+    for name in storage.list_children(eval_dir):
+        m = _EVAL_VERSION_RE.match(name)
+        if not m:
+            continue
+        results = _read_json(storage.join(eval_dir, name, EVAL_RESULTS))
+        models = results.get("models") if isinstance(results, dict) else None
+        if isinstance(models, list) and models and isinstance(models[0], dict):
+            overall = models[0].get("overall")
+            if isinstance(overall, dict):
+                out[int(m.group(1))] = overall
+    return out
 
 
 def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -213,7 +277,6 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
         if _step(row) is not None:
             add(row["step"], row)
     paths = run_paths(path)
-    eval_dir = paths.eval
     report = _read_json(paths.report_json)
     if isinstance(report, dict):
         before, after = report.get("before"), report.get("after")
@@ -227,15 +290,100 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
         version = _number(row.get("version")) if isinstance(row, dict) else None
         if version is not None:
             add(int(version), row)
-    for name in storage.list_children(eval_dir):
-        m = _EVAL_VERSION_RE.match(name)
-        if not m:
-            continue
-        results = _read_json(storage.join(eval_dir, name, EVAL_RESULTS))
-        models = results.get("models") if isinstance(results, dict) else None
-        if isinstance(models, list) and models and isinstance(models[0], dict):
-            add(int(m.group(1)), models[0].get("overall"))
+    for version, overall in _eval_overall(path).items():
+        add(version, overall)
     return {k: sorted(v.items()) for k, v in sorted(series.items())}
+
+
+def pass_key_order(key: str) -> tuple[int, str]:
+    """Sort key of metric names: pass@1, pass@8, ..., then the others by name."""
+    m = _PASS_RE.match(key)
+    return (int(m.group(1)), "") if m else (1 << 30, key)
+
+
+def _scores(values: dict[str, Any]) -> dict[str, float]:
+    """The pass@k and mean reward of an evaluation's numbers."""
+    out = {}
+    for key, value in values.items():
+        v = _number(value)
+        if v is not None and (_PASS_RE.match(str(key)) or key == "mean_reward"):
+            out[str(key)] = v
+    return out
+
+
+def before_after(path: str, metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The held-out numbers of the starting weights and of the newest evaluated weights:
+    {"before": {"version": 0, "pass@1": ...} | None, "after": {...} | None}. Before: eval/v0
+    (the DAG's base evaluation), else eval/report.json's ``before`` (`rlax run`); after: the
+    newest of eval/v<N> (N > 0: the DAG's final evaluation, the nightly ones) and the report's
+    ``after``."""
+    if metrics is None:
+        metrics = read_jsonl(run_paths(path).metrics)
+    evals = _eval_overall(path)
+    report = _read_json(run_paths(path).report_json)
+    report = report if isinstance(report, dict) else {}
+    before = None
+    if 0 in evals:
+        before = {"version": 0, **_scores(evals[0])}
+    elif isinstance(report.get("before"), dict):
+        version = _number(report["before"].get("version"))
+        before = {"version": int(version or 0), **_scores(report["before"])}
+    candidates = [(v, 1, _scores(o)) for v, o in evals.items() if v > 0]
+    if isinstance(report.get("after"), dict):
+        version = _number(report["after"].get("version"))
+        if version is None:
+            version = max((s for s in (_step(r) for r in metrics) if s is not None), default=0)
+        candidates.append((int(version), 0, _scores(report["after"])))
+    after = None
+    if candidates:  # the newest version; at a tie, the `rlax eval` output
+        version, _, scores = max(candidates, key=lambda c: (c[0], c[1]))
+        after = {"version": version, **scores}
+    return {"before": before, "after": after}
+
+
+def read_config(path: str) -> dict[str, Any] | None:
+    """The run's config.yaml as plain data (None when missing or unreadable)."""
+    text = _read_text(run_paths(path).config)
+    if text is None:
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        log.warning("dashboard: %s is not valid YAML; ignored", run_paths(path).config)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys ("staleness.reload_every"); lists of mappings by index
+    ("datasets[0].source.path"); other lists are values."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(flatten(item, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}
+
+
+_MISSING = object()
+
+
+def config_differences(configs: list[dict[str, Any] | None]) -> list[tuple[str, list[Any]]]:
+    """The flattened keys on which ``configs`` differ, each with every config's value (None
+    where a config lacks the key); run_id aside. Sorted by key."""
+    flat = [flatten(c or {}) for c in configs]
+    keys = sorted({k for f in flat for k in f} - set(_SAME_BY_NAME))
+    out = []
+    for key in keys:
+        values = [f.get(key, _MISSING) for f in flat]
+        if any(v != values[0] for v in values[1:]):
+            out.append((key, [None if v is _MISSING else v for v in values]))
+    return out
 
 
 def summarize(root_index: int, run_root: str, run_id: str, active_window_s: float) -> RunSummary:
@@ -248,10 +396,11 @@ def summarize(root_index: int, run_root: str, run_id: str, active_window_s: floa
     step = max((s for s in (_step(r) for r in metrics) if s is not None), default=None)
     updated = modified_time(metrics_path)
     status = _read_json(paths.status)
-    dag_run_id = None
+    dag_run_id = dag_id = None
     if isinstance(status, dict) and isinstance(status.get("state"), str):
         state = status["state"]
         dag_run_id = status.get("dag_run_id") if isinstance(status.get("dag_run_id"), str) else None
+        dag_id = status.get("dag_id") if isinstance(status.get("dag_id"), str) else None
         updated = max(filter(None, [updated, _number(status.get("updated"))]), default=None)
     elif storage.exists(paths.report_json):
         state = "finished"
@@ -272,6 +421,7 @@ def summarize(root_index: int, run_root: str, run_id: str, active_window_s: floa
         newest,
         updated,
         dag_run_id,
+        dag_id,
     )
 
 

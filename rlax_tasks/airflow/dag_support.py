@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import time
 from importlib import resources
 from typing import Any
@@ -208,7 +207,8 @@ def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
 
 # --------------------------------------------------------------------------- status
 def write_status(run_dir: str, state: str, dag_run_id: str | None = None, **extra: Any) -> None:
-    """Writes run_dir/status.json (read by the dashboard and the janitor)."""
+    """Writes run_dir/status.json (read by the dashboard and the janitor): {"state", "updated",
+    "dag_run_id", ...``extra``}; the DAGs add "dag_id" (the dashboard links the DAG run)."""
     from rlax_tasks import storage
     from rlax_tasks.run_paths import run_paths
 
@@ -377,12 +377,14 @@ def plan_training(
     as rlax_curate published it).
     """
     from rlax_tasks import storage
-    from rlax_tasks.config import ConfigError, load_config, save_resolved
+    from rlax_tasks.config import ConfigChangeError, ConfigError, load_config, save_resolved
     from rlax_tasks.run.compilation_cache import cache_env
     from rlax_tasks.run.local_run import ensure_model
     from rlax_tasks.run.placement import COLOCATED, describe, is_colocated
     from rlax_tasks.run.plan import memory_plan
+    from rlax_tasks.run.preflight import DatasetError, check_datasets
     from rlax_tasks.run.topology import Job, plan_topology, write_workers_file
+    from rlax_tasks.service_http import run_token
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -422,14 +424,23 @@ def plan_training(
         raise PlanError(memory.message())
     if not storage.is_gcs(cfg.run_root):
         os.makedirs(cfg.run_dir, exist_ok=True)
+    try:  # a dataset that cannot be read fails the plan, naming the file and row
+        check_datasets(cfg)
+    except DatasetError as e:
+        raise PlanError(str(e)) from None
     ensure_model(cfg)
-    config_path = save_resolved(cfg)
+    try:  # a resume may not change training unless the trigger allows it
+        config_path = save_resolved(
+            cfg, allow_config_change=bool(params.get("allow_config_change"))
+        )
+    except ConfigChangeError as e:
+        raise PlanError(f"{e} (set the allow_config_change Param to accept it)") from None
     # a run resumed after it completed (more steps) is not complete any more
     storage.delete_prefix(done_marker(cfg.run_dir))
     # the bearer token of the run's services (DESIGN §6, §13) and its compilation cache, plus
     # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
     topology = plan_topology(
-        cfg, int(steps), config_path, None, memory.ps.argv(), secrets.token_hex(16),
+        cfg, int(steps), config_path, None, memory.ps.argv(), run_token(),
         base_env=cache_env(cfg), worker_slices=layout,
     )  # fmt: skip
     jobs = {job.name: job for job in topology.jobs}
@@ -523,6 +534,18 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
     """`rlax eval` of weight ``version`` mirrored under the run, into run_dir/eval/v<version>/
     (the directory the dashboard reads pass@k from): the dataset read in its format, prompts
     rendered by the run's own `prompt` section (its config.yaml), as in training."""
+    return _eval_argv(cfg, dataset, ["--weights-from", f"{cfg.run_dir}@{version}"], version)
+
+
+def base_eval_argv(cfg: Any, dataset: str) -> list[str]:
+    """`rlax eval` of the run's starting weights (the model directory alone) into
+    run_dir/eval/v0/: the same evaluation as ``eval_argv``'s of the final weights."""
+    from rlax_tasks.evaluation.base_eval import BASE_VERSION
+
+    return _eval_argv(cfg, dataset, [], BASE_VERSION)
+
+
+def _eval_argv(cfg: Any, dataset: str, weights: list[str], version: int) -> list[str]:
     from rlax_tasks.config import FileSource
     from rlax_tasks.run_paths import run_paths
 
@@ -535,7 +558,7 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
         if source.columns:
             data_format += ["--columns", ",".join(f"{k}={v}" for k, v in source.columns.items())]
     return [
-        "eval", "--model-dir", cfg.model.path, "--weights-from", f"{cfg.run_dir}@{version}",
+        "eval", "--model-dir", cfg.model.path, *weights,
         "--dataset", dataset, "--n", str(e.num_samples), "--k", ",".join(map(str, e.ks)),
         "--limit", str(e.num_prompts), "--temperature", str(e.temperature),
         "--max-new-tokens", str(cfg.rollout.max_new_tokens),
@@ -543,6 +566,44 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
         "--dtype", cfg.model.dtype, "--out", paths.eval_dir(version),
         "--prompt-config", paths.config, *data_format,
     ]  # fmt: skip
+
+
+def prepare_base_eval(run_dir: str) -> dict[str, Any]:
+    """The base evaluation of the run at ``run_dir`` (``rlax_tasks.evaluation.base_eval``): when
+    the run root caches it, copies it into run_dir/eval/v0 and gives an empty ``argv`` (the
+    evaluate_base job is skipped); else ``argv`` is the `rlax eval` to run. The plan as a dict
+    (for ``record_base_eval``)."""
+    from rlax_tasks.evaluation import base_eval
+
+    cfg = load_run_config(run_dir)
+    plan = base_eval.plan_base_eval(cfg, base_eval_argv(cfg, eval_dataset_file(cfg)))
+    if base_eval.restore(plan):
+        return {**plan.to_dict(), "argv": []}
+    log.info("base evaluation %s not cached: evaluating (rlax %s)", plan.fingerprint,
+             " ".join(plan.argv))  # fmt: skip
+    return plan.to_dict()
+
+
+def record_base_eval(plan: dict[str, Any]) -> None:
+    """After the evaluate_base job: caches the run's fresh eval/v0 under its fingerprint (a
+    plan restored from the cache has nothing to record)."""
+    from rlax_tasks.evaluation import base_eval
+
+    if plan["argv"]:
+        base_eval.store(base_eval.BaseEvalPlan.from_dict(plan))
+
+
+def record_nightly_history(runs: list[dict[str, Any]], dag_run_id: str) -> list[dict[str, Any]]:
+    """Appends each evaluated run's new evaluation ({"run_dir", "version"}) to its history
+    (run_dir/eval/history.jsonl); a run whose evaluation failed is logged and left out."""
+    from rlax_tasks.evaluation.history import append_evaluation
+
+    rows = []
+    for item in runs:
+        row = append_evaluation(item["run_dir"], int(item["version"]), dag_run_id)
+        if row is not None:
+            rows.append({"run_dir": item["run_dir"], **row})
+    return rows
 
 
 def newest_version(run_dir: str) -> int | None:

@@ -205,3 +205,46 @@ def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu(monkeypa
         rc.single_host_slice("cpu")
     with pytest.raises(rc.PlanError, match="^accelerator_type: v4-16 has 2 hosts but this job"):
         rc.single_host_slice("v4-16")
+
+
+def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
+    """The plan task shares `rlax run`'s resume check (DESIGN §13): a changed learning rate
+    fails the plan, naming the field and the Param that accepts it; with the Param it plans and
+    config_changes.jsonl records the change."""
+    from rlax_tasks.run_paths import run_paths
+    from tests.tiny_model import save_char_model
+
+    save_char_model(str(tmp_path / "model"))
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": "resumed",
+        "steps": 2,
+        "model_path": str(tmp_path / "model"),
+    }
+    rc.plan_training(params, "manual__1")
+    changed = {**params, "overrides": {"trainer.learning_rate": 0.5}}
+    with pytest.raises(rc.PlanError, match="trainer.learning_rate.*allow_config_change") as info:
+        rc.plan_training(changed, "manual__2")
+    assert "\n" not in str(info.value)
+    rc.plan_training({**changed, "allow_config_change": True}, "manual__3")
+    with open(run_paths(str(tmp_path / "runs" / "resumed")).config_changes) as f:
+        assert "trainer.learning_rate" in f.read()
+
+
+def test_plan_refuses_a_dataset_it_cannot_read(tmp_path):
+    from tests.tiny_model import save_char_model
+
+    save_char_model(str(tmp_path / "model"))
+    missing = str(tmp_path / "nowhere.jsonl")
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": "nodata",
+        "steps": 2,
+        "model_path": str(tmp_path / "model"),
+    }
+    with pytest.raises(rc.PlanError, match="nowhere.jsonl") as info:  # the curated dataset
+        rc.plan_training(params, "manual__1", dataset=missing, verifier="math")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "runs" / "nodata" / "config.yaml").exists()  # refused before writing

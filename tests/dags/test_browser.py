@@ -3,9 +3,20 @@ driven by Selenium) opens the UI served by `airflow standalone`, triggers rlax_t
 Params form, waits for the run, then opens the RLAX dashboard from the UI's navigation and checks
 that the run is listed and that its page shows the four plots.
 
+It then writes a second run from files beside it (other staleness settings, other numbers),
+ticks both in the runs table and opens the compare view (one plot per quantity, a line per run,
+the configuration keys that differ), and follows the dashboard's link to the DAG run back into
+the Airflow UI.
+
+The base model's evaluation (eval/v0, the "before") comes from the run root's cache, as for a
+run repeated with the same model and settings: the test checks that rlax_train skips the
+evaluate_base job then (tests/airflow_ops/test_airflow_train_cli.py runs it).
+
 Screenshots are kept under ``RLAX_TEST_ARTIFACTS`` (default tests/artifacts/browser/): the filled
-trigger form, the DAG run, the dashboard's runs table and the run page (and the page at the
-moment of a failure). Needs `bash scripts/setup.sh --test` (the chromium packages and selenium).
+trigger form, the DAG run, the dashboard's runs table, the run page with its held-out numbers
+before and after training, the compare view, the DAG run reached from the dashboard (and the
+page at the moment of a failure). Needs `bash scripts/setup.sh --test` (the chromium packages
+and selenium).
 """
 
 from __future__ import annotations
@@ -19,14 +30,17 @@ import time
 import urllib.parse
 
 import pytest
+import yaml
 
 from tests.dags.conftest import REPO
 from tests.dags.standalone import DAG_ID, TAG_ENV, Standalone, tail, wait_for
 
 RUN_ID = "browser-e2e"
+OTHER_RUN_ID = "browser-compare"  # written from files: j=2, k=4 against the DAG run's j=1, k=2
 STEPS = 2
 PRESET = "tiny-arith"
 PLOTS = ("reward", "pass_at_k", "staleness", "weight_sync")
+COMPARE_PLOTS = ("reward", "pass_at_k", "pass_at_k_time", "staleness", "weight_sync")
 RUN_TIMEOUT_S = float(os.environ.get("RLAX_BROWSER_RUN_TIMEOUT_S") or 900)
 UI_TIMEOUT_S = 60
 ARTIFACTS = os.environ.get("RLAX_TEST_ARTIFACTS") or os.path.join(REPO, "tests", "artifacts")
@@ -258,9 +272,8 @@ def wait_for_run(airflow: Standalone, dag_run_id: str) -> str:
     return wait_for(f"DAG run {dag_run_id} to finish", finished, RUN_TIMEOUT_S, interval=5)
 
 
-def open_dashboard_run(driver, airflow: Standalone, artifacts: str) -> dict[str, str]:
-    """Opens the RLAX entry of the UI's navigation, finds the run in the dashboard (an iframe)
-    and opens its page; returns {plot name: alt} of the plots that loaded."""
+def _dashboard_frame(driver, airflow: Standalone):
+    """Opens the RLAX entry of the UI's navigation and switches into the dashboard's iframe."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
 
@@ -280,6 +293,35 @@ def open_dashboard_run(driver, airflow: Standalone, artifacts: str) -> dict[str,
 
     frame = _wait(driver).until(dashboard_frame, "no iframe of the RLAX dashboard (/rlax/)")
     driver.switch_to.frame(frame)
+    return frame
+
+
+def _images_loaded(driver, names: tuple[str, ...], what: str) -> dict[str, str]:
+    """Waits until the page's plots ``names`` (by file name) have loaded; {name: alt}."""
+
+    def loaded() -> dict[str, str] | None:
+        imgs = driver.execute_script(
+            "return Array.from(document.images).map(i => "
+            "[i.getAttribute('src'), i.alt, i.complete, i.naturalWidth]);"
+        )
+        done = {
+            src.split("?", 1)[0].rsplit("/", 1)[-1].removesuffix(".png"): alt
+            for src, alt, complete, width in imgs
+            if complete and width > 0
+        }
+        return done if set(names) <= set(done) else None
+
+    return _wait(driver, 120).until(lambda d: loaded(), f"the plots {names} do not all load {what}")
+
+
+def open_dashboard_run(driver, airflow: Standalone, artifacts: str) -> dict[str, str]:
+    """Opens the RLAX entry of the UI's navigation, finds the run in the dashboard (an iframe)
+    and opens its page; returns {plot name: alt} of the plots that loaded, the run's state and
+    its before/after table."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    frame = _dashboard_frame(driver, airflow)
     try:
         link = _wait(driver).until(
             ec.element_to_be_clickable((By.LINK_TEXT, RUN_ID)),
@@ -296,27 +338,122 @@ def open_dashboard_run(driver, airflow: Standalone, artifacts: str) -> dict[str,
             ec.text_to_be_present_in_element((By.TAG_NAME, "h1"), RUN_ID),
             f"the dashboard's page of {RUN_ID} does not open",
         )
-
-        def loaded() -> dict[str, str] | None:
-            imgs = driver.execute_script(
-                "return Array.from(document.images).map(i => "
-                "[i.getAttribute('src'), i.alt, i.complete, i.naturalWidth]);"
-            )
-            done = {
-                src.rsplit("/", 1)[-1].removesuffix(".png"): alt
-                for src, alt, complete, width in imgs
-                if complete and width > 0
-            }
-            return done if set(PLOTS) <= set(done) else None
-
-        plots = _wait(driver, 120).until(
-            lambda d: loaded(), f"the plots {PLOTS} do not all load on the run page"
-        )
+        plots = _images_loaded(driver, PLOTS, "on the run page")
+        before_after = driver.find_element(By.CSS_SELECTOR, "table.before-after").text
         driver.execute_script("window.scrollTo(0, 0)")
     finally:
         driver.switch_to.default_content()
     _screenshot(driver, artifacts, "4-dashboard-run")
-    return {"state": state, **plots}
+    return {"state": state, "before_after": before_after, **plots}
+
+
+# the starting weights' evaluation a previous run of the same model left in the run root
+SEEDED_BEFORE = {"prompts": 200, "pass@1": 0.05, "pass@8": 0.3, "mean_reward": 0.05}
+
+
+def seed_base_eval(run_root: str, model_path: str) -> str:
+    """Puts the base evaluation of RUN_ID's model, data and evaluation settings in the run
+    root's cache, as an earlier run would have (the real evaluation is in
+    tests/airflow_ops/test_airflow_train_cli.py): rlax_train copies it into eval/v0 and skips
+    evaluate_base.
+    Returns the cache entry's directory."""
+    from rlax_tasks.airflow import dag_support as rc
+    from rlax_tasks.config import load_config
+    from rlax_tasks.evaluation.base_eval import plan_base_eval
+    from rlax_tasks.run_paths import run_paths
+
+    # the run config the DAG's plan task makes of the trigger form's Params
+    overrides = {"run_root": run_root, "run_id": RUN_ID, "model.path": model_path,
+                 "model.warmup_if_missing": False}  # fmt: skip
+    cfg = load_config(PRESET, overrides)
+    plan = plan_base_eval(cfg, rc.base_eval_argv(cfg, run_paths(cfg.run_dir).heldout))
+    os.makedirs(plan.cache_dir)
+    results = {"dataset": "heldout", "models": [{"name": PRESET, "overall": SEEDED_BEFORE}]}
+    with open(os.path.join(plan.cache_dir, "results.json"), "w") as f:
+        json.dump(results, f)
+    return plan.cache_dir
+
+
+def write_other_run(run_root: str) -> None:
+    """A second run beside RUN_ID, written from files as the components write them: RUN_ID's
+    config with j=2, k=4, its metrics with other rewards, its base evaluation, another final."""
+    from rlax_tasks.run_paths import run_paths
+
+    src, dst = (
+        run_paths(os.path.join(run_root, RUN_ID)),
+        run_paths(os.path.join(run_root, OTHER_RUN_ID)),
+    )
+    with open(src.config) as f:
+        config = yaml.safe_load(f)
+    config.update(run_id=OTHER_RUN_ID, staleness={"reload_every": 2, "max_staleness": 4})
+    os.makedirs(dst.eval_dir(0))
+    with open(dst.config, "w") as f:
+        yaml.safe_dump(config, f)
+    with open(src.metrics) as f, open(dst.metrics, "w") as out:
+        for line in f:
+            row = json.loads(line)
+            row["reward_mean"] = min(1.0, row.get("reward_mean", 0.0) + 0.2)
+            out.write(json.dumps(row) + "\n")
+    shutil.copy(src.eval_results(0), dst.eval_results(0))
+    with open(src.eval_results(STEPS)) as f:
+        final = json.load(f)
+    overall = final["models"][0]["overall"]
+    for key in [k for k in overall if k.startswith("pass@")]:
+        overall[key] = min(1.0, overall[key] + 0.1)
+    os.makedirs(dst.eval_dir(STEPS))
+    with open(dst.eval_results(STEPS), "w") as f:
+        json.dump(final, f)
+
+
+def open_compare_view(driver, airflow: Standalone, artifacts: str, dag_run_id: str) -> dict:
+    """Ticks RUN_ID and OTHER_RUN_ID in the dashboard's runs table, presses Compare, waits for
+    the plots, then follows RUN_ID's DAG run link out of the iframe into the Airflow UI;
+    returns the configuration differences as shown and the DAG run page's path."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    frame = _dashboard_frame(driver, airflow)
+    try:
+        for run_id in (RUN_ID, OTHER_RUN_ID):
+            box = _wait(driver).until(
+                ec.element_to_be_clickable(
+                    (By.CSS_SELECTOR, f"input[type='checkbox'][value='0/{run_id}']")
+                ),
+                f"no checkbox for run {run_id} in the runs table",
+            )
+            box.click()
+        driver.find_element(By.ID, "compare-button").click()
+        _wait(driver).until(
+            ec.text_to_be_present_in_element((By.TAG_NAME, "h1"), "Compare 2 runs"),
+            "the compare view does not open",
+        )
+        _images_loaded(driver, COMPARE_PLOTS, "in the compare view")
+        table = driver.find_element(By.CSS_SELECTOR, "table.config-differences")
+        rows = [
+            [td.text for td in tr.find_elements(By.XPATH, "./th|./td")]
+            for tr in table.find_elements(By.TAG_NAME, "tr")
+        ]
+        # {key: {run: value}} (the runs' columns in the order the runs table listed them)
+        differences = {r[0]: dict(zip(rows[0][1:], r[1:], strict=True)) for r in rows[1:]}
+        driver.execute_script("window.scrollTo(0, 0)")
+        driver.switch_to.default_content()
+        _screenshot(driver, artifacts, "5-dashboard-compare")
+        driver.switch_to.frame(frame)
+        row = driver.find_element(By.LINK_TEXT, RUN_ID).find_element(By.XPATH, "./ancestor::tr")
+        row.find_element(By.CSS_SELECTOR, "a.dag-run").click()  # target _top: leaves the iframe
+    finally:
+        driver.switch_to.default_content()
+    quoted = urllib.parse.quote(dag_run_id, safe="")
+    _wait(driver).until(
+        lambda d: urllib.parse.urlparse(d.current_url).path == f"/dags/{DAG_ID}/runs/{quoted}",
+        f"the dashboard's DAG run link does not open /dags/{DAG_ID}/runs/{quoted}",
+    )
+    _wait(driver).until(
+        lambda d: d.find_elements(By.XPATH, "//table//a[normalize-space()='evaluate_base']"),
+        "the DAG run page reached from the dashboard shows no task instances",
+    )
+    _screenshot(driver, artifacts, "6-dag-run-from-dashboard")
+    return {"differences": differences, "url": driver.current_url}
 
 
 # --------------------------------------------------------------------------- the test
@@ -329,6 +466,7 @@ def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, bro
     try:
         model_ready()
         print(f"base model ready after {time.monotonic() - started:.0f}s: {model_path}")
+        seed_base_eval(airflow.run_root, model_path)
         dag_run_id = trigger_through_form(browser, airflow, artifacts, model_path)
         print(f"triggered {dag_run_id} after {time.monotonic() - started:.0f}s")
         conf = airflow.dag_run(dag_run_id)["conf"]
@@ -352,7 +490,24 @@ def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, bro
         # the plots drew the run's data, not "no data yet"
         series = airflow.get(f"/rlax/runs/0/{RUN_ID}/series")
         assert [p[0] for p in series["reward"]] == list(range(1, STEPS + 1)), series
-        assert series["pass_at"], series
+        # held-out pass@k of the starting weights (from the run root's cache: evaluate_base
+        # skipped, the scheduler went on to train) and of the final ones
+        states = airflow.task_states(dag_run_id)
+        assert states["evaluate_base"].startswith("skipped"), states
+        assert states["record_base_eval"].startswith("success"), states
+        pass_at_1 = series["pass_at"]["pass@1"]
+        assert [p[0] for p in pass_at_1] == [0, STEPS] and pass_at_1[0][1] == 0.05, series
+        assert "before (v0)" in shown["before_after"], shown
+        assert f"after (v{STEPS})" in shown["before_after"], shown
+        assert "pass@1 0.050" in shown["before_after"], shown
+
+        write_other_run(airflow.run_root)
+        compared = open_compare_view(browser, airflow, artifacts, dag_run_id)
+        print(f"compare view: {json.dumps(compared)}")
+        assert compared["differences"] == {
+            "staleness.max_staleness": {RUN_ID: "2", OTHER_RUN_ID: "4"},
+            "staleness.reload_every": {RUN_ID: "1", OTHER_RUN_ID: "2"},
+        }, compared
     except Exception as e:
         try:
             _screenshot(browser, artifacts, "failure")

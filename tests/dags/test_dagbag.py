@@ -132,7 +132,8 @@ def test_data_format_choices_match_the_dataset_formats():
 def test_train_graph_shape(dagbag):
     dag = dagbag.dags["rlax_train"]
     ids = set(dag.task_ids)
-    assert {"plan", "provision", "ps", "trainer", "worker", "controller", "finish", "evaluate",
+    assert {"plan", "provision", "base_eval", "evaluate_base", "record_base_eval",
+            "start_services", "ps", "trainer", "worker", "controller", "finish", "evaluate",
             "teardown", "record_state"} <= ids  # fmt: skip
     teardown = dag.get_task("teardown")
     assert teardown.is_teardown and teardown.trigger_rule == "all_done_setup_success"
@@ -144,6 +145,31 @@ def test_train_graph_shape(dagbag):
     # the trainer runs on all of its slice's hosts; the workers each on their slice and host
     hosts = dag.get_task("trainer").hosts
     assert (hosts.operator.task_id, hosts.key) == ("plan", "hosts_trainer")
+
+
+def test_train_evaluates_the_starting_weights_before_training(dagbag):
+    """base_eval (cache lookup; needs no slice) → evaluate_base (the `rlax eval` job on the
+    trainer slice, skipped on a cache hit: an empty argv) → record_base_eval (also after a
+    skip) → start_services: training starts once eval/v0 is there."""
+    dag = dagbag.dags["rlax_train"]
+    job = dag.get_task("evaluate_base")
+    assert (job.argv.operator.task_id, job.argv.key) == ("base_eval", "argv")
+    assert (job.env.operator.task_id, job.env.key) == ("plan", "env")  # the final eval's devices
+    assert job.slice_handle.operator.task_id == "provision"
+    assert dag.get_task("base_eval").upstream_task_ids == {"plan"}  # beside provisioning
+    record = dag.get_task("record_base_eval")
+    assert record.upstream_task_ids == {"base_eval", "evaluate_base"}
+    assert record.trigger_rule == "none_failed"
+    assert "record_base_eval" in dag.get_task("start_services").upstream_task_ids
+    assert "evaluate_base" in dag.get_task("provision").get_flat_relative_ids(upstream=False)
+    assert "teardown" in job.get_flat_relative_ids(upstream=False)
+
+
+def test_nightly_records_each_runs_history(dagbag):
+    dag = dagbag.dags["rlax_nightly_eval"]
+    record = dag.get_task("record_history")
+    assert record.trigger_rule == "all_done"  # the evaluations that succeeded, even if one failed
+    assert record.upstream_task_ids == {"plan", "evaluate"}
 
 
 @pytest.mark.parametrize("dag_id", ["rlax_curate", "rlax_nightly_eval"])

@@ -27,16 +27,23 @@ def write_run(root: str, run_id: str, steps: int = 4, files: dict[str, bytes] | 
             "reward_mean": 0.2 + 0.1 * s,
             "staleness_mean": 0.5 + 0.25 * s,
             "weight_sync_s": 0.01 * (s + 1),
+            "time": 1000.0 + 2.0 * s,  # wall clock when the step was applied
+            "step_time_s": 2.0,
         }
         for s in range(1, steps + 1)
     ]
     body = "".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 99, "reward_me'  # torn
     storage.write_bytes(storage.join(d, "metrics.jsonl"), body.encode())
-    results = {"models": [{"name": "m", "overall": {"prompts": 10, "pass@1": 0.4, "pass@8": 0.7}}]}
-    storage.write_bytes(storage.join(d, "eval", "v2", "results.json"), json.dumps(results).encode())
+    storage.write_bytes(storage.join(d, "eval", "v2", "results.json"), results(0.4, 0.7))
     for name, data in (files or {}).items():
         storage.write_bytes(storage.join(d, name), data)
     return d
+
+
+def results(pass_at_1: float, pass_at_8: float) -> bytes:
+    """An `rlax eval` results.json."""
+    overall = {"prompts": 10, "pass@1": pass_at_1, "pass@8": pass_at_8, "mean_reward": pass_at_1}
+    return json.dumps({"dataset": "d", "models": [{"name": "m", "overall": overall}]}).encode()
 
 
 @pytest.fixture
@@ -195,3 +202,144 @@ def test_plugin_registers_app_and_nav_view():
     assert not parsed.href.startswith("/") and parsed.href.startswith("rlax")
     # the mounted app is the authenticated one
     assert TestClient(app["app"]).get("/api/runs").status_code == 401
+
+
+DAG_RUN_ID = "manual__2025-01-01T00:00:00+00:00"
+DAG_RUN_PATH = "dags/rlax_train/runs/manual__2025-01-01T00%3A00%3A00%2B00%3A00"
+
+
+def test_run_page_shows_before_and_after_the_nightly_history_and_the_dag_run(tmp_path, client_for):
+    history = [
+        {"date": "2025-01-02", "version": 2, "pass@1": 0.4, "pass@8": 0.7, "mean_reward": 0.4},
+        {"date": "2025-01-03", "version": 3, "pass@1": 0.45, "pass@8": 0.75},
+    ]
+    status = {"state": "succeeded", "dag_run_id": DAG_RUN_ID, "dag_id": "rlax_train"}
+    write_run(
+        str(tmp_path),
+        "alpha",
+        files={
+            "eval/v0/results.json": results(0.1, 0.3),  # the DAG's base evaluation
+            "eval/history.jsonl": "".join(json.dumps(r) + "\n" for r in history).encode(),
+            "status.json": json.dumps(status).encode(),
+        },
+    )
+    client = client_for([str(tmp_path)])
+    series = client.get("/runs/0/alpha/series").json()
+    assert series["pass_at"]["pass@1"] == [[0, 0.1], [2, 0.4]]  # two points: before and after
+    assert series["before_after"] == {
+        "before": {"version": 0, "pass@1": 0.1, "pass@8": 0.3, "mean_reward": 0.1},
+        "after": {"version": 2, "pass@1": 0.4, "pass@8": 0.7, "mean_reward": 0.4},
+    }
+    # training time: the first step's wall clock less its duration is 0 s
+    assert series["pass_at_time"]["pass@1"] == [[0.0, 0.1], [4.0, 0.4]]
+
+    page = client.get("/runs/0/alpha/").text
+    table = page.split("class='before-after'>", 1)[1].split("</table>", 1)[0]
+    assert "before (v0)" in table and "after (v2)" in table
+    assert "<td>pass@1</td><td>0.100</td><td>0.400</td>" in table and "+0.300" in table
+    history_table = page.split("class='history'>", 1)[1].split("</table>", 1)[0]
+    assert history_table.index("2025-01-03") < history_table.index("2025-01-02")  # newest first
+    # the DAG run in the Airflow UI (/dags/<dag_id>/runs/<run_id>), out of the dashboard's iframe
+    assert f"href='../../../../{DAG_RUN_PATH}' target='_top'" in page
+    runs = client.get("/api/runs").json()["runs"]
+    assert runs[0]["dag_run_path"] == DAG_RUN_PATH
+    assert f"href='../{DAG_RUN_PATH}' target='_top'" in client.get("/").text
+    absolute = client_for([str(tmp_path)], airflow_ui="https://airflow.example/")
+    assert f"href='https://airflow.example/{DAG_RUN_PATH}'" in absolute.get("/runs/0/alpha/").text
+
+
+def test_before_and_after_of_rlax_run_come_from_its_report(tmp_path, client_for):
+    report = {"before": {"pass@1": 0.1, "version": 0}, "after": {"pass@1": 0.5}}
+    d = str(tmp_path)
+    write_run(d, "beta", steps=6, files={"eval/report.json": json.dumps(report).encode()})
+    storage.delete_prefix(storage.join(d, "beta", "eval", "v2"))
+    old_status = {"state": "failed", "dag_run_id": "r1"}  # before status.json named its DAG
+    write_run(d, "gamma", files={"status.json": json.dumps(old_status).encode()})
+    client = client_for([d])
+    numbers = client.get("/runs/0/beta/series").json()["before_after"]
+    assert numbers == {
+        "before": {"version": 0, "pass@1": 0.1},
+        "after": {"version": 6, "pass@1": 0.5},
+    }
+    assert "No nightly evaluation yet" in client.get("/runs/0/beta/").text
+    assert "href='../../../../dags/rlax_train/runs/r1'" in client.get("/runs/0/gamma/").text
+    assert "No held-out evaluation yet" not in client.get("/runs/0/gamma/").text
+
+
+def write_config(root: str, run_id: str, reload_every: int, max_staleness: int) -> None:
+    text = (
+        f"run_id: {run_id}\nrun_root: {root}\nstaleness:\n  reload_every: {reload_every}\n"
+        f"  max_staleness: {max_staleness}\nalgorithm:\n  preset: grpo\n"
+        "datasets:\n- name: arith\n  source: {task: arithmetic, seed: 0}\n"
+    )
+    storage.write_bytes(storage.join(root, run_id, "config.yaml"), text.encode())
+
+
+def test_compare_view_of_two_runs(tmp_path, client_for):
+    root = str(tmp_path)
+    write_run(root, "j1k2", files={"eval/v0/results.json": results(0.1, 0.3)})
+    write_run(root, "j2k4", steps=6, files={"eval/v0/results.json": results(0.1, 0.3)})
+    write_config(root, "j1k2", 1, 2)
+    write_config(root, "j2k4", 2, 4)
+    client = client_for([root])
+    index = client.get("/").text
+    assert "<form id='compare' action='compare' method='get'>" in index
+    for run_id in ("j1k2", "j2k4"):
+        assert f"name='runs' value='0/{run_id}'" in index
+
+    # the runs table's checkboxes repeat ?runs=; a link may give them comma-separated
+    data = client.get("/api/compare", params=[("runs", "0/j1k2"), ("runs", "0/j2k4")]).json()
+    assert data == client.get("/api/compare?runs=j1k2,j2k4").json()
+    assert data["k"] == "pass@1" and data["ks"] == ["pass@1", "pass@8"]
+    assert [r["label"] for r in data["runs"]] == ["j1k2", "j2k4"]
+    assert [r["step"] for r in data["runs"]] == [4, 6]
+    assert data["runs"][0]["before_after"]["after"] == {
+        "version": 2, "pass@1": 0.4, "pass@8": 0.7, "mean_reward": 0.4,
+    }  # fmt: skip
+    assert data["series"]["j2k4"]["reward"][-1][1] == pytest.approx(0.8)
+    assert data["series"]["j1k2"]["pass_at_time"]["pass@1"] == [[0.0, 0.1], [4.0, 0.4]]
+    # only the keys that differ (run_id aside: the runs are named)
+    assert data["config_differences"] == [
+        {"key": "staleness.max_staleness", "values": [2, 4]},
+        {"key": "staleness.reload_every", "values": [1, 2]},
+    ]
+
+    page = client.get("/compare?runs=0/j1k2,0/j2k4&k=pass@8")
+    assert page.status_code == 200
+    assert "<h1>Compare 2 runs</h1>" in page.text
+    differences = page.text.split("class='config-differences'>", 1)[1].split("</table>", 1)[0]
+    assert "<td>staleness.reload_every</td><td>1</td><td>2</td>" in differences
+    assert "algorithm.preset" not in differences and "run_id" not in differences
+    assert "<th>pass@8 before</th>" in page.text and "+0.400" in page.text  # 0.3 -> 0.7
+    srcs = [s.split("'", 1)[0] for s in page.text.split("src='")[1:]]
+    names = ["reward", "pass_at_k", "pass_at_k_time", "staleness", "weight_sync"]
+    assert [s.split("?", 1)[0] for s in srcs] == [f"compare/plots/{n}.png" for n in names]
+    for src in srcs:
+        png = client.get("/" + src.replace("&amp;", "&"))
+        assert png.status_code == 200 and png.content.startswith(PNG_MAGIC), src
+        assert len(png.content) > 2000
+
+
+def test_compare_refuses_bad_selections(tmp_path, client_for):
+    root = str(tmp_path)
+    write_run(root, "a")
+    write_run(root, "b")
+    client = client_for([root])
+    one = client.get("/compare?runs=0/a")
+    assert one.status_code == 400 and "two or more runs" in one.text
+    assert client.get("/compare?runs=0/a,0/a").status_code == 400  # the same run twice
+    assert client.get("/api/compare?runs=0/a,0/nope").status_code == 404
+    assert client.get("/api/compare?runs=0/a,x/b").status_code == 404
+    assert client.get("/api/compare?runs=0/a,..").status_code == 404
+    assert client.get("/api/compare?runs=a,b&k=loss").status_code == 404
+    assert client.get("/compare/plots/loss.png?runs=a,b").status_code == 404
+    many = ",".join(f"r{i}" for i in range(9))
+    for i in range(9):
+        write_run(root, f"r{i}", steps=1)
+    assert client.get(f"/api/compare?runs={many}").status_code == 400
+
+
+def test_compare_needs_airflow_auth_when_mounted(tmp_path, client_for):
+    client = client_for([str(tmp_path)], require_auth=True)
+    assert client.get("/compare?runs=a,b").status_code == 401
+    assert client.get("/api/compare?runs=a,b").status_code == 401

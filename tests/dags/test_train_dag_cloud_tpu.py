@@ -17,12 +17,19 @@ import pytest
 
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
 from tests.dags.conftest import DAGS
-from tests.dags.test_train_dag_e2e import _read_jsonl
 
 STEPS = 4
 RUN_ID = "tpurun"
 TRAINER_SLICE = "rlax-tpurun-trainer"
 WORKER_SLICE = "rlax-tpurun-workers-0"
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
 
 
 def _published(run_dir: str, job: str) -> str | None:

@@ -1,0 +1,77 @@
+"""A run's evaluation history: one row per nightly evaluation in ``<run>/eval/history.jsonl``.
+
+Each ``eval/v<N>/results.json`` holds one evaluation; the history says when each was made, so a
+run's held-out pass@k can be followed night after night (the RLAX dashboard shows it). A row::
+
+    {"date": "2025-06-01", "time": 1748736000.0, "version": 12, "dag_run_id": "scheduled__...",
+     "prompts": 200, "pass@1": 0.41, "pass@8": 0.77, "mean_reward": 0.41, ...}
+
+JAX-free (the Airflow tasks that write it and the dashboard that reads it stay light).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from typing import Any
+
+from rlax_tasks import storage
+from rlax_tasks.run_paths import run_paths
+
+log = logging.getLogger(__name__)
+
+
+def read_history(run_dir: str) -> list[dict[str, Any]]:
+    """The rows of the run's history, oldest first; a torn line is skipped; [] when none."""
+    try:
+        text = storage.read_bytes(run_paths(run_dir).eval_history).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def history_row(
+    results: dict[str, Any], version: int, dag_run_id: str | None, now: float
+) -> dict[str, Any]:
+    """The history row of one `rlax eval` results.json (its first model's overall metrics)."""
+    models = results.get("models") or [{}]
+    overall = models[0].get("overall") or {}
+    return {
+        "date": dt.datetime.fromtimestamp(now, dt.UTC).date().isoformat(),
+        "time": now,
+        "version": version,
+        "dag_run_id": dag_run_id,
+        **{k: v for k, v in overall.items() if isinstance(v, int | float) or v is None},
+    }
+
+
+def append_evaluation(
+    run_dir: str, version: int, dag_run_id: str | None = None, now: float | None = None
+) -> dict[str, Any] | None:
+    """Appends the evaluation of weight ``version`` (eval/v<version>/results.json) to the run's
+    history and returns the row; None when that evaluation wrote no results. Recording the same
+    version for the same DAG run again (a retried task) changes nothing."""
+    paths = run_paths(run_dir)
+    try:
+        results = json.loads(storage.read_bytes(paths.eval_results(version)))
+    except FileNotFoundError:
+        log.warning("%s: no results of version %d to record", run_dir, version)
+        return None
+    rows = read_history(run_dir)
+    for row in rows:
+        if row.get("version") == version and row.get("dag_run_id") == dag_run_id:
+            return row
+    row = history_row(results, version, dag_run_id, time.time() if now is None else now)
+    body = "".join(json.dumps(r) + "\n" for r in [*rows, row])
+    storage.write_bytes(paths.eval_history, body.encode())  # whole: gs:// objects do not append
+    return row
