@@ -1,5 +1,7 @@
 """`airflow standalone` in a subprocess for the browser test: a temporary AIRFLOW_HOME (SQLite), the
 repo's dags/ and plugins/, free ports on 127.0.0.1, and a clean stop of everything it started.
+``Components`` starts the same Airflow as separate processes (api-server, scheduler,
+dag-processor, triggerer), each of which a test may kill and start again (the fault drills).
 
 Every process started here carries ``RLAX_TEST_TAG=<uuid>`` in its environment: the local compute
 backend starts each `rlax` job in a session of its own (so that it outlives the task process that
@@ -189,8 +191,15 @@ class Standalone:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exited(self) -> str:
+        """What exited when ``alive()`` says no."""
+        return f"airflow standalone exited with {self.proc.returncode if self.proc else None}"
+
     def log_tail(self, lines: int = 60) -> str:
         return tail(self.log_path, lines)
+
+    def log_title(self) -> str:
+        return f"airflow standalone log tail ({self.log_path})"
 
     # ----------------------------------------------------------------- REST API
     def token(self) -> str:
@@ -208,13 +217,37 @@ class Standalone:
         with _LOCAL.open(req, timeout=timeout) as r:
             return json.load(r)
 
+    def send(self, method: str, path: str, body: Any, timeout: float = 30) -> Any:
+        """``method`` (POST, PATCH) of the JSON ``body`` to ``path`` on the api-server; the
+        JSON answer (raises urllib's errors)."""
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.token()}",
+                "Accept": "application/json",
+                "Content-Type": "application/json",
+            },
+        )
+        with _LOCAL.open(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def trigger(self, conf: dict[str, Any]) -> str:
+        """Unpauses rlax_train and triggers it with ``conf`` (its Params); the DAG run's id."""
+        self.send("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+        run = self.send(
+            "POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf}
+        )
+        return run["dag_run_id"]
+
     def wait_ready(self, timeout: float = 240) -> None:
         """Until the api-server answers, every component is healthy and the DAG is parsed
         (an import error of the DAG file fails at once)."""
 
         def ready() -> bool:
             if not self.alive():
-                raise RuntimeError(f"airflow standalone exited with {self.proc.returncode}")
+                raise RuntimeError(self.exited())
             try:
                 health = self.get("/api/v2/monitor/health", timeout=5)
                 if any(v.get("status") != "healthy" for v in health.values()):
@@ -304,5 +337,125 @@ class Standalone:
                 parts.append(f"(task states unavailable: {e!r})")
         if run_id:
             parts.append(self.job_stderr_tails(run_id))
-        parts.append(f"--- airflow standalone log tail ({self.log_path}):\n{self.log_tail()}")
+        parts.append(f"--- {self.log_title()}:\n{self.log_tail()}")
         return "\n".join(p for p in parts if p)
+
+
+# --------------------------------------------------------------------------- separate components
+COMPONENTS = ("api-server", "dag-processor", "scheduler", "triggerer")
+SIMPLE_AUTH_MANAGER = (
+    "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
+)
+
+
+class Components(Standalone):
+    """Airflow's components as separate processes under ``root`` (``<component>.log`` each),
+    with the Standalone's environment, REST API and reports: what `airflow standalone` runs,
+    except that its supervisor is left out so that a test can SIGKILL one component and start
+    it again. The database is migrated first (that also writes airflow.cfg, whose generated JWT
+    secret every component must share). SQLite with the LocalExecutor, as the standalone's."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.log_path = os.path.join(root, "migrate.log")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env.update(
+            {
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",  # what the standalone forces
+                "AIRFLOW__CORE__AUTH_MANAGER": SIMPLE_AUTH_MANAGER,
+                "AIRFLOW__CORE__PARALLELISM": "8",  # the LocalExecutor forks this many workers
+                # a killed triggerer's triggers go to the next one after seconds, not 30 s
+                "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
+                "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10",
+                "RLAX_RETRY_DELAY_S": "1",  # a killed job's task is retried at once
+            }
+        )
+        return env
+
+    def _airflow(self) -> str:
+        return os.path.join(os.path.dirname(sys.executable), "airflow")
+
+    def start(self) -> None:
+        """Migrates the database, then starts every component."""
+        with open(self.log_path, "ab") as log:
+            code = subprocess.call(
+                [self._airflow(), "db", "migrate"],
+                cwd=self.cwd,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+            )
+        if code != 0:
+            raise RuntimeError(f"airflow db migrate exited with {code}:\n{tail(self.log_path, 30)}")
+        for name in COMPONENTS:
+            self.start_component(name)
+
+    def start_component(self, name: str) -> int:
+        """Starts ``airflow <name>`` in a process group of its own; its pid."""
+        if name not in COMPONENTS:
+            raise ValueError(f"component {name!r}: expected one of {COMPONENTS}")
+        with open(os.path.join(self.root, f"{name}.log"), "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [self._airflow(), name],
+                cwd=self.cwd,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # kill_component takes its children with it
+            )
+        return self.procs[name].pid
+
+    def kill_component(self, name: str, timeout: float = 30) -> None:
+        """SIGKILLs ``name`` and the rest of its process group (log server, executor workers,
+        trigger runner), as when its machine dies, and waits until all of them are gone."""
+        proc = self.procs[name]
+        try:
+            leader = psutil.Process(proc.pid)
+            group = [leader, *leader.children(recursive=True)]
+        except psutil.Error:
+            group = []  # already gone
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout)
+        wait_for(f"airflow {name}'s processes to die", lambda: not _running(group), timeout, 0.2)
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs.values())
+
+    def exited(self) -> str:
+        codes = {n: p.poll() for n, p in self.procs.items() if p.poll() is not None}
+        return f"airflow components exited: {codes or 'none started'}\n{self.log_tail()}"
+
+    def stop(self) -> list[str]:
+        """Stops every component (SIGKILL: a test's Airflow leaves nothing worth a graceful
+        shutdown), then whatever else carries the tag: task processes, the `rlax` jobs; the
+        command lines of those that had to be killed."""
+        killed = []
+        for name, proc in self.procs.items():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                killed.append(f"airflow {name} (pid {proc.pid}) did not exit")
+        return killed + stop_tagged(self.tag)
+
+    def log_tail(self, lines: int = 60) -> str:
+        parts = []
+        for name in COMPONENTS:
+            path = os.path.join(self.root, f"{name}.log")
+            parts.append(f"--- {name} ({path}):\n{tail(path, max(10, lines // 3))}")
+        return "\n".join(parts)
+
+    def log_title(self) -> str:
+        return f"log tails of the airflow components (under {self.root})"
