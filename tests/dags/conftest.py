@@ -3,6 +3,8 @@ the first import of airflow anywhere in the session)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import DAGS, PLUGINS, REPO
@@ -17,3 +19,12 @@ def airflow_db():
 
     db.resetdb()
     yield
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a run's JSONL file (metrics, lineage); [] while it does not exist."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []

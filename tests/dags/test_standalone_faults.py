@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.dags.conftest import read_jsonl
 from tests.dags.standalone import Components, tail, wait_for
 
 RUN_ID = "faults"
@@ -33,14 +34,6 @@ STEPS = 8
 CHECKPOINT_EVERY = 2
 RUN_TIMEOUT_S = 600
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
 
 
 def _job_process(tag: str) -> psutil.Process | None:
@@ -177,7 +170,7 @@ def test_a_killed_job_and_restarted_components_complete_the_run_once(airflow, tm
         _signal_tree(job, signal.SIGSTOP)
         held = job
         note(f"job {job.pid} held after checkpoint {_checkpoints(run_dir)[-1]}")
-        steps_before = [m["step"] for m in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+        steps_before = [m["step"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
         assert steps_before and max(steps_before) < STEPS, (
             f"the job was held at step {max(steps_before, default=0)} of {STEPS}: not mid-run"
         )
@@ -247,11 +240,11 @@ def test_a_killed_job_and_restarted_components_complete_the_run_once(airflow, tm
         restored = re.search(r"trainer at step (\d+) \(restored\)", stderr)
         assert restored and int(restored.group(1)) == newest_checkpoint, stderr[-2000:]
         # every step applied once, in order, across the kill; the metrics reach the last one
-        lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+        lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
         assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))
         consumed = [p for r in lineage for p in r["prompt_ids"]]
         assert len(consumed) == len(set(consumed)) == STEPS * 4
-        metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         assert sorted({m["step"] for m in metrics}) == list(range(1, STEPS + 1))
         with open(os.path.join(run_dir, "status.json")) as f:
             assert json.load(f)["state"] == "succeeded"

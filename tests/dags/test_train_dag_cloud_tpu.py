@@ -16,20 +16,12 @@ import time
 import pytest
 
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
-from tests.dags.conftest import DAGS
+from tests.dags.conftest import DAGS, read_jsonl
 
 STEPS = 4
 RUN_ID = "tpurun"
 TRAINER_SLICE = "rlax-tpurun-trainer"
 WORKER_SLICE = "rlax-tpurun-workers-0"
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
 
 
 def _published(run_dir: str, job: str) -> str | None:
@@ -44,7 +36,7 @@ def _preempt_when_training(url: str, run_dir: str, seen: dict) -> None:
     """Preempts the trainer slice once the run applied 2 steps, noting where the PS was."""
     deadline = time.monotonic() + 1200
     while time.monotonic() < deadline:
-        steps = [r["step"] for r in _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+        steps = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
         if steps and max(steps) >= 2:
             seen["ps_before"] = _published(run_dir, "ps")
             seen["trainer_before"] = _published(run_dir, "trainer")
@@ -117,7 +109,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     # the worker ran on a slice of its own and was not restarted
     assert tis[("worker", 0)].try_number == 1, states
     # every step applied once, in order, across the preemption
-    lineage = _read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
     assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
     assert len(consumed) == len(set(consumed)) == STEPS * 4
