@@ -245,6 +245,7 @@ def _train_command(args: argparse.Namespace) -> int:
         "reload_every": cfg.staleness.reload_every,
         "max_staleness": cfg.staleness.max_staleness,
         "overrides": overrides,
+        "allow_config_change": bool(args.allow_config_change),
     }
     dags_folder = os.path.abspath(args.dags_folder)
     _check_dags_folder(dags_folder)
@@ -282,6 +283,10 @@ def add_airflow_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--run-id", default="tiny-arith-airflow", help="same id = resume that run")
     t.add_argument("--run-root", default="runs", help="local directory of the runs")
     t.add_argument("--set", action="append", help="override a config field: dotted.key=value")
+    t.add_argument(
+        "--allow-config-change", action="store_true",
+        help="resume --run-id with settings that change training (recorded per step)",
+    )  # fmt: skip
     t.add_argument(
         "--airflow-home", default=os.environ.get("AIRFLOW_HOME") or ".airflow",
         help="Airflow's home (metadata database, logs); default $AIRFLOW_HOME or ./.airflow",

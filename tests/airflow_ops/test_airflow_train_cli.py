@@ -35,6 +35,24 @@ def test_steps_must_be_a_positive_integer(steps, tmp_path, capsys):
     assert err.count("\n") == 1 and "--steps" in err and "positive" in err, err
 
 
+@pytest.mark.parametrize("flag", [[], ["--allow-config-change"]])
+def test_allow_config_change_reaches_the_dag_run(flag, tmp_path, monkeypatch, capsys):
+    """The flag becomes rlax_train's allow_config_change Param (the plan task's resume check
+    is tested in tests/airflow_ops/test_dag_support.py)."""
+    from rlax_tasks.airflow import local_dag_run
+
+    seen = {}
+
+    def fake_dag_run(conf, **kwargs):
+        seen.update(conf)
+        return {"state": "success", "tasks": {}, "run_dir": str(tmp_path / "r")}
+
+    monkeypatch.setattr(local_dag_run, "run_train_dag", fake_dag_run)
+    where = ["--run-root", str(tmp_path), "--airflow-home", str(tmp_path)]
+    assert main(["-v", "airflow", "train", "--steps", "2", *where, *flag]) == 0
+    assert seen["allow_config_change"] is bool(flag)
+
+
 def _lines(out: io.StringIO) -> list[str]:
     return [re.sub(STAMP, "", line) for line in out.getvalue().splitlines()]
 
