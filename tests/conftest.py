@@ -23,6 +23,7 @@ if PLUGINS not in sys.path:  # as Airflow puts it on sys.path (the DAG files nee
     sys.path.append(PLUGINS)
 
 import logging  # noqa: E402
+import signal  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -38,6 +39,18 @@ def _drop_cli_log_handlers():
         if handler not in before and type(handler) is logging.StreamHandler:
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """Airflow's in-process task runner (`dag.test()`) installs a SIGTERM handler that calls the
+    finished task's `on_kill` and never removes it; put every handler back after each test."""
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {s: signal.getsignal(s) for s in signums}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")

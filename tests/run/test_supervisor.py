@@ -200,6 +200,7 @@ def test_error_line_prefers_the_rlax_error_then_the_traceback(tmp_path):
 
 def test_stop_on_signals_raises_once_and_keeps_ignored_signals_ignored():
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    term, intr = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         with stop_on_signals() as guard:
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -209,7 +210,7 @@ def test_stop_on_signals_raises_once_and_keeps_ignored_signals_ignored():
             assert info.value.signum == signal.SIGTERM and str(info.value) == "SIGTERM"
             guard.stopping()
             os.kill(os.getpid(), signal.SIGINT)  # while stopping: logged, not raised
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is term  # the handlers from before come back
+        assert signal.getsignal(signal.SIGINT) is intr
     finally:
         signal.signal(signal.SIGHUP, before)
