@@ -172,6 +172,11 @@ def rlax_train():
         return rc.eval_argv(cfg, version, rc.eval_dataset_file(cfg))
 
     @task
+    def report(p: dict) -> str:
+        """eval/report.md and its plots: held-out pass@k before (v0) and after training."""
+        return rc.write_run_report(p["run_dir"])
+
+    @task
     def worker_jobs(p: dict, slices: dict) -> list[dict]:
         # a task of its own: Airflow maps only over a task's whole return value
         return rc.worker_jobs(p, slices)  # each worker: argv, env, its slice and host
@@ -218,7 +223,7 @@ def rlax_train():
     evaluate = rc.job("evaluate", root, h, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
     p >> slices >> started >> [ps, trainer, workers, controller]
-    controller >> stop >> final_eval >> evaluate >> cleanup
+    controller >> stop >> final_eval >> evaluate >> report(p) >> cleanup
     [ps, trainer, workers] >> cleanup
     cleanup >> record_state(p)
 

@@ -614,6 +614,32 @@ def newest_version(run_dir: str) -> int | None:
     return committed[-1] if committed else None
 
 
+def write_run_report(run_dir: str) -> str:
+    """eval/report.md, report.json and the plots of a trained run, as `rlax run` writes them:
+    the held-out scores of the starting weights (eval/v0) against the newest evaluated version;
+    the training time spans the metrics rows (first to last step). Returns report.md's path."""
+    from rlax_tasks.evaluation.history import evaluated_versions, read_overall
+    from rlax_tasks.run.report import read_jsonl, write_report
+    from rlax_tasks.run_paths import run_paths
+
+    paths = run_paths(run_dir)
+    versions = evaluated_versions(run_dir)
+    if not versions or versions[0] != 0 or versions[-1] == 0:
+        raise FileNotFoundError(
+            f"{paths.eval}: the report needs the evaluations of the starting weights (v0) and "
+            f"of a trained version; found {[f'v{v}' for v in versions] or 'none'}"
+        )
+    before, after = read_overall(run_dir, 0), read_overall(run_dir, versions[-1])
+    metrics = [m for m in read_jsonl(paths.metrics) if "time" in m and "step" in m]
+    report = {
+        "before": {"version": 0, **before},
+        "after": {"version": versions[-1], **after},
+        "steps": metrics[-1]["step"] if metrics else versions[-1],
+        "train_seconds": metrics[-1]["time"] - metrics[0]["time"] if metrics else 0.0,
+    }
+    return str(write_report(load_run_config(run_dir), report)["report"])
+
+
 def load_run_config(run_dir: str) -> Any:
     """The resolved run configuration saved at run_dir/config.yaml."""
     from rlax_tasks import storage

@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from rlax_tasks.evaluation.history import evaluated_versions, read_overall
 from rlax_tasks.run.progress import format_duration
 from rlax_tasks.run_paths import run_paths
 from rlax_tasks.trainer.scalar_export import log_scalars
@@ -106,7 +107,7 @@ def run_train_dag(
     result: dict[str, Any] = {"state": str(dr.state), "tasks": tasks, "run_dir": run_dir}
     if watcher is not None:
         result["training_seconds"] = watcher.training_seconds
-    versions = eval_versions(run_dir)
+    versions = evaluated_versions(run_dir)
     if versions and versions[-1] > 0:
         result["eval"] = {"version": versions[-1], **read_overall(run_dir, versions[-1])}
     if 0 in versions:
@@ -116,27 +117,6 @@ def run_train_dag(
             scores = {k: v for k, v in result[key].items() if k.startswith(SCORES)}
             log_scalars(run_dir, result[key]["version"], scores, "eval")
     return result
-
-
-def eval_versions(run_dir: str) -> list[int]:
-    """The weight versions evaluated under ``eval/v<N>/results.json``, ascending."""
-    paths = run_paths(run_dir)
-    names = os.listdir(paths.eval) if os.path.isdir(paths.eval) else []
-    return sorted(
-        int(d[1:])
-        for d in names
-        if d.startswith("v") and d[1:].isdigit() and os.path.isfile(paths.eval_results(int(d[1:])))
-    )
-
-
-def read_overall(run_dir: str, version: int) -> dict[str, Any]:
-    """The "overall" scores (pass@k, mean_reward...) of eval/v<version>/results.json ({} when
-    unreadable)."""
-    try:
-        with open(run_paths(run_dir).eval_results(version)) as f:
-            return dict(json.load(f)["models"][0]["overall"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return {}
 
 
 class _QuietTerminal:

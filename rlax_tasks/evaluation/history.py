@@ -40,6 +40,24 @@ def read_history(run_dir: str) -> list[dict[str, Any]]:
     return rows
 
 
+def evaluated_versions(run_dir: str) -> list[int]:
+    """The weight versions with an ``eval/v<N>/results.json`` (local or gs://), ascending."""
+    paths = run_paths(run_dir)
+    versions = [int(d[1:]) for d in storage.list_children(paths.eval)
+                if d.startswith("v") and d[1:].isdigit()]  # fmt: skip
+    return sorted(v for v in versions if storage.exists(paths.eval_results(v)))
+
+
+def read_overall(run_dir: str, version: int) -> dict[str, Any]:
+    """The "overall" scores (pass@k, mean_reward...) of eval/v<version>/results.json; {} when
+    missing or unreadable."""
+    try:
+        results = json.loads(storage.read_bytes(run_paths(run_dir).eval_results(version)))
+        return dict(results["models"][0]["overall"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+
+
 def history_row(
     results: dict[str, Any], version: int, dag_run_id: str | None, now: float
 ) -> dict[str, Any]:

@@ -219,7 +219,8 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
     log_format = re.compile(r"\[(debug|info|warning|error)\s*\]|^\d{4}-\d\d-\d\d[T ]\d", re.M)
     assert not log_format.search(before_retry), out
     final = {task: state for task, state in transitions}
-    for task in ("plan", "start_services", "controller", "evaluate", "teardown", "record_state"):
+    for task in ("plan", "start_services", "controller", "evaluate", "report", "teardown",
+                 "record_state"):  # fmt: skip
         assert final[task] == "success", out
     assert {final["ps"], final["trainer"], final["worker"]} == {"skipped"}  # colocated
     assert set(final.values()) <= {"success", "skipped"}, out
@@ -257,6 +258,9 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
         assert row.group(2) == f"{after[f'pass@{k}']:.3f}"
         assert row.group(1) == f"{before[f'pass@{k}']:.3f}"
     assert re.search(r"^  training time\s+\d", out, re.M) and "after (v8)" in out
+    assert re.search(rf"^  report\s+{re.escape(paths.report_md)}$", out, re.M), out  # DAG's report
+    with open(paths.report_md) as f:
+        assert f"| pass@1 | {before['pass@1']:.3f} | {after['pass@1']:.3f} |" in f.read()
     assert f"tensorboard --logdir {runs}" in out
 
     assert paths.airflow_log in out.splitlines()[1]  # where the logs went, said at the start

@@ -3,6 +3,9 @@ anything is provisioned, and the runtime version it provisions with."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from rlax_tasks.airflow import dag_support as rc
@@ -248,3 +251,40 @@ def test_plan_refuses_a_dataset_it_cannot_read(tmp_path):
         rc.plan_training(params, "manual__1", dataset=missing, verifier="math")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "runs" / "nodata" / "config.yaml").exists()  # refused before writing
+
+
+def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp_path):
+    """The DAG's report task writes `rlax run`'s eval/report.md: pass@k of eval/v0 against the
+    newest evaluated version, the steps and the time the metrics span; without the v0
+    evaluation it names what is missing."""
+    from rlax_tasks.run_paths import run_paths
+    from tests.evaluation.test_history import write_results
+    from tests.tiny_model import save_char_model
+
+    save_char_model(str(tmp_path / "model"))
+    params = {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": "reported",
+        "steps": 6,
+        "model_path": str(tmp_path / "model"),
+    }
+    run_dir = rc.plan_training(params, "manual__1")["run_dir"]
+    paths = run_paths(run_dir)
+    write_results(run_dir, 6, 0.5)
+    with pytest.raises(FileNotFoundError, match=r"starting weights \(v0\).*found \['v6'\]"):
+        rc.write_run_report(run_dir)
+    write_results(run_dir, 0, 0.25)
+    write_results(run_dir, 3, 0.4)  # an earlier evaluation: the newest is "after"
+    with open(paths.metrics, "w") as f:
+        for step, t in ((1, 100.0), (6, 142.5)):
+            f.write(json.dumps({"step": step, "time": t, "reward_mean": 0.5}) + "\n")
+    assert rc.write_run_report(run_dir) == paths.report_md
+    with open(paths.report_md) as f:
+        text = f.read()
+    assert "Training: 6 steps in 42 s." in text  # 142.5 - 100.0, rounded
+    assert "| pass@1 | 0.250 | 0.500 | +0.250 |" in text
+    with open(paths.report_json) as f:
+        summary = json.load(f)
+    assert summary["before"]["version"] == 0 and summary["after"]["version"] == 6
+    assert os.path.isfile(os.path.join(paths.eval, "pass_at_k.png"))

@@ -134,7 +134,9 @@ def test_train_graph_shape(dagbag):
     ids = set(dag.task_ids)
     assert {"plan", "provision", "base_eval", "evaluate_base", "record_base_eval",
             "start_services", "ps", "trainer", "worker", "controller", "finish", "evaluate",
-            "teardown", "record_state"} <= ids  # fmt: skip
+            "report", "teardown", "record_state"} <= ids  # fmt: skip
+    assert dag.get_task("report").upstream_task_ids == {"plan", "evaluate"}  # after the final eval
+    assert "teardown" in dag.get_task("report").downstream_task_ids
     teardown = dag.get_task("teardown")
     assert teardown.is_teardown and teardown.trigger_rule == "all_done_setup_success"
     assert dag.get_task("provision").is_setup
