@@ -60,6 +60,9 @@ class StepSettings:
     remat: str = "none"
     chunk_size: int = 128
     value_loss_coef: float = 0.5
+    # a batch of one micro-batch runs forward once (the old log-probs and the backward share
+    # it); False: a separate prefill first, as with micro-batches (see Trainer for when)
+    one_forward_pass: bool = True
 
 
 def init_value_head(hidden_size: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -206,13 +209,27 @@ def make_train_step(
         micro_ids, micro_attn = _split_micro(ids, n_micro), _split_micro(attn, n_micro)
         has_values = VALUE_HEAD in params
 
-        # 1. prefill under the current parameters (old policy), no gradients
-        frozen = jax.lax.stop_gradient(params)
-        old, entropy, old_values = jax.lax.map(
-            lambda xs: outputs(frozen, xs[0], xs[1], with_entropy=True), (micro_ids, micro_attn)
-        )
-        old, entropy = _join_micro(old), _join_micro(entropy)
-        old_values = _join_micro(old_values) if has_values else None
+        # 1. the current parameters' (old policy's) log-probs, values and entropy. One
+        # micro-batch: the forward pass is linearised once and serves both the old log-probs
+        # and the backward (step 3), so the batch is not run forward twice.
+        fused = n_micro == 1 and settings.one_forward_pass
+        if fused:
+
+            def primal(p: Params) -> tuple[tuple, jax.Array]:
+                lp, ent, values = outputs(p, ids, attn, with_entropy=True)
+                return (lp, values), ent  # the entropy: a statistic, not differentiated
+
+            (old, old_values), backward, entropy = jax.vjp(primal, params, has_aux=True)
+        else:  # a prefill without gradients, micro-batch by micro-batch
+            frozen = jax.lax.stop_gradient(params)
+            old, entropy, old_values = jax.lax.map(
+                lambda xs: outputs(frozen, xs[0], xs[1], with_entropy=True),
+                (micro_ids, micro_attn),
+            )
+            old, entropy = _join_micro(old), _join_micro(entropy)
+            old_values = _join_micro(old_values) if has_values else None
+        old = jax.lax.stop_gradient(old)
+        old_values = jax.lax.stop_gradient(old_values) if has_values else None
         obj_batch = objective_batch(batch, old, old_values)
 
         # 2. the objective on the full batch and its cotangent w.r.t. log-probs / values
@@ -232,23 +249,29 @@ def make_train_step(
             total_loss, argnums=(0, 1), has_aux=True
         )(old, old_values)
 
-        # 3. backward micro-batch by micro-batch: grad of sum(g * logp(params)), accumulated
-        micro_g = _split_micro(g_logp, n_micro)
-        micro_gv = _split_micro(g_values, n_micro) if has_values else micro_g
+        # 3. the gradient: of sum(g * logp(params)) (+ values), through the linearised forward
+        # pass, or micro-batch by micro-batch (forward again and backward), accumulated
+        if fused:
+            (grads,) = backward((g_logp, g_values))
+        else:
+            micro_g = _split_micro(g_logp, n_micro)
+            micro_gv = _split_micro(g_values, n_micro) if has_values else micro_g
 
-        def surrogate(p: Params, mids: jax.Array, mattn: jax.Array, g: jax.Array, gv: jax.Array):
-            lp, _, values = outputs(p, mids, mattn, with_entropy=False)
-            s = jnp.sum(lp * g)
-            if values is not None:
-                s = s + jnp.sum(values * gv)
-            return s
+            def surrogate(
+                p: Params, mids: jax.Array, mattn: jax.Array, g: jax.Array, gv: jax.Array
+            ) -> jax.Array:
+                lp, _, values = outputs(p, mids, mattn, with_entropy=False)
+                s = jnp.sum(lp * g)
+                if values is not None:
+                    s = s + jnp.sum(values * gv)
+                return s
 
-        def accumulate(acc: Params, xs: tuple) -> tuple[Params, None]:
-            grads = jax.grad(surrogate)(params, *xs)
-            return jax.tree.map(jnp.add, acc, grads), None
+            def accumulate(acc: Params, xs: tuple) -> tuple[Params, None]:
+                grads = jax.grad(surrogate)(params, *xs)
+                return jax.tree.map(jnp.add, acc, grads), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, _ = jax.lax.scan(accumulate, zeros, (micro_ids, micro_attn, micro_g, micro_gv))
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, _ = jax.lax.scan(accumulate, zeros, (micro_ids, micro_attn, micro_g, micro_gv))
 
         # 4. optimizer
         updates, opt_state = optimizer.update(grads, opt_state, params)

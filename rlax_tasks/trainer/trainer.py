@@ -194,6 +194,12 @@ class Trainer:
             remat=config.remat,
             chunk_size=config.logprob_chunk_size,
             value_loss_coef=config.value_loss_coef,
+            # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
+            # one-pass step over several host devices (8 forced devices: a rendezvous timeout,
+            # every time): simulated meshes keep the separate prefill
+            one_forward_pass=not (
+                self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
+            ),
         )
         self._train_step = jax.jit(
             make_train_step(self._graphdef, objective, self._optimizer, settings),

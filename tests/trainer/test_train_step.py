@@ -30,9 +30,11 @@ def _one_step(tmp_path, name: str, objective, **config) -> tuple[dict, dict]:
     return _flat(trainer.params), metrics
 
 
+@pytest.mark.parametrize("micro", [2, None], ids=["micro-batches", "one-forward-pass"])
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name):
-    """SGD(lr=1) step with 4 micro-batches == minus the direct jax.grad of the objective."""
+def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name, micro):
+    """SGD(lr=1) step == minus the direct jax.grad of the objective: with 2 micro-batches (a
+    prefill, then forward and backward per micro-batch) and with one (one forward pass)."""
     policy = tiny_policy()
     objective = make_objective(name)
     batch = {k: jnp.asarray(v) for k, v in random_batch(3).items()}
@@ -46,7 +48,7 @@ def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name):
         head = init_value_head(policy.config.hidden_size)
         params["value_head"] = {"kernel": head["kernel"] + 0.3, "bias": head["bias"] + 0.1}
     coef = 0.5
-    settings = StepSettings(micro_batch_size=2, chunk_size=4, value_loss_coef=coef)
+    settings = StepSettings(micro_batch_size=micro, chunk_size=4, value_loss_coef=coef)
     step = jax.jit(make_train_step(policy.graphdef, objective, optax.sgd(1.0), settings))
     new_params, _, metrics = step(params, optax.sgd(1.0).init(params), batch)
     got = jax.tree.map(lambda a, b: a - b, params, new_params)
