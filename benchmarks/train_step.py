@@ -7,14 +7,16 @@ What it measures, in one run and side by side:
    objective (no KL term, so no reference prefill) on a random [batch, seq_len] batch without
    padding, in float32, on a single-device mesh, with ``--micro-batch`` gradient accumulation.
 2. Seconds per ``Trainer.step`` (median of ``--repeats`` after ``--warmup`` calls; a step returns
-   host metrics, so it is synchronised). One step = old-policy prefill + objective + forward and
-   backward over every micro-batch + AdamW.
-3. Achieved FLOP/s, counted as ``8 * N * tokens`` per step: 6·N·tokens for forward + backward and
-   2·N·tokens for the old-log-prob prefill, with N = ``config.num_parameters()`` (embeddings tied,
-   so the unembedding matmul is counted once and the embedding lookup is not separately;
-   norms are a negligible part of N) and tokens = batch x seq_len. Attention scores/values are
-   NOT in this count; a second figure adds them (4x the forward FLOPs of benchmarks/forward.py,
-   which counts attention over the full T x T square).
+   host metrics, so it is synchronised). One step = the old-policy prefill (only with several
+   micro-batches) + objective + forward and backward over every micro-batch + AdamW.
+3. Achieved FLOP/s, counted as ``6 * N * tokens`` per step for forward + backward, plus
+   2·N·tokens for the old-log-prob prefill when the batch is split in micro-batches (one
+   micro-batch shares its forward pass with the old log-probs), with
+   N = ``config.num_parameters()`` (embeddings tied, so the unembedding matmul is counted once
+   and the embedding lookup is not separately; norms are a negligible part of N) and
+   tokens = batch x seq_len. Attention scores/values are NOT in this count; a second figure
+   adds them (3x or 4x the forward FLOPs of benchmarks/forward.py, which counts attention over
+   the full T x T square).
 4. The baseline: the best FLOP/s of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices
    (benchmarks/_timing.py); the ratio achieved / baseline is printed.
 
@@ -144,10 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer.close()
 
     load_after = _timing.machine_load(log, when="after")
-    flops_8n = 8 * n_params * tokens
+    passes = 4 if args.micro_batch < args.batch else 3  # forward-equivalents: prefill + 1 + 2
+    flops_model = 2 * passes * n_params * tokens
     fwd = forward_benchmark.forward_flops(config, args.batch, args.seq_len)
-    flops_with_attention = 4 * fwd["total"]
-    achieved = flops_8n / timing.median_s
+    flops_with_attention = passes * fwd["total"]
+    achieved = flops_model / timing.median_s
     results = {
         "benchmark": "train_step",
         "args": vars(args),
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokens_per_step": tokens,
         "timing": timing.as_dict(),
         "tokens_per_s": tokens / timing.median_s,
-        "flops_per_step_8N": flops_8n,
+        "forward_passes": passes,
+        "flops_per_step_model": flops_model,
         "flops_per_step_with_attention": flops_with_attention,
         "achieved_flops_per_s": achieved,
         "achieved_flops_per_s_with_attention": flops_with_attention / timing.median_s,
@@ -186,8 +190,10 @@ def print_table(r: dict[str, Any]) -> None:
         f"{a['seq_len']} = {r['tokens_per_step']} tokens/step, micro-batch {a['micro_batch']}, "
         f"remat {a['remat']}, median of {a['repeats']} after {a['warmup']} warm-up",
         f"model: Qwen2 shape of benchmarks/forward.py -> {r['model']['num_parameters']:,} params",
-        f"FLOPs/step: 8*N*tokens = {fmt(r['flops_per_step_8N'], 'FLOP')} (6N fwd+bwd + 2N "
-        f"old-logprob prefill); with attention (4x forward count): "
+        f"FLOPs/step: {2 * r['forward_passes']}*N*tokens = "
+        f"{fmt(r['flops_per_step_model'], 'FLOP')} (6N fwd+bwd"
+        f"{' + 2N old-logprob prefill' if r['forward_passes'] == 4 else ''}); with attention "
+        f"({r['forward_passes']}x forward count): "
         f"{fmt(r['flops_per_step_with_attention'], 'FLOP')}",
         f"step: median {t['median_s']:.3f}s, min {t['min_s']:.3f}s, first call (compile) "
         f"{(f'{first:.1f}s' if first is not None else '-')}; cores used {t['own_cores']:.2f}, "
@@ -195,11 +201,12 @@ def print_table(r: dict[str, Any]) -> None:
         f"{_opt(r['environment']['busy_cores_before'])}/{_opt(r['busy_cores_after'])}; 1-min "
         f"load before {_opt(r['machine_load']['before']['load_1m'])}){mark}",
         f"training tokens/s: {r['tokens_per_s']:,.0f}{mark}",
-        f"achieved: {fmt(r['achieved_flops_per_s'], 'FLOP/s')} (8N count), "
+        f"achieved: {fmt(r['achieved_flops_per_s'], 'FLOP/s')} ({2 * r['forward_passes']}N count), "
         f"{fmt(r['achieved_flops_per_s_with_attention'], 'FLOP/s')} (with attention){mark}",
         f"baseline jax.jit(a @ b) f32 peak: {fmt(r['jax_matmul_peak']['flops_per_s'], 'FLOP/s')} "
         f"(n={r['jax_matmul_peak']['best_size']})",
-        f"ratio achieved / matmul peak: {r['fraction_of_matmul_peak']:.3f} (8N count), "
+        f"ratio achieved / matmul peak: {r['fraction_of_matmul_peak']:.3f} "
+        f"({2 * r['forward_passes']}N count), "
         f"{r['fraction_of_matmul_peak_with_attention']:.3f} (with attention){mark}",
         f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
         "",
