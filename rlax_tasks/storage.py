@@ -23,13 +23,14 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,24 @@ def read_bytes(path: str) -> bytes:
             raise FileNotFoundError(f"no object at {path}") from e
     with open(path, "rb") as fh:
         return fh.read()
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file or gs:// object, in order; a line cut by a crash (or not
+    an object) is skipped; [] when it does not exist."""
+    try:
+        text = read_bytes(path).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -121,3 +121,10 @@ def test_concurrent_compare_and_swap_has_one_winner_per_generation(tmp_path):
         t.join()
     # no lost update: the counter equals the number of successful swaps
     assert int(storage.read_bytes(path)) == len(wins)
+
+
+def test_read_jsonl_keeps_whole_objects_and_skips_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert storage.read_jsonl(str(path)) == []  # not written yet
+    path.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n{"step": 3, "rew')  # cut by a crash
+    assert storage.read_jsonl(str(path)) == [{"step": 1}, {"step": 2}]

@@ -134,20 +134,6 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file; torn or non-object lines are skipped; [] if missing."""
-    text = _read_text(path)
-    rows = []
-    for line in (text or "").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -204,11 +190,11 @@ def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSe
     (``metrics``: its metrics.jsonl rows when the caller has read them already)."""
     paths = run_paths(path)
     if metrics is None:
-        metrics = read_jsonl(paths.metrics)
+        metrics = storage.read_jsonl(paths.metrics)
     reward = _points(metrics, "reward_mean")
     staleness = _points(metrics, "staleness_mean")
     if not staleness:
-        lineage = read_jsonl(paths.lineage)
+        lineage = storage.read_jsonl(paths.lineage)
         rows = []
         for r in lineage:
             versions = [v for v in r.get("rollout_versions") or [] if _number(v) is not None]
@@ -220,7 +206,7 @@ def read_series(path: str, metrics: list[dict[str, Any]] | None = None) -> RunSe
         staleness = _points(rows, "v")
     weight_sync = _points(metrics, "weight_sync_s")
     if not weight_sync:
-        weight_sync = _points(read_jsonl(paths.weight_sync), "push_s")
+        weight_sync = _points(storage.read_jsonl(paths.weight_sync), "push_s")
     pass_at = _pass_at_series(path, metrics)
     seconds = training_seconds(metrics)
     pass_at_time = {
@@ -286,7 +272,7 @@ def _pass_at_series(path: str, metrics: list[dict[str, Any]]) -> dict[str, list[
             last = max((s for s in (_step(r) for r in metrics) if s is not None), default=0)
             version = _number(after.get("version"))
             add(int(version) if version is not None else last, after)
-    for row in read_jsonl(paths.eval_progress):  # eval.every_steps
+    for row in storage.read_jsonl(paths.eval_progress):  # eval.every_steps
         version = _number(row.get("version")) if isinstance(row, dict) else None
         if version is not None:
             add(int(version), row)
@@ -318,7 +304,7 @@ def before_after(path: str, metrics: list[dict[str, Any]] | None = None) -> dict
     newest of eval/v<N> (N > 0: the DAG's final evaluation, the nightly ones) and the report's
     ``after``."""
     if metrics is None:
-        metrics = read_jsonl(run_paths(path).metrics)
+        metrics = storage.read_jsonl(run_paths(path).metrics)
     evals = _eval_overall(path)
     report = _read_json(run_paths(path).report_json)
     report = report if isinstance(report, dict) else {}
@@ -391,7 +377,7 @@ def summarize(root_index: int, run_root: str, run_id: str, active_window_s: floa
     path = run_dir(run_root, run_id)
     paths = run_paths(path)
     metrics_path = paths.metrics
-    metrics = read_jsonl(metrics_path)
+    metrics = storage.read_jsonl(metrics_path)
     series = read_series(path, metrics)
     step = max((s for s in (_step(r) for r in metrics) if s is not None), default=None)
     updated = modified_time(metrics_path)

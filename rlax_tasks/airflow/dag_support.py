@@ -618,8 +618,9 @@ def write_run_report(run_dir: str) -> str:
     """eval/report.md, report.json and the plots of a trained run, as `rlax run` writes them:
     the held-out scores of the starting weights (eval/v0) against the newest evaluated version;
     the training time spans the metrics rows (first to last step). Returns report.md's path."""
+    from rlax_tasks import storage
     from rlax_tasks.evaluation.history import evaluated_versions, read_overall
-    from rlax_tasks.run.report import read_jsonl, write_report
+    from rlax_tasks.run.report import write_report
     from rlax_tasks.run_paths import run_paths
 
     paths = run_paths(run_dir)
@@ -630,7 +631,7 @@ def write_run_report(run_dir: str) -> str:
             f"of a trained version; found {[f'v{v}' for v in versions] or 'none'}"
         )
     before, after = read_overall(run_dir, 0), read_overall(run_dir, versions[-1])
-    metrics = [m for m in read_jsonl(paths.metrics) if "time" in m and "step" in m]
+    metrics = [m for m in storage.read_jsonl(paths.metrics) if "time" in m and "step" in m]
     report = {
         "before": {"version": 0, **before},
         "after": {"version": versions[-1], **after},

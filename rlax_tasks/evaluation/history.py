@@ -25,19 +25,7 @@ log = logging.getLogger(__name__)
 
 def read_history(run_dir: str) -> list[dict[str, Any]]:
     """The rows of the run's history, oldest first; a torn line is skipped; [] when none."""
-    try:
-        text = storage.read_bytes(run_paths(run_dir).eval_history).decode("utf-8", "replace")
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return storage.read_jsonl(run_paths(run_dir).eval_history)
 
 
 def evaluated_versions(run_dir: str) -> list[int]:

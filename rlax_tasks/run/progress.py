@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from rlax_tasks import storage
 from rlax_tasks.run_paths import run_paths
 from rlax_tasks.trainer.scalar_export import log_scalars
 
@@ -152,9 +153,8 @@ class HeldOutProgress:
         self.client: Any = None
 
     def _version_time(self, version: int) -> float | None:
-        from rlax_tasks.run.report import read_jsonl
 
-        for row in read_jsonl(self.paths.metrics):
+        for row in storage.read_jsonl(self.paths.metrics):
             if row.get("step") == version and "time" in row:
                 return float(row["time"])
         return None

@@ -20,22 +20,6 @@ from rlax_tasks.run_paths import run_paths
 log = logging.getLogger(__name__)
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """The rows of a JSONL file or gs:// object; a line cut by a crash is skipped; [] when
-    missing."""
-    try:
-        text = storage.read_bytes(path).decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a crash
-    return rows
-
-
 class HeldOutEvaluator:
     """Held-out pass@k of the run's base model or of weights pulled from the parameter server.
 
@@ -195,9 +179,9 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
 
     paths = run_paths(cfg.run_dir)
     out_dir = paths.eval
-    metrics = read_jsonl(paths.metrics)
-    lineage = read_jsonl(paths.lineage)
-    syncs = read_jsonl(paths.weight_sync)
+    metrics = storage.read_jsonl(paths.metrics)
+    lineage = storage.read_jsonl(paths.lineage)
+    syncs = storage.read_jsonl(paths.weight_sync)
     plots = {}
 
     def save(fig: Any, name: str) -> None:
@@ -217,7 +201,7 @@ def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
 
     before, after = report.get("before") or {}, report.get("after") or {}
     ks = [k for k in before if k.startswith("pass@")]
-    progress = read_jsonl(paths.eval_progress)
+    progress = storage.read_jsonl(paths.eval_progress)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if progress:  # eval.every_steps: held-out pass@k per step
         rows = sorted({r["step"]: r for r in progress}.values(), key=lambda r: r["step"])
