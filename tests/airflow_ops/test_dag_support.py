@@ -81,6 +81,21 @@ def test_local_backend_keeps_ignoring_the_accelerator_type():
     assert rc.check_slice("cpu", "v2-alpha-tpuv5", 1, "local") == "v2-alpha-tpuv5"
 
 
+def tiny_params(tmp_path, run_id: str, steps: int = 2, **extra) -> dict:
+    """rlax_train Params for the tiny preset on a tiny char model saved under tmp_path."""
+    from tests.tiny_model import save_char_model
+
+    save_char_model(str(tmp_path / "model"))
+    return {
+        "preset": "tiny-arith",
+        "run_root": str(tmp_path / "runs"),
+        "run_id": run_id,
+        "steps": steps,
+        "model_path": str(tmp_path / "model"),
+        **extra,
+    }
+
+
 def test_the_plan_refuses_a_slice_before_writing_anything(tmp_path, monkeypatch):
     """plan_training runs the checks on the run config right after loading it: nothing of the
     run is written, no model built, nothing provisioned."""
@@ -106,21 +121,15 @@ def test_provision_passes_the_runtime_version_to_the_operator(monkeypatch):
 def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch):
     """cloud_tpu: the trainer slice over all its hosts, the worker slices one worker per host,
     each job placed on its slice and hosts; services publish their addresses under the run."""
-    from tests.tiny_model import save_char_model
-
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
-    save_char_model(str(tmp_path / "model"))
-    params = {
-        "preset": "tiny-arith",
-        "run_root": str(tmp_path / "runs"),
-        "run_id": "r1",
-        "steps": 2,
-        "model_path": str(tmp_path / "model"),
-        "accelerator_type": "v4-16",
-        "worker_accelerator_type": "v5litepod-8",
-        "worker_slices": 2,
-        "overrides": {"trainer.hosts": 2, "placement.mode": "disaggregated"},
-    }
+    params = tiny_params(
+        tmp_path,
+        "r1",
+        accelerator_type="v4-16",
+        worker_accelerator_type="v5litepod-8",
+        worker_slices=2,
+        overrides={"trainer.hosts": 2, "placement.mode": "disaggregated"},
+    )
     p = rc.plan_training(params, "manual__a")
     assert p["slices"] == [
         {"role": "trainer", "name": "rlax-r1-trainer", "accelerator_type": "v4-16",
@@ -148,18 +157,9 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
 
 
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
-    from tests.tiny_model import save_char_model
-
-    save_char_model(str(tmp_path / "model"))
-    params = {
-        "preset": "tiny-arith",
-        "run_root": str(tmp_path / "runs"),
-        "run_id": "r2",
-        "steps": 2,
-        "model_path": str(tmp_path / "model"),
-        "num_workers": 2,
-        "overrides": {"placement.mode": "disaggregated"},
-    }
+    params = tiny_params(
+        tmp_path, "r2", num_workers=2, overrides={"placement.mode": "disaggregated"}
+    )
     p = rc.plan_training(params, "manual__d")  # the local backend
     assert [s["role"] for s in p["slices"]] == ["trainer"]
     assert {w["slice"] for w in p["worker_jobs"]} == {"trainer"}
@@ -215,16 +215,8 @@ def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
     fails the plan, naming the field and the Param that accepts it; with the Param it plans and
     config_changes.jsonl records the change."""
     from rlax_tasks.run_paths import run_paths
-    from tests.tiny_model import save_char_model
 
-    save_char_model(str(tmp_path / "model"))
-    params = {
-        "preset": "tiny-arith",
-        "run_root": str(tmp_path / "runs"),
-        "run_id": "resumed",
-        "steps": 2,
-        "model_path": str(tmp_path / "model"),
-    }
+    params = tiny_params(tmp_path, "resumed")
     rc.plan_training(params, "manual__1")
     changed = {**params, "overrides": {"trainer.learning_rate": 0.5}}
     with pytest.raises(rc.PlanError, match="trainer.learning_rate.*allow_config_change") as info:
@@ -236,17 +228,8 @@ def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
 
 
 def test_plan_refuses_a_dataset_it_cannot_read(tmp_path):
-    from tests.tiny_model import save_char_model
-
-    save_char_model(str(tmp_path / "model"))
     missing = str(tmp_path / "nowhere.jsonl")
-    params = {
-        "preset": "tiny-arith",
-        "run_root": str(tmp_path / "runs"),
-        "run_id": "nodata",
-        "steps": 2,
-        "model_path": str(tmp_path / "model"),
-    }
+    params = tiny_params(tmp_path, "nodata")
     with pytest.raises(rc.PlanError, match="nowhere.jsonl") as info:  # the curated dataset
         rc.plan_training(params, "manual__1", dataset=missing, verifier="math")
     assert "\n" not in str(info.value)
@@ -259,17 +242,8 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
     evaluation it names what is missing."""
     from rlax_tasks.run_paths import run_paths
     from tests.evaluation.test_history import write_results
-    from tests.tiny_model import save_char_model
 
-    save_char_model(str(tmp_path / "model"))
-    params = {
-        "preset": "tiny-arith",
-        "run_root": str(tmp_path / "runs"),
-        "run_id": "reported",
-        "steps": 6,
-        "model_path": str(tmp_path / "model"),
-    }
-    run_dir = rc.plan_training(params, "manual__1")["run_dir"]
+    run_dir = rc.plan_training(tiny_params(tmp_path, "reported", steps=6), "manual__1")["run_dir"]
     paths = run_paths(run_dir)
     write_results(run_dir, 6, 0.5)
     with pytest.raises(FileNotFoundError, match=r"starting weights \(v0\).*found \['v6'\]"):
