@@ -153,7 +153,6 @@ class HeldOutProgress:
         self.client: Any = None
 
     def _version_time(self, version: int) -> float | None:
-
         for row in storage.read_jsonl(self.paths.metrics):
             if row.get("step") == version and "time" in row:
                 return float(row["time"])

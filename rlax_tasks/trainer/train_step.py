@@ -228,8 +228,6 @@ def make_train_step(
             )
             old, entropy = _join_micro(old), _join_micro(entropy)
             old_values = _join_micro(old_values) if has_values else None
-        old = jax.lax.stop_gradient(old)
-        old_values = jax.lax.stop_gradient(old_values) if has_values else None
         obj_batch = objective_batch(batch, old, old_values)
 
         # 2. the objective on the full batch and its cotangent w.r.t. log-probs / values

@@ -195,8 +195,8 @@ class Trainer:
             chunk_size=config.logprob_chunk_size,
             value_loss_coef=config.value_loss_coef,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
-            # one-pass step over several host devices (8 forced devices: a rendezvous timeout,
-            # every time): simulated meshes keep the separate prefill
+            # one-pass step over several host devices (8 forced devices: a rendezvous timeout in
+            # both runs tried; passes with that scheduler off): simulated meshes keep the prefill
             one_forward_pass=not (
                 self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
             ),
