@@ -1029,17 +1029,8 @@ def config_changes(old: Mapping[str, Any], new: RunConfig) -> list[ConfigChange]
 
 def _trained_step(run_dir: str) -> int:
     """The last step in run_dir/metrics.jsonl (0 before the first): where a change applies."""
-    path = run_paths(run_dir).metrics
-    try:
-        data = storage.read_bytes(path) if storage.exists(path) else b""
-    except OSError:
-        return 0
-    for line in reversed(data.splitlines()):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
+    rows = storage.read_jsonl(run_paths(run_dir).metrics)  # local or gs://
+    return next((int(r["step"]) for r in reversed(rows) if "step" in r), 0)
 
 
 def save_resolved(config: RunConfig, allow_config_change: bool = False) -> str:

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from rlax_tasks import notices
-from rlax_tasks.run.progress import format_duration, last_json_line, status_line
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.run.progress import format_duration, status_line, trained_step
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ class DagRunWatcher(threading.Thread):
         self._print(status_line(self.run_dir, self.steps, self.training_started))
 
     def _metrics_step(self) -> int:
-        return int((last_json_line(run_paths(self.run_dir).metrics) or {}).get("step", 0))
+        return trained_step(self.run_dir)
 
     # ------------------------------------------------------------------ failed task's log
     def task_log_tail(self, task: str, n: int) -> list[str]:

@@ -15,7 +15,6 @@ fatal notice, stops the run with that component's own message (``ComponentFailed
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -27,7 +26,7 @@ from rlax_tasks.run import run_lock
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe, is_colocated
 from rlax_tasks.run.preflight import check_datasets
-from rlax_tasks.run.progress import HeldOutProgress, status_line
+from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
 from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
 from rlax_tasks.run_paths import run_paths
@@ -45,23 +44,6 @@ def ensure_model(cfg: RunConfig) -> None:
     # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
     parent, name = os.path.split(os.path.abspath(cfg.model.path))
     ensure_base_model(parent, name=name)
-
-
-def trained_step(run_dir: str) -> int:
-    """The last step in run_dir/metrics.jsonl (0 before the first): how far the run is."""
-    try:
-        with open(run_paths(run_dir).metrics, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
 
 
 def run_local(

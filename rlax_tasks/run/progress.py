@@ -49,6 +49,13 @@ def last_json_line(path: str) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
+def trained_step(run_dir: str) -> int:
+    """The step of the last row of run_dir/metrics.jsonl (0 before the first): how far the run
+    is."""
+    rows = tail_json_lines(run_paths(run_dir).metrics)
+    return next((int(r["step"]) for r in reversed(rows) if "step" in r), 0)
+
+
 def format_duration(seconds: float) -> str:
     """``45s``, ``3m 05s``, ``2h 07m`` (never negative)."""
     s = max(0, int(round(seconds)))
@@ -148,8 +155,7 @@ class HeldOutProgress:
         self.paths = run_paths(run_dir)
         self.path = self.paths.eval_progress
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        last = last_json_line(self.paths.metrics) or {}
-        self.done_step = int(last.get("step", 0))  # a resumed run evaluates new steps only
+        self.done_step = trained_step(run_dir)  # a resumed run evaluates new steps only
         self.client: Any = None
 
     def _version_time(self, version: int) -> float | None:
@@ -175,7 +181,7 @@ class HeldOutProgress:
         log_scalars(self.run_dir, step, scores, HELDOUT)
 
     def maybe_evaluate(self, every: int) -> None:
-        step = int((last_json_line(self.paths.metrics) or {}).get("step", 0))
+        step = trained_step(self.run_dir)
         if step < (self.done_step // every + 1) * every:
             return
         from rlax_tasks.paramserver import ParameterServerClient, ParameterServerError
