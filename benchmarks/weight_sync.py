@@ -1,12 +1,16 @@
 """Weight sync through the parameter server vs the memcpy floor, and vs Arrow Flight, in one run.
 
 A trainer (this process) pushes a ``--gib`` GiB version to a parameter server (`rlax ps serve`,
-its own process) while ``--workers`` worker processes wait in ``pull(min_version=v)``. Measured
-per version: the time from the start of the push until every worker holds the version (pulled,
-every block CRC32C-verified, in its memory) -- vs the floor: the time this machine needs to
-memcpy the same bytes (1 + workers) times with numpy (one push + one pull per worker), measured
-in the same run. Also: each worker's time to converge on a new version (p50, p99 over versions x
-workers).
+its own process) while ``--workers`` worker processes wait in ``pull(min_version=v, out=...)``
+(into the arrays of the version they hold). The workers are on the server's host, so they copy
+each version out of the server's shared memory; then the same again with workers that receive it
+over TCP (``shared_memory=False``, as workers on other hosts do). Measured per version: the time
+from the start of the push until every worker holds the version (pulled, every block
+CRC32C-verified, its values checked, in its memory) -- vs the floor: the time this machine needs
+to memcpy the same bytes (1 + workers) times with numpy (one push + one pull per worker),
+measured in the same run. The first two versions allocate the server's segments and the workers'
+arrays (fresh pages: slow on this VM), so the steady state (from version 3 on) is printed too.
+Also: each worker's time to converge on a new version (p50, p99 over versions x workers).
 
 Then the same versions through Arrow Flight (``pyarrow.flight``), for comparison: a minimal
 Flight server process takes each version by ``do_put`` (one record batch per block: array index,
@@ -15,13 +19,14 @@ in the last batch's metadata) and checks every block's CRC32C and the digest; ``
 client processes ``do_get`` it (the server holds the request until the version exists), check
 every block's CRC32C and the digest, and copy the blocks into preallocated arrays. The same
 guarantees as the parameter server's wire format, through gRPC and Arrow IPC instead of the
-hand-written HTTP framing. The Flight variant lives only here: it is a comparison, not a product
-path.
+hand-written HTTP framing (compared with the TCP variant). The Flight variant lives only here: it
+is a comparison, not a product path.
 
 The machine's load is printed at the start (other processes' busy cores, the load average); when
 other work kept more than 0.2 cores busy the figures are marked CONTENDED.
 
-    .venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--versions 5] [--no-flight]
+    .venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--versions 8] [--no-tcp]
+        [--no-flight]
 """
 
 from __future__ import annotations
@@ -63,18 +68,25 @@ TOKEN = "weight-sync-benchmark"
 CONTENDED_BUSY_CORES = 0.2
 
 
-def _worker(url: str, worker_id: str, versions: int, results: mp.Queue) -> None:
+def _worker(
+    url: str, worker_id: str, versions: int, results: mp.Queue, shared_memory: bool
+) -> None:
     """Pulls each new version as soon as it appears; reports when it holds it."""
     from rlax_tasks.paramserver import ParameterServerClient
 
-    client = ParameterServerClient(url, token=TOKEN, worker_id=worker_id, timeout_s=300)
+    client = ParameterServerClient(
+        url, token=TOKEN, worker_id=worker_id, timeout_s=300, shared_memory=shared_memory
+    )
     client.register()
     held = None
     for v in range(1, versions + 1):
-        held = None  # drop the old version before receiving the new one
-        version, held = client.pull(min_version=v)
+        # into the previous version's arrays: preallocated, as a worker reuses its host buffers
+        version, held = client.pull(min_version=v, out=held)
         done = time.time()
         nbytes = sum(a.nbytes for a in held.values())
+        for name, a in held.items():  # the version's own values (make_params), first and last
+            want = version * 100 + int(name.split(".")[1])
+            assert a.flat[0] == want and a.flat[-1] == want, (name, version)
         client.ack(version)
         results.put({"worker": worker_id, "version": version, "done": done, "bytes": nbytes})
     client.deregister()
@@ -166,8 +178,10 @@ def _drive(
     return _stats(sync_s, push_s, converge_s)
 
 
-def run_http(args: argparse.Namespace, nbytes: int) -> dict:
-    """The parameter server: `rlax ps serve` + ``args.workers`` pulling worker processes."""
+def run_http(args: argparse.Namespace, nbytes: int, shared_memory: bool) -> dict:
+    """The parameter server: `rlax ps serve` + ``args.workers`` pulling worker processes, which
+    copy each version out of the server's shared memory or (``shared_memory`` False) receive it
+    over TCP."""
     env = dict(os.environ, RLAX_PS_TOKEN=TOKEN)
     run_root = tempfile.mkdtemp(prefix="weight-sync-")
     server = subprocess.Popen(
@@ -184,7 +198,7 @@ def run_http(args: argparse.Namespace, nbytes: int) -> dict:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         workers = [
-            ctx.Process(target=_worker, args=(url, f"w{i}", args.versions, results))
+            ctx.Process(target=_worker, args=(url, f"w{i}", args.versions, results, shared_memory))
             for i in range(args.workers)
         ]
         for w in workers:
@@ -196,7 +210,8 @@ def run_http(args: argparse.Namespace, nbytes: int) -> dict:
         deadline = time.time() + 120
         while len(trainer.status()["workers"]) < args.workers and time.time() < deadline:
             time.sleep(0.1)
-        stats = _drive("http", trainer.push, args, nbytes, results)
+        name = "shared memory" if shared_memory else "tcp"
+        stats = _drive(name, trainer.push, args, nbytes, results)
         for w in workers:
             w.join(timeout=120)
     finally:
@@ -408,9 +423,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="size of one version in GiB")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument(
+        "--versions",
+        type=int,
+        default=8,
+        help="versions pushed (the first two allocate memory: see the steady-state figure)",
+    )
     ap.add_argument("--arrays", type=int, default=16, help="arrays per version")
     ap.add_argument("--no-flight", action="store_true", help="skip the Arrow Flight comparison")
+    ap.add_argument("--no-tcp", action="store_true", help="skip the workers-over-TCP variant")
     args = ap.parse_args()
     nbytes = int(args.gib * 2**30) // (args.arrays * 4096) * (args.arrays * 4096)
 
@@ -440,10 +461,12 @@ def main() -> int:
     # the checksum is computed by the trainer and checked by the server and by every worker
     crc_s = nbytes * (2 + args.workers) / rates["crc32c"] / (os.cpu_count() or 1)
 
-    http = run_http(args, nbytes)
+    http = run_http(args, nbytes, shared_memory=True)
+    tcp = None if args.no_tcp else run_http(args, nbytes, shared_memory=False)
     flight = None if args.no_flight else run_flight(args, nbytes)
 
     med = http["sync_median_s"]
+    steady = statistics.median(http["sync_s"][2:]) if args.versions >= 4 else None
     print()
     print(f"version size        {fmt_si(nbytes, 'B')}, {args.workers} workers, "
           f"{args.versions} versions")  # fmt: skip
@@ -453,15 +476,21 @@ def main() -> int:
           f"({nbytes / http['push_median_s'] / 1e9:.2f} GB/s){mark}")  # fmt: skip
     print(f"memcpy floor        {floor_s:.3f}s  = {floor_gbs:.2f} GB/s")
     print(f"ratio sync / floor  {med / floor_s:.2f}x  (target <= 3x){mark}")
+    if steady is not None:
+        print(f"  steady state       {steady / floor_s:.2f}x  (median from version 3 on: the "
+              f"server's segments and the workers' arrays reused){mark}")  # fmt: skip
+    if tcp is not None:
+        tmed = tcp["sync_median_s"]
+        print(f"workers over TCP    {tmed:.3f}s = {tmed / floor_s:.2f}x the floor{mark}")
     print(f"CRC32C lower bound  {crc_s:.3f}s = {crc_s / floor_s:.2f}x the floor on this machine")
     print(
         f"per-worker convergence after the push returns: p50 {http['converge_p50_s']:.3f}s, "
         f"p99 {http['converge_p99_s']:.3f}s (n={args.versions * args.workers}){mark}"
     )
-    if flight is not None:
-        fmed = flight["sync_median_s"]
+    if flight is not None and tcp is not None:
+        fmed, tmed = flight["sync_median_s"], tcp["sync_median_s"]
         print(
-            f"hand-written HTTP framing: {med:.3f} s ({med / floor_s:.2f} x floor) vs "
+            f"over TCP, hand-written HTTP framing: {tmed:.3f} s ({tmed / floor_s:.2f} x floor) vs "
             f"Arrow Flight: {fmed:.3f} s ({fmed / floor_s:.2f} x floor){mark}"
         )
     print(
@@ -475,6 +504,9 @@ def main() -> int:
                 "crc32c_bound_s": crc_s,
                 "checksum_rates_bytes_per_s": rates,
                 "ratio": med / floor_s,
+                "steady_ratio": None if steady is None else steady / floor_s,
+                "tcp": tcp,
+                "tcp_ratio": None if tcp is None else tcp["sync_median_s"] / floor_s,
                 "converge_p50_s": http["converge_p50_s"],
                 "converge_p99_s": http["converge_p99_s"],
                 "flight": flight,

@@ -42,6 +42,7 @@ with the server's reason, not as a broken connection.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import os
@@ -54,12 +55,13 @@ import jax
 import numpy as np
 
 from rlax_tasks.endpoints import Endpoint
+from rlax_tasks.paramserver import shared_memory as shm
 from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
 from rlax_tasks.paramserver.server import (
     PART_HEADER,
     PARTS_HEADER,
+    SHARED_MEMORY_TYPE,
     TOKEN_ENV,
-    VERSION_HEADER,
     WORKER_HEADER,
 )
 from rlax_tasks.paramserver.store import VersionConflictError
@@ -135,9 +137,13 @@ class ParameterServerClient:
         retries: int = 3,
         hash_threads: int = 0,
         push_wait_s: float = 600.0,
+        shared_memory: bool = True,
     ) -> None:
-        """``hash_threads`` is accepted and ignored: CRC32C runs inline at about memcpy speed
-        (a thread pool measured no faster; google_crc32c holds the GIL for numpy buffers)."""
+        """``shared_memory``: on the server's host, pulls copy a version out of the server's
+        shared memory instead of receiving it over TCP (same checks; TCP when it is not
+        possible). ``hash_threads`` is accepted and ignored: CRC32C runs inline at about memcpy
+        speed (a thread pool measured no faster; google_crc32c holds the GIL for numpy
+        buffers)."""
         del hash_threads
         # a URL, or the service file the PS publishes its address to (followed when it moves)
         self._endpoint = Endpoint(url)
@@ -155,6 +161,8 @@ class ParameterServerClient:
         self.worker_id = worker_id
         self.timeout_s, self.chunk_bytes, self.retries = timeout_s, chunk_bytes, retries
         self.push_wait_s = push_wait_s
+        self._local = shm.host_identity() if shared_memory else ""
+        self._segments = shm.SegmentReader()  # the server's segments, mapped between pulls
         self._heartbeat_stop: threading.Event | None = None
         # the small JSON calls (the data plane streams over its own connections)
         self._http = JsonClient(
@@ -204,10 +212,12 @@ class ParameterServerClient:
         threading.Thread(target=loop, name="ps-heartbeat", daemon=True).start()
 
     def close(self) -> None:
-        """Stops heartbeats (the server forgets this worker after its timeout)."""
+        """Stops heartbeats (the server forgets this worker after its timeout) and lets go of
+        the server's shared memory."""
         if self._heartbeat_stop is not None:
             self._heartbeat_stop.set()
             self._heartbeat_stop = None
+        self._segments.close()
 
     def __enter__(self) -> ParameterServerClient:
         return self
@@ -387,6 +397,7 @@ class ParameterServerClient:
         shardings: Any = None,
         like: Any = None,
         timeout_s: float | None = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, Any]:
         """(version, params) of the newest version, waiting until it is >= ``min_version``.
 
@@ -394,7 +405,9 @@ class ParameterServerClient:
         for every array, or a dict / pytree of shardings by name: arrays are placed there (as
         ``jax.Array``). ``like``: a template pytree (e.g. ``Policy.params``): the result has its
         structure, and arrays go where the template's leaves live unless ``shardings`` says
-        otherwise. Waits at most ``timeout_s`` (default: the client's) for a new version
+        otherwise. ``out``: host arrays by name (an earlier pull's result) to receive into
+        instead of new ones -- no fresh pages per version; their contents are undefined if the
+        pull fails. Waits at most ``timeout_s`` (default: the client's) for a new version
         (PullTimeoutError); a corrupted block makes it pull again, up to ``retries`` times
         (then CorruptedWeightsError).
         """
@@ -405,7 +418,10 @@ class ParameterServerClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                result = self._pull_once("/v1/pull", query, max(left, 0.0), shardings, like)
+                result = self._pull_once("/v1/pull", query, max(left, 0.0), shardings, like, out)
+            except shm.SegmentGoneError as e:  # recycled before we read it: a newer one is in
+                log.debug("%s; pulling again", e)
+                continue
             except (ChecksumError, WireError) as e:
                 failures += 1
                 if failures > self.retries:
@@ -427,14 +443,23 @@ class ParameterServerClient:
                 )
 
     def pull_version(
-        self, version: int, *, shardings: Any = None, like: Any = None
+        self,
+        version: int,
+        *,
+        shardings: Any = None,
+        like: Any = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, Any]:
         """A specific version (ParameterServerError if the server no longer holds it)."""
-        for attempt in range(self.retries + 1):
+        path = f"/v1/versions/{int(version)}"
+        attempt = 0
+        while True:
             try:
-                result = self._pull_once(f"/v1/versions/{int(version)}", {}, 0.0, shardings, like)
+                result = self._pull_once(path, {}, 0.0, shardings, like, out)
                 assert result is not None
                 return result
+            except shm.SegmentGoneError:  # gone from memory: asked again, the server says so
+                continue
             except (ChecksumError, WireError) as e:
                 if attempt == self.retries:
                     raise CorruptedWeightsError(
@@ -444,14 +469,17 @@ class ParameterServerClient:
             except _TRANSPORT_ERRORS as e:
                 what = f"pull of version {version} from {self.url}"
                 self._transfer_failed(e, attempt, what, attempt >= self.retries)
-        raise AssertionError  # pragma: no cover
+            attempt += 1
 
     def _pull_once(
-        self, path: str, query: dict, wait_s: float, shardings: Any, like: Any
+        self, path: str, query: dict, wait_s: float, shardings: Any, like: Any, out: Any
     ) -> tuple[int, Any] | None:
+        asked = query
         if path == "/v1/pull":  # the server holds a poll for less anyway (its max_wait_s)
             wait_s = min(wait_s, MAX_WAIT_S)
             query = {**query, "wait_s": f"{wait_s:.3f}"}
+        if self._local:  # on the server's host, it answers with where the version lies
+            query = {**query, "local": self._local}
         target = path + ("?" + urllib.parse.urlencode(query) if query else "")
         conn = self._connection(self.timeout_s + wait_s)
         try:
@@ -464,78 +492,78 @@ class ParameterServerClient:
                 self._raise_for_status(resp.status, resp.read(), f"GET {path}")
             conn.sock.settimeout(self.timeout_s)  # the body: the normal stall limit again
             t0 = time.perf_counter()
-            version, arrays = self._receive(resp, shardings, like)
+            if resp.getheader("Content-Type") == SHARED_MEMORY_TYPE:
+                descriptor = json.loads(resp.read())
+                conn.close()
+                try:
+                    version, arrays = self._receive_shared(descriptor, shardings, like, out)
+                except shm.SegmentGoneError:
+                    raise
+                except OSError as e:  # e.g. /proc/<pid>/fd not ours to open: TCP from now on
+                    log.info("shared memory of %s unusable (%s); pulling over TCP", self.url, e)
+                    self._local = ""
+                    return self._pull_once(path, asked, wait_s, shardings, like, out)
+                how = "shared memory"
+            else:
+                version, arrays = self._receive(resp, shardings, like, out)
+                how = "TCP"
             log.debug(
-                "pulled version %s (%s) in %.2fs",
-                version,
-                resp.getheader(VERSION_HEADER),
-                time.perf_counter() - t0,
+                "pulled version %s through %s in %.2fs", version, how, time.perf_counter() - t0
             )
         finally:
             conn.close()
         return version, arrays
 
-    def _receive(self, resp: Any, shardings: Any, like: Any) -> tuple[int, Any]:
+    def _receive(self, resp: Any, shardings: Any, like: Any, out: Any) -> tuple[int, Any]:
         """Reads one wire stream into arrays (verified, then placed); returns (version, params)."""
         manifest = read_manifest(resp)
-        template = flatten_named(like) if like is not None else None
-        targets = _target_shardings(manifest, shardings, template)
-        arrays: dict[str, Any] = {}
-        headers: list[BlockHeader] = []
-        scratch = np.empty(0, np.uint8)
-        current, host, covered = -1, None, 0
 
-        def finish() -> None:
-            spec = manifest.arrays[current]
-            if covered != spec.nbytes:
-                raise WireError(f"array {spec.name!r}: blocks cover {covered} of {spec.nbytes}")
-            sharding = targets.get(spec.name)
-            arrays[spec.name] = host if sharding is None else jax.device_put(host, sharding)
+        def blocks() -> Any:
+            for _ in range(manifest.num_blocks):
+                header = read_block_header(resp, manifest)
 
-        for block_no in range(manifest.num_blocks):
-            header = read_block_header(resp, manifest)
-            if header.array != current:
-                if header.array < current or manifest.arrays[header.array].name in arrays:
-                    raise WireError("blocks of an array are not contiguous in the stream")
-                if current >= 0:
-                    finish()
-                current, covered = header.array, 0
-                spec = manifest.arrays[current]
-                host = np.empty(spec.shape, resolve_dtype(spec.dtype))
-            dest = host[header.region + (Ellipsis,)]
-            staged = not dest.flags.c_contiguous
-            if staged:  # a region not contiguous in the array: through a staging buffer
-                if scratch.size < header.nbytes:
-                    scratch = np.empty(header.nbytes, np.uint8)
-                view = memoryview(scratch[: header.nbytes])
-            else:  # straight into its place
-                view = memoryview(dest.reshape(-1).view(np.uint8))
-            read_into(resp, view)
-            got = crc32c(view)
-            if got != header.crc32c:
-                raise ChecksumError(
-                    f"version {manifest.version}: block {block_no} of array "
-                    f"{manifest.arrays[current].name!r} fails its CRC32C (computed {got:#010x}, "
-                    f"sent {header.crc32c:#010x})"
-                )
-            if staged:
-                np.copyto(dest, scratch[: header.nbytes].view(dest.dtype).reshape(header.shape))
-            covered += header.nbytes
-            headers.append(header)
-        if current >= 0:
-            finish()
+                def fill(view: memoryview) -> int:
+                    read_into(resp, view)
+                    return crc32c(view)
+
+                yield header, fill
+
+        version, params, headers = _place_blocks(manifest, blocks(), shardings, like, out)
         read_end(resp, manifest, headers)
-        for spec in manifest.arrays:  # empty arrays have no blocks
-            if spec.name not in arrays:
-                if spec.nbytes:
-                    raise WireError(f"array {spec.name!r} received no blocks")
-                empty = np.empty(spec.shape, resolve_dtype(spec.dtype))
-                sharding = targets.get(spec.name)
-                arrays[spec.name] = empty if sharding is None else jax.device_put(empty, sharding)
-        ordered = {spec.name: arrays[spec.name] for spec in manifest.arrays}
-        if like is not None:
-            return manifest.version, unflatten_named(like, ordered)
-        return manifest.version, ordered
+        return version, params
+
+    def _receive_shared(
+        self, descriptor: dict, shardings: Any, like: Any, out: Any
+    ) -> tuple[int, Any]:
+        """Copies a version out of the server's shared memory (a descriptor: manifest, block
+        headers, where each block lies), each block's CRC32C and the digest checked as on TCP."""
+        try:
+            manifest = Manifest.from_json(descriptor["manifest"])
+            raw_blocks = descriptor["blocks"]
+            digest = bytes.fromhex(descriptor["digest"])
+            segments = descriptor["segments"]
+            if len(raw_blocks) != manifest.num_blocks:
+                raise WireError(f"{len(raw_blocks)} blocks for a manifest of {manifest.num_blocks}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"malformed shared-memory descriptor: {e!r}") from None
+        with self._segments.reading(segments, descriptor.get("live")) as copy:
+
+            def blocks() -> Any:
+                for raw, segment, offset in raw_blocks:
+                    header = read_block_header(io.BytesIO(bytes.fromhex(raw)), manifest)
+
+                    def fill(view: memoryview, segment: int = segment, offset: int = offset) -> int:
+                        return copy(segment, offset, view)
+
+                    yield header, fill
+
+            version, params, headers = _place_blocks(manifest, blocks(), shardings, like, out)
+        if digest != version_digest(manifest, headers):
+            raise WireError(
+                f"version {manifest.version}: the descriptor's digest does not match its manifest "
+                "and block headers"
+            )
+        return version, params
 
     # ------------------------------------------------------------------ plumbing
     def _require_worker(self) -> str:
@@ -617,6 +645,109 @@ def _error_message(body: bytes) -> str:
 
 
 # --------------------------------------------------------------------------- push planning
+def _place_blocks(
+    manifest: Manifest, blocks: Any, shardings: Any, like: Any, out: Any
+) -> tuple[int, Any, list[BlockHeader]]:
+    """Fills host arrays from ``blocks`` -- (header, fill) pairs in stream order, ``fill(view)``
+    writing the block's bytes into ``view`` and returning their CRC32C -- checking each block
+    as it lands, then places them (``shardings`` / ``like``). Returns (version, params, headers)."""
+    template = flatten_named(like) if like is not None else None
+    targets = _target_shardings(manifest, shardings, template)
+    buffers = _check_out(manifest, out) if out is not None else {}
+    arrays: dict[str, Any] = {}
+    headers: list[BlockHeader] = []
+    scratch = np.empty(0, np.uint8)
+    current, host, covered = -1, None, 0
+
+    def host_array(spec: ArraySpec) -> np.ndarray:
+        if spec.name in buffers:
+            return buffers[spec.name]
+        return np.empty(spec.shape, resolve_dtype(spec.dtype))
+
+    def finish() -> None:
+        spec = manifest.arrays[current]
+        if covered != spec.nbytes:
+            raise WireError(f"array {spec.name!r}: blocks cover {covered} of {spec.nbytes}")
+        sharding = targets.get(spec.name)
+        arrays[spec.name] = host if sharding is None else jax.device_put(host, sharding)
+
+    for block_no, (header, fill) in enumerate(blocks):
+        if header.array != current:
+            if header.array < current or manifest.arrays[header.array].name in arrays:
+                raise WireError("blocks of an array are not contiguous in the stream")
+            if current >= 0:
+                finish()
+            current, covered = header.array, 0
+            host = host_array(manifest.arrays[current])
+        dest = host[header.region + (Ellipsis,)]
+        staged = not dest.flags.c_contiguous
+        if staged:  # a region not contiguous in the array: through a staging buffer
+            if scratch.size < header.nbytes:
+                scratch = np.empty(header.nbytes, np.uint8)
+            view = memoryview(scratch[: header.nbytes])
+        else:  # straight into its place
+            view = memoryview(dest.reshape(-1).view(np.uint8))
+        got = fill(view)
+        if got != header.crc32c:
+            raise ChecksumError(
+                f"version {manifest.version}: block {block_no} of array "
+                f"{manifest.arrays[current].name!r} fails its CRC32C (computed {got:#010x}, "
+                f"sent {header.crc32c:#010x})"
+            )
+        if staged:
+            np.copyto(dest, scratch[: header.nbytes].view(dest.dtype).reshape(header.shape))
+        covered += header.nbytes
+        headers.append(header)
+    if current >= 0:
+        finish()
+    if len(headers) != manifest.num_blocks:
+        raise WireError(f"received {len(headers)} blocks of {manifest.num_blocks}")
+    for spec in manifest.arrays:  # empty arrays have no blocks
+        if spec.name not in arrays:
+            if spec.nbytes:
+                raise WireError(f"array {spec.name!r} received no blocks")
+            empty = host_array(spec)
+            sharding = targets.get(spec.name)
+            arrays[spec.name] = empty if sharding is None else jax.device_put(empty, sharding)
+    ordered = {spec.name: arrays[spec.name] for spec in manifest.arrays}
+    if like is not None:
+        return manifest.version, unflatten_named(like, ordered), headers
+    return manifest.version, ordered, headers
+
+
+def _check_out(manifest: Manifest, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``out`` checked against the version: the same names, each a writable C-contiguous numpy
+    array of the array's shape and dtype (ValueError naming the first that is not)."""
+    if not isinstance(out, dict):
+        raise ValueError(f"out must be a dict of numpy arrays by name, got {type(out).__name__}")
+    names = [a.name for a in manifest.arrays]
+    missing, extra = sorted(set(names) - set(out)), sorted(set(out) - set(names))
+    if missing or extra:
+        raise ValueError(
+            f"out does not match version {manifest.version}: missing {missing[:5]}, "
+            f"not in the version {extra[:5]}"
+        )
+    for spec in manifest.arrays:
+        buf = out[spec.name]
+        dtype = resolve_dtype(spec.dtype)
+        ok = (
+            isinstance(buf, np.ndarray)
+            and tuple(buf.shape) == spec.shape
+            and buf.dtype == dtype
+            and buf.flags.c_contiguous
+            and buf.flags.writeable
+        )
+        if not ok:
+            got = type(buf).__name__
+            if isinstance(buf, np.ndarray):
+                got = f"{buf.dtype}{list(buf.shape)}"
+            raise ValueError(
+                f"out[{spec.name!r}] is {got}; version {manifest.version} needs a writable "
+                f"C-contiguous {dtype}{list(spec.shape)} numpy array"
+            )
+    return out
+
+
 class _PlannedBlock:
     """One block to send: its place in the global array and how to get its bytes."""
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks import storage
-from rlax_tasks.paramserver.store import Block, WeightVersion
+from rlax_tasks.paramserver.store import Block, VersionGoneError, WeightVersion
 from rlax_tasks.paramserver.wire import (
     FORMAT,
     LEGACY_FORMATS,
@@ -63,7 +63,7 @@ def write_version(run_root: str, weights: WeightVersion) -> None:
     """Writes one version (data first, COMMIT marker last)."""
     prefix = version_dir(run_root, weights.version)
     storage.delete_prefix(prefix)  # leftovers of an interrupted earlier attempt
-    with storage.open_write(storage.join(prefix, DATA)) as fh:
+    with weights.pinned(), storage.open_write(storage.join(prefix, DATA)) as fh:
         for frame in weights.frames():
             fh.write(frame)
     marker = {
@@ -222,6 +222,8 @@ class Mirror:
                     time.perf_counter() - t0,
                 )
                 self._prune()
+            except VersionGoneError:  # garbage-collected before its turn: a newer one follows
+                log.info("version %d left memory before it was mirrored", weights.version)
             except Exception:  # noqa: BLE001 - storage errors must not kill the server
                 self.errors += 1
                 log.exception("mirroring version %d failed", weights.version)

@@ -74,6 +74,7 @@ import numpy as np
 
 from rlax_tasks.endpoints import add_address_args, announce, bind_host, listen
 from rlax_tasks.paramserver import mirror as mirror_mod
+from rlax_tasks.paramserver import shared_memory
 from rlax_tasks.paramserver.store import (
     Assembly,
     Block,
@@ -81,6 +82,7 @@ from rlax_tasks.paramserver.store import (
     PartsMissingError,
     UnknownVersionError,
     VersionConflictError,
+    VersionGoneError,
     VersionStore,
     VersionTooLargeError,
     WeightVersion,
@@ -117,6 +119,8 @@ WORKER_HEADER = "X-RLAX-Worker"
 VERSION_HEADER = "X-RLAX-Version"
 PART_HEADER = "X-RLAX-Push-Part"  # this push is part i (0-based) ...
 PARTS_HEADER = "X-RLAX-Push-Parts"  # ... of n parts of a multi-host version
+# a pull answered with where the version lies in shared memory (the puller is on this host)
+SHARED_MEMORY_TYPE = "application/vnd.rlax.shared-memory+json"
 MAX_PARTS = 65536
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
@@ -139,6 +143,8 @@ class ServerConfig:
     verify_push: bool = True  # check every pushed block's CRC32C before the version is visible
     hash_threads: int = 0  # ignored (CRC32C is checked inline); kept for existing configs
     assembly_timeout_s: float = 600.0  # every part of a multi-host push within this of the first
+    # versions live in shared memory; pulls from this host copy them from there, not over TCP
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -167,11 +173,17 @@ class ParameterServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.segments = (
+            shared_memory.SegmentPool()
+            if config.shared_memory and shared_memory.available()
+            else None
+        )
         self.store = VersionStore(
             config.keep_versions,
             config.worker_timeout_s,
             keep_bytes=config.keep_bytes,
             assembly_timeout_s=config.assembly_timeout_s,
+            segments=self.segments,
         )
         self.mirror = (
             mirror_mod.Mirror(config.run_root, config.mirror_every, config.mirror_keep)
@@ -327,6 +339,7 @@ class ParameterServer:
         Stops early when the version being assembled is abandoned meanwhile (its error)."""
         blocks: list[Block] = []
         covered = [0] * len(manifest.arrays)
+        segment, offset = self._take_segment(reader.left), 0
         for block_no in range(manifest.num_blocks):
             if assembly is not None and assembly.error is not None:
                 kind, message = assembly.error
@@ -340,7 +353,10 @@ class ParameterServer:
                     f"block {block_no} of {header.nbytes} bytes, but the body has {reader.left} "
                     "left"
                 )
-            data = np.empty(header.nbytes, np.uint8)
+            if segment is None:
+                data = np.empty(header.nbytes, np.uint8)
+            else:
+                data = segment.data(offset, header.nbytes)
             read_into(reader, memoryview(data))
             if self.config.verify_push and (got := crc32c(data)) != header.crc32c:
                 raise ChecksumError(
@@ -348,11 +364,25 @@ class ParameterServer:
                     f"{got:#010x}, sent {header.crc32c:#010x})"
                 )
             covered[header.array] += header.nbytes
-            blocks.append(Block(header, data))
+            blocks.append(Block(header, data, segment, offset))
+            offset += header.nbytes
         read_end(reader, manifest, [b.header for b in blocks])
         if reader.left:
             raise WireError(f"{reader.left} bytes after the end frame")
+        if segment is not None:
+            segment.stamp(manifest.version)  # complete and verified: same-host pulls may read it
         return blocks
+
+    def _take_segment(self, nbytes: int) -> shared_memory.Segment | None:
+        """Shared memory for a stream's blocks (at most ``nbytes``); None (private memory) when
+        shared memory is off or full."""
+        if self.segments is None:
+            return None
+        try:
+            return self.segments.take(nbytes)
+        except OSError as e:  # /dev/shm full or memfd refused: the bytes still arrive
+            log.warning("no shared memory for %d bytes (%s); using private memory", nbytes, e)
+            return None
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -476,14 +506,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             min_version = _int_param(query, "min_version")
             wait_s = min(_wait_param(query), ps.config.max_wait_s)
             weights = ps.store.wait_for(min_version, wait_s)
-            if weights is None:
-                return self._send_json(204, None)
-            return self._send_version(weights)
+            while weights is not None:
+                try:
+                    return self._send_version(weights, query)
+                except VersionGoneError:  # garbage-collected meanwhile: a newer one is in
+                    weights = ps.store.wait_for(min_version, 0.0)
+            return self._send_json(204, None)
         if len(route) == 2 and route[0] == "versions":
             version = _int_segment(route[1], "version")
             if method == "GET":
                 try:
-                    return self._send_version(ps.store.get(version))
+                    return self._send_version(ps.store.get(version), query)
                 except UnknownVersionError:
                     raise _HTTPError(
                         404, f"version {version} is not held (held: {ps.store.versions()})"
@@ -606,16 +639,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
         return part, parts
 
-    def _send_version(self, weights: WeightVersion) -> None:
+    def _send_version(self, weights: WeightVersion, query: dict[str, list[str]]) -> None:
+        """The version's wire stream; or, to a puller on this host (its ``local`` identity is
+        ours), where the version lies in shared memory."""
+        local = query.get("local", [""])[0]
+        with weights.pinned():  # VersionGoneError (404) if it was recycled meanwhile
+            if local and local == shared_memory.host_identity() and weights.shared():
+                return self._send_descriptor(weights)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(weights.stream_length()))
+            self.send_header(VERSION_HEADER, str(weights.version))
+            self.end_headers()
+            t0 = time.perf_counter()
+            for frame in weights.frames():
+                self.wfile.write(frame)
+        log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
+
+    def _send_descriptor(self, weights: WeightVersion) -> None:
+        segments = weights.segments()
+        index = {id(s): i for i, s in enumerate(segments)}
+        body = json.dumps(
+            {
+                "manifest": weights.manifest.to_json(),
+                "digest": weights.digest.hex(),
+                "segments": [s.describe() for s in segments],
+                "live": self.ps.segments.live_inodes(),  # the rest, readers may let go of
+                "blocks": [
+                    [b.header.encode().hex(), index[id(b.segment)], b.offset]
+                    for b in weights.blocks
+                ],
+            }
+        ).encode()
         self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(weights.stream_length()))
+        self.send_header("Content-Type", SHARED_MEMORY_TYPE)
+        self.send_header("Content-Length", str(len(body)))
         self.send_header(VERSION_HEADER, str(weights.version))
         self.end_headers()
-        t0 = time.perf_counter()
-        for frame in weights.frames():
-            self.wfile.write(frame)
-        log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
+        self.wfile.write(body)
 
     def _body_length(self, method: str) -> int:
         """The request's Content-Length, checked before any of the body is read: digits only,
@@ -725,6 +786,11 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
         "--no-verify-push", action="store_true", help="skip the server-side CRC32C check of pushes"
     )
     p.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="keep versions in private memory: workers on this host pull over TCP too",
+    )
+    p.add_argument(
         "--assembly-timeout",
         type=float,
         default=600.0,
@@ -748,6 +814,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
             io_timeout_s=args.io_timeout,
             verify_push=not args.no_verify_push,
             assembly_timeout_s=args.assembly_timeout,
+            shared_memory=not args.no_shared_memory,
         )
         return serve_forever(config, publish_to=args.publish)
 

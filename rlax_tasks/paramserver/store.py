@@ -31,6 +31,7 @@ by its parts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from rlax_tasks.paramserver.shared_memory import Segment, SegmentPool
 from rlax_tasks.paramserver.wire import (
     END_FRAME_SIZE,
     BlockHeader,
@@ -61,6 +63,10 @@ class UnknownVersionError(KeyError):
     """The version asked for is not (or no longer) held in memory."""
 
 
+class VersionGoneError(UnknownVersionError):
+    """The version was garbage-collected and its shared memory reused before it could be read."""
+
+
 class VersionTooLargeError(ValueError):
     """A pushed version can never fit in ``keep_bytes`` (the message names both numbers)."""
 
@@ -78,6 +84,8 @@ class PartsMissingError(RuntimeError):
 class Block:
     header: BlockHeader
     data: np.ndarray  # uint8, header.nbytes long
+    segment: Segment | None = None  # the shared memory ``data`` lies in (None: private memory)
+    offset: int = 0  # where in the segment
 
 
 @dataclasses.dataclass
@@ -97,8 +105,36 @@ class WeightVersion:
     def version(self) -> int:
         return self.manifest.version
 
+    def segments(self) -> list[Segment]:
+        """The shared-memory segments its blocks lie in, in order of first use."""
+        seen: dict[int, Segment] = {}
+        for b in self.blocks:
+            if b.segment is not None:
+                seen.setdefault(id(b.segment), b.segment)
+        return list(seen.values())
+
+    def shared(self) -> bool:
+        """Whether every block lies in shared memory (a same-host worker may read it there)."""
+        return bool(self.blocks) and all(b.segment is not None for b in self.blocks)
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[WeightVersion]:
+        """Reads of its bytes inside are safe: its segments are not recycled meanwhile.
+        VersionGoneError if one already was (the version was garbage-collected)."""
+        segments = self.segments()
+        for segment in segments:
+            segment.pin()
+        try:
+            if any(s.version != self.version for s in segments):
+                raise VersionGoneError(self.version)
+            yield self
+        finally:
+            for segment in segments:
+                segment.unpin()
+
     def frames(self) -> Iterator[bytes | memoryview]:
-        """The wire stream of this version (manifest, block frames, end frame)."""
+        """The wire stream of this version (manifest, block frames, end frame); iterate it
+        inside ``pinned()``."""
         yield self.manifest.encode()
         for b in self.blocks:
             yield b.header.encode()
@@ -165,7 +201,10 @@ class VersionStore:
         clock: Callable[[], float] = time.monotonic,
         keep_bytes: int | None = None,
         assembly_timeout_s: float = 600.0,
+        segments: SegmentPool | None = None,
     ) -> None:
+        """``segments``: where garbage-collected versions' shared memory goes for reuse (its
+        spare segment is given up first when ``keep_bytes`` needs the room)."""
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         if keep_bytes is not None and keep_bytes < 1:
@@ -184,6 +223,7 @@ class VersionStore:
         self._waiting: collections.Counter = collections.Counter()  # versions waiting for room
         self._workers: dict[str, WorkerState] = {}
         self._latest: int | None = None
+        self._segments = segments
 
     # ------------------------------------------------------------------ versions
     def latest(self) -> WeightVersion | None:
@@ -603,7 +643,12 @@ class VersionStore:
             oldest = min(self._versions)
             if oldest == self._latest or (held_from is not None and oldest >= held_from):
                 break
-            del self._versions[oldest]
+            gone = self._versions.pop(oldest)
+            for segment in gone.segments():
+                if need or self._segments is None:  # its room is wanted: no spare
+                    segment.close()
+                else:
+                    self._segments.retire(segment)
             deleted.append(oldest)
         if deleted:
             log.info("garbage-collected versions %s", deleted)
@@ -620,9 +665,11 @@ class VersionStore:
         return sum(w.manifest.nbytes for w in self._versions.values())
 
     def _in_use_locked(self, exclude: int | None = None) -> int:
-        """Bytes of versions held plus the room of pushes in flight (but ``exclude``'s)."""
+        """Bytes of versions held, the room of pushes in flight (but ``exclude``'s) and the
+        spare shared-memory segment kept for reuse."""
         reserved = sum(p.nbytes for v, p in self._pushing.items() if v != exclude)
-        return self._held_bytes_locked() + reserved
+        spare = 0 if self._segments is None else self._segments.free_bytes()
+        return self._held_bytes_locked() + reserved + spare
 
     def _make_room_locked(self, version: int, nbytes: int, deadline: float) -> bool:
         """Frees room for ``nbytes`` of ``version`` (GC), waiting until ``deadline`` (monotonic)
@@ -637,6 +684,10 @@ class VersionStore:
                 self._check_newer_locked(version)  # a newer push may have committed meanwhile
                 self._check_fits_ever_locked(version, nbytes)
                 if version == min(self._waiting):  # lowest version first: no starving
+                    if self._segments is not None and (
+                        self._in_use_locked(exclude=version) + nbytes > self.keep_bytes
+                    ):
+                        self._segments.drop_free()  # the spare goes before any version
                     self._gc_locked(need=nbytes, exclude=version)
                     if self._in_use_locked(exclude=version) + nbytes <= self.keep_bytes:
                         if warned:

@@ -387,9 +387,7 @@ class BlockHeaderV1:
 
 def read_block_header_v1(fh: BinaryIO, manifest: Manifest) -> BlockHeaderV1:
     """The next block header of a format-1 stream, validated like ``read_block_header``."""
-    array, ndim, nbytes, sha = _read_frame(
-        fh, _BLOCK_V1, _BLOCK_MAGIC_V1, "a format-1 block frame"
-    )
+    array, ndim, nbytes, sha = _read_frame(fh, _BLOCK_V1, _BLOCK_MAGIC_V1, "a format-1 block frame")
     start, stop = _read_region(fh, manifest, array, ndim, nbytes)
     return BlockHeaderV1(array, start, stop, nbytes, sha)
 

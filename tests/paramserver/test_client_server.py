@@ -128,7 +128,10 @@ def test_versions_strictly_increase_and_pull_waits_with_a_timeout(server, client
     _check(3, arrays)
 
 
-def test_trainer_pushes_while_four_workers_pull(make_server, client_for):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "tcp"])
+def test_trainer_pushes_while_four_workers_pull(make_server, client_for, shared_memory):
+    """Versions recycle the shared memory of collected ones while workers read: every pull is
+    one whole version, never mixed with another."""
     server = make_server(keep_versions=2)
     last = 8
     trainer = client_for(server.address, chunk_bytes=16 * 1024)
@@ -136,7 +139,9 @@ def test_trainer_pushes_while_four_workers_pull(make_server, client_for):
     errors: list[BaseException] = []
 
     def work(wid: str) -> None:
-        c = client_for(server.address, worker_id=wid, chunk_bytes=16 * 1024)
+        c = client_for(
+            server.address, worker_id=wid, chunk_bytes=16 * 1024, shared_memory=shared_memory
+        )
         try:
             c.register()
             v = 0
@@ -224,7 +229,7 @@ def test_corrupted_chunk_is_detected_and_the_pull_retried(server, client_for, ca
     client_for(server.address, chunk_bytes=chunk).push(1, data)
     proxy = CorruptingProxy(int(server.address.rsplit(":", 1)[1]), _mid_block_offset(chunk), 1)
     try:
-        worker = client_for(proxy.url, worker_id="w0", retries=2)
+        worker = client_for(proxy.url, worker_id="w0", retries=2, shared_memory=False)
         with caplog.at_level(logging.WARNING, "rlax_tasks.paramserver.client"):
             version, got = worker.pull()
         assert proxy.corrupted == 1
@@ -240,7 +245,7 @@ def test_persistent_corruption_is_a_clear_error(server, client_for):
     client_for(server.address, chunk_bytes=chunk).push(1, data)
     proxy = CorruptingProxy(int(server.address.rsplit(":", 1)[1]), _mid_block_offset(chunk), 99)
     try:
-        worker = client_for(proxy.url, retries=2)
+        worker = client_for(proxy.url, retries=2, shared_memory=False)
         with pytest.raises(
             CorruptedWeightsError, match="3 times.*block 2 of array 'w' fails its CRC32C"
         ):
