@@ -30,6 +30,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import struct
 import sys
@@ -49,6 +50,7 @@ DATA_OFFSET = 4096  # the stamp's page; block data starts after it
 _STAMP = struct.Struct("!4sQ16s")  # magic, version, nonce
 _STAMP_MAGIC = b"RXS1"
 _CLEARED = b"\0" * _STAMP.size
+_SEGMENT_PATH = re.compile(r"/proc/\d+/fd/\d+")
 COPY_CHUNK_BYTES = 1 << 20  # copy and CRC32C a block in L2-sized pieces: the CRC reads it hot
 
 
@@ -267,6 +269,8 @@ class _Mapped:
     """One segment opened read-only and mapped (populated: no page faults while copying)."""
 
     def __init__(self, path: str, inode: int, size: int) -> None:
+        if not _SEGMENT_PATH.fullmatch(path):  # only another process's descriptor, no file
+            raise WireError(f"descriptor names {path[:80]!r}, not a /proc/<pid>/fd/<n> segment")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:

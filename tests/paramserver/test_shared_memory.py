@@ -16,6 +16,7 @@ import pytest
 from rlax_tasks.paramserver import CorruptedWeightsError
 from rlax_tasks.paramserver import shared_memory as shm
 from rlax_tasks.paramserver.server import SHARED_MEMORY_TYPE
+from rlax_tasks.paramserver.wire import WireError
 from tests.paramserver.helpers import TOKEN, start_server_process
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
@@ -135,6 +136,10 @@ def test_segments_are_recycled_and_a_stale_descriptor_is_refused(make_server, cl
     reader = shm.SegmentReader()
     with pytest.raises(shm.SegmentGoneError, match="no longer holds version 1"):
         with reader.reading(stale["segments"]):
+            pass
+    elsewhere = [dict(stale["segments"][0], path="/etc/passwd")]
+    with pytest.raises(WireError, match="not a /proc/<pid>/fd/<n> segment"):
+        with reader.reading(elsewhere):
             pass
     reader.close()
     _assert_equal(worker.pull()[1], _params(3))
