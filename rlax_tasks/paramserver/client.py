@@ -405,12 +405,13 @@ class ParameterServerClient:
         for every array, or a dict / pytree of shardings by name: arrays are placed there (as
         ``jax.Array``). ``like``: a template pytree (e.g. ``Policy.params``): the result has its
         structure, and arrays go where the template's leaves live unless ``shardings`` says
-        otherwise. ``out``: host arrays by name (an earlier pull's result) to receive into
-        instead of new ones -- no fresh pages per version; their contents are undefined if the
-        pull fails. Waits at most ``timeout_s`` (default: the client's) for a new version
-        (PullTimeoutError); a corrupted block makes it pull again, up to ``retries`` times
-        (then CorruptedWeightsError).
+        otherwise. ``out``: host arrays by name (an earlier pull's result, without ``shardings``
+        or ``like``) to receive into instead of new ones -- no fresh pages per version; their
+        contents are undefined if the pull fails. Waits at most ``timeout_s`` (default: the
+        client's) for a new version (PullTimeoutError); a corrupted block makes it pull again,
+        up to ``retries`` times (then CorruptedWeightsError).
         """
+        _check_out_alone(out, shardings, like)
         wait_total = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_total
         failures = 0
@@ -451,6 +452,7 @@ class ParameterServerClient:
         out: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, Any]:
         """A specific version (ParameterServerError if the server no longer holds it)."""
+        _check_out_alone(out, shardings, like)
         path = f"/v1/versions/{int(version)}"
         attempt = 0
         while True:
@@ -713,6 +715,13 @@ def _place_blocks(
     if like is not None:
         return manifest.version, unflatten_named(like, ordered), headers
     return manifest.version, ordered, headers
+
+
+def _check_out_alone(out: Any, shardings: Any, like: Any) -> None:
+    """``out`` is for host arrays only: placed arrays may alias their host buffers (on CPU), and
+    the next pull into ``out`` would then change a version still in use."""
+    if out is not None and (shardings is not None or like is not None):
+        raise ValueError("out= receives into host arrays: pass it without shardings= or like=")
 
 
 def _check_out(manifest: Manifest, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

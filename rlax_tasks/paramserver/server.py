@@ -249,6 +249,7 @@ class ParameterServer:
             "workers": self.store.workers(),
             "bytes": None if latest is None else latest.manifest.nbytes,
             **self.store.memory(),  # keep_bytes, bytes_held, bytes_in_flight, pushes, waiting
+            "shared_memory": self.segments is not None,  # same-host pulls read versions there
             "assembling": self.store.assemblies(),  # multi-host versions: parts received
             "mirror": None
             if self.mirror is None

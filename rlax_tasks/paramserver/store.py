@@ -565,6 +565,8 @@ class VersionStore:
                 "keep_bytes": self.keep_bytes,
                 "bytes_held": self._held_bytes_locked(),
                 "bytes_in_flight": sum(p.nbytes for p in self._pushing.values()),
+                # the spare shared-memory segment kept for the next push (counted in keep_bytes)
+                "bytes_spare": 0 if self._segments is None else self._segments.free_bytes(),
                 "pushes": {
                     str(v): {"bytes": p.nbytes, "receiving": p.receiving}
                     for v, p in sorted(self._pushing.items())

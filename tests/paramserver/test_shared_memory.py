@@ -75,6 +75,9 @@ def test_a_same_host_pull_copies_from_shared_memory_into_the_arrays_given(
     bad = dict(got, embed=np.zeros((96, 65), np.float32))
     with pytest.raises(ValueError, match=r"out\['embed'\] is float32\[96, 65\].*float32\[96, 64\]"):
         worker.pull(out=bad)
+    with pytest.raises(ValueError, match="without shardings= or like="):
+        worker.pull(out=got, like=got)
+    assert server.status()["bytes_spare"] == 0  # both versions are still held
 
 
 def test_tcp_when_the_client_opts_out_or_cannot_open_the_segments(
@@ -130,7 +133,9 @@ def test_segments_are_recycled_and_a_stale_descriptor_is_refused(make_server, cl
     client_for(server.address).push(1, _params(1))
     stale = _descriptor(server.address, 1)
     trainer, worker = _collect_version_1(server, client_for)
+    assert server.status()["bytes_spare"] >= _params(1)["embed"].nbytes  # kept for reuse
     trainer.push(3, _params(3))  # takes version 1's segment
+    assert server.status()["bytes_spare"] == 0
     assert server.store.get(3).segments()[0].inode == stale["segments"][0]["inode"]
 
     reader = shm.SegmentReader()
