@@ -499,8 +499,6 @@ class ParameterServerClient:
                 conn.close()
                 try:
                     version, arrays = self._receive_shared(descriptor, shardings, like, out)
-                except shm.SegmentGoneError:
-                    raise
                 except OSError as e:  # e.g. /proc/<pid>/fd not ours to open: TCP from now on
                     log.info("shared memory of %s unusable (%s); pulling over TCP", self.url, e)
                     self._local = ""
@@ -702,8 +700,6 @@ def _place_blocks(
         headers.append(header)
     if current >= 0:
         finish()
-    if len(headers) != manifest.num_blocks:
-        raise WireError(f"received {len(headers)} blocks of {manifest.num_blocks}")
     for spec in manifest.arrays:  # empty arrays have no blocks
         if spec.name not in arrays:
             if spec.nbytes:

@@ -227,7 +227,8 @@ class SegmentReader:
         segment no longer holds the version; OSError when it cannot be opened at all."""
         with self._lock:
             if live is not None:
-                for key in [k for k in self._open if k[1] not in set(live)]:
+                still_open = set(live)
+                for key in [k for k in self._open if k[1] not in still_open]:
                     self._open.pop(key).close()
             mapped: list[_Mapped] = []
             try:
