@@ -422,7 +422,7 @@ class ParameterServerClient:
                 result = self._pull_once("/v1/pull", query, max(left, 0.0), shardings, like, out)
             except shm.SegmentGoneError as e:  # recycled before we read it: a newer one is in
                 log.debug("%s; pulling again", e)
-                continue
+                result = None  # pulled again below, within the deadline like any other wait
             except (ChecksumError, WireError) as e:
                 failures += 1
                 if failures > self.retries:

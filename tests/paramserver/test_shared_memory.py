@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rlax_tasks.paramserver import CorruptedWeightsError
+from rlax_tasks.paramserver import CorruptedWeightsError, PullTimeoutError
 from rlax_tasks.paramserver import shared_memory as shm
 from rlax_tasks.paramserver.server import SHARED_MEMORY_TYPE
 from rlax_tasks.paramserver.wire import WireError
@@ -186,3 +186,16 @@ def test_workers_in_other_processes_read_the_servers_memory(tmp_path, client_for
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_a_version_that_keeps_leaving_memory_still_ends_at_the_deadline(
+    server, client_for, monkeypatch
+):
+    client_for(server.address).push(1, _params(1))
+
+    def gone(self, seg):
+        raise shm.SegmentGoneError(f"segment {seg['path']} no longer holds version 1")
+
+    monkeypatch.setattr(shm._Mapped, "check_stamp", gone)
+    with pytest.raises(PullTimeoutError, match="no version >= 1"):
+        client_for(server.address).pull(min_version=1, timeout_s=0.5)
