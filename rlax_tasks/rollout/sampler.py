@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,29 @@ def _empty_state(slots: int, max_stop: int) -> SlotState:
         top_p=jnp.ones(slots, jnp.float32),
         stop_ids=jnp.full((slots, max_stop), NO_STOP, jnp.int32),
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def _seed_key(seed: int) -> np.ndarray:
+    """key_data(PRNGKey(seed)), [2] uint32 (a group's samples share their prompt's seed)."""
+    return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
+
+
+@jax.jit
+def _fold_in_rows(seed_keys: jax.Array, sample_indices: jax.Array) -> jax.Array:
+    """key_data(fold_in(seed key, sample index)) of every row, [R, 2] uint32, in one call."""
+    fold = jax.vmap(lambda k, i: jax.random.fold_in(jax.random.wrap_key_data(k), i))
+    return jax.random.key_data(fold(seed_keys, sample_indices))
+
+
+def request_keys(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndarray:
+    """Each request's key, key_data(fold_in(PRNGKey(seed), sample_index)), as [R, 2] uint32:
+    one device call for a whole admission rather than three eager ops per request."""
+    if not seeds:
+        return np.zeros((0, 2), np.uint32)
+    base = np.stack([_seed_key(int(s)) for s in seeds])
+    indices = (np.asarray(sample_indices, np.int64) & 0xFFFFFFFF).astype(np.uint32)
+    return np.asarray(_fold_in_rows(base, indices))
 
 
 def _finished(tokens: jax.Array, generated: jax.Array, state: SlotState) -> jax.Array:
@@ -467,16 +491,13 @@ class Sampler:
             lengths[row] = len(request.prompt)
             slots[row] = slot
             new.budget[row] = p.max_new_tokens
-            new.key[row] = np.asarray(
-                jax.random.key_data(
-                    jax.random.fold_in(jax.random.PRNGKey(p.seed), request.sample_index)
-                )
-            )
             new.temperature[row] = p.temperature
             new.top_k[row] = p.top_k
             new.top_p[row] = p.top_p
             stops = sorted(self._stop_set(p))
             new.stop_ids[row, : len(stops)] = stops
+        keys = request_keys([r.params.seed for r in take], [r.sample_index for r in take])
+        new.key[: len(take)] = keys
         filtering = any(r.params.filtering for r in take)
         sampling = any(r.params.temperature > 0 for r in take)
         t0 = time.perf_counter()

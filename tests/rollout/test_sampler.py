@@ -14,7 +14,7 @@ from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
-from rlax_tasks.rollout.sampler import decode_window
+from rlax_tasks.rollout.sampler import decode_window, request_keys
 from tests.models.hf_models import tiny_hf_model
 from tests.tiny_model import tiny_model_config
 
@@ -125,6 +125,18 @@ def test_same_seed_same_output_whatever_shares_the_batch(policy, prompts):
         [target], max_new_tokens=20, temperature=1.0, seed=12
     )
     assert other[0].tokens != alone[0].tokens
+
+
+def test_request_keys_are_fold_in_of_the_seed_key_and_sample_index():
+    # one device call per admission must give each request the key it always had
+    seeds = [0, 11, 11, 2**31 - 1, 2**31, 2**32 + 5, -3]
+    indices = [0, 0, 7, 1, 2, 3, 4]
+    expected = [
+        np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(s), i)))
+        for s, i in zip(seeds, indices, strict=True)
+    ]
+    np.testing.assert_array_equal(request_keys(seeds, indices), np.stack(expected))
+    assert request_keys([], []).shape == (0, 2)
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(sampler, prompts):
