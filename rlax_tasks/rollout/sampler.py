@@ -88,11 +88,15 @@ def _fold_in_rows(seed_keys: jax.Array, sample_indices: jax.Array) -> jax.Array:
 def request_keys(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndarray:
     """Each request's key, key_data(fold_in(PRNGKey(seed), sample_index)), as [R, 2] uint32:
     one device call for a whole admission rather than three eager ops per request."""
-    if not seeds:
+    n = len(seeds)
+    if not n:
         return np.zeros((0, 2), np.uint32)
-    base = np.stack([_seed_key(int(s)) for s in seeds])
-    indices = (np.asarray(sample_indices, np.int64) & 0xFFFFFFFF).astype(np.uint32)
-    return np.asarray(_fold_in_rows(base, indices))
+    rows = 1 << (n - 1).bit_length()  # padded to a power of two: a handful of compilations
+    base = np.zeros((rows, 2), np.uint32)
+    base[:n] = np.stack([_seed_key(int(s)) for s in seeds])
+    indices = np.zeros(rows, np.uint32)
+    indices[:n] = np.asarray(sample_indices, np.int64) & 0xFFFFFFFF  # wrapped as an int32 is
+    return np.asarray(_fold_in_rows(base, indices))[:n]
 
 
 def _finished(tokens: jax.Array, generated: jax.Array, state: SlotState) -> jax.Array:

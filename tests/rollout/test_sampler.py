@@ -137,6 +137,13 @@ def test_request_keys_are_fold_in_of_the_seed_key_and_sample_index():
     ]
     np.testing.assert_array_equal(request_keys(seeds, indices), np.stack(expected))
     assert request_keys([], []).shape == (0, 2)
+    # admissions of any size compile once per power of two, not once per size
+    from rlax_tasks.rollout.sampler import _fold_in_rows
+
+    before = _fold_in_rows._cache_size()
+    for n in range(1, 33):
+        assert request_keys(list(range(n)), [1] * n).shape == (n, 2)
+    assert _fold_in_rows._cache_size() - before <= 6
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(sampler, prompts):
