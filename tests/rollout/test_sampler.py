@@ -14,7 +14,7 @@ from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
-from rlax_tasks.rollout.sampler import decode_window, request_keys
+from rlax_tasks.rollout.sampler import _fold_in_rows, decode_window, request_keys
 from tests.models.hf_models import tiny_hf_model
 from tests.tiny_model import tiny_model_config
 
@@ -138,8 +138,6 @@ def test_request_keys_are_fold_in_of_the_seed_key_and_sample_index():
     np.testing.assert_array_equal(request_keys(seeds, indices), np.stack(expected))
     assert request_keys([], []).shape == (0, 2)
     # admissions of any size compile once per power of two, not once per size
-    from rlax_tasks.rollout.sampler import _fold_in_rows
-
     before = _fold_in_rows._cache_size()
     for n in range(1, 33):
         assert request_keys(list(range(n)), [1] * n).shape == (n, 2)
