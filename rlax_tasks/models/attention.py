@@ -4,8 +4,8 @@ XLA attention on CPU — one causal self-attention contract, several kernels.
 Every kernel computes the same thing: grouped-query attention where a query attends to the valid
 keys whose position is not after its own (positions, not indices, define causality, so left
 padding works). The fused kernels never materialize the [T, S] score matrices; the blocked one
-keeps them small per query block. ``attend`` (plain XLA) is the reference, and what decode uses:
-one query per slot over the KV cache.
+keeps them small per query block. ``attend`` (plain XLA) is the reference; ``attend_cache`` is
+the same computation over the KV cache's layout, what decode uses: one query per slot.
 
 ``RLAX_ATTENTION`` (blocked, xla, cudnn, splash) overrides the choice, e.g. to rule a kernel out.
 """
@@ -52,6 +52,50 @@ def attend(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(v.dtype).reshape(b, t, h, hd)
+
+
+def attend_cache(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    k_valid: jax.Array,
+) -> jax.Array:
+    """``attend`` over keys and values in the KV cache's layout (``kv_cache``): k [B,KV,hd,S]
+    (transposed), v [B,KV,S,hd]; both products are plain batched matmuls, no copy of the cache."""
+    b, t, h, hd = q.shape
+    kv, dtype = k.shape[1], v.dtype
+    g = h // kv
+    operand = _dot_operand_dtype(dtype)
+    # a kv head's t tokens x g query heads as the rows of one matmul ([B, KV, t*g, hd]): with t
+    # a dimension of its own (as einsum writes it), XLA:CPU chose transposed-operand dots
+    rows = q.reshape(b, t, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, hd)
+    scores = jnp.einsum(
+        "bkmd,bkds->bkms",
+        rows.astype(operand),
+        k.astype(operand),
+        preferred_element_type=jnp.float32,
+    )
+    scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5)
+    mask = (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+    scores = jnp.where(mask[:, None, :, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(operand)
+    out = jnp.einsum(
+        "bkms,bksd->bkmd",
+        probs.reshape(b, kv, t * g, -1),
+        v.astype(operand),
+        preferred_element_type=jnp.float32,
+    )
+    out = out.reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4)
+    return out.astype(dtype).reshape(b, t, h, hd)
+
+
+def _dot_operand_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype ``attend_cache`` multiplies in: float32 on CPU, whose batched-matmul kernel has
+    no bfloat16 x bfloat16 -> float32 form (products of bfloat16 values are exact in float32, so
+    the scores are the same); the cache's own dtype elsewhere."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype
 
 
 def blocked_causal_attend(

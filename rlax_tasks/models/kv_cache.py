@@ -3,6 +3,12 @@
 Each batch row (a sampler slot) owns ``max_len`` cache entries. Entries carry their token position
 and a validity bit, so attention needs no notion of "cache length": a row is reset by clearing its
 validity, and right padding inside a prefill bucket is simply invalid until overwritten.
+
+Keys are stored transposed, [.., kv_heads, head_dim, S], and values as [.., kv_heads, S, head_dim]:
+a decode step's two attention products (q . k^T and p . v) then read the cache as plain matmul
+operands. In the activations' [B, S, kv_heads, head_dim] layout XLA:CPU copied each layer's keys
+and values into that order every step: 64 slots of the benchmarks' 30M model spent more time on
+those copies than on the layers' matmuls.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ from rlax_tasks.models.sharding import BATCH, AxisSpec, constrain, fit_spec
 # mesh axes of each cache array: slots over the data-parallel axes, kv heads over "tensor" (the
 # layout of the attention's k/v activations, so a decode step never moves the cache)
 CACHE_AXES: dict[str, tuple[AxisSpec, ...]] = {
-    "k": (None, BATCH, None, "tensor", None),
-    "v": (None, BATCH, None, "tensor", None),
+    "k": (None, BATCH, "tensor", None, None),
+    "v": (None, BATCH, "tensor", None, None),
     "positions": (BATCH, None),
     "valid": (BATCH, None),
 }
 
 
 class KVCache(NamedTuple):
-    """k, v: [layers, B, S, kv_heads, head_dim]; positions [B, S] int32; valid [B, S] bool."""
+    """k: [layers, B, kv_heads, head_dim, S] (transposed keys); v: [layers, B, kv_heads, S,
+    head_dim]; positions [B, S] int32; valid [B, S] bool."""
 
     k: jax.Array
     v: jax.Array
@@ -35,15 +42,15 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-1]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """An empty cache (every entry invalid) for ``batch`` rows of ``max_len`` tokens."""
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    layers, kv, hd = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=jnp.zeros((layers, batch, kv, hd, max_len), dtype),
+        v=jnp.zeros((layers, batch, kv, max_len, hd), dtype),
         positions=jnp.zeros((batch, max_len), jnp.int32),
         valid=jnp.zeros((batch, max_len), bool),
     )
@@ -75,3 +82,14 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
         return jax.lax.dynamic_update_slice(row, values.astype(row.dtype), index)
 
     return jax.vmap(one)(buffer, new, start)
+
+
+def keys_to_cache(k: jax.Array) -> jax.Array:
+    """Keys [B, T, kv_heads, head_dim] (the activations' layout) in the cache's [B, kv_heads,
+    head_dim, T]."""
+    return k.transpose(0, 2, 3, 1)
+
+
+def values_to_cache(v: jax.Array) -> jax.Array:
+    """Values [B, T, kv_heads, head_dim] in the cache's [B, kv_heads, T, head_dim]."""
+    return v.transpose(0, 2, 1, 3)

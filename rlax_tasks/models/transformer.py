@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlax_tasks.models.attention import attend, causal_self_attend
+from rlax_tasks.models.attention import attend_cache, causal_self_attend
 from rlax_tasks.models.config import ModelConfig
-from rlax_tasks.models.kv_cache import KVCache, write_rows
+from rlax_tasks.models.kv_cache import KVCache, keys_to_cache, values_to_cache, write_rows
 from rlax_tasks.models.rope import apply_rope, inverse_frequencies, rope_tables
 from rlax_tasks.models.sharding import BATCH, constrain
 
@@ -137,27 +137,30 @@ class Attention(nnx.Module):
             return self.o_proj(causal_self_attend(q, k, v, positions, valid)), None
         if kv.fresh:  # a prefill into an empty cache of exactly these tokens: self-attention
             out = causal_self_attend(q, k, v, positions, valid)
-            k_all = jax.lax.dynamic_update_index_in_dim(kv.k, k.astype(kv.k.dtype), kv.layer, 0)
-            v_all = jax.lax.dynamic_update_index_in_dim(kv.v, v.astype(kv.v.dtype), kv.layer, 0)
+            k_new = keys_to_cache(k.astype(kv.k.dtype))
+            v_new = values_to_cache(v.astype(kv.v.dtype))
+            k_all = jax.lax.dynamic_update_index_in_dim(kv.k, k_new, kv.layer, 0)
+            v_all = jax.lax.dynamic_update_index_in_dim(kv.v, v_new, kv.layer, 0)
             return self.o_proj(out), (k_all, v_all)
         # scatter only the new tokens into the all-layer cache (in place inside the layer loop;
         # entries past the end are dropped), then attend over this layer's slice (its first
-        # ``window`` entries)
+        # ``window`` entries); the cache's layout is kv_cache's (keys transposed)
         b, t = k.shape[:2]
         rows = jnp.arange(b)[:, None]
         cols = kv.start[:, None] + jnp.arange(t)[None, :]
-        k_all = kv.k.at[kv.layer, rows, cols].set(k.astype(kv.k.dtype), mode="drop")
-        v_all = kv.v.at[kv.layer, rows, cols].set(v.astype(kv.v.dtype), mode="drop")
+        # advanced indices [B, T] first, then the sliced (kv_heads, head_dim): k's own layout
+        k_all = kv.k.at[kv.layer, rows, :, :, cols].set(k.astype(kv.k.dtype), mode="drop")
+        v_all = kv.v.at[kv.layer, rows, :, cols].set(v.astype(kv.v.dtype), mode="drop")
         k_cache = jax.lax.dynamic_index_in_dim(k_all, kv.layer, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_all, kv.layer, keepdims=False)
         w = kv.window or kv.positions.shape[1]  # entries past the window are invalid: not read
-        k_cache, v_cache = k_cache[:, :w], v_cache[:, :w]
-        out = attend(q, k_cache, v_cache, positions, kv.positions[:, :w], kv.valid[:, :w])
+        k_cache, v_cache = k_cache[..., :w], v_cache[:, :, :w]
+        out = attend_cache(q, k_cache, v_cache, positions, kv.positions[:, :w], kv.valid[:, :w])
         return self.o_proj(out), (k_all, v_all)
 
 
 class LayerKV(NamedTuple):
-    """The cache seen by layer ``layer``: k/v of all layers [L, B, S, KV, hd] (carried through
+    """The cache seen by layer ``layer``: k/v of all layers in kv_cache's layout (carried through
     the layer loop and updated in place), write offsets [B], entry positions/validity [B, S]."""
 
     k: jax.Array

@@ -140,8 +140,8 @@ def _prefill(
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
     cache = KVCache(
-        k=cache.k.at[:, slots, :bucket].set(fresh.k, mode="drop"),
-        v=cache.v.at[:, slots, :bucket].set(fresh.v, mode="drop"),
+        k=cache.k.at[:, slots, :, :, :bucket].set(fresh.k, mode="drop"),
+        v=cache.v.at[:, slots, :, :bucket].set(fresh.v, mode="drop"),
         positions=cache.positions.at[slots, :bucket].set(positions, mode="drop"),
         valid=cache.valid.at[slots].set(row_valid, mode="drop"),
     )

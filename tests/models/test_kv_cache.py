@@ -100,3 +100,23 @@ def test_blocked_causal_attention_equals_full_attention():
     for block in (7, 16, 50, 64):
         blocked = causal_self_attend(q, k, v, pos, jnp.asarray(valid), block=block)
         np.testing.assert_allclose(np.asarray(blocked)[valid], np.asarray(full)[valid], atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_attention_over_the_cache_layout_equals_the_reference(tokens):
+    """Decode attends over the cache's transposed layout; it must equal ``attend`` on the
+    activations' layout, for one and several new tokens per row and grouped query heads."""
+    from rlax_tasks.models.attention import attend, attend_cache
+    from rlax_tasks.models.kv_cache import keys_to_cache, values_to_cache
+
+    rng = np.random.default_rng(4)
+    b, s, h, kv, hd = 3, 20, 6, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, tokens, h, hd)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, s, kv, hd)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, s, kv, hd)), jnp.float32)
+    k_pos = jnp.asarray(rng.permutation(s)[None].repeat(b, 0), jnp.int32)  # any entry order
+    k_valid = jnp.asarray(rng.random((b, s)) < 0.8)
+    q_pos = jnp.asarray(rng.integers(5, s, (b, tokens)), jnp.int32)
+    want = attend(q, k, v, q_pos, k_pos, k_valid)
+    got = attend_cache(q, keys_to_cache(k), values_to_cache(v), q_pos, k_pos, k_valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
