@@ -68,6 +68,17 @@ def test_chunked_logprobs_never_materialize_full_logits(policy):
     assert f"{chunk},{CONFIG.vocab_size}]" in hlo
 
 
+def test_chunks_are_equal_and_pad_as_little_as_possible(policy):
+    """159 positions by chunks of at most 128 run as 2 x 80: a third chunk-length of padding
+    (2 x 128) would cost as much vocabulary projection as real positions."""
+    b, t = 2, 160
+    ids = np.zeros((b, t), np.int32)
+    fn = jax.jit(lambda p, x: forward.token_logprobs(policy.graphdef, p, x, None, chunk_size=128))
+    hlo = fn.lower(policy.params, ids).compile().as_text()
+    assert f"f32[{b},80,{CONFIG.vocab_size}]" in hlo
+    assert f"f32[{b},128,{CONFIG.vocab_size}]" not in hlo
+
+
 def test_out_of_range_token_ids_are_rejected(policy):
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 211\)"):
         policy.logits(np.array([[1, 2, 211]]))
