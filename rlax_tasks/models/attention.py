@@ -29,6 +29,12 @@ SPLASH_BLOCK = 128
 MASK_VALUE = -1e30
 
 
+def key_mask(q_positions: jax.Array, k_positions: jax.Array, k_valid: jax.Array) -> jax.Array:
+    """[B, T, S] bool: which keys each query sees, valid and not after it (by position): the
+    one causality rule every kernel here applies."""
+    return (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -47,7 +53,7 @@ def attend(
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
-    mask = (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+    mask = key_mask(q_positions, k_positions, k_valid)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
@@ -78,7 +84,7 @@ def attend_cache(
         preferred_element_type=jnp.float32,
     )
     scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5)
-    mask = (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+    mask = key_mask(q_positions, k_positions, k_valid)
     scores = jnp.where(mask[:, None, :, None, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(operand)
     out = jnp.einsum(
@@ -133,8 +139,7 @@ def blocked_causal_attend(
 
 def _mask(positions: jax.Array, valid: jax.Array) -> jax.Array:
     """[B, 1, T, T] bool: key valid and not after the query (by position)."""
-    causal = positions[:, None, :] <= positions[:, :, None]
-    return (causal & valid[:, None, :])[:, None]
+    return key_mask(positions, positions, valid)[:, None]
 
 
 def dot_product_causal_attend(
