@@ -89,6 +89,15 @@ def _push(client, version: int, mesh) -> dict:
     return {"error": None, "seconds": time.perf_counter() - t0}
 
 
+def _barrier(name: str) -> None:
+    """Waits until both processes get here, through the coordination service: a device
+    collective (``multihost_utils.sync_global_devices``) hung about 1 run in 10 on XLA:CPU's gloo
+    (the other process finished it and exited while this one was still connecting)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, 60_000)
+
+
 def main(coordinator: str, process_id: int, url: str, out_dir: str, scenario: str) -> None:
     import jax
 
@@ -96,7 +105,6 @@ def main(coordinator: str, process_id: int, url: str, out_dir: str, scenario: st
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=2, process_id=process_id
     )
-    from jax.experimental import multihost_utils
     from jax.sharding import Mesh
 
     from rlax_tasks.paramserver import ParameterServerClient
@@ -109,14 +117,14 @@ def main(coordinator: str, process_id: int, url: str, out_dir: str, scenario: st
     elif scenario == "missing":
         if process_id == 0:  # host 1 never sends its part of version 1
             pushes["1"] = _push(client, 1, mesh)
-        multihost_utils.sync_global_devices("version 1 given up")
+        _barrier("version 1 given up")
         pushes["2"] = _push(client, 2, mesh)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     client.close()
     with open(os.path.join(out_dir, f"p{process_id}.json"), "w") as fh:
         json.dump({"process": jax.process_index(), "pushes": pushes}, fh)
-    multihost_utils.sync_global_devices("done")
+    _barrier("done")
     jax.distributed.shutdown()
 
 
