@@ -31,6 +31,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -224,17 +225,26 @@ def serve_app(
     sock: socket.socket,
     log_level: str = "warning",
     graceful_s: float | None = None,
+    until: threading.Event | None = None,
     **config: Any,
 ) -> None:
     """Serves an ASGI ``app`` with uvicorn on ``sock`` (from ``endpoints.listen``) until it is
-    stopped (SIGINT / SIGTERM); requests still running ``graceful_s`` after the signal are
-    cancelled (None: waited for)."""
+    stopped (SIGINT / SIGTERM, or ``until`` set: the service can no longer do its work);
+    requests still running ``graceful_s`` after that are cancelled (None: waited for)."""
     import uvicorn
 
     uv_config = uvicorn.Config(
         app, log_level=log_level, timeout_graceful_shutdown=graceful_s, **config
     )
-    uvicorn.Server(uv_config).run(sockets=[sock])
+    server = uvicorn.Server(uv_config)
+    if until is not None:
+
+        def stop_when_set() -> None:
+            until.wait()
+            server.should_exit = True
+
+        threading.Thread(target=stop_when_set, name="serve-until", daemon=True).start()
+    server.run(sockets=[sock])
 
 
 # --------------------------------------------------------------------------- client

@@ -268,13 +268,18 @@ def _worker_command(args: argparse.Namespace) -> int:
     )
     app = create_app(worker, token)
     try:
-        serve_app(app, sock, graceful_s=GRACEFUL_S)
+        # a worker whose generation failed stops serving and exits 1 (its job is restarted)
+        # rather than answering every request with the error
+        serve_app(app, sock, graceful_s=GRACEFUL_S, until=worker.failed)
     finally:
         worker.stop()
         if args.ps_url:
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 source.deregister()
             source.close()
+    if worker.failed.is_set():
+        log.error("worker %s stopped: its generation failed (see above)", args.worker_id)
+        return 1
     return 0
 
 

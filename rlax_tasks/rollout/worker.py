@@ -111,8 +111,10 @@ class InferenceWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.failed = threading.Event()  # set when the generation thread died (see _error)
         self._last_poll = 0.0
         self._reset_sampler = False
+        self._unacked: int | None = None  # a loaded version the source has not heard of yet
 
     # ------------------------------------------------------------------ controller side
     def submit(self, groups: Sequence[GroupRequest]) -> None:
@@ -230,6 +232,7 @@ class InferenceWorker:
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
+            self.failed.set()
 
     def _reload_for_queued(self) -> None:
         """Reloads (waiting for the source) when a queued group needs a newer version."""
@@ -293,6 +296,8 @@ class InferenceWorker:
         if now - self._last_poll < self.poll_interval_s:
             return
         self._last_poll = now
+        if self._unacked is not None:
+            self._ack(self._unacked)
         try:
             latest = self.source.latest_version()
         except (TimeoutError, ConnectionError) as e:  # the PS may be restarting: keep going
@@ -325,7 +330,7 @@ class InferenceWorker:
             self._queue.extendleft(reversed(again))
         self.sampler.set_params(params, donate=getattr(self.source, "fresh_arrays", False))
         self.version = version
-        self.source.ack(version)
+        self._ack(version)
         self.stats.reloads += 1
         self.stats.last_reload_s = time.monotonic() - t0
         log.info(
@@ -334,6 +339,18 @@ class InferenceWorker:
             self.stats.last_reload_s,
             len(again),
         )
+
+    def _ack(self, version: int) -> None:
+        """Tells the source ``version`` is loaded; when it cannot be reached (a PS restarting
+        elsewhere after a preemption) the worker keeps generating and acks again at its next
+        poll: a missed ack only delays garbage collection, it must not stop the worker."""
+        try:
+            self.source.ack(version)
+        except (TimeoutError, ConnectionError) as e:
+            log.warning("cannot ack v%d to the weight source (%s); retrying", version, e)
+            self._unacked = version
+        else:
+            self._unacked = None
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

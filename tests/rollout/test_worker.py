@@ -111,6 +111,37 @@ def test_reload_only_when_j_versions_behind_and_partial_groups_regenerate(polici
         assert [c.tokens for c in r.completions] == want
 
 
+class UnreachableAcks(VersionedWeights):
+    """A source whose acks fail while ``down`` (a PS restarting elsewhere after a preemption)."""
+
+    def __init__(self, versions: dict[int, Policy]) -> None:
+        super().__init__(versions)
+        self.down = False
+        self.failed: list[int] = []
+
+    def ack(self, version: int) -> None:
+        if self.down:
+            self.failed.append(version)
+            raise ConnectionError("parameter server unreachable")
+        super().ack(version)
+
+
+def test_an_ack_the_source_cannot_take_is_retried_and_the_worker_keeps_generating(policies):
+    source = UnreachableAcks(policies)
+    sampler = Sampler(policies[0], max_slots=2, max_len=64)
+    with InferenceWorker(sampler, source, poll_interval_s=0.0) as worker:
+        source.down = True
+        source.latest = 1
+        worker.submit([group("a", "1+2=")])
+        assert collect(worker, 1)["a"].version == 1  # loaded v1 though its ack failed
+        assert source.failed and set(source.failed) == {1} and source.acks == [0]
+        source.down = False
+        wait_for(lambda: source.acks == [0, 1], timeout_s=30)
+        worker.submit([group("b", "2+2=")])
+        assert collect(worker, 1)["b"].version == 1
+        assert worker.status()["error"] is None
+
+
 def test_duplicate_and_invalid_groups_are_rejected_whole(policies):
     sampler = Sampler(policies[0], max_slots=2, max_len=32)
     with InferenceWorker(sampler, FixedWeights(policies[0].params)) as worker:
@@ -267,3 +298,34 @@ def test_a_group_with_min_version_waits_for_newer_weights(policies):
         second = collect(worker, 1)["new"]
     assert second.version == 2
     assert [c.tokens for c in second.completions] == expected(policies[2], "2+2=")
+
+
+@pytest.mark.slow
+def test_a_worker_whose_generation_fails_exits_1_instead_of_serving_the_error(tmp_path, policies):
+    """Weights the worker cannot load (another model's shapes) stop its generation: the process
+    exits 1, so its job is restarted, rather than answering every call with HTTP 500."""
+    from rlax_tasks.paramserver import ParameterServerClient
+    from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+
+    policies[0].save_pretrained(str(tmp_path / "model"))
+    other = Policy.init(tiny_model_config(vocab_size=len(TOKENIZER), hidden_size=48), seed=0)
+    with ParameterServer(ServerConfig(token="tok", keep_versions=4)) as server:
+        trainer = ParameterServerClient(server.address, token="tok")
+        trainer.push(0, policies[0].params)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlax_tasks.cli", "worker", "--model-dir",
+             str(tmp_path / "model"), "--ps-url", server.address, "--max-slots", "2",
+             "--max-len", "32"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "RLAX_PS_TOKEN": "tok"},
+        )  # fmt: skip
+        try:
+            url = proc.stdout.readline().strip()
+            assert url.startswith("http://127.0.0.1:"), proc.stderr.read()
+            trainer.push(1, other.params)  # the worker's next poll reloads, and cannot
+            assert proc.wait(timeout=120) == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            trainer.close()
+    assert "its generation failed" in proc.stderr.read()
