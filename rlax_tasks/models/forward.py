@@ -66,10 +66,11 @@ def chunked_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V].
 
-    Positions are processed at most ``chunk_size`` at a time under ``jax.checkpoint``, so
-    forward and backward hold at most [B, chunk_size, V] logits. The chunks are of equal size,
-    the fewest that fit: 159 positions by 128 run as 2 x 80, not 2 x 128 (the vocabulary
-    projection is a large part of the step, and padding positions cost as much as real ones).
+    Positions are processed at most ``chunk_size`` at a time, each chunk saving only its
+    log-sum-exp for the backward, so forward and backward hold at most [B, chunk_size, V] logits.
+    The chunks are of equal size, the fewest that fit: 159 positions by 128 run as 2 x 80, not
+    2 x 128 (the vocabulary projection is a large part of the step, and padding positions cost as
+    much as real ones).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -81,22 +82,62 @@ def chunked_logprobs(
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     hidden = hidden.reshape(b, n, chunk, d).swapaxes(0, 1)
     targets = targets.reshape(b, n, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, tgt = args
-        lg = jnp.einsum("bcd,dv->bcv", h, unembedding, preferred_element_type=jnp.float32)
-        lg = constrain(lg, BATCH, None, "tensor")
-        lse = jax.nn.logsumexp(lg, axis=-1)
-        picked = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
-        probs = jax.nn.softmax(lg, axis=-1)
-        entropy = lse - jnp.sum(probs * lg, axis=-1)
-        return picked - lse, entropy
-
-    lp, ent = jax.lax.map(one_chunk, (hidden, targets))
+    lp, ent = jax.lax.map(lambda xs: _chunk_logprobs(xs[0], unembedding, xs[1]), (hidden, targets))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
     ent = ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
     return lp, ent
+
+
+def _chunk_logits(h: jax.Array, unembedding: jax.Array) -> jax.Array:
+    lg = jnp.einsum("bcd,dv->bcv", h, unembedding, preferred_element_type=jnp.float32)
+    return constrain(lg, BATCH, None, "tensor")
+
+
+def _chunk_stats(
+    h: jax.Array, unembedding: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-prob of ``targets``, entropy, log-sum-exp) of one chunk's logits."""
+    lg = _chunk_logits(h, unembedding)
+    lse = jax.nn.logsumexp(lg, axis=-1)
+    picked = jnp.take_along_axis(lg, targets[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(lg - lse[..., None])
+    entropy = lse - jnp.sum(probs * lg, axis=-1)
+    return picked - lse, entropy, lse
+
+
+@jax.custom_vjp
+def _chunk_logprobs(
+    h: jax.Array, unembedding: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk's (log-probs, entropy). Its backward recomputes the logits once and forms
+    their cotangent in one pass from the saved log-sum-exp; autodiff under ``jax.checkpoint``
+    re-ran the forward's reductions and scattered the gather's cotangent into a zero [B, C, V]
+    ([32, 159] positions x 32000 tokens, forward and backward on 2 CPU cores: 4.2 s -> 2.8 s)."""
+    lp, entropy, _ = _chunk_stats(h, unembedding, targets)
+    return lp, entropy
+
+
+def _chunk_logprobs_fwd(h: jax.Array, unembedding: jax.Array, targets: jax.Array) -> tuple:
+    lp, entropy, lse = _chunk_stats(h, unembedding, targets)
+    return (lp, entropy), (h, unembedding, targets, lse, entropy)
+
+
+def _chunk_logprobs_bwd(residuals: tuple, cotangents: tuple) -> tuple:
+    h, unembedding, targets, lse, entropy = residuals
+    g_lp, g_entropy = cotangents
+    lg = _chunk_logits(h, unembedding)
+    probs = jnp.exp(lg - lse[..., None])
+    is_target = jnp.arange(lg.shape[-1], dtype=targets.dtype) == targets[..., None]
+    # d logp / d lg = onehot - p;  d entropy / d lg = -p * (lg - E_p[lg]), E_p[lg] = lse - H
+    mean_logit = (lse - entropy)[..., None]
+    g_lg = g_lp[..., None] * (is_target - probs) - g_entropy[..., None] * probs * (lg - mean_logit)
+    g_lg = constrain(g_lg, BATCH, None, "tensor")
+    g_h = jnp.einsum("bcv,dv->bcd", g_lg, unembedding, preferred_element_type=jnp.float32)
+    g_u = jnp.einsum("bcd,bcv->dv", h, g_lg, preferred_element_type=jnp.float32)
+    return g_h.astype(h.dtype), g_u.astype(unembedding.dtype), None
+
+
+_chunk_logprobs.defvjp(_chunk_logprobs_fwd, _chunk_logprobs_bwd)
 
 
 def naive_token_logprobs(full_logits: jax.Array, input_ids: jax.Array) -> jax.Array:
