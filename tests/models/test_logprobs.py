@@ -67,8 +67,10 @@ def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax():
 
     want_out, want_back = jax.vjp(naive, hidden, unembedding)
     got_out, got_back = jax.vjp(chunked, hidden, unembedding)
-    for got, want in zip(got_out + got_back((g_lp, g_ent)), want_out + want_back((g_lp, g_ent))):
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    got = got_out + got_back((g_lp, g_ent))
+    want = want_out + want_back((g_lp, g_ent))
+    for a, b_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5)
     g_h, g_u = jax.grad(lambda h, u: jnp.sum(chunked(h, u)[0]), argnums=(0, 1))(
         hidden.astype(jnp.bfloat16), unembedding.astype(jnp.bfloat16)
     )
