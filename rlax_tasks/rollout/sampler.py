@@ -404,7 +404,10 @@ class Sampler:
         dropped = list(self._waiting) + [s.request for s in self._slots if s is not None]
         self._waiting.clear()
         self._slots = [None] * self.max_slots
-        self._state = self._state._replace(active=jnp.zeros(self.max_slots, bool))
+        # placed like the rest of the state: an uncommitted array here made the next prefill
+        # and decode compile a second program for every admission shape (once per reload)
+        active = jax.device_put(np.zeros(self.max_slots, bool), self._state.active.sharding)
+        self._state = self._state._replace(active=active)
         return dropped
 
     def step(self) -> list[Completion]:

@@ -236,6 +236,19 @@ def test_incremental_api_abort_drops_partial_rollouts(policy, prompts):
     )
 
 
+def test_abort_leaves_nothing_that_compiles_again(policy, prompts, caplog):
+    """A worker aborts at every weight reload; afterwards the same admission and decode shapes
+    reuse their programs (an uncommitted array in the slot state compiled them all again)."""
+    sampler = Sampler(policy, max_slots=2, max_len=96)
+    sampler.generate(prompts[:2], max_new_tokens=8)
+    sampler.abort()
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+        caplog.clear()
+        sampler.generate(prompts[:2], max_new_tokens=8)
+    compiled = [r.getMessage() for r in caplog.records if "Compiling jit(" in r.getMessage()]
+    assert not [m for m in compiled if "_prefill" in m or "_decode" in m], compiled
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
