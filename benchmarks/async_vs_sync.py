@@ -29,15 +29,17 @@ preset runs 300 steps (its learning-rate schedule spans them); 150 reach the def
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,6 +110,74 @@ class StopRun(Exception):
     """Raised from the supervisor hook to end a run early (its processes are stopped)."""
 
 
+class EvalPauses:
+    """Holds a run's processes still (SIGSTOP) while its held-out evaluation samples, and takes
+    those pauses off the run's clock: training is timed without evaluation, as TRL's clock is
+    paused for its evaluation. Without it the evaluation (in the supervisor process) competes
+    with training for the same cores, which only ours pays for.
+
+    The weights are pulled before the pause (a colocated run's parameter server is in the
+    stopped process); each pause is recorded as (unix start, unix end).
+    """
+
+    def __init__(self) -> None:
+        self.supervisor: Any = None  # set by the supervisor hook once the processes run
+        self.pauses: list[tuple[float, float]] = []
+
+    def _groups(self) -> list[int]:
+        if self.supervisor is None:
+            return []
+        procs = [c.proc for c in self.supervisor.components.values()]
+        return [p.pid for p in procs if p is not None and p.poll() is None]
+
+    @contextlib.contextmanager
+    def around_sampling(self) -> Iterator[None]:
+        """While the ``with`` block runs, every live process of the run is stopped."""
+        from rlax_tasks.run.report import HeldOutEvaluator
+
+        original = HeldOutEvaluator.sample
+        pauses = self
+
+        def sample(evaluator: Any, params: Any) -> Any:
+            groups = pauses._groups()
+            if not groups:  # the base model's evaluation, or the final one: nothing runs
+                return original(evaluator, params)
+            t0 = time.time()
+            for pgid in groups:  # each component leads its own process group
+                _signal_group(pgid, signal.SIGSTOP)
+            try:
+                return original(evaluator, params)
+            finally:
+                for pgid in groups:
+                    _signal_group(pgid, signal.SIGCONT)
+                pauses.pauses.append((t0, time.time()))
+
+        HeldOutEvaluator.sample = sample  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            HeldOutEvaluator.sample = original  # type: ignore[method-assign]
+
+    def paused_before(self, t: float) -> float:
+        """Seconds the run was held still before unix time ``t``."""
+        return sum(max(0.0, min(b, t) - a) for a, b in self.pauses)
+
+    def unpaused(self, metrics: list[dict[str, Any]], progress: list[dict[str, Any]]) -> None:
+        """Takes the pauses off metrics.jsonl "time" and progress.jsonl "seconds" (in place)."""
+        start = run_start_unix(metrics, progress)
+        for r in progress:
+            if r.get("seconds") is not None and start is not None:
+                r["seconds"] = float(r["seconds"]) - self.paused_before(start + r["seconds"])
+        for m in metrics:
+            if "time" in m:
+                m["time"] = float(m["time"]) - self.paused_before(float(m["time"]))
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
 def run_ours(
     label: str,
     overrides: dict[str, Any],
@@ -116,11 +186,14 @@ def run_ours(
     model_dir: str,
     keep: bool = False,
     stop_when: Callable[[list[dict[str, Any]], float], str | None] | None = None,
+    pause_for_eval: bool = False,
 ) -> dict[str, Any]:
     """One ``run_local`` of the preset in a fresh run root; returns what the benchmark reports.
 
     ``stop_when(progress_rows, seconds_since_start)`` may return a reason to end the run early
     (checked by the supervisor loop a few times per second); the run then has no "after" eval.
+    ``pause_for_eval``: the run's processes are held still while the held-out evaluation samples,
+    and the figures are on a clock without those pauses (``EvalPauses``).
     """
     from rlax_tasks.config import load_config
     from rlax_tasks.run.local_run import run_local
@@ -132,8 +205,10 @@ def run_ours(
     progress_path = os.path.join(cfg.run_dir, "eval", "progress.jsonl")
     started: list[float] = []
     stopped = "steps"
+    pauses = EvalPauses()
 
-    def hook(_sup: Any) -> None:
+    def hook(sup: Any) -> None:
+        pauses.supervisor = sup
         if not started:
             started.append(time.monotonic())
         if stop_when is not None:
@@ -144,13 +219,21 @@ def run_ours(
     log.info("[%s] run_local: %d steps, overrides %s, run dir %s", label, steps, overrides, root)
     t0 = time.monotonic()
     try:
-        report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
+        with pauses.around_sampling() if pause_for_eval else contextlib.nullcontext():
+            report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
     except StopRun as e:
         stopped, report = str(e), {}
         log.info("[%s] stopped early: %s", label, stopped)
     wall = time.monotonic() - t0
     metrics = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
     progress = read_jsonl(progress_path)
+    paused = pauses.paused_before(float("inf"))
+    if paused:
+        log.info("[%s] held still %.1f s in %d evaluations: taken off its clock", label,
+                 paused, len(pauses.pauses))  # fmt: skip
+        pauses.unpaused(metrics, progress)
+        if report.get("train_seconds") is not None:
+            report["train_seconds"] -= paused
     intervals = step_intervals(metrics)
     done = max((int(m["step"]) for m in metrics), default=0)
     start = run_start_unix(metrics, progress)
@@ -164,6 +247,7 @@ def run_ours(
         "steps": done,
         "stopped": stopped,
         "wall_seconds": wall,
+        "eval_pause_seconds": paused,
         "train_seconds": train_s,
         "seconds_per_step_total": (train_s / done) if train_s and done else None,
         "step_interval_median": statistics.median(intervals) if intervals else None,

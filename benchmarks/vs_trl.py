@@ -23,17 +23,19 @@ every ``--eval-every`` steps, by default with the same evaluator on both sides: 
 ``HeldOutEvaluator`` (JAX Sampler, same seeds), for TRL on its weights read back from a
 ``save_pretrained`` copy (``--trl-eval torch``: ``transformers.generate`` on the torch model
 instead). The clock excludes evaluation on both sides: ours reports when the trainer produced
-each evaluated version (its evaluation runs beside the training, in the supervisor process, and
-competes with it for the CPU); for TRL a ``TrainerCallback`` evaluates after the optimizer step
-with the clock paused. Both clocks start before the model is loaded (ours: before its processes
-start). The target (default: base pass@1 + 0.15) is one number for both, from the base model's
-evaluation; two checks of that estimate are printed (torch sampling, and the exact expectation
-P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the target
-(``--no-early-stop``: run on to the caps), at ``--max-steps`` or after ``--max-seconds``.
+each evaluated version, and its processes are held still (SIGSTOP) while the evaluation, in the
+supervisor process, samples, those pauses taken off its clock (``--eval-beside-training``: they
+run on and compete with it for the CPU, as in a real run); for TRL a ``TrainerCallback``
+evaluates after the optimizer step with the clock paused. Both clocks start before the model
+is loaded (ours: before its processes start). The target (default: base pass@1 + 0.15) is one
+number for both, from the base model's evaluation; two checks of that estimate are printed
+(torch sampling, and the exact expectation P(answer <eos> | prompt)). Each side stops at the
+first evaluation reaching the target (``--no-early-stop``: run on to the caps), at
+``--max-steps`` or after ``--max-seconds``.
 
     .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
         [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
-        [--layouts colocated,disaggregated] [--compilation-cache DIR]
+        [--layouts colocated,disaggregated] [--compilation-cache DIR] [--eval-beside-training]
     .venv/bin/python benchmarks/vs_trl.py --model-size 30m [--steps 6] [--prompts 8]
         [--group 4] [--new-tokens 128]     # RL steps/s on a 30M model (rl_throughput.py)
         [--torch-threads N] [--json-out FILE]
@@ -425,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         "starts warm); default: a fresh one per run, i.e. a first run's compile times",
     )
     ap.add_argument(
+        "--eval-beside-training",
+        action="store_true",
+        help="ours: keep training while the held-out evaluation samples (competing for the\n"
+        "CPU) instead of holding the run still and taking the pauses off its clock",
+    )
+    ap.add_argument(
         "--layouts",
         default="colocated,disaggregated",
         help="ours: the placement modes to run, side by side (comma-separated)",
@@ -517,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_steps,
                 model_dir=model_dir,
                 stop_when=stop_when,
+                pause_for_eval=not args.eval_beside_training,
             )
     if args.only != "ours":
         results["trl"] = run_trl(
@@ -559,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         ("stopped by", lambda r: r["stopped"]),
         ("training seconds", lambda r: fmt_value(r["train_seconds"], "{:.1f}")),
         ("first step done at s", lambda r: fmt_value(r["first_step_seconds"], "{:.1f}")),
+        (
+            "evaluation s, off the clock",
+            lambda r: fmt_value(
+                r.get("eval_pause_seconds") or r.get("eval_seconds_total"), "{:.1f}"
+            ),
+        ),
         ("s/step (median interval)", lambda r: fmt_value(r["step_interval_median"])),
         ("s/step (mean interval)", lambda r: fmt_value(r["step_interval_mean"])),
         ("pass@1 at step 0", lambda r: fmt_value(r["curve"][0]["pass@1"] if r["curve"] else None)),
