@@ -8,14 +8,23 @@ waiting request is prefilled into it while the others keep decoding (continuous 
 
 Randomness is per request: token i of a request is drawn with fold_in(key(seed, sample), i), so the
 same seed gives the same completion whatever else shares the batch.
+
+With JAX's persistent compilation cache on (every run's processes have it), the first admission
+at a prompt bucket starts a background thread that compiles the prefill of every other admission
+size at that bucket, and the first decode chunk every attention window, into that cache: the
+later first calls read them (milliseconds) instead of stalling generation on a compile (a second
+each for a tiny model on CPU, far more on a TPU).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -233,6 +242,19 @@ def decode_window(end: int, max_len: int) -> int:
     return _power_of_two_bucket(end, MIN_WINDOW, max_len)
 
 
+def admission_sizes(max_slots: int) -> list[int]:
+    """The row counts an admission is padded to: powers of two from ``max_slots / 16`` (so the
+    padding of a small admission costs at most a sixteenth of a full one) to ``max_slots``'s."""
+    top = 1 << (max_slots - 1).bit_length()
+    smallest = max(1, top // 16)
+    return [1 << i for i in range(smallest.bit_length() - 1, top.bit_length())]
+
+
+def admission_rows(n: int, max_slots: int) -> int:
+    """The padded row count of an admission of ``n`` requests (see ``admission_sizes``)."""
+    return next(size for size in admission_sizes(max_slots) if size >= n)
+
+
 def prompt_bucket(length: int, max_len: int) -> int:
     """The padded prefill length for a prompt: the next power of two (>= 16), at most max_len."""
     return _power_of_two_bucket(length, MIN_BUCKET, max_len)
@@ -265,6 +287,8 @@ class Sampler:
 
     ``generate`` is the one-call API; ``add_request`` / ``step`` / ``abort`` drive it
     incrementally (the inference worker does, to drop partial rollouts on a weight reload).
+    ``precompile``: compile the other admission sizes and decode windows in the background
+    (only when JAX's persistent compilation cache is on; see the module docstring).
     """
 
     def __init__(
@@ -276,6 +300,7 @@ class Sampler:
         decode_chunk: int = 4,
         batching: Literal["continuous", "static"] = "continuous",
         max_stop_ids: int = 8,
+        precompile: bool = True,
     ) -> None:
         error = field_error(ValueError)
         check_int("max_slots", max_slots, error, minimum=1)
@@ -314,6 +339,10 @@ class Sampler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefill_fn = _PREFILL
         self._decode_fn = _DECODE
+        # background compilation into the persistent cache (see the module docstring)
+        self.precompile = precompile
+        self._precompiled: set[tuple] = set()
+        self._precompiling: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ weights
     @property
@@ -486,7 +515,7 @@ class Sampler:
         if self.batching == "static" and len(free) < self.max_slots:
             return
         take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        rows = 1 << (len(take) - 1).bit_length()  # admission bucket: power of two
+        rows = admission_rows(len(take), self.max_slots)
         bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
         ids = np.zeros((rows, bucket), np.int32)
         lengths = np.ones(rows, np.int32)
@@ -507,6 +536,7 @@ class Sampler:
         new.key[: len(take)] = keys
         filtering = any(r.params.filtering for r in take)
         sampling = any(r.params.temperature > 0 for r in take)
+        self._precompile_admissions(rows, bucket, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, active = self._prefill_fn(
@@ -531,6 +561,103 @@ class Sampler:
             self._slots[slot] = state
             self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
 
+    # ------------------------------------------------------------------ precompilation
+    def _precompile_admissions(
+        self, rows: int, bucket: int, filtering: bool, sampling: bool
+    ) -> None:
+        """The first admission at (bucket, filtering, sampling): the prefill of every other
+        admission size (``admission_sizes``) compiles in the background."""
+        key = ("prefill", bucket, filtering, sampling)
+        if not self._precompiling_on(key):
+            return
+        sizes = [n for n in admission_sizes(self.max_slots) if n != rows]
+        args = self._abstract_state()
+
+        def lower(n: int) -> list[Any]:
+            new = SlotState(*(np.array(x) for x in _empty_state(n, self.max_stop_ids)))
+            ids, lengths = np.zeros((n, bucket), np.int32), np.ones(n, np.int32)
+            slots = np.full(n, self.max_slots, np.int32)
+            cfg, graphdef = self.policy.config, self.policy.graphdef
+            seeds, indices = np.zeros((n, 2), np.uint32), np.zeros(n, np.uint32)
+            return [
+                self._prefill_fn.lower(
+                    cfg, graphdef, *args, ids, lengths, slots, new, filtering, sampling
+                ),
+                _fold_in_rows.lower(seeds, indices),
+            ]
+
+        what = f"admissions of {sizes} rows at prompt bucket {bucket}"
+        self._start_precompiling(what, [functools.partial(lower, n) for n in sizes])
+
+    def _precompile_decodes(self, window: int, filtering: bool, sampling: bool) -> None:
+        """The first decode chunk with (filtering, sampling): the other attention windows
+        compile in the background."""
+        key = ("decode", filtering, sampling)
+        if not self._precompiling_on(key):
+            return
+        windows, w = [], decode_window(1, self.max_len)
+        while True:
+            if w != window:
+                windows.append(w)
+            if w >= self.max_len:
+                break
+            w = decode_window(w + 1, self.max_len)
+        args = self._abstract_state()
+        refill = np.bool_(False)
+
+        def lower(w: int) -> list[Any]:
+            graphdef, chunk = self.policy.graphdef, self.decode_chunk
+            return [self._decode_fn.lower(graphdef, *args, chunk, filtering, sampling, w, refill)]
+
+        what = f"decode windows {windows}"
+        self._start_precompiling(what, [functools.partial(lower, w) for w in windows])
+
+    def _precompiling_on(self, key: tuple) -> bool:
+        """Whether to precompile for ``key`` now: first time, and a persistent cache to fill."""
+        if not self.precompile or key in self._precompiled:
+            return False
+        self._precompiled.add(key)
+        return bool(jax.config.jax_compilation_cache_dir)
+
+    def _abstract_state(self) -> tuple[Any, Any, Any]:
+        """(params, cache, slot state) as shapes with their placements: what a background
+        lowering reads while generation goes on with (and donates) the arrays themselves."""
+
+        def spec(a: jax.Array) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+        return jax.tree.map(spec, (self.policy.params, self._cache, self._state))
+
+    def _start_precompiling(self, what: str, lowerings: list[Callable[[], list[Any]]]) -> None:
+        if not lowerings:
+            return
+        scope = self.policy._scope
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            with contextlib.suppress(OSError, AttributeError):  # Linux: this thread only
+                # the lowest CPU priority: generation and training go first, the compilations
+                # fill the cores' idle time
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            try:
+                for lower in lowerings:
+                    with scope():
+                        for lowered in lower():
+                            lowered.compile()
+            except Exception:  # a failure here only costs the compile later, in the foreground
+                log.warning("precompiling %s failed", what, exc_info=True)
+                return
+            log.info("precompiled %s in %.1fs", what, time.perf_counter() - t0)
+
+        thread = threading.Thread(target=run, name="sampler-precompile", daemon=True)
+        self._precompiling.append(thread)
+        thread.start()
+
+    def wait_precompiled(self, timeout_s: float | None = None) -> None:
+        """Waits for the background compilations started so far (tests, benchmarks)."""
+        for thread in self._precompiling:
+            thread.join(timeout_s)
+
     def _decode_chunk(self, finished: list[Completion]) -> None:
         slots = [s for s in self._slots if s is not None]
         live = [s.request.params for s in slots]
@@ -540,6 +667,7 @@ class Sampler:
         # every entry written lies below ``end``
         end = max(len(s.request.prompt) + len(s.tokens) for s in slots) + self.decode_chunk
         window = decode_window(end, self.max_len)
+        self._precompile_decodes(window, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(

@@ -14,7 +14,13 @@ from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
-from rlax_tasks.rollout.sampler import _fold_in_rows, decode_window, request_keys
+from rlax_tasks.rollout.sampler import (
+    _fold_in_rows,
+    admission_rows,
+    admission_sizes,
+    decode_window,
+    request_keys,
+)
 from tests.models.hf_models import tiny_hf_model
 from tests.tiny_model import tiny_model_config
 
@@ -247,6 +253,68 @@ def test_abort_leaves_nothing_that_compiles_again(policy, prompts, caplog):
         sampler.generate(prompts[:2], max_new_tokens=8)
     compiled = [r.getMessage() for r in caplog.records if "Compiling jit(" in r.getMessage()]
     assert not [m for m in compiled if "_prefill" in m or "_decode" in m], compiled
+
+
+def test_admissions_pad_to_a_few_sizes_at_most_a_sixteenth_of_the_slots_apart():
+    assert admission_sizes(128) == [8, 16, 32, 64, 128]
+    assert admission_sizes(16) == [1, 2, 4, 8, 16]
+    assert admission_sizes(100) == [8, 16, 32, 64, 128]
+    for slots in (1, 3, 16, 64, 100, 128, 256):
+        for n in range(1, slots + 1):
+            rows = admission_rows(n, slots)
+            assert rows >= n and rows in admission_sizes(slots)
+            assert rows - n <= max(n, -(-slots // 16))  # at most doubled, or a sixteenth
+
+
+_PRECOMPILE = """
+import os, sys, jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from rlax_tasks.models import Policy
+from rlax_tasks.rollout import Sampler
+from tests.tiny_model import tiny_model_config
+policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
+sampler = Sampler(policy, max_slots=16, max_len=96, precompile=sys.argv[2] == "on")
+first = sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)  # 8 rows, window 64
+sampler.wait_precompiled()
+entries = lambda: {n: os.stat(os.path.join(sys.argv[1], n)).st_mtime_ns
+                   for n in os.listdir(sys.argv[1])}
+before = entries()
+print("prefills:", sum(n.startswith("jit__prefill") for n in before))
+print("decodes:", sum(n.startswith("jit__decode") for n in before))
+# other admission sizes (4, 1, 16 rows), and a decode past 64 cache entries (window 96)
+sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)
+sampler.generate([[5, 6, 7]], max_new_tokens=70, temperature=1.0, ignore_eos=True)
+sampler.generate([[5, 6, 7]] * 16, max_new_tokens=4, temperature=1.0)
+print("compiled later:", sorted(n for n, t in entries().items() if before.get(n) != t))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precompile", ["on", "off"])
+def test_the_first_admission_precompiles_the_other_sizes_and_windows(tmp_path, precompile):
+    """With a persistent compilation cache, the first admission and decode compile every other
+    admission size and attention window in the background: later calls only read the cache (a
+    call that compiled would have written an entry)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _PRECOMPILE, str(tmp_path), precompile],
+        capture_output=True, text=True, cwd=root, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    if precompile == "on":
+        assert lines["prefills"] == "5" and lines["decodes"] == "2", out.stdout  # 1..16 rows
+        assert lines["compiled later"] == "[]", out.stdout
+    else:  # the check can fail: without precompiling, the later calls compile
+        assert lines["prefills"] == "1" and lines["decodes"] == "1", out.stdout
+        assert "jit__prefill" in lines["compiled later"], out.stdout
+        assert "jit__decode" in lines["compiled later"], out.stdout
 
 
 @pytest.mark.parametrize(
