@@ -343,6 +343,7 @@ class Sampler:
         self.precompile = precompile
         self._precompiled: set[tuple] = set()
         self._precompiling: list[threading.Thread] = []
+        self._stop_precompiling = threading.Event()
 
     # ------------------------------------------------------------------ weights
     @property
@@ -641,6 +642,9 @@ class Sampler:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             try:
                 for lower in lowerings:
+                    if self._stop_precompiling.is_set() or not threading.main_thread().is_alive():
+                        log.debug("precompiling %s: stopped", what)
+                        return
                     with scope():
                         for lowered in lower():
                             lowered.compile()
@@ -649,9 +653,16 @@ class Sampler:
                 return
             log.info("precompiled %s in %.1fs", what, time.perf_counter() - t0)
 
-        thread = threading.Thread(target=run, name="sampler-precompile", daemon=True)
+        # not a daemon: a daemon thread inside XLA's compiler when the interpreter exits aborts
+        # the process (exit 134). The exit waits for the compilation under way, then the thread
+        # stops (the main thread is no longer alive), as it does after stop_precompiling().
+        thread = threading.Thread(target=run, name="sampler-precompile", daemon=False)
         self._precompiling.append(thread)
         thread.start()
+
+    def stop_precompiling(self) -> None:
+        """Background compilations end after the one under way (a worker that stops)."""
+        self._stop_precompiling.set()
 
     def wait_precompiled(self, timeout_s: float | None = None) -> None:
         """Waits for the background compilations started so far (tests, benchmarks)."""

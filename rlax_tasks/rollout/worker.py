@@ -186,6 +186,7 @@ class InferenceWorker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self.sampler.stop_precompiling()  # the process may be about to exit
         with self._lock:
             self._lock.notify_all()
         if self._thread is not None:

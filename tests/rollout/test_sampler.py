@@ -317,6 +317,38 @@ def test_the_first_admission_precompiles_the_other_sizes_and_windows(tmp_path, p
         assert "jit__decode" in lines["compiled later"], out.stdout
 
 
+_EXIT_WHILE_PRECOMPILING = """
+import sys, jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from rlax_tasks.models import Policy
+from rlax_tasks.rollout import Sampler
+from tests.tiny_model import tiny_model_config
+policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
+sampler = Sampler(policy, max_slots=64, max_len=96)
+sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)
+print("alive:", any(t.is_alive() for t in sampler._precompiling))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_exits_while_precompiling_exits_0(tmp_path):
+    """The background compilation must not outlive the interpreter (a daemon thread inside
+    XLA's compiler at exit aborted the process: exit 134)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_PRECOMPILING, str(tmp_path)],
+        capture_output=True, text=True, cwd=root, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
+    )  # fmt: skip
+    assert "alive: True" in out.stdout, out.stdout  # it exited in the middle of precompiling
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
