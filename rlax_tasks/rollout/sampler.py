@@ -9,11 +9,12 @@ waiting request is prefilled into it while the others keep decoding (continuous 
 Randomness is per request: token i of a request is drawn with fold_in(key(seed, sample), i), so the
 same seed gives the same completion whatever else shares the batch.
 
-With JAX's persistent compilation cache on (every run's processes have it), the first admission
-at a prompt bucket starts a background thread that compiles the prefill of every other admission
-size at that bucket, and the first decode chunk every attention window, into that cache: the
-later first calls read them (milliseconds) instead of stalling generation on a compile (a second
-each for a tiny model on CPU, far more on a TPU).
+With JAX's persistent compilation cache on (every run's processes have it), a background thread
+compiles ahead, into that cache, the programs generation is about to need: the prefill of every
+other admission size at a prompt bucket once admissions there came in two sizes, and the decode
+of every attention window up to the longest the slots' requests can reach. Their first calls then
+read the cache (milliseconds) instead of stalling generation on a compile (a second each for a
+tiny model on CPU, far more on a TPU).
 """
 
 from __future__ import annotations
@@ -341,7 +342,8 @@ class Sampler:
         self._decode_fn = _DECODE
         # background compilation into the persistent cache (see the module docstring)
         self.precompile = precompile
-        self._precompiled: set[tuple] = set()
+        self._precompiled: set[tuple] = set()  # (kind..., shape) compiled or under way
+        self._admissions_seen: dict[tuple, set[int]] = {}  # (bucket, filtering, sampling)
         self._precompiling: list[threading.Thread] = []
         self._stop_precompiling = threading.Event()
 
@@ -566,12 +568,20 @@ class Sampler:
     def _precompile_admissions(
         self, rows: int, bucket: int, filtering: bool, sampling: bool
     ) -> None:
-        """The first admission at (bucket, filtering, sampling): the prefill of every other
-        admission size (``admission_sizes``) compiles in the background."""
-        key = ("prefill", bucket, filtering, sampling)
-        if not self._precompiling_on(key):
+        """Once admissions at (bucket, filtering, sampling) came in two sizes (their size
+        varies: continuous batching refilling slots as they free), the prefill of every other
+        admission size (``admission_sizes``) compiles in the background. A workload that always
+        admits the same size (a whole batch at a time) compiles nothing it would not use."""
+        seen = self._admissions_seen.setdefault((bucket, filtering, sampling), set())
+        seen.add(rows)
+        if len(seen) < 2:
             return
-        sizes = [n for n in admission_sizes(self.max_slots) if n != rows]
+        sizes = self._not_precompiled(
+            ("prefill", bucket, filtering, sampling),
+            [n for n in admission_sizes(self.max_slots) if n not in seen],
+        )
+        if not sizes:
+            return
         args = self._abstract_state()
 
         def lower(n: int) -> list[Any]:
@@ -590,19 +600,17 @@ class Sampler:
         what = f"admissions of {sizes} rows at prompt bucket {bucket}"
         self._start_precompiling(what, [functools.partial(lower, n) for n in sizes])
 
-    def _precompile_decodes(self, window: int, filtering: bool, sampling: bool) -> None:
-        """The first decode chunk with (filtering, sampling): the other attention windows
-        compile in the background."""
-        key = ("decode", filtering, sampling)
-        if not self._precompiling_on(key):
-            return
-        windows, w = [], decode_window(1, self.max_len)
-        while True:
-            if w != window:
-                windows.append(w)
-            if w >= self.max_len:
-                break
+    def _precompile_decodes(self, window: int, reach: int, filtering: bool, sampling: bool) -> None:
+        """The attention windows the slots' requests will reach (``reach``: their longest
+        prompt + max_new_tokens) past the current ``window`` compile in the background."""
+        windows, w = [], window
+        while w < decode_window(reach, self.max_len):
             w = decode_window(w + 1, self.max_len)
+            windows.append(w)
+        self._not_precompiled(("decode", filtering, sampling), [window])  # compiles now
+        windows = self._not_precompiled(("decode", filtering, sampling), windows)
+        if not windows:
+            return
         args = self._abstract_state()
         refill = np.bool_(False)
 
@@ -613,12 +621,14 @@ class Sampler:
         what = f"decode windows {windows}"
         self._start_precompiling(what, [functools.partial(lower, w) for w in windows])
 
-    def _precompiling_on(self, key: tuple) -> bool:
-        """Whether to precompile for ``key`` now: first time, and a persistent cache to fill."""
-        if not self.precompile or key in self._precompiled:
-            return False
-        self._precompiled.add(key)
-        return bool(jax.config.jax_compilation_cache_dir)
+    def _not_precompiled(self, kind: tuple, shapes: list[int]) -> list[int]:
+        """Those of ``shapes`` (of programs ``kind``) to precompile now, marked as done: none
+        without a persistent cache to fill (see the module docstring)."""
+        if not self.precompile or not jax.config.jax_compilation_cache_dir:
+            return []
+        todo = [n for n in shapes if (*kind, n) not in self._precompiled]
+        self._precompiled.update((*kind, n) for n in todo)
+        return todo
 
     def _abstract_state(self) -> tuple[Any, Any, Any]:
         """(params, cache, slot state) as shapes with their placements: what a background
@@ -678,7 +688,8 @@ class Sampler:
         # every entry written lies below ``end``
         end = max(len(s.request.prompt) + len(s.tokens) for s in slots) + self.decode_chunk
         window = decode_window(end, self.max_len)
-        self._precompile_decodes(window, filtering, sampling)
+        reach = max(len(s.request.prompt) + s.request.params.max_new_tokens for s in slots)
+        self._precompile_decodes(window, reach, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(

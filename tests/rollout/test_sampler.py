@@ -271,31 +271,41 @@ import os, sys, jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 from rlax_tasks.models import Policy
-from rlax_tasks.rollout import Sampler
+from rlax_tasks.rollout import Request, Sampler, SamplingParams
 from tests.tiny_model import tiny_model_config
 policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
 sampler = Sampler(policy, max_slots=16, max_len=96, precompile=sys.argv[2] == "on")
-first = sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)  # 8 rows, window 64
+short = dict(max_new_tokens=4, temperature=1.0)
+sampler.generate([[5, 6, 7]] * 8, **short)  # 8 rows, window 64: one size so far
+print("after one size:", sum(t.is_alive() for t in sampler._precompiling))
+sampler.generate([[5, 6, 7]] * 3, **short)  # 4 rows: sizes vary, the others (1, 2, 16) follow
+# a request that will reach 73 cache entries (window 96): one decode chunk, then dropped
+long = SamplingParams(max_new_tokens=70, temperature=1.0, ignore_eos=True)
+sampler.add_request(Request.make([5, 6, 7], long))
+sampler.step()
+sampler.abort()
 sampler.wait_precompiled()
 entries = lambda: {n: os.stat(os.path.join(sys.argv[1], n)).st_mtime_ns
                    for n in os.listdir(sys.argv[1])}
 before = entries()
 print("prefills:", sum(n.startswith("jit__prefill") for n in before))
 print("decodes:", sum(n.startswith("jit__decode") for n in before))
-# other admission sizes (4, 1, 16 rows), and a decode past 64 cache entries (window 96)
-sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)
+sampler.generate([[5, 6, 7]], **short)
+sampler.generate([[5, 6, 7]] * 16, **short)
 sampler.generate([[5, 6, 7]], max_new_tokens=70, temperature=1.0, ignore_eos=True)
-sampler.generate([[5, 6, 7]] * 16, max_new_tokens=4, temperature=1.0)
 print("compiled later:", sorted(n for n, t in entries().items() if before.get(n) != t))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precompile", ["on", "off"])
-def test_the_first_admission_precompiles_the_other_sizes_and_windows(tmp_path, precompile):
-    """With a persistent compilation cache, the first admission and decode compile every other
-    admission size and attention window in the background: later calls only read the cache (a
-    call that compiled would have written an entry)."""
+def test_admissions_of_varying_size_and_longer_requests_precompile_what_follows(
+    tmp_path, precompile
+):
+    """With a persistent compilation cache, once admissions came in two sizes every other size
+    compiles in the background, and so do the attention windows the slots' requests will
+    reach: later calls only read the cache (a call that compiled would have written an entry).
+    One admission size alone precompiles nothing (a workload admitting whole batches)."""
     import os
     import subprocess
     import sys
@@ -308,11 +318,12 @@ def test_the_first_admission_precompiles_the_other_sizes_and_windows(tmp_path, p
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
-    if precompile == "on":
-        assert lines["prefills"] == "5" and lines["decodes"] == "2", out.stdout  # 1..16 rows
+    assert lines["after one size"] == "0", out.stdout
+    if precompile == "on":  # sizes 1, 2, 4, 8, 16; windows 64, 96
+        assert lines["prefills"] == "5" and lines["decodes"] == "2", out.stdout
         assert lines["compiled later"] == "[]", out.stdout
     else:  # the check can fail: without precompiling, the later calls compile
-        assert lines["prefills"] == "1" and lines["decodes"] == "1", out.stdout
+        assert lines["prefills"] == "3" and lines["decodes"] == "1", out.stdout  # 8, 4, 1 rows
         assert "jit__prefill" in lines["compiled later"], out.stdout
         assert "jit__decode" in lines["compiled later"], out.stdout
 
@@ -327,6 +338,7 @@ from tests.tiny_model import tiny_model_config
 policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
 sampler = Sampler(policy, max_slots=64, max_len=96)
 sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)
+sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)  # a second size
 print("alive:", any(t.is_alive() for t in sampler._precompiling))
 """
 
