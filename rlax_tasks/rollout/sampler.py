@@ -511,6 +511,15 @@ class Sampler:
         eos = () if p.ignore_eos else self.policy.eos_token_ids
         return frozenset(eos) | frozenset(p.stop_token_ids)
 
+    def _admission_arrays(self, rows: int, bucket: int) -> tuple[np.ndarray, ...]:
+        """An admission's host arrays, every row padding until filled: prompt ids [rows,
+        bucket], lengths, cache slots (out of range: dropped) and the rows' ``SlotState``."""
+        ids = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.max_slots, np.int32)
+        new = SlotState(*(np.array(x) for x in _empty_state(rows, self.max_stop_ids)))
+        return ids, lengths, slots, new
+
     def _admit(self, finished: list[Completion]) -> None:
         free = [i for i, s in enumerate(self._slots) if s is None]
         if not self._waiting or not free:
@@ -520,10 +529,7 @@ class Sampler:
         take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         rows = admission_rows(len(take), self.max_slots)
         bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
-        ids = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)
-        slots = np.full(rows, self.max_slots, np.int32)  # out of range: dropped
-        new = SlotState(*(np.array(x) for x in _empty_state(rows, self.max_stop_ids)))
+        ids, lengths, slots, new = self._admission_arrays(rows, bucket)
         for row, (request, slot) in enumerate(zip(take, free, strict=False)):
             p = request.params
             ids[row, : len(request.prompt)] = request.prompt
@@ -585,9 +591,7 @@ class Sampler:
         args = self._abstract_state()
 
         def lower(n: int) -> list[Any]:
-            new = SlotState(*(np.array(x) for x in _empty_state(n, self.max_stop_ids)))
-            ids, lengths = np.zeros((n, bucket), np.int32), np.ones(n, np.int32)
-            slots = np.full(n, self.max_slots, np.int32)
+            ids, lengths, slots, new = self._admission_arrays(n, bucket)
             cfg, graphdef = self.policy.config, self.policy.graphdef
             seeds, indices = np.zeros((n, 2), np.uint32), np.zeros(n, np.uint32)
             return [
@@ -607,7 +611,7 @@ class Sampler:
         while w < decode_window(reach, self.max_len):
             w = decode_window(w + 1, self.max_len)
             windows.append(w)
-        self._not_precompiled(("decode", filtering, sampling), [window])  # compiles now
+        self._precompiled.add(("decode", filtering, sampling, window))  # compiles now, here
         windows = self._not_precompiled(("decode", filtering, sampling), windows)
         if not windows:
             return

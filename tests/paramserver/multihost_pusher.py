@@ -3,8 +3,9 @@ test_multihost_push.py).
 
 ``python multihost_pusher.py COORDINATOR PROCESS_ID URL OUT_DIR SCENARIO`` with RLAX_PS_TOKEN,
 JAX_PLATFORMS=cpu and 4 forced host devices: two such processes join by ``jax.distributed``
-(gloo collectives), build the global arrays of ``expected(version)`` on an 8-device mesh (2 hosts
-x 4 devices) and push them with ``ParameterServerClient.push``. Scenarios:
+(meeting at its coordination-service barriers, no device collective), build the global arrays
+of ``expected(version)`` on an 8-device mesh (2 hosts x 4 devices) and push them with
+``ParameterServerClient.push``. Scenarios:
 
 - ``push``: both hosts push version 1.
 - ``missing``: only host 0 pushes version 1 (host 1 never sends its part): its push must fail

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -266,6 +269,16 @@ def test_admissions_pad_to_a_few_sizes_at_most_a_sixteenth_of_the_slots_apart():
             assert rows - n <= max(n, -(-slots // 16))  # at most doubled, or a sixteenth
 
 
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python process (its own JAX configuration) from the repository root."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True, text=True, cwd=root, timeout=300, env=env,
+    )  # fmt: skip
+
+
 _PRECOMPILE = """
 import os, sys, jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
@@ -306,16 +319,7 @@ def test_admissions_of_varying_size_and_longer_requests_precompile_what_follows(
     compiles in the background, and so do the attention windows the slots' requests will
     reach: later calls only read the cache (a call that compiled would have written an entry).
     One admission size alone precompiles nothing (a workload admitting whole batches)."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", _PRECOMPILE, str(tmp_path), precompile],
-        capture_output=True, text=True, cwd=root, timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
-    )  # fmt: skip
+    out = _run_script(_PRECOMPILE, str(tmp_path), precompile)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     assert lines["after one size"] == "0", out.stdout
@@ -347,16 +351,7 @@ print("alive:", any(t.is_alive() for t in sampler._precompiling))
 def test_a_process_that_exits_while_precompiling_exits_0(tmp_path):
     """The background compilation must not outlive the interpreter (a daemon thread inside
     XLA's compiler at exit aborted the process: exit 134)."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", _EXIT_WHILE_PRECOMPILING, str(tmp_path)],
-        capture_output=True, text=True, cwd=root, timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
-    )  # fmt: skip
+    out = _run_script(_EXIT_WHILE_PRECOMPILING, str(tmp_path))
     assert "alive: True" in out.stdout, out.stdout  # it exited in the middle of precompiling
     assert out.returncode == 0, out.stderr[-2000:]
 
