@@ -157,12 +157,16 @@ def extend_cache(
     start: jax.Array,
     fresh: bool = False,
     window: int | None = None,
+    logits_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
 
     Returns float32 logits [B, T, V] and the updated cache; prefill and decode are both this call.
     ``fresh``: an empty cache of exactly T entries at offset 0 (attention is self-attention).
     ``window`` (static): attention reads only the cache's first ``window`` entries.
+    ``logits_at`` [B]: only the logits of token ``logits_at[b]`` of each row, [B, 1, V] (a
+    prefill needs its last prompt token's alone; the [B, T, V] product of the others would
+    cost as much as the rest of the model at a 32k vocabulary, and T·V floats of memory).
     """
     model = nnx.merge(graphdef, params)
     hidden, cache = model.hidden_states_cached(
@@ -174,4 +178,6 @@ def extend_cache(
         fresh,
         window,
     )
+    if logits_at is not None:
+        hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
     return model.unembed(hidden), cache

@@ -138,9 +138,17 @@ def _prefill(
     valid = positions < lengths[:, None]
     fresh = init_cache(config, n, bucket, cache.k.dtype)
     logits, fresh = forward.extend_cache(
-        graphdef, params, ids, positions, valid, fresh, jnp.zeros(n, jnp.int32), fresh=True
+        graphdef,
+        params,
+        ids,
+        positions,
+        valid,
+        fresh,
+        jnp.zeros(n, jnp.int32),
+        fresh=True,
+        logits_at=lengths - 1,
     )
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last = logits[:, 0]
     keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
     tokens, logprobs = sample_tokens(
         last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling

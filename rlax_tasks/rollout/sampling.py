@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
+# tokens per block of the two-level CDF inversion (see inverse_cdf_draw)
+DRAW_BLOCK = 256
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -53,29 +55,59 @@ def sample_tokens(
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     if not sampling:  # every row is greedy: no draw at all
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = greedy_tokens(logits)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     if filtering:
         scaled = filter_logits(scaled, top_k, top_p)
     drawn = inverse_cdf_draw(keys, scaled)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    tokens = jnp.where(greedy, greedy_tokens(logits), drawn).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(jnp.where(greedy[:, None], logits, scaled), axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-def inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """Each row's most likely token [B] int32, the first of ties (as ``argmax``).
+
+    Two plain reductions (the maximum, then the first index holding it): XLA:CPU runs
+    ``argmax``'s paired value-index reduction unvectorised, 1.1 ms for 16 rows of a 32k
+    vocabulary against 0.4 ms for these, at every decode step.
+    """
+    vocab = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(logits == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(index, vocab - 1)  # a row of NaNs has no maximum: its last token
+
+
+def inverse_cdf_draw(keys: jax.Array, logits: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
     """One exact draw per row from softmax(logits) by inverting its CDF with one uniform.
 
     One random number per row instead of a Gumbel per vocabulary entry (that costs more than the
-    decode step itself on CPU for a 32k vocabulary). Entries at -inf have probability 0 and are
-    never drawn.
+    decode step itself on CPU for a 32k vocabulary). The CDF is inverted in two levels: the
+    running sums of ``block``-token blocks find the block, then that block's own running sum the
+    token, so no cumulative sum runs over the whole vocabulary (1.3 ms for 16 rows of 32k tokens
+    on CPU; a long serial scan on TPU). Entries at -inf have probability 0 and are never drawn.
     """
-    cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
-    index = jnp.sum(cdf <= u[:, None], axis=-1)
-    return jnp.minimum(index, logits.shape[-1] - 1)
+    rows, vocab = logits.shape
+    block = min(block, vocab)
+    blocks = -(-vocab // block)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.pad(probs, ((0, 0), (0, blocks * block - vocab))).reshape(rows, blocks, block)
+    totals = jnp.sum(probs, axis=-1)  # [B, blocks]
+    ends = jnp.cumsum(totals, axis=-1)  # the CDF at each block's end
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * ends[:, -1]
+    # the block holding u (rounding may put u at the very end: the last block with mass)
+    last_block = jnp.max(jnp.where(totals > 0, jnp.arange(blocks), 0), axis=-1)
+    j = jnp.minimum(jnp.sum(ends <= u[:, None], axis=-1), last_block)
+    before = jnp.where(
+        j > 0, jnp.take_along_axis(ends, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0
+    )
+    mass = jnp.take_along_axis(probs, j[:, None, None], axis=1)[:, 0]  # [B, block]
+    count = jnp.sum(before[:, None] + jnp.cumsum(mass, axis=-1) <= u[:, None], axis=-1)
+    # rounding may leave u past the block's own sum: its last token of non-zero probability
+    last = jnp.max(jnp.where(mass > 0, jnp.arange(block), 0), axis=-1)
+    return (j * block + jnp.minimum(count, last)).astype(jnp.int32)
 
 
 def token_key(seed_key: jax.Array, index: jax.Array) -> jax.Array:

@@ -52,6 +52,24 @@ def test_prefill_then_decode_matches_full_forward(policy):
         np.testing.assert_allclose(np.stack(got[row]), full[n - 1 : n + steps - 1], atol=1e-5)
 
 
+def test_logits_at_returns_each_rows_chosen_token_alone(policy):
+    """A prefill asks for its last prompt token's logits only: [B, 1, V], the same values."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, CONFIG.vocab_size, (3, 8)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), (3, 8))
+    lengths = np.array([8, 3, 5], np.int32)
+    valid = positions < lengths[:, None]
+    step = jax.jit(forward.extend_cache, static_argnums=0, static_argnames="fresh")
+    args = (policy.graphdef, policy.params, ids, positions, valid)
+    cache, start = init_cache(CONFIG, 3, 8, jnp.float32), np.zeros(3, np.int32)
+    full, full_cache = step(*args, cache, start, fresh=True)
+    cache = init_cache(CONFIG, 3, 8, jnp.float32)
+    last, last_cache = step(*args, cache, start, fresh=True, logits_at=lengths - 1)
+    assert last.shape == (3, 1, CONFIG.vocab_size)
+    np.testing.assert_allclose(last[:, 0], np.asarray(full)[np.arange(3), lengths - 1], atol=1e-6)
+    np.testing.assert_array_equal(last_cache.k, full_cache.k)
+
+
 def test_row_reset_by_invalidating_entries(policy):
     """A slot reused for a new prompt must not see the previous occupant's entries."""
     rng = np.random.default_rng(1)

@@ -1,0 +1,70 @@
+"""The sampler's token choice: greedy picks as argmax does, draws invert the exact CDF."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax_tasks.rollout.sampling import greedy_tokens, inverse_cdf_draw
+
+
+def test_greedy_tokens_are_argmax_with_the_first_of_ties():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 1000)).astype(np.float32)
+    logits[1, [7, 500, 999]] = 50.0  # ties: the first wins
+    logits[2, :] = -np.inf
+    logits[2, 998] = 0.0  # one finite entry among -inf
+    logits[3, :] = 1.0  # all equal: token 0
+    got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got.dtype == np.int32
+
+
+def _reference_draws(keys: jax.Array, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The single-level inversion in float64 with the same uniforms: (tokens, |u - nearest CDF
+    boundary|) per row."""
+    u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys), np.float64)
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    probs = np.exp(shifted)
+    cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)
+    tokens = np.array([np.searchsorted(c, x, side="right") for c, x in zip(cdf, u, strict=True)])
+    margin = np.min(np.abs(cdf - u[:, None]), axis=-1)
+    return tokens, margin
+
+
+def test_two_level_draw_inverts_the_same_cdf_as_one_cumulative_sum():
+    """Vocabularies that are and are not a multiple of the block, with filtered (-inf) tokens:
+    every draw is the token whose CDF interval holds the uniform (up to float32 rounding at a
+    boundary), and never a filtered one."""
+    rng = np.random.default_rng(1)
+    for vocab, block in ((1000, 256), (1024, 256), (300, 64), (50, 256)):
+        logits = (2 * rng.standard_normal((64, vocab))).astype(np.float32)
+        logits[::3, : vocab // 2] = -np.inf  # whole blocks without mass
+        logits[1::3, 1::2] = -np.inf  # holes inside blocks
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(5), i))(jnp.arange(64))
+        got = np.asarray(jax.jit(inverse_cdf_draw, static_argnums=2)(keys, logits, block))
+        want, margin = _reference_draws(keys, logits)
+        assert np.isfinite(logits[np.arange(64), got]).all()
+        agree = (got == want) | (margin < 1e-5)
+        assert agree.all(), (vocab, block, got[~agree], want[~agree])
+        assert (got == want).mean() > 0.95
+
+
+def test_draw_frequencies_follow_the_distribution():
+    """20,000 draws from one 600-token distribution (three blocks, the last one padded)."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal(600).astype(np.float32)
+    logits[rng.choice(600, 100, replace=False)] = -np.inf
+    n = 20_000
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(9), i))(jnp.arange(n))
+    draws = np.asarray(
+        jax.jit(inverse_cdf_draw)(keys, jnp.broadcast_to(jnp.asarray(logits), (n, 600)))
+    )
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    counts = np.bincount(draws, minlength=600)
+    assert counts[~np.isfinite(logits)].sum() == 0
+    # per-token counts within 5 standard deviations of their binomial expectation
+    expected, sd = n * probs, np.sqrt(n * probs * (1 - probs))
+    assert np.all(np.abs(counts - expected) <= 5 * sd + 1)
