@@ -20,19 +20,44 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
     logits [B, V] float32; top_k [B] int (0 = off); top_p [B] float (1.0 = off). Ties at the
     threshold are all kept. The most likely token always survives.
+
+    The k-th largest logit and the nucleus' smallest (the smallest logit whose strictly larger
+    tokens hold less than top_p of the mass) are each found by bisection over the logits' 2^32
+    orderable bit patterns: 32 rounds of a count and a masked sum over the row, exact, instead
+    of sorting the vocabulary (a sort of 16 rows of a 32k vocabulary took 96 ms on CPU, six
+    times the rest of the decode step).
     """
     vocab = logits.shape[-1]
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    # a token is in the nucleus when the mass strictly before it is below top_p
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = mass_before < top_p[:, None]
-    in_nucleus = in_nucleus.at[:, 0].set(True)
-    nucleus_min = jnp.min(jnp.where(in_nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, nucleus_min)
-    return jnp.where(logits >= threshold, logits, _NEG_INF)
+    keys = _order_keys(logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    top = jnp.max(keys, axis=-1, keepdims=True)
+
+    def bisect(_: int, bounds: tuple) -> tuple:
+        # [k_lo, k_hi]: the k-th largest key is the largest t with count(keys >= t) >= k;
+        # [p_lo, p_hi]: the nucleus' smallest key is the smallest t whose mass above is < top_p
+        k_lo, k_hi, p_lo, p_hi = bounds
+        k_mid = k_lo + ((k_hi - k_lo) >> 1) + ((k_hi - k_lo) & 1)
+        enough = jnp.sum(keys >= k_mid, axis=-1, keepdims=True) >= k
+        k_lo, k_hi = jnp.where(enough, k_mid, k_lo), jnp.where(enough, k_hi, k_mid - 1)
+        p_mid = p_lo + ((p_hi - p_lo) >> 1)
+        above = jnp.sum(jnp.where(keys > p_mid, probs, 0.0), axis=-1, keepdims=True)
+        inside = above < top_p[:, None]
+        p_lo, p_hi = jnp.where(inside, p_lo, p_mid + 1), jnp.where(inside, p_mid, p_hi)
+        return k_lo, k_hi, p_lo, p_hi
+
+    zero = jnp.zeros_like(top)
+    kth, _, nucleus_min, _ = jax.lax.fori_loop(0, 32, bisect, (zero, top, zero, top))
+    nucleus_min = jnp.where(top_p[:, None] >= 1.0, zero, nucleus_min)  # off: every token
+    return jnp.where(keys >= jnp.maximum(kth, nucleus_min), logits, _NEG_INF)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-0.0 and 0.0 equal): a float's bits with the
+    sign bit set when positive, all bits flipped when negative."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
 def sample_tokens(

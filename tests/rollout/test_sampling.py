@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_tasks.rollout.sampling import greedy_tokens, inverse_cdf_draw
+from rlax_tasks.rollout.sampling import filter_logits, greedy_tokens, inverse_cdf_draw
 
 
 def test_greedy_tokens_are_argmax_with_the_first_of_ties():
@@ -68,3 +68,46 @@ def test_draw_frequencies_follow_the_distribution():
     # per-token counts within 5 standard deviations of their binomial expectation
     expected, sd = n * probs, np.sqrt(n * probs * (1 - probs))
     assert np.all(np.abs(counts - expected) <= 5 * sd + 1)
+
+
+def _sorted_filter(
+    logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The definition by sorting (float64): keep the top-k and the nucleus, the tokens whose
+    strictly larger tokens hold less than top_p of the mass (ties at a threshold all kept).
+    Also each row's margin: how close a token's mass before it comes to top_p."""
+    out = np.full_like(logits, -np.inf)
+    margin = np.zeros(len(logits))
+    for r, row in enumerate(logits.astype(np.float64)):
+        ordered = np.sort(row)[::-1]
+        k = top_k[r] if 0 < top_k[r] < len(row) else len(row)
+        probs = np.exp(ordered - ordered[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        inside = (before < top_p[r]) | (np.arange(len(row)) == 0) | (top_p[r] >= 1.0)
+        threshold = max(ordered[k - 1], ordered[inside].min())
+        out[r] = np.where(row >= threshold, logits[r], -np.inf)
+        margin[r] = np.abs(before - top_p[r]).min()
+    return out, margin
+
+
+def test_filter_keeps_the_top_k_and_the_nucleus_as_sorting_does():
+    rng = np.random.default_rng(3)
+    rows, vocab = 48, 3000
+    logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    logits[0] = 0.0  # all tied, zeros of both signs
+    logits[0, ::2] = -0.0
+    logits[1, :10] = 20.0  # a tied top ten
+    logits[2, vocab // 2 :] = -np.inf
+    logits[3] -= 1e4  # far from zero, negative
+    top_k = rng.choice([0, 1, 5, 50, vocab, vocab + 7], rows)
+    top_p = rng.choice([1.0, 0.5, 0.9, 0.999, 1e-6], rows).astype(np.float32)
+    top_k[:4], top_p[:4] = [3, 4, 0, 2], [1.0, 0.2, 0.95, 1.0]
+    got = np.asarray(jax.jit(filter_logits)(logits, top_k, top_p))
+    want, margin = _sorted_filter(logits, top_k, top_p)
+    same = (np.isfinite(got) == np.isfinite(want)).all(-1)
+    # float32 sums may put a nucleus edge one token off only where the mass is that close
+    assert (same | (margin < 1e-5)).all(), np.flatnonzero(~same)
+    assert same.mean() > 0.9
+    np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(got)])
+    assert np.isfinite(got).sum(-1)[1] == 10 and np.isfinite(got).sum(-1)[0] == vocab
