@@ -100,27 +100,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------ 1. ours vs transformers
     sampler = Sampler(policy, max_slots=args.batch, max_len=max_len, decode_chunk=args.decode_chunk)
 
-    def ours() -> list:
-        return sampler.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+    def ours(new_tokens: int, **sampling: Any) -> list:
+        """Every prompt to exactly ``new_tokens`` tokens; greedy unless ``sampling`` says
+        (temperature, top_p, seed)."""
+        return sampler.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **sampling)
 
     ids = torch.tensor(prompts, dtype=torch.long)
 
-    def theirs() -> Any:
+    def theirs(new_tokens: int, **sampling: Any) -> Any:
+        """The same with transformers; greedy unless ``sampling`` says (temperature, top_p)."""
         with torch.inference_mode():
             return model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
-                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=bool(sampling),
+                **({"top_k": 0, **sampling} if sampling else {}),
                 use_cache=True,
                 pad_token_id=0,
             )
 
     log.info("ours: %d prompts x %d new tokens (warm-up compiles)", args.batch, args.new_tokens)
-    ours_s, ours_out = timed(ours, args.repeats)
+    ours_s, ours_out = timed(lambda: ours(args.new_tokens), args.repeats)
     log.info("transformers generate, same prompts")
-    theirs_s, theirs_out = timed(theirs, args.repeats)
+    theirs_s, theirs_out = timed(lambda: theirs(args.new_tokens), args.repeats)
     tokens = args.batch * args.new_tokens
     agree = np.mean(
         [o.tokens == theirs_out[i, args.prompt_len :].tolist() for i, o in enumerate(ours_out)]
@@ -142,35 +146,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # runs at every step on both sides; seeds differ, so only the throughput is compared
     temperature, top_p = args.sample_temperature, args.sample_top_p
     sample_tokens_n = args.new_tokens // 2
-
-    def ours_sampled() -> list:
-        return sampler.generate(
-            prompts,
-            max_new_tokens=sample_tokens_n,
-            ignore_eos=True,
-            temperature=temperature,
-            top_p=top_p,
-            seed=args.seed,
-        )
-
-    def theirs_sampled() -> Any:
-        with torch.inference_mode():
-            return model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=sample_tokens_n,
-                min_new_tokens=sample_tokens_n,
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                use_cache=True,
-                pad_token_id=0,
-            )
+    nucleus = {"temperature": temperature, "top_p": top_p}
 
     log.info("nucleus sampling: T=%s top_p=%s, ours then transformers", temperature, top_p)
-    ours_sampled_s, _ = timed(ours_sampled, args.repeats)
-    theirs_sampled_s, _ = timed(theirs_sampled, args.repeats)
+    ours_sampled_s, _ = timed(
+        lambda: ours(sample_tokens_n, **nucleus, seed=args.seed), args.repeats
+    )
+    theirs_sampled_s, _ = timed(lambda: theirs(sample_tokens_n, **nucleus), args.repeats)
     sampled = args.batch * sample_tokens_n
     out["nucleus_sampling"] = {
         "temperature": temperature,

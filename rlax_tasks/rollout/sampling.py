@@ -123,16 +123,19 @@ def inverse_cdf_draw(keys: jax.Array, logits: jax.Array, block: int = DRAW_BLOCK
     ends = jnp.cumsum(totals, axis=-1)  # the CDF at each block's end
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * ends[:, -1]
     # the block holding u (rounding may put u at the very end: the last block with mass)
-    last_block = jnp.max(jnp.where(totals > 0, jnp.arange(blocks), 0), axis=-1)
-    j = jnp.minimum(jnp.sum(ends <= u[:, None], axis=-1), last_block)
+    j = jnp.minimum(jnp.sum(ends <= u[:, None], axis=-1), _last_positive(totals))
     before = jnp.where(
         j > 0, jnp.take_along_axis(ends, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0
     )
     mass = jnp.take_along_axis(probs, j[:, None, None], axis=1)[:, 0]  # [B, block]
     count = jnp.sum(before[:, None] + jnp.cumsum(mass, axis=-1) <= u[:, None], axis=-1)
     # rounding may leave u past the block's own sum: its last token of non-zero probability
-    last = jnp.max(jnp.where(mass > 0, jnp.arange(block), 0), axis=-1)
-    return (j * block + jnp.minimum(count, last)).astype(jnp.int32)
+    return (j * block + jnp.minimum(count, _last_positive(mass))).astype(jnp.int32)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    """The index of each row's last positive entry along the last axis (0 when none is)."""
+    return jnp.max(jnp.where(x > 0, jnp.arange(x.shape[-1]), 0), axis=-1)
 
 
 def token_key(seed_key: jax.Array, index: jax.Array) -> jax.Array:

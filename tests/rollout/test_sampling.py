@@ -21,6 +21,11 @@ def test_greedy_tokens_are_argmax_with_the_first_of_ties():
     assert got.dtype == np.int32
 
 
+def _row_keys(seed: int, rows: int) -> jax.Array:
+    """fold_in(PRNGKey(seed), row) for each row: one key per draw."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(rows))
+
+
 def _reference_draws(keys: jax.Array, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The single-level inversion in float64 with the same uniforms: (tokens, |u - nearest CDF
     boundary|) per row."""
@@ -42,7 +47,7 @@ def test_two_level_draw_inverts_the_same_cdf_as_one_cumulative_sum():
         logits = (2 * rng.standard_normal((64, vocab))).astype(np.float32)
         logits[::3, : vocab // 2] = -np.inf  # whole blocks without mass
         logits[1::3, 1::2] = -np.inf  # holes inside blocks
-        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(5), i))(jnp.arange(64))
+        keys = _row_keys(5, 64)
         got = np.asarray(jax.jit(inverse_cdf_draw, static_argnums=2)(keys, logits, block))
         want, margin = _reference_draws(keys, logits)
         assert np.isfinite(logits[np.arange(64), got]).all()
@@ -57,7 +62,7 @@ def test_draw_frequencies_follow_the_distribution():
     logits = rng.standard_normal(600).astype(np.float32)
     logits[rng.choice(600, 100, replace=False)] = -np.inf
     n = 20_000
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(9), i))(jnp.arange(n))
+    keys = _row_keys(9, n)
     draws = np.asarray(
         jax.jit(inverse_cdf_draw)(keys, jnp.broadcast_to(jnp.asarray(logits), (n, 600)))
     )
