@@ -48,7 +48,7 @@ class TrainerConfig:
     remat: str = "none"
     # token arrays are right-padded to a bucketed width so the jitted step compiles once per
     # bucket, not once per batch width: the next power of two up to length_bucket, then the next
-    # multiple of a quarter of the power of two below the width (at most 25% padding; see
+    # multiple of an eighth of the power of two below the width (at most 12.5% padding; see
     # trainer.bucketed_width); 0 = no padding (every new width compiles again)
     length_bucket: int = 128
     logprob_chunk_size: int = 128

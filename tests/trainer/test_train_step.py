@@ -128,12 +128,12 @@ def test_bucketed_width():
         128,
     ]
     long = (128, 129, 134, 160, 161, 300, 1100, 2000)
-    assert [bucketed_width(t, 128) for t in long] == [128, 160, 160, 160, 192, 320, 1280, 2048]
-    assert bucketed_width(13, 8) == 14  # a quarter of 8 past a bucket of 8
-    # past the bucket, at most a quarter of the width is padding; few shapes per doubling
+    assert [bucketed_width(t, 128) for t in long] == [128, 144, 144, 160, 176, 320, 1152, 2048]
+    assert bucketed_width(17, 8) == 18  # an eighth of 16 past a bucket of 8
+    # past the bucket, at most an eighth of the width is padding; 8 shapes per doubling
     widths = [bucketed_width(t, 128) for t in range(129, 4097)]
-    assert all(w >= t and w - t < t / 4 for t, w in zip(range(129, 4097), widths, strict=True))
-    assert len(set(widths)) == 20
+    assert all(w >= t and w - t < t / 8 for t, w in zip(range(129, 4097), widths, strict=True))
+    assert len(set(widths)) == 40
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
