@@ -71,6 +71,15 @@ def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax():
     want = want_out + want_back((g_lp, g_ent))
     for a, b_ in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5)
+
+    # one output used alone: the other's cotangent is a symbolic zero, whose term is skipped
+    def one_output(fn, i, g):  # noqa: ANN001, ANN202
+        return jax.grad(lambda h, u: jnp.sum(fn(h, u)[i] * g), argnums=(0, 1))(hidden, unembedding)
+
+    for i, g in ((0, g_lp), (1, g_ent)):
+        got, want = one_output(chunked, i, g), one_output(naive, i, g)
+        for a, b_ in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5, err_msg=f"output {i}")
     g_h, g_u = jax.grad(lambda h, u: jnp.sum(chunked(h, u)[0]), argnums=(0, 1))(
         hidden.astype(jnp.bfloat16), unembedding.astype(jnp.bfloat16)
     )
