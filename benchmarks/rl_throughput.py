@@ -19,6 +19,7 @@ side and warms torch's allocator on TRL's): (N - 1) / (t_N - t_1).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -81,6 +82,18 @@ def overrides(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         "staleness.reload_every": 1,
         "staleness.max_staleness": 1,  # on-policy, as TRL
     }
+
+
+def trl_missing() -> str | None:
+    """What the TRL side needs and this environment lacks (a message), or None; checked before
+    anything runs, not minutes in when TRL's side starts."""
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (
+        f"{' and '.join(missing)} not installed, needed by the TRL side: "
+        "bash scripts/setup.sh --bench (or --only ours)"
+    )
 
 
 def steps_per_second(times: list[float]) -> float | None:
@@ -214,9 +227,13 @@ def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[
         if label.startswith("ours") and trl_rate and r["steps_per_s"]:
             ratios[label] = r["steps_per_s"] / trl_rate
             print(f"  {label} / TRL = {ratios[label]:.2f}x  (target >= 2x){mark}")
-    return {"parameters": n, "results": results, "ratios": ratios,
-            "machine_load": {"before": before, "after": after},
-            "args": {k: getattr(args, k) for k in ("steps", "prompts", "group", "new_tokens")}}
+    return {
+        "parameters": n,
+        "results": results,
+        "ratios": ratios,
+        "machine_load": {"before": before, "after": after},
+        "args": {k: getattr(args, k) for k in ("steps", "prompts", "group", "new_tokens")},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("ours", "trl"), default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.only != "ours" and (missing := trl_missing()):
+        print(missing, file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = run(args, [x for x in args.layouts.split(",") if x], args.only)
     if args.json_out:

@@ -451,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown or not layouts:
         ap.error(f"--layouts: {unknown or 'none'}; choose from {', '.join(LAYOUTS)}")
+    if args.only != "ours" and (missing := rl_throughput.trl_missing()):
+        print(missing, file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.model_size == "30m":
         out = rl_throughput.run(args, layouts, args.only)
@@ -458,13 +461,6 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json_out, "w") as f:
                 json.dump(out, f, indent=2)
         return 0
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        if args.only != "ours":
-            print("TRL is not installed: bash scripts/setup.sh --bench", file=sys.stderr)
-            return 2
-
     if args.torch_threads:
         import torch
 
