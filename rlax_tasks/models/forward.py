@@ -169,6 +169,7 @@ def extend_cache(
     fresh: bool = False,
     window: int | None = None,
     logits_at: jax.Array | None = None,
+    unembedding: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
 
@@ -178,6 +179,8 @@ def extend_cache(
     ``logits_at`` [B]: only the logits of token ``logits_at[b]`` of each row, [B, 1, V] (a
     prefill needs its last prompt token's alone; the [B, T, V] product of the others would
     cost as much as the rest of the model at a 32k vocabulary, and T·V floats of memory).
+    ``unembedding`` [D, V]: the output projection to use instead of the model's (the same
+    values in a layout the caller keeps, e.g. a tied embedding held transposed).
     """
     model = nnx.merge(graphdef, params)
     hidden, cache = model.hidden_states_cached(
@@ -191,4 +194,4 @@ def extend_cache(
     )
     if logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
-    return model.unembed(hidden), cache
+    return model.unembed(hidden, unembedding), cache

@@ -339,10 +339,16 @@ class Transformer(nnx.Module):
             return self.embed_tokens.embedding[...].T.astype(self.dtype)
         return self.lm_head.kernel[...].astype(self.dtype)
 
-    def unembed(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits [B, T, V] of hidden states [B, T, D]."""
+    def unembed(self, hidden: jax.Array, unembedding: jax.Array | None = None) -> jax.Array:
+        """Float32 logits [B, T, V] of hidden states [B, T, D]; ``unembedding``: the [D, V]
+        projection when the caller holds its own copy (see ``Sampler``), else the model's."""
+        if unembedding is None:
+            unembedding = self.unembedding()
         logits = jnp.einsum(
-            "btd,dv->btv", hidden, self.unembedding(), preferred_element_type=jnp.float32
+            "btd,dv->btv",
+            hidden,
+            unembedding.astype(self.dtype),
+            preferred_element_type=jnp.float32,
         )
         return constrain(logits, BATCH, None, "tensor")
 

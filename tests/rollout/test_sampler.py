@@ -224,6 +224,23 @@ def test_weight_swap_without_recompilation(policy, prompts):
     assert (sampler._prefill_fn._cache_size(), sampler._decode_fn._cache_size()) == compiled
 
 
+def test_a_tied_model_decodes_through_the_held_projection_and_swaps_it_with_the_weights(prompts):
+    """On CPU the sampler keeps a tied embedding's [D, V] transpose for the lm head
+    (``held_unembedding``): exact against the reference decode, before and after a swap."""
+    tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    policy, other = Policy.init(tied, seed=3), Policy.init(tied, seed=99)
+    sampler = Sampler(policy, max_slots=4, max_len=96)
+    assert sampler._unembedding.shape == (tied.hidden_size, tied.vocab_size)
+    outs = sampler.generate(prompts, max_new_tokens=8)
+    assert [o.tokens for o in outs] == greedy_decode(policy, prompts, 8)
+    sampler.set_params(other.params)
+    outs = sampler.generate(prompts, max_new_tokens=8)
+    assert [o.tokens for o in outs] == greedy_decode(other, prompts, 8)
+    for prompt, out in zip(prompts, outs, strict=True):
+        forward = other.token_logprobs(np.array(prompt + out.tokens)[None])[0, len(prompt) :]
+        np.testing.assert_allclose(out.logprobs, np.asarray(forward), atol=1e-5)
+
+
 def test_weight_swap_rejects_other_shapes(sampler):
     wrong = Policy.init(dataclasses.replace(CONFIG, hidden_size=32, head_dim=8), seed=0)
     with pytest.raises(ValueError, match="do not match"):
