@@ -65,26 +65,36 @@ class SlotState(NamedTuple):
 
 
 def _empty_state(slots: int, max_stop: int) -> SlotState:
-    def zeros() -> jax.Array:  # distinct buffers: the state is donated
-        return jnp.zeros(slots, jnp.int32)
-
+    """Every slot free, as host arrays: the sampler's initial state (placed on its device) and
+    an admission's rows before they are filled (built on the host: no device round trip)."""
     return SlotState(
-        last_token=zeros(),
-        position=zeros(),
-        generated=zeros(),
-        budget=zeros(),
-        active=jnp.zeros(slots, bool),
-        key=jnp.zeros((slots, 2), jnp.uint32),
-        temperature=jnp.zeros(slots, jnp.float32),
-        top_k=zeros(),
-        top_p=jnp.ones(slots, jnp.float32),
-        stop_ids=jnp.full((slots, max_stop), NO_STOP, jnp.int32),
+        last_token=np.zeros(slots, np.int32),
+        position=np.zeros(slots, np.int32),
+        generated=np.zeros(slots, np.int32),
+        budget=np.zeros(slots, np.int32),
+        active=np.zeros(slots, bool),
+        key=np.zeros((slots, 2), np.uint32),
+        temperature=np.zeros(slots, np.float32),
+        top_k=np.zeros(slots, np.int32),
+        top_p=np.ones(slots, np.float32),
+        stop_ids=np.full((slots, max_stop), NO_STOP, np.int32),
     )
+
+
+def _seed_keys(seeds: Sequence[int]) -> np.ndarray:
+    """key_data(PRNGKey(seed)) of each seed, [R, 2] uint32. Threefry without x64 keeps a seed's
+    low 32 bits behind a zero word: computed here on the host, where one eager PRNGKey per new
+    seed cost ~0.3 ms (a fresh seed per prompt, every step)."""
+    if jax.config.jax_enable_x64 or jax.config.jax_default_prng_impl != "threefry2x32":
+        return np.stack([_seed_key(int(s)) for s in seeds]).astype(np.uint32)
+    keys = np.zeros((len(seeds), 2), np.uint32)
+    keys[:, 1] = [int(s) & 0xFFFFFFFF for s in seeds]
+    return keys
 
 
 @functools.lru_cache(maxsize=65536)
 def _seed_key(seed: int) -> np.ndarray:
-    """key_data(PRNGKey(seed)), [2] uint32 (a group's samples share their prompt's seed)."""
+    """key_data(PRNGKey(seed)), [2] uint32, computed by JAX (x64 or another PRNG)."""
     return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
 
 
@@ -103,7 +113,7 @@ def request_keys(seeds: Sequence[int], sample_indices: Sequence[int]) -> np.ndar
         return np.zeros((0, 2), np.uint32)
     rows = 1 << (n - 1).bit_length()  # padded to a power of two: a handful of compilations
     base = np.zeros((rows, 2), np.uint32)
-    base[:n] = np.stack([_seed_key(int(s)) for s in seeds])
+    base[:n] = _seed_keys(seeds)
     indices = np.zeros(rows, np.uint32)
     indices[:n] = np.asarray(sample_indices, np.int64) & 0xFFFFFFFF  # wrapped as an int32 is
     return np.asarray(_fold_in_rows(base, indices))[:n]
@@ -556,7 +566,7 @@ class Sampler:
         ids = np.zeros((rows, bucket), np.int32)
         lengths = np.ones(rows, np.int32)
         slots = np.full(rows, self.max_slots, np.int32)
-        new = SlotState(*(np.array(x) for x in _empty_state(rows, self.max_stop_ids)))
+        new = _empty_state(rows, self.max_stop_ids)
         return ids, lengths, slots, new
 
     def _admit(self, finished: list[Completion]) -> None:
