@@ -133,7 +133,10 @@ class SnapshotStore:
         """Writes the snapshot files, then commits the pointer; returns the snapshot's path."""
         if self._generation is None:
             _, self._generation = storage.read_versioned(self.pointer)
-        body = dataclasses.asdict(snapshot)
+        # the fields are plain JSON data already: a shallow copy (dataclasses.asdict deep-copied
+        # every buffered group's token lists, ~5 ms a snapshot at 32 x 8 short completions)
+        body = {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(snapshot)}
+        body["buffer"] = dict(snapshot.buffer)  # its groups go to a file, not into the body
         groups = body["buffer"].pop("groups")
         body["format"] = SNAPSHOT_FORMAT
         body["buffer_file"] = None

@@ -54,7 +54,9 @@ def test_round_trip_and_latest(run_dir):
     assert store.load_latest() is None
     store.write(snap(2))
     store.write(snap(4, groups=0))
-    store.write(snap(6, groups=2))
+    written = snap(6, groups=2)
+    store.write(written)
+    assert written == snap(6, groups=2)  # writing leaves the caller's snapshot as it was
     loaded = SnapshotStore(run_dir).load_latest()
     assert loaded == snap(6, groups=2)  # floats and nested lists round-trip exactly
     assert loaded.in_flight_ids == ["b/0/1"] and loaded.buffered_ids == ["a/0/6"] * 2
