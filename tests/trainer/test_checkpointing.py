@@ -125,3 +125,20 @@ def test_a_save_killed_midway_is_skipped(tmp_path):
     np.testing.assert_array_equal(np.asarray(state["w"]), want)
     assert sorted(os.listdir(directory)) == ["1"]  # the temporary step-2 directory was removed
     ckpt.close()
+
+
+def test_fresh_copy_gives_new_buffers_and_compiles_its_copy_once():
+    # a checkpoint's private copy of the train state: equal values in buffers of its own (the
+    # next step donates the originals), made by one jitted copy per state layout
+    from rlax_tasks.trainer.trainer import _copier, fresh_copy
+
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.asarray(3, jnp.int32)}
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    first = fresh_copy(state, shardings)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(first), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+    misses = _copier.cache_info().misses
+    fresh_copy(first, shardings)
+    fresh_copy(state, shardings)
+    assert _copier.cache_info().misses == misses  # the same layout reuses its copy
