@@ -15,6 +15,9 @@ batching, in one run on the same ~30M-parameter Qwen2-shaped model (same weights
 3. Weight swap time (``Sampler.set_params`` with another set of weights of the same shapes), the
    bfloat16 sampler-vs-forward log-prob |delta| p95 (DESIGN §5), and the peak RSS.
 
+The machine's load is measured before and after (``_timing.machine_load``); the figure lines
+are printed at the end, after it, and marked CONTENDED when other work shared the CPU.
+
 Run: ``.venv/bin/python benchmarks/rollout.py`` (about 3-6 minutes on 2 CPU cores).
 """
 
@@ -80,10 +83,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rlax_tasks.models import Policy, load_pretrained
     from rlax_tasks.rollout import Sampler, SamplingParams
 
-    busy = _timing.busy_cores(1.0)
-    if busy is not None and busy > 0.2:
-        log.warning("other processes kept %.2f CPUs busy: timings will be low and noisy", busy)
-    out: dict[str, Any] = {"args": vars(args), "busy_cores_before": busy}
+    load_before = _timing.machine_load(log)
+    out: dict[str, Any] = {"args": vars(args)}
+    figures: list[str] = []  # printed together at the end, marked when the machine was contended
+
+    def report(line: str) -> None:
+        log.info("%s", line)
+        figures.append(line)
 
     max_len = args.prompt_len + max(args.new_tokens, 8 * args.short)
     with tempfile.TemporaryDirectory(prefix="rlax_bench_rollout_") as tmp:
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "greedy_rows_identical": float(agree),
         "target": ">= 2x",
     }
-    print(
+    report(
         f"[generate] ours {tokens / ours_s:,.0f} tok/s vs transformers {tokens / theirs_s:,.0f} "
         f"tok/s: {theirs_s / ours_s:.2f}x (target >= 2x); identical greedy rows {agree:.0%}"
     )
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "transformers_tokens_per_s": sampled / theirs_sampled_s,
         "ratio": theirs_sampled_s / ours_sampled_s,
     }
-    print(
+    report(
         f"[sampling] T={temperature} top_p={top_p}, {args.batch} x {sample_tokens_n} tokens: ours "
         f"{sampled / ours_sampled_s:,.0f} tok/s vs transformers {sampled / theirs_sampled_s:,.0f} "
         f"tok/s: {theirs_sampled_s / ours_sampled_s:.2f}x"
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "slots": args.slots,
         },
     }
-    print(
+    report(
         f"[batching] {args.mix_requests} requests (7/8 x {args.short}, 1/8 x {long} tokens), "
         f"{args.slots} slots: continuous {results['continuous']['tokens_per_s']:,.0f} tok/s vs "
         f"static {results['static']['tokens_per_s']:,.0f} tok/s: {ratio:.2f}x (target >= 1.5x)"
@@ -214,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     other = Policy.init(policy.config, seed=1)
     swaps = [sampler.set_params(p) for p in (other.params, policy.params, other.params)]
     out["weight_swap_s"] = float(np.median(swaps))
-    print(f"[swap] set_params of {n_params / 1e6:.1f}M parameters: {np.median(swaps) * 1e3:.1f} ms")
+    report(
+        f"[swap] set_params of {n_params / 1e6:.1f}M parameters: {np.median(swaps) * 1e3:.1f} ms"
+    )
 
     if not args.skip_bf16:
         bf16 = dataclasses.replace(
@@ -232,14 +240,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             deltas.append(np.abs(fwd - np.array(o.logprobs)))
         p95 = float(np.percentile(np.concatenate(deltas), 95))
         out["bf16_logprob_abs_delta_p95"] = p95
-        print(f"[bf16] sampler vs forward log-prob |delta|: p95 {p95:.4f}")
+        report(f"[bf16] sampler vs forward log-prob |delta|: p95 {p95:.4f}")
 
     out["peak_rss_bytes"] = _timing.peak_rss_bytes()
-    print(f"[memory] peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB")
+    report(f"[memory] peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB")
+    load_after = _timing.machine_load(log, when="after")
+    out["machine_load"] = {"before": load_before, "after": load_after}
+    print_figures(figures, load_before, load_after)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def print_figures(figures: list[str], load_before: dict, load_after: dict) -> None:
+    """The machine's load before and after, then each figure line, marked CONTENDED when
+    other work shared the CPU (``_timing.contended_mark``)."""
+    mark = _timing.contended_mark(load_before, load_after)
+    print(f"rollout benchmark, machine load before: {_timing.describe_load(load_before)}; after: "
+          f"{_timing.describe_load(load_after)}")  # fmt: skip
+    for line in figures:
+        print(line + mark)
 
 
 if __name__ == "__main__":

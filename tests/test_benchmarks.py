@@ -42,3 +42,19 @@ def test_only_ours_needs_no_trl(monkeypatch):
     monkeypatch.setattr(rl_throughput, "run", lambda *a, **k: ran.append(a) or {})
     assert vs_trl.main(["--model-size", "30m", "--only", "ours"]) == 0
     assert ran
+
+
+def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys):
+    from benchmarks import rollout
+
+    quiet = {"when": "before", "load_1m": 0.1, "busy_cores": 0.0, "cpu_count": 2}
+    after = {**quiet, "when": "after", "load_1m": 1.9}
+    figures = ["[generate] ours 900 tok/s", "[swap] 20 ms"]
+    rollout.print_figures(figures, {**quiet, "contended": False}, {**after, "contended": False})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("rollout benchmark, machine load before: load 0.10 (1 min)")
+    assert out[1:] == figures
+    busy = {**after, "busy_cores": 1.2, "contended": True}  # another process held a core
+    rollout.print_figures(figures, {**quiet, "contended": False}, busy)
+    out = capsys.readouterr().out.splitlines()
+    assert all(line.endswith("[CONTENDED: load 0.1, busy 1.2 cores]") for line in out[1:])
