@@ -255,6 +255,11 @@ _UNEMBEDDING = jax.jit(
 )
 
 
+def _weights_device(policy: Policy) -> jax.Device:
+    """The device a policy's weights are on (one of them when sharded)."""
+    return next(iter(jax.tree.leaves(policy.params)[0].devices()))
+
+
 def held_unembedding(policy: Policy) -> jax.Array | None:
     """The [D, V] output projection a sampler keeps beside its weights, or None (use the
     model's): a copy of a tied [V, D] embedding, transposed, on a CPU without a mesh.
@@ -264,8 +269,11 @@ def held_unembedding(policy: Policy) -> jax.Array | None:
     slots), for V x D more memory. Untied models hold their lm head as [D, V] already;
     accelerators are unmeasured, so they keep the one copy.
     """
-    device = next(iter(jax.tree.leaves(policy.params)[0].devices()))
-    if not policy.config.tie_word_embeddings or policy.mesh is not None or device.platform != "cpu":
+    if (
+        not policy.config.tie_word_embeddings
+        or policy.mesh is not None
+        or _weights_device(policy).platform != "cpu"
+    ):
         return None
     with policy._scope():
         return _UNEMBEDDING(policy.graphdef, policy.params)
@@ -374,8 +382,7 @@ class Sampler:
             place = jax.sharding.NamedSharding(policy.mesh, jax.sharding.PartitionSpec())
             cache_place = cache_shardings(cache, policy.mesh)
         else:
-            device = next(iter(jax.tree.leaves(self.policy.params)[0].devices()))
-            place = jax.sharding.SingleDeviceSharding(device)
+            place = jax.sharding.SingleDeviceSharding(_weights_device(self.policy))
             cache_place = KVCache(*([place] * len(KVCache._fields)))
         self._cache = jax.jit(
             lambda: init_cache(policy.config, max_slots, max_len, dtype), out_shardings=cache_place
