@@ -1,5 +1,6 @@
-"""The TRL benchmarks say what to install before they start, not minutes in (a fresh machine set
-up with ``scripts/setup.sh --test`` has neither TRL nor ``datasets``)."""
+"""The benchmarks' own checks and reports: the TRL benchmarks say what to install before they
+start, not minutes in (a fresh machine set up with ``scripts/setup.sh --test`` has neither TRL
+nor ``datasets``); rollout.py prints the machine's load and marks contended figures."""
 
 from __future__ import annotations
 
