@@ -940,7 +940,8 @@ _CHANGES_TRAINING: dict[str, bool] = {
     "workers": False, "workers.max_len": True,
     "model.warmup_if_missing": False,
     "trainer.micro_batch_size": False, "trainer.remat": False, "trainer.length_bucket": False,
-    "trainer.logprob_chunk_size": False, "trainer.mesh_shape": False, "trainer.hosts": False,
+    "trainer.logprob_chunk_size": False, "trainer.pack_sequences": False,
+    "trainer.mesh_shape": False, "trainer.hosts": False,
     "trainer.checkpoint_every": False, "trainer.max_to_keep": False,
     "trainer.async_checkpointing": False,
 }  # fmt: skip

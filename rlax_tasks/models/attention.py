@@ -3,9 +3,11 @@ XLA attention on CPU — one causal self-attention contract, several kernels.
 
 Every kernel computes the same thing: grouped-query attention where a query attends to the valid
 keys whose position is not after its own (positions, not indices, define causality, so left
-padding works). The fused kernels never materialize the [T, S] score matrices; the blocked one
-keeps them small per query block. ``attend`` (plain XLA) is the reference; ``attend_cache`` is
-the same computation over the KV cache's layout, what decode uses: one query per slot.
+padding works). Self-attention also takes sequences packed into one row: ``valid`` then holds
+int segment ids (0 on padding) instead of bools, and a query sees only keys of its own segment.
+The fused kernels never materialize the [T, S] score matrices; the blocked one keeps them small
+per query block. ``attend`` (plain XLA) is the reference; ``attend_cache`` is the same
+computation over the KV cache's layout, what decode uses: one query per slot.
 
 ``RLAX_ATTENTION`` (blocked, xla, cudnn, splash) overrides the choice, e.g. to rule a kernel out.
 """
@@ -29,10 +31,29 @@ SPLASH_BLOCK = 128
 MASK_VALUE = -1e30
 
 
-def key_mask(q_positions: jax.Array, k_positions: jax.Array, k_valid: jax.Array) -> jax.Array:
+def key_mask(
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    k_valid: jax.Array,
+    q_valid: jax.Array | None = None,
+) -> jax.Array:
     """[B, T, S] bool: which keys each query sees, valid and not after it (by position): the
-    one causality rule every kernel here applies."""
-    return (k_positions[:, None, :] <= q_positions[:, :, None]) & k_valid[:, None, :]
+    one causality rule every kernel here applies.
+
+    Packed sequences: ``k_valid`` and ``q_valid`` int segment ids (0 on padding); a query sees
+    the keys of its own segment not after it. Padding sees padding, so no row is all masked.
+    """
+    causal = k_positions[:, None, :] <= q_positions[:, :, None]
+    if is_packed(k_valid):
+        if q_valid is None:
+            raise ValueError("segment ids of the keys need the queries' segment ids (q_valid)")
+        return causal & (k_valid[:, None, :] == q_valid[:, :, None])
+    return causal & k_valid.astype(bool)[:, None, :]
+
+
+def is_packed(valid: jax.Array) -> bool:
+    """Whether ``valid`` holds segment ids of packed sequences (ints), not a bool mask."""
+    return jnp.issubdtype(valid.dtype, jnp.integer)
 
 
 def attend(
@@ -42,18 +63,20 @@ def attend(
     q_positions: jax.Array,
     k_positions: jax.Array,
     k_valid: jax.Array,
+    q_valid: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention with a position-based causal mask (the reference).
 
     q [B,T,H,hd]; k, v [B,S,KV,hd]; a query attends to valid keys whose position is not after its
     own. Positions (not indices) define causality, so left padding and a KV cache use one code path.
+    Segment ids in ``k_valid`` and ``q_valid``: packed sequences (``key_mask``).
     """
     b, t, h, hd = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
-    mask = key_mask(q_positions, k_positions, k_valid)
+    mask = key_mask(q_positions, k_positions, k_valid, q_valid)
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
@@ -115,12 +138,13 @@ def blocked_causal_attend(
     """``attend`` over a sequence's own keys, by query blocks that skip the keys after the block.
 
     Exact when positions do not decrease along the sequence (true for any padding laid out by
-    ``positions_from_mask``): key j > query i is then masked anyway. Halves the score work and
-    keeps each block's float32 scores small (2x faster prefill attention on CPU).
+    ``positions_from_mask``) or along each packed segment: key j > query i is then masked
+    anyway. Halves the score work and keeps each block's float32 scores small (2x faster
+    prefill attention on CPU).
     """
     t = q.shape[1]
     if t <= block:
-        return attend(q, k, v, positions, positions, valid)
+        return attend(q, k, v, positions, positions, valid, valid)
     outs = []
     for start in range(0, t, block):
         end = min(start + block, t)
@@ -132,14 +156,15 @@ def blocked_causal_attend(
                 positions[:, start:end],
                 positions[:, :end],
                 valid[:, :end],
+                valid[:, start:end],
             )
         )
     return jnp.concatenate(outs, axis=1)
 
 
 def _mask(positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """[B, 1, T, T] bool: key valid and not after the query (by position)."""
-    return key_mask(positions, positions, valid)[:, None]
+    """[B, 1, T, T] bool: key valid (of the query's segment) and not after it (by position)."""
+    return key_mask(positions, positions, valid, valid)[:, None]
 
 
 def dot_product_causal_attend(
@@ -174,7 +199,10 @@ def _splash_kernel(group: int, length: int, interpret: bool):  # noqa: ANN202
         block_q_dq=block,
         block_kv_dq=block,
     )
-    return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # built eagerly even when first asked for inside a trace: the kernel holds its mask tables
+    # as arrays, and a cached kernel holding one trace's tracers fails every later trace
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def splash_causal_attend(
@@ -185,11 +213,13 @@ def splash_causal_attend(
     valid: jax.Array,
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas splash attention (TPU): causal by index, padding as its own segment.
+    """Pallas splash attention (TPU): causal by index, padding as its own segment (packed
+    sequences: their segment ids).
 
-    Equals ``attend`` for valid queries when positions do not decrease along the sequence (as
-    ``blocked_causal_attend`` assumes). Each kv head's query group runs as one multi-query
-    kernel; ``interpret`` runs the kernel in the Pallas interpreter (any platform, for tests).
+    Equals ``attend`` for valid queries when positions do not decrease along the sequence or
+    each packed segment (as ``blocked_causal_attend`` assumes). Each kv head's query group runs
+    as one multi-query kernel; ``interpret`` runs the kernel in the Pallas interpreter (any
+    platform, for tests).
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -238,7 +268,11 @@ def causal_self_attend(
     valid: jax.Array,
     implementation: str | None = None,
 ) -> jax.Array:
-    """Causal self-attention of a sequence over its own keys, with the platform's kernel."""
+    """Causal self-attention of a sequence over its own keys, with the platform's kernel.
+
+    ``valid`` [B, T]: bool (True on tokens), or int segment ids of sequences packed into each
+    row (0 on padding; positions restart at 0 in each segment).
+    """
     impl = implementation or default_implementation(jax.default_backend(), q.dtype)
     if impl == "blocked":
         return blocked_causal_attend(q, k, v, positions, valid)

@@ -21,8 +21,28 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def _inputs(input_ids: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, ...]:
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Token positions [B, T] of sequences packed into rows: 0 at each segment's first token
+    (a segment is a run of equal ids; ``segment_ids`` 0 marks padding)."""
+    t = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def model_inputs(
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ids, positions, valid) for the model: ``valid`` is the bool mask, or with
+    ``segment_ids`` (packed sequences, 0 on padding; the mask is then unused) the int ids."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
+    if segment_ids is not None:
+        segments = jnp.asarray(segment_ids, jnp.int32)
+        return input_ids, positions_from_segments(segments), segments
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
     valid = jnp.asarray(attention_mask).astype(bool)
@@ -37,7 +57,7 @@ def logits(
 ) -> jax.Array:
     """Float32 logits [B, T, V]; rows at padding positions are meaningless."""
     model = nnx.merge(graphdef, params)
-    ids, positions, valid = _inputs(input_ids, attention_mask)
+    ids, positions, valid = model_inputs(input_ids, attention_mask)
     return model(ids, positions, valid)
 
 
@@ -50,13 +70,16 @@ def token_logprobs(
     chunk_size: int = 128,
     remat: str = "none",
     with_entropy: bool = False,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), never holding the full [B, T, V] logits.
 
     With ``with_entropy`` also returns the entropy of the predictive distribution at t-1 -> t.
+    ``segment_ids`` [B, T]: sequences packed into rows (``model_inputs``); a segment's first
+    token then gets a meaningless value (predicted from the previous segment's last state).
     """
     model = nnx.merge(graphdef, params)
-    ids, positions, valid = _inputs(input_ids, attention_mask)
+    ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
     hidden = model.hidden_states(ids, positions, valid, remat=remat)
     lp, ent = chunked_logprobs(hidden[:, :-1], model.unembedding(), ids[:, 1:], chunk_size)
     zero = jnp.zeros_like(lp[:, :1])

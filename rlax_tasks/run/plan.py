@@ -29,6 +29,8 @@ Trainer, per device (shards = fsdp × tensor):
     remat none: s·L·A;  dots (matmul outputs kept): s·(L·bc·T·(3h + a·d/t_a + 2kv·d/t_kv
     + 2f/t_f) + A);  full (layer inputs kept): s·(L·bc·T·h + A)   (+A: the layer recomputed)
   logits: s·c·(V/t_V)·4·3 (c = min(trainer.logprob_chunk_size, T): f32 logits, softmax, grad).
+  Packed sequences (trainer.pack_sequences) hold at most the padded batch's tokens, in rows T
+  wide (32 when T < 32): the same bound.
 Worker, per device:
   weights P·bc/(fsdp·tensor), plus one array while a new version is swapped in (reload: the swap
   frees each old array before placing its replacement; the largest array is the embedding or

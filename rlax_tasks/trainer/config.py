@@ -52,6 +52,9 @@ class TrainerConfig:
     # trainer.bucketed_width); 0 = no padding (every new width compiles again)
     length_bucket: int = 128
     logprob_chunk_size: int = 128
+    # lay the batch's sequences end to end in fewer, fuller rows (each its own attention
+    # segment; trainer.packing) when that saves work: the step's follows the tokens, not B x T
+    pack_sequences: bool = True
     # (data, fsdp, tensor); one entry may be -1 for "the remaining devices"
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
     # processes (hosts) of the trainer: > 1 is one jax.distributed group over every host's
@@ -90,6 +93,7 @@ class TrainerConfig:
         check_choice("remat", self.remat, REMAT_CHOICES, e)
         check_int("logprob_chunk_size", self.logprob_chunk_size, e, minimum=1)
         check_int("length_bucket", self.length_bucket, e, minimum=0)
+        check_bool("pack_sequences", self.pack_sequences, e)
         object.__setattr__(self, "mesh_shape", check_mesh_shape("mesh_shape", self.mesh_shape, e))
         check_int("hosts", self.hosts, e, minimum=1)
         check_int("seed", self.seed, e)

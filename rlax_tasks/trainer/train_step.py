@@ -16,6 +16,9 @@ One step, for a batch of B sequences split into micro-batches of ``micro_batch_s
 5. the non-finite check (``NONFINITE``): one int32 saying whether the loss, the gradient norm or
    any updated weight is NaN or infinite, so that the trainer never keeps such an update.
 
+With packed sequences (``PACKED_KEYS``, see ``packing``) the model runs on the packed rows
+instead of the [B, T] ones, and its per-token outputs are gathered back to [B, T] for step 2.
+
 FLOPs per step: prefill 2·N per token, forward+backward 6·N per token (N = parameters).
 """
 
@@ -42,6 +45,9 @@ BATCH_KEYS = (
     "rewards",  # [B]
     "group_ids",  # [B]
 )
+# optional: the batch's sequences packed into fewer rows (``packing.PackedBatch``): ids and
+# segment ids [R, L] (L >= T), token_index [B, T] into the flattened [R * L] outputs (R * L: 0)
+PACKED_KEYS = ("packed_input_ids", "packed_segment_ids", "packed_token_index")
 VALUE_HEAD = "value_head"
 MODEL = "model"
 # the step's non-finite check, a bit per quantity (0: all finite); the trainer pops it from the
@@ -79,10 +85,12 @@ def policy_outputs(
     chunk_size: int = 128,
     remat: str = "none",
     with_entropy: bool = False,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs.
 
     ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
+    ``segment_ids``: packed rows (``forward.model_inputs``; ``attention_mask`` unused).
     """
     if VALUE_HEAD not in params:
         out = forward.token_logprobs(
@@ -93,13 +101,12 @@ def policy_outputs(
             chunk_size=chunk_size,
             remat=remat,
             with_entropy=with_entropy,
+            segment_ids=segment_ids,
         )
         lp, ent = out if with_entropy else (out, None)
         return lp, ent, None
     model = nnx.merge(graphdef, params[MODEL])
-    ids = jnp.asarray(input_ids, jnp.int32)
-    valid = jnp.asarray(attention_mask).astype(bool)
-    positions = forward.positions_from_mask(valid)
+    ids, positions, valid = forward.model_inputs(input_ids, attention_mask, segment_ids)
     hidden = model.hidden_states(ids, positions, valid, remat=remat)
     lp, ent = forward.chunked_logprobs(hidden[:, :-1], model.unembedding(), ids[:, 1:], chunk_size)
     head = params[VALUE_HEAD]
@@ -125,6 +132,20 @@ def _join_micro(x: jax.Array) -> jax.Array:
     """Inverse of ``_split_micro``."""
     n, m = x.shape[:2]
     return constrain(x.swapaxes(0, 1).reshape(n * m, *x.shape[2:]), BATCH, None)
+
+
+def unpack_tokens(packed: jax.Array, token_index: jax.Array) -> jax.Array:
+    """Per-token outputs of packed rows [R, L] gathered into the batch layout [B, T]
+    (``token_index``; its out-of-range entries, R * L, read 0)."""
+    flat = jnp.concatenate([packed.reshape(-1), jnp.zeros((1,), packed.dtype)])
+    return constrain(flat[token_index], BATCH, None)
+
+
+def pack_tokens(x: jax.Array, token_index: jax.Array, rows: int, width: int) -> jax.Array:
+    """``unpack_tokens``'s transpose: [B, T] values placed at their packed positions [R, L]
+    (``rows``, ``width``; 0 where no token of the batch lands)."""
+    flat = jnp.zeros((rows * width + 1,), x.dtype).at[token_index].add(x)
+    return constrain(flat[:-1].reshape(rows, width), BATCH, None)
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -185,17 +206,6 @@ def make_train_step(
     ``batch`` holds BATCH_KEYS (+ "ref_logprobs" [B, T] when the objective needs a reference).
     """
 
-    def outputs(params: Params, ids: jax.Array, mask: jax.Array, with_entropy: bool) -> tuple:
-        return policy_outputs(
-            graphdef,
-            params,
-            ids,
-            mask,
-            chunk_size=settings.chunk_size,
-            remat=settings.remat,
-            with_entropy=with_entropy,
-        )
-
     def train_step(
         params: Params, opt_state: optax.OptState, batch: dict[str, jax.Array]
     ) -> tuple[Params, optax.OptState, dict[str, jax.Array]]:
@@ -206,8 +216,45 @@ def make_train_step(
         if b % mb:
             raise ValueError(f"batch size {b} is not a multiple of micro_batch_size={mb}")
         n_micro = b // mb
-        micro_ids, micro_attn = _split_micro(ids, n_micro), _split_micro(attn, n_micro)
         has_values = VALUE_HEAD in params
+
+        # the rows the model runs on: the batch's, or its sequences packed into fewer rows,
+        # whose per-token outputs are gathered back to [B, T] (to_batch) for the objective
+        packed = PACKED_KEYS[0] in batch
+        if packed:
+            rows_ids = batch["packed_input_ids"].astype(jnp.int32)
+            rows_mask = batch["packed_segment_ids"].astype(jnp.int32)
+            index = batch["packed_token_index"]
+            n_rows, row_width = rows_ids.shape
+            if n_rows % n_micro:
+                raise ValueError(f"{n_rows} packed rows do not split into {n_micro} micro-batches")
+
+            def to_batch(x: jax.Array | None) -> jax.Array | None:
+                return None if x is None else unpack_tokens(x, index)
+
+            def to_rows(x: jax.Array | None) -> jax.Array | None:
+                return None if x is None else pack_tokens(x, index, n_rows, row_width)
+
+        else:
+            rows_ids, rows_mask = ids, attn
+
+            def to_batch(x: jax.Array | None) -> jax.Array | None:
+                return x
+
+            to_rows = to_batch
+        micro_ids, micro_attn = _split_micro(rows_ids, n_micro), _split_micro(rows_mask, n_micro)
+
+        def outputs(p: Params, ids: jax.Array, mask: jax.Array, with_entropy: bool) -> tuple:
+            return policy_outputs(
+                graphdef,
+                p,
+                ids,
+                None if packed else mask,
+                chunk_size=settings.chunk_size,
+                remat=settings.remat,
+                with_entropy=with_entropy,
+                segment_ids=mask if packed else None,
+            )
 
         # 1. the current parameters' (old policy's) log-probs, values and entropy. One
         # micro-batch: the forward pass is linearised once and serves both the old log-probs
@@ -216,8 +263,9 @@ def make_train_step(
         if fused:
 
             def primal(p: Params) -> tuple[tuple, jax.Array]:
-                lp, ent, values = outputs(p, ids, attn, with_entropy=True)
-                return (lp, values), ent  # the entropy: a statistic, not differentiated
+                lp, ent, values = outputs(p, rows_ids, rows_mask, with_entropy=True)
+                # the entropy: a statistic, not differentiated
+                return (to_batch(lp), to_batch(values)), to_batch(ent)
 
             (old, old_values), backward, entropy = jax.vjp(primal, params, has_aux=True)
         else:  # a prefill without gradients, micro-batch by micro-batch
@@ -226,8 +274,8 @@ def make_train_step(
                 lambda xs: outputs(frozen, xs[0], xs[1], with_entropy=True),
                 (micro_ids, micro_attn),
             )
-            old, entropy = _join_micro(old), _join_micro(entropy)
-            old_values = _join_micro(old_values) if has_values else None
+            old, entropy = to_batch(_join_micro(old)), to_batch(_join_micro(entropy))
+            old_values = to_batch(_join_micro(old_values)) if has_values else None
         obj_batch = objective_batch(batch, old, old_values)
 
         # 2. the objective on the full batch and its cotangent w.r.t. log-probs / values
@@ -252,8 +300,8 @@ def make_train_step(
         if fused:
             (grads,) = backward((g_logp, g_values))
         else:
-            micro_g = _split_micro(g_logp, n_micro)
-            micro_gv = _split_micro(g_values, n_micro) if has_values else micro_g
+            micro_g = _split_micro(to_rows(g_logp), n_micro)
+            micro_gv = _split_micro(to_rows(g_values), n_micro) if has_values else micro_g
 
             def surrogate(
                 p: Params, mids: jax.Array, mattn: jax.Array, g: jax.Array, gv: jax.Array

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -43,11 +44,13 @@ from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS, Checkpointe
 from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.metrics import MetricsWriter
 from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
+from rlax_tasks.trainer.packing import pack_batch, row_multiple, row_width
 from rlax_tasks.trainer.train_step import (
     BATCH_KEYS,
     MODEL,
     NONFINITE,
     NONFINITE_BITS,
+    PACKED_KEYS,
     VALUE_HEAD,
     StepSettings,
     init_value_head,
@@ -406,6 +409,32 @@ class Trainer:
                 f"batch size {b} is not a multiple of micro_batch_size={mb}: change the batch "
                 "size or micro_batch_size"
             )
+        if self.config.pack_sequences:
+            out.update(self._packed_rows(batch, width, mesh_shape))
+        return out
+
+    def _packed_rows(
+        self, batch: dict[str, Any], width: int, mesh_shape: dict[str, int]
+    ) -> dict[str, jax.Array]:
+        """The batch's sequences packed into fewer rows (``PACKED_KEYS``), placed on the mesh
+        like the batch; {} when packing saves no rows."""
+        ids = np.asarray(batch["input_ids"])
+        attn = np.asarray(batch["attention_mask"])
+        pad = ((0, 0), (0, width - ids.shape[1]))
+        b = ids.shape[0]
+        n_micro = b // (self.config.micro_batch_size or b)
+        dp = math.prod(mesh_shape.get(axis, 1) for axis in BATCH)
+        rows = row_width(width)
+        multiple = row_multiple(b, width, rows, n_micro * dp)
+        packed = pack_batch(np.pad(ids, pad), np.pad(attn, pad), rows, multiple)
+        if packed is None:
+            return {}
+        values = (packed.input_ids, packed.segment_ids, packed.token_index)
+        arrays = dict(zip(PACKED_KEYS, values, strict=True))
+        out = {}
+        for key, x in arrays.items():
+            spec = fit_spec(x.shape, (BATCH, None), mesh_shape)
+            out[key] = place_global(x, NamedSharding(self.mesh, spec))
         return out
 
     def _padded_width(self, width: int) -> int:

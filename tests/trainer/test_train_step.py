@@ -139,7 +139,8 @@ def test_bucketed_width():
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
 def test_bucket_padding_changes_nothing_but_the_compile_count(tmp_path, name):
     """Batches of widths 11 and 13 share one compiled step (padded to 16) and train exactly like
-    unpadded batches; Dr. GRPO gets a fixed max_length so its normaliser does not move."""
+    unpadded batches; Dr. GRPO gets a fixed max_length so its normaliser does not move.
+    (Unpacked: packing would give both runs rows 32 wide; test_packing covers it.)"""
     objective = make_objective(name, **({"max_length": 8} if name == "dr_grpo" else {}))
     widths = (11, 13)
     runs = {}
@@ -147,7 +148,7 @@ def test_bucket_padding_changes_nothing_but_the_compile_count(tmp_path, name):
         trainer = Trainer(
             tiny_policy(),
             objective,
-            TrainerConfig(**BASE, mesh_shape=(1, 1, 1), length_bucket=bucket),
+            TrainerConfig(**BASE, mesh_shape=(1, 1, 1), length_bucket=bucket, pack_sequences=False),
             str(tmp_path / f"b{bucket}"),
         )
         metrics = [trainer.step(random_batch(i, seq_len=w)) for i, w in enumerate(widths)]
