@@ -13,7 +13,7 @@ temperature 1.0, at most 8 new tokens.
 
 - Ours, once per ``--layouts`` entry (default both, side by side): ``run_local`` of the preset
   colocated (its default: trainer, sampler, parameter server and controller in one process, one
-  sampler of 128 slots) and disaggregated (parameter server, trainer, 2 inference workers of 64
+  sampler of 256 slots) and disaggregated (parameter server, trainer, 2 inference workers of 128
   slots and controller as separate processes), JAX CPU, with the preset's staleness (j=1, k=2;
   ``--reload-every/--max-staleness``).
 - TRL: ``GRPOTrainer`` in this process (``transformers.generate`` for the rollouts).
@@ -75,8 +75,8 @@ log = logging.getLogger("benchmarks.vs_trl")
 
 # ours' layouts (placement.mode): the preset's own (colocated) and the paper's separate jobs
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "colocated": {"placement.mode": "colocated", "workers.count": 1, "workers.slots": 128},
-    "disaggregated": {"placement.mode": "disaggregated", "workers.count": 2, "workers.slots": 64},
+    "colocated": {"placement.mode": "colocated", "workers.count": 1, "workers.slots": 256},
+    "disaggregated": {"placement.mode": "disaggregated", "workers.count": 2, "workers.slots": 128},
 }
 
 
