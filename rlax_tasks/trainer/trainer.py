@@ -232,6 +232,9 @@ class Trainer:
             metrics_writer = MetricsWriter(run_paths(run_dir).metrics)
         self.metrics_writer = metrics_writer
         self._closed = False
+        # the layout the last batch trained in: (rows, width), packed or not (train_rows)
+        self._layout = (0, 0)
+        self._packing_logged = False
         self._failures_posted = 0  # checkpoint failures in a row already posted
         log.info(
             "trainer ready: %s, mesh %s, %.2fM trainable parameters, micro-batch %s",
@@ -306,6 +309,9 @@ class Trainer:
         self.step_count += 1
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = metrics["tokens"] / elapsed
+        # the rows the model ran on, and the share of their slots holding tokens (padding: 1 -)
+        metrics["train_rows"] = float(self._layout[0])
+        metrics["train_fill"] = metrics["tokens"] / max(1, self._layout[0] * self._layout[1])
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
         metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
         metrics.update(extra_metrics or {})
@@ -409,6 +415,7 @@ class Trainer:
                 f"batch size {b} is not a multiple of micro_batch_size={mb}: change the batch "
                 "size or micro_batch_size"
             )
+        self._layout = (b, width)
         if self.config.pack_sequences:
             out.update(self._packed_rows(batch, width, mesh_shape))
         return out
@@ -429,6 +436,17 @@ class Trainer:
         packed = pack_batch(np.pad(ids, pad), np.pad(attn, pad), rows, multiple)
         if packed is None:
             return {}
+        self._layout = packed.input_ids.shape
+        if not self._packing_logged:
+            self._packing_logged = True
+            log.info(
+                "packing sequences (trainer.pack_sequences): %d rows of %d -> %d rows of %d, "
+                "%.0f%% of the slots hold tokens",
+                b,
+                width,
+                *packed.input_ids.shape,
+                100 * attn.sum() / packed.input_ids.size,
+            )
         values = (packed.input_ids, packed.segment_ids, packed.token_index)
         arrays = dict(zip(PACKED_KEYS, values, strict=True))
         out = {}
