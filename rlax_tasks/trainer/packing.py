@@ -56,24 +56,26 @@ def row_multiple(batch_size: int, width: int, packed_width: int, divisor: int = 
     """The multiple packed row counts are rounded to: B * T / ROW_BUCKETS tokens of rows
     ``packed_width`` wide (at least 1 row), made a multiple of ``divisor`` (data-parallel devices
     x micro-batches: each gets whole rows)."""
-    step = max(1, batch_size * width // ROW_BUCKETS // packed_width)
-    return step * divisor // math.gcd(step, divisor)
+    return math.lcm(max(1, batch_size * width // ROW_BUCKETS // packed_width), divisor)
 
 
-def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Best-fit decreasing bin packing of sequence lengths into rows of ``width`` tokens.
 
-    Returns (row, offset) per sequence and the number of rows; longest first, each into the
-    fullest row it still fits (ties: the oldest row), so the result is deterministic.
-    Zero-length sequences take no space (row 0, offset 0).
+    Returns (row, offset, segment) per sequence and the number of rows; longest first, each
+    into the fullest row it still fits (ties: the oldest row), so the result is deterministic.
+    A row's sequences are numbered 1, 2, ... along it (their segment ids). Zero-length
+    sequences take no space (row 0, offset 0, segment 0).
     """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and lengths.max() > width:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit width {width}")
     row = np.zeros(lengths.size, np.int64)
     offset = np.zeros(lengths.size, np.int64)
+    segment = np.zeros(lengths.size, np.int64)
     free: list[tuple[int, int]] = []  # (free tokens, row), sorted
     used: list[int] = []  # tokens placed per row
+    count: list[int] = []  # sequences placed per row
     for i in np.argsort(-lengths, kind="stable"):
         n = int(lengths[i])
         if n == 0:
@@ -82,13 +84,15 @@ def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
         if j == len(free):
             r = len(used)
             used.append(0)
+            count.append(0)
         else:
             _, r = free.pop(j)
-        row[i], offset[i] = r, used[r]
+        count[r] += 1
+        row[i], offset[i], segment[i] = r, used[r], count[r]
         used[r] += n
         if used[r] < width:
             bisect.insort(free, (width - used[r], r))
-    return row, offset, len(used)
+    return row, offset, segment, len(used)
 
 
 def pack_batch(
@@ -107,7 +111,7 @@ def pack_batch(
     if width < t:
         raise ValueError(f"packed rows {width} wide cannot hold sequences of up to {t} tokens")
     lengths = valid.sum(axis=1)
-    row, offset, n_rows = assign_rows(lengths, width)
+    row, offset, segment, n_rows = assign_rows(lengths, width)
     n_rows = -(-max(n_rows, 1) // multiple) * multiple
     if n_rows * width >= b * t:
         return None
@@ -119,17 +123,7 @@ def pack_batch(
     dst_r = row[src_b]
     dst_c = offset[src_b] + rank[src_b, src_t]
     packed_ids[dst_r, dst_c] = ids[src_b, src_t]
-    # segments numbered along each packed row, in placement order: 1, 2, ...
-    placed = np.flatnonzero(lengths > 0)
-    order = placed[np.lexsort((offset[placed], row[placed]))]
-    seg_of = np.zeros(b, np.int64)
-    if order.size:
-        first_in_row = np.r_[True, row[order][1:] != row[order][:-1]]
-        counter = np.arange(order.size) - np.maximum.accumulate(
-            np.where(first_in_row, np.arange(order.size), 0)
-        )
-        seg_of[order] = counter + 1
-    segments[dst_r, dst_c] = seg_of[src_b]
+    segments[dst_r, dst_c] = segment[src_b]
     index = np.full((b, t), n_rows * width, np.int32)
     not_first = rank[src_b, src_t] > 0
     index[src_b[not_first], src_t[not_first]] = (dst_r * width + dst_c)[not_first]

@@ -232,8 +232,6 @@ class Trainer:
             metrics_writer = MetricsWriter(run_paths(run_dir).metrics)
         self.metrics_writer = metrics_writer
         self._closed = False
-        # the layout the last batch trained in: (rows, width), packed or not (train_rows)
-        self._layout = (0, 0)
         self._packing_logged = False
         self._failures_posted = 0  # checkpoint failures in a row already posted
         log.info(
@@ -291,6 +289,8 @@ class Trainer:
         if self.stopped is not None:
             raise self.stopped
         arrays = self._place_batch(batch)
+        # the rows the model runs on, packed or not (the train_rows and train_fill metrics)
+        rows, row_width = arrays.get(PACKED_KEYS[0], arrays["input_ids"]).shape
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
             if self._ref_params is not None:
@@ -310,8 +310,8 @@ class Trainer:
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = metrics["tokens"] / elapsed
         # the rows the model ran on, and the share of their slots holding tokens (padding: 1 -)
-        metrics["train_rows"] = float(self._layout[0])
-        metrics["train_fill"] = metrics["tokens"] / max(1, self._layout[0] * self._layout[1])
+        metrics["train_rows"] = float(rows)
+        metrics["train_fill"] = metrics["tokens"] / max(1, rows * row_width)
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
         metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
         metrics.update(extra_metrics or {})
@@ -395,8 +395,7 @@ class Trainer:
             "rewards": np.float32,
             "group_ids": np.int32,
         }
-        out = {}
-        mesh_shape = dict(self.mesh.shape)
+        host = {}
         width = self._padded_width(ids.shape[1])
         for key, dtype in dtypes.items():
             x = np.asarray(batch[key])
@@ -407,33 +406,30 @@ class Trainer:
                 raise BatchFormatError(f"batch['group_ids'] must be integers, got {x.dtype}")
             if x.ndim == 2 and width > x.shape[1]:  # masked-out columns: no token, no loss
                 x = np.pad(x, ((0, 0), (0, width - x.shape[1])))
-            spec = fit_spec(x.shape, (BATCH,) + (None,) * (x.ndim - 1), mesh_shape)
-            out[key] = place_global(x.astype(dtype), NamedSharding(self.mesh, spec))
+            host[key] = x.astype(dtype)
         mb = self.config.micro_batch_size
         if mb is not None and b % mb:
             raise BatchFormatError(
                 f"batch size {b} is not a multiple of micro_batch_size={mb}: change the batch "
                 "size or micro_batch_size"
             )
-        self._layout = (b, width)
         if self.config.pack_sequences:
-            out.update(self._packed_rows(batch, width, mesh_shape))
+            host.update(self._packed_rows(host["input_ids"], host["attention_mask"]))
+        mesh_shape = dict(self.mesh.shape)
+        out = {}
+        for key, x in host.items():
+            spec = fit_spec(x.shape, (BATCH,) + (None,) * (x.ndim - 1), mesh_shape)
+            out[key] = place_global(x, NamedSharding(self.mesh, spec))
         return out
 
-    def _packed_rows(
-        self, batch: dict[str, Any], width: int, mesh_shape: dict[str, int]
-    ) -> dict[str, jax.Array]:
-        """The batch's sequences packed into fewer rows (``PACKED_KEYS``), placed on the mesh
-        like the batch; {} when packing saves no rows."""
-        ids = np.asarray(batch["input_ids"])
-        attn = np.asarray(batch["attention_mask"])
-        pad = ((0, 0), (0, width - ids.shape[1]))
-        b = ids.shape[0]
+    def _packed_rows(self, ids: np.ndarray, attn: np.ndarray) -> dict[str, np.ndarray]:
+        """The padded batch's sequences packed into fewer rows (``PACKED_KEYS``); {} when
+        packing saves nothing."""
+        b, width = ids.shape
         n_micro = b // (self.config.micro_batch_size or b)
-        dp = math.prod(mesh_shape.get(axis, 1) for axis in BATCH)
+        dp = math.prod(dict(self.mesh.shape).get(axis, 1) for axis in BATCH)
         rows = row_width(width)
-        multiple = row_multiple(b, width, rows, n_micro * dp)
-        packed = pack_batch(np.pad(ids, pad), np.pad(attn, pad), rows, multiple)
+        packed = pack_batch(ids, attn, rows, row_multiple(b, width, rows, n_micro * dp))
         if packed is None:
             return {}
         self._layout = packed.input_ids.shape
@@ -448,12 +444,7 @@ class Trainer:
                 100 * attn.sum() / packed.input_ids.size,
             )
         values = (packed.input_ids, packed.segment_ids, packed.token_index)
-        arrays = dict(zip(PACKED_KEYS, values, strict=True))
-        out = {}
-        for key, x in arrays.items():
-            spec = fit_spec(x.shape, (BATCH, None), mesh_shape)
-            out[key] = place_global(x, NamedSharding(self.mesh, spec))
-        return out
+        return dict(zip(PACKED_KEYS, values, strict=True))
 
     def _padded_width(self, width: int) -> int:
         """The bucketed width [B, T] token arrays are padded to (``config.length_bucket``)."""

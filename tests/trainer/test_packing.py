@@ -72,10 +72,11 @@ def test_rows_are_rounded_and_packing_that_saves_nothing_is_skipped() -> None:
 
 
 def test_best_fit_decreasing_fills_the_fullest_row_first() -> None:
-    row, offset, n = assign_rows(np.array([5, 3, 4, 2, 2, 0]), 8)
+    row, offset, segment, n = assign_rows(np.array([5, 3, 4, 2, 2, 0]), 8)
     # 5 -> row 0 (3 free); 4 -> row 1 (4 free); 3 -> row 0 (full); 2 -> row 1; 2 -> row 1
     assert n == 2
     assert row.tolist() == [0, 0, 1, 1, 1, 0] and offset.tolist() == [0, 5, 0, 4, 6, 0]
+    assert segment.tolist() == [1, 2, 1, 2, 3, 0]  # numbered along each row
 
 
 @pytest.mark.parametrize("implementation", ["blocked", "xla", "splash"])
