@@ -1,8 +1,10 @@
 """A trainer over two simulated hosts (two CPU processes joined by jax.distributed, gloo) trains
-to the same weights as one process over the same number of devices, checkpoints and restores."""
+to the same weights as one process over the same number of devices, checkpoints and restores; its
+batches are packed (``trainer.pack_sequences``), every host packing the same rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -67,4 +69,8 @@ def test_two_hosts_train_checkpoint_and_restore_like_one(tmp_path):
     )
     # one metrics row per step, written by host 0 only
     rows = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == len((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()) == 3
+    single = (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == len(single) == 3
+    # every step ran on packed rows (32 padded rows of 32 -> 24), the same on both layouts
+    packed = [json.loads(r)["train_rows"] for r in rows]
+    assert packed == [json.loads(r)["train_rows"] for r in single] == [24, 24, 24]
