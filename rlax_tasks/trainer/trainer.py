@@ -290,7 +290,7 @@ class Trainer:
             raise self.stopped
         arrays = self._place_batch(batch)
         # the rows the model runs on, packed or not (the train_rows and train_fill metrics)
-        rows, row_width = arrays.get(PACKED_KEYS[0], arrays["input_ids"]).shape
+        rows, width = arrays.get(PACKED_KEYS[0], arrays["input_ids"]).shape
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):
             if self._ref_params is not None:
@@ -311,7 +311,7 @@ class Trainer:
         metrics["tokens_per_s"] = metrics["tokens"] / elapsed
         # the rows the model ran on, and the share of their slots holding tokens (padding: 1 -)
         metrics["train_rows"] = float(rows)
-        metrics["train_fill"] = metrics["tokens"] / max(1, rows * row_width)
+        metrics["train_fill"] = metrics["tokens"] / max(1, rows * width)
         metrics["completion_tokens_per_s"] = metrics["completion_tokens"] / elapsed
         metrics["time"] = time.time()  # wall clock when the step was applied (for plots)
         metrics.update(extra_metrics or {})
@@ -428,11 +428,11 @@ class Trainer:
         b, width = ids.shape
         n_micro = b // (self.config.micro_batch_size or b)
         dp = math.prod(dict(self.mesh.shape).get(axis, 1) for axis in BATCH)
-        rows = row_width(width)
-        packed = pack_batch(ids, attn, rows, row_multiple(b, width, rows, n_micro * dp))
+        packed_width = row_width(width)
+        multiple = row_multiple(b, width, packed_width, n_micro * dp)
+        packed = pack_batch(ids, attn, packed_width, multiple)
         if packed is None:
             return {}
-        self._layout = packed.input_ids.shape
         if not self._packing_logged:
             self._packing_logged = True
             log.info(
