@@ -95,15 +95,14 @@ class PromptRenderer:
     def for_model(cls, settings: PromptSettings, model_dir: str) -> PromptRenderer:
         """A renderer with the tokenizer of the HF directory ``model_dir`` (local, or gs:// whose
         config and tokenizer files are fetched into the model cache, without the weights)."""
-        from transformers import AutoTokenizer
-
         from rlax_tasks.models.model_cache import local_model_dir
+        from rlax_tasks.models.tokenizer_loading import load_tokenizer
 
         model_dir = local_model_dir(model_dir, weights=False)
         if not os.path.isdir(model_dir):  # else transformers would look for a hub repo id
             raise FileNotFoundError(f"{model_dir}: no such model directory")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(model_dir)
         except (OSError, ValueError) as e:
             raise ValueError(f"{model_dir}: no tokenizer loads: {e}") from None
         return cls(settings, tokenizer)

@@ -223,9 +223,9 @@ def load_pretrained(
     params = hf_io.read_params(path, jax.tree.map(lambda x: x, abstract), param_dtype, place)
     tokenizer = None
     if hf_io.has_tokenizer(path):
-        from transformers import AutoTokenizer
+        from rlax_tasks.models.tokenizer_loading import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     else:
         log.warning("%s has no tokenizer files; policy.tokenizer is None", path)
     known = set(config.to_hf_dict())

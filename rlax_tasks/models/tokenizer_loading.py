@@ -1,0 +1,96 @@
+"""The tokenizer of an HF directory as ``AutoTokenizer`` loads it, without AutoTokenizer's imports.
+
+``from transformers import AutoTokenizer`` imports transformers' configuration code and, where
+torch is installed, torch: 2-3 s on 2 cores in every process that loads a policy (the colocated
+run, the trainer, each worker, the evaluator), before its first step. The class AutoTokenizer
+picks for a directory follows from that directory's config and tokenizer files, so it is
+remembered, keyed by those files' contents and the transformers version, in
+``tokenizer-classes.json`` beside the model cache (``~/.cache/rlax``); a later load imports that
+class alone (~1 s) and calls its ``from_pretrained`` as AutoTokenizer would. A miss, a class
+outside transformers (remote code) or any failure goes through AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+from rlax_tasks.models.model_cache import cache_root
+
+log = logging.getLogger(__name__)
+
+# the files AutoTokenizer's choice depends on (its model type, tokenizer class, auto_map, and
+# whether tokenizer.json is byte-level)
+KEY_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+CLASSES_FILE = "tokenizer-classes.json"
+
+
+def load_tokenizer(path: str) -> Any:
+    """``AutoTokenizer.from_pretrained(path)`` for a local HF directory, importing only the class
+    it picks once that choice is remembered."""
+    import transformers
+
+    key = _key(path)
+    name = _classes().get(key)
+    cls = getattr(transformers, name, None) if name else None
+    if isinstance(cls, type):
+        try:
+            return cls.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - AutoTokenizer decides (and raises) below
+            log.debug("remembered tokenizer class %s failed on %s (%s)", name, path, e)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    kind = type(tokenizer)
+    if getattr(transformers, kind.__name__, None) is kind:  # importable by name: remember it
+        _remember(key, kind.__name__)
+    return tokenizer
+
+
+def classes_path() -> str:
+    """Where the choices are remembered: beside the model cache."""
+    return os.path.join(os.path.dirname(cache_root().rstrip(os.sep)), CLASSES_FILE)
+
+
+def _key(path: str) -> str:
+    import transformers
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for name in KEY_FILES:
+        digest.update(f"\0{name}\0".encode())
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                digest.update(f.read())
+        except OSError:
+            digest.update(b"\0missing")
+    return digest.hexdigest()
+
+
+def _classes() -> dict[str, str]:
+    try:
+        with open(classes_path(), encoding="utf-8") as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _remember(key: str, name: str) -> None:
+    """Adds ``key -> name`` (atomically: concurrent processes each write a whole file)."""
+    path = classes_path()
+    table = _classes()
+    if table.get(key) == name:
+        return
+    table[key] = name
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tokenizer-classes-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: every load goes through AutoTokenizer
+        log.debug("tokenizer class not remembered in %s (%s)", path, e)

@@ -1,0 +1,111 @@
+"""load_tokenizer: AutoTokenizer's tokenizer for an HF directory, the class it picks remembered so
+later loads (other processes) import that class alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlax_tasks.models import Policy, model_cache
+from rlax_tasks.models.tokenizer import char_tokenizer
+from rlax_tasks.models.tokenizer_loading import classes_path, load_tokenizer
+from tests.data.chat_model import CORPUS
+from tests.tiny_model import tiny_model_config
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture
+def classes_in_tmp(tmp_path, monkeypatch):
+    """The remembered classes under tmp_path (beside a model cache there)."""
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "cache" / "models"))
+    return tmp_path / "cache" / "tokenizer-classes.json"
+
+
+@pytest.fixture(scope="module")
+def char_model_dir(tmp_path_factory):
+    """A checkpoint with the embedded default's character tokenizer (no chat template)."""
+    path = str(tmp_path_factory.mktemp("char-model"))
+    policy = Policy.init(tiny_model_config(vocab_size=78), seed=0, tokenizer=char_tokenizer())
+    policy.save_pretrained(path)
+    return path
+
+
+def _same_behaviour(got, want, chat: bool) -> None:  # noqa: ANN001 - transformers tokenizers
+    assert type(got) is type(want)
+    for text in CORPUS:
+        assert got(text)["input_ids"] == want(text)["input_ids"]
+        ids = want(text, add_special_tokens=False)["input_ids"]
+        for skip in (True, False):
+            assert got.decode(ids, skip_special_tokens=skip) == want.decode(
+                ids, skip_special_tokens=skip
+            )
+    assert (got.eos_token_id, got.pad_token_id, got.bos_token_id) == (
+        want.eos_token_id, want.pad_token_id, want.bos_token_id,
+    )  # fmt: skip
+    if chat:
+        kwargs = {"tokenize": False, "add_generation_prompt": True}
+        assert got.apply_chat_template(MESSAGES, **kwargs) == want.apply_chat_template(
+            MESSAGES, **kwargs
+        )
+
+
+@pytest.mark.parametrize("which", ["chat", "char"])
+def test_the_remembered_class_loads_what_autotokenizer_loads(
+    which, classes_in_tmp, chat_model_dir, char_model_dir, monkeypatch
+) -> None:  # noqa: ANN001
+    path = chat_model_dir if which == "chat" else char_model_dir
+    want = AutoTokenizer.from_pretrained(path)
+    first = load_tokenizer(path)  # through AutoTokenizer: remembers its choice
+    _same_behaviour(first, want, chat=which == "chat")
+    assert os.path.samefile(classes_path(), classes_in_tmp)
+    assert list(json.loads(classes_in_tmp.read_text()).values()) == [type(want).__name__]
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("AutoTokenizer called although the class is remembered")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    _same_behaviour(load_tokenizer(path), want, chat=which == "chat")
+
+
+def test_changed_files_or_a_bad_entry_go_through_autotokenizer(
+    classes_in_tmp, char_model_dir, tmp_path
+) -> None:
+    load_tokenizer(char_model_dir)
+    (key,) = json.loads(classes_in_tmp.read_text())
+    # another directory with a different tokenizer_config.json: another key, AutoTokenizer
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in os.listdir(char_model_dir):
+        with open(os.path.join(char_model_dir, name), "rb") as f:
+            (other / name).write_bytes(f.read())
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
+    assert load_tokenizer(str(other)).model_max_length == 64
+    assert len(json.loads(classes_in_tmp.read_text())) == 2
+    # an entry naming no transformers class: AutoTokenizer again, and the entry corrected
+    classes_in_tmp.write_text(json.dumps({key: "NoSuchTokenizer"}))
+    want = AutoTokenizer.from_pretrained(char_model_dir)
+    _same_behaviour(load_tokenizer(char_model_dir), want, chat=False)
+    assert json.loads(classes_in_tmp.read_text())[key] == type(want).__name__
+
+
+def test_a_remembered_load_does_not_import_autotokenizer(classes_in_tmp, chat_model_dir) -> None:
+    load_tokenizer(chat_model_dir)
+    code = (
+        "import sys\n"
+        "from rlax_tasks.models.tokenizer_loading import load_tokenizer\n"
+        f"tok = load_tokenizer({chat_model_dir!r})\n"
+        "print(type(tok).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules,"
+        " 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, model_cache.CACHE_ENV: os.environ[model_cache.CACHE_ENV]}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == [type(AutoTokenizer.from_pretrained(chat_model_dir)).__name__, "False", "False"]
