@@ -148,7 +148,16 @@ def test_bucket_padding_changes_nothing_but_the_compile_count(tmp_path, name):
         trainer = Trainer(
             tiny_policy(),
             objective,
-            TrainerConfig(**BASE, mesh_shape=(1, 1, 1), length_bucket=bucket, pack_sequences=False),
+            # adam_eps well above float32 noise: Adam's first update lr * g / (|g| + eps) turns a
+            # gradient at rounding level (where padded and unpadded sums differ in order: seen
+            # on an AVX-512/AMX Xeon, embedding rows off by 2e-4) into +-lr
+            TrainerConfig(
+                **BASE,
+                adam_eps=1e-6,
+                mesh_shape=(1, 1, 1),
+                length_bucket=bucket,
+                pack_sequences=False,
+            ),
             str(tmp_path / f"b{bucket}"),
         )
         metrics = [trainer.step(random_batch(i, seq_len=w)) for i, w in enumerate(widths)]
@@ -158,8 +167,8 @@ def test_bucket_padding_changes_nothing_but_the_compile_count(tmp_path, name):
     for a, b in zip(m_exact, m_padded, strict=True):
         for key in ("loss", "grad_norm", "tokens", "completion_tokens"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    for k in exact:
-        np.testing.assert_allclose(padded[k], exact[k], atol=1e-6, err_msg=k)
+    for k in exact:  # 2.3e-6 seen on that Xeon (an update of lr = 1e-3 is 1000x that)
+        np.testing.assert_allclose(padded[k], exact[k], atol=5e-6, err_msg=k)
 
 
 def test_dr_grpo_without_max_length_is_not_padded(tmp_path, caplog):
