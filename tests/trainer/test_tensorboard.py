@@ -131,3 +131,15 @@ def test_wandb_gets_the_training_scalars_when_configured(tmp_path, monkeypatch):
         1: {"loss": 0.5, "reward_mean": 0.25},
         2: {"loss": 0.25, "reward_mean": 0.5},
     }
+
+
+@pytest.mark.parametrize("size", [0, 1, 12, 4096])
+def test_records_are_framed_as_tensorboards_record_writer_frames_them(tmp_path, size):
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from rlax_tasks.trainer.scalar_export import tf_record
+
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    with open(tmp_path / "theirs", "wb") as f:
+        RecordWriter(f).write(data)
+    assert tf_record(data) == (tmp_path / "theirs").read_bytes()
