@@ -16,9 +16,9 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
+from rlax_tasks import storage
 from rlax_tasks.models.model_cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -80,17 +80,14 @@ def _classes() -> dict[str, str]:
 
 
 def _remember(key: str, name: str) -> None:
-    """Adds ``key -> name`` (atomically: concurrent processes each write a whole file)."""
+    """Adds ``key -> name`` (``storage.write_bytes``: temp file and rename, so concurrent
+    processes each write a whole file)."""
     path = classes_path()
     table = _classes()
     if table.get(key) == name:
         return
     table[key] = name
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tokenizer-classes-", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+        storage.write_bytes(path, json.dumps(table, indent=0, sort_keys=True).encode())
     except OSError as e:  # a read-only home: every load goes through AutoTokenizer
         log.debug("tokenizer class not remembered in %s (%s)", path, e)

@@ -104,8 +104,8 @@ def test_a_remembered_load_does_not_import_autotokenizer(classes_in_tmp, chat_mo
         "print(type(tok).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules,"
         " 'torch' in sys.modules)\n"
     )
-    env = {**os.environ, model_cache.CACHE_ENV: os.environ[model_cache.CACHE_ENV]}
+    # the child inherits $RLAX_MODEL_CACHE (set by classes_in_tmp), so it reads the same table
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == [type(AutoTokenizer.from_pretrained(chat_model_dir)).__name__, "False", "False"]
