@@ -111,18 +111,20 @@ class StopRun(Exception):
 
 
 class EvalPauses:
-    """Holds a run's processes still (SIGSTOP) while its held-out evaluation samples, and takes
+    """Holds a run's processes still (SIGSTOP) while its held-out evaluation runs, and takes
     those pauses off the run's clock: training is timed without evaluation, as TRL's clock is
-    paused for its evaluation. Without it the evaluation (in the supervisor process) competes
-    with training for the same cores, which only ours pays for.
+    paused for its whole evaluation. Without it the evaluation (in the supervisor process)
+    competes with training for the same cores, which only ours pays for.
 
     The weights are pulled before the pause (a colocated run's parameter server is in the
-    stopped process); each pause is recorded as (unix start, unix end).
+    stopped process); the pause then lasts until the evaluation is recorded (sampling, decoding,
+    scoring, progress.jsonl and TensorBoard rows). Each pause is recorded as (unix start, end).
     """
 
     def __init__(self) -> None:
         self.supervisor: Any = None  # set by the supervisor hook once the processes run
         self.pauses: list[tuple[float, float]] = []
+        self._held: tuple[float, list[int]] | None = None  # (unix start, stopped groups)
 
     def _groups(self) -> list[int]:
         if self.supervisor is None:
@@ -130,33 +132,56 @@ class EvalPauses:
         procs = [c.proc for c in self.supervisor.components.values()]
         return [p.pid for p in procs if p is not None and p.poll() is None]
 
-    @contextlib.contextmanager
-    def around_sampling(self) -> Iterator[None]:
-        """While the ``with`` block runs, every live process of the run is stopped."""
-        from rlax_tasks.run.report import HeldOutEvaluator
-
-        original = HeldOutEvaluator.sample
-        pauses = self
-
-        def sample(evaluator: Any, params: Any) -> Any:
-            groups = pauses._groups()
-            if not groups:  # the base model's evaluation, or the final one: nothing runs
-                return original(evaluator, params)
+    def hold(self) -> None:
+        """Stops every live process of the run, unless they are held already."""
+        groups = self._groups()
+        if self._held is None and groups:
             t0 = time.time()
             for pgid in groups:  # each component leads its own process group
                 _signal_group(pgid, signal.SIGSTOP)
-            try:
-                return original(evaluator, params)
-            finally:
-                for pgid in groups:
-                    _signal_group(pgid, signal.SIGCONT)
-                pauses.pauses.append((t0, time.time()))
+            self._held = (t0, groups)
 
-        HeldOutEvaluator.sample = sample  # type: ignore[method-assign]
+    def release(self) -> None:
+        """Continues the processes ``hold`` stopped and records the pause."""
+        if self._held is not None:
+            t0, groups = self._held
+            self._held = None
+            for pgid in groups:
+                _signal_group(pgid, signal.SIGCONT)
+            self.pauses.append((t0, time.time()))
+
+    @contextlib.contextmanager
+    def around_evaluation(self) -> Iterator[None]:
+        """While the ``with`` block runs, each held-out evaluation during the run holds the
+        run still from its sampling until its row is recorded (the base model's and the final
+        evaluation hold nothing: the run's processes have not started or are stopping)."""
+        from rlax_tasks.run.progress import HeldOutProgress
+        from rlax_tasks.run.report import HeldOutEvaluator
+
+        sample, maybe_evaluate = HeldOutEvaluator.sample, HeldOutProgress.maybe_evaluate
+        pauses, during = self, []  # during: inside a periodic evaluation
+
+        def held_sample(evaluator: Any, params: Any) -> Any:
+            if during:  # after the pull: the parameter server may be in a held process
+                pauses.hold()
+            return sample(evaluator, params)
+
+        def released(progress: Any, every: int) -> None:
+            during.append(True)
+            try:
+                maybe_evaluate(progress, every)
+            finally:
+                during.clear()
+                pauses.release()
+
+        HeldOutEvaluator.sample = held_sample  # type: ignore[method-assign]
+        HeldOutProgress.maybe_evaluate = released  # type: ignore[method-assign]
         try:
             yield
         finally:
-            HeldOutEvaluator.sample = original  # type: ignore[method-assign]
+            HeldOutEvaluator.sample = sample  # type: ignore[method-assign]
+            HeldOutProgress.maybe_evaluate = maybe_evaluate  # type: ignore[method-assign]
+            self.release()
 
     def paused_before(self, t: float) -> float:
         """Seconds the run was held still before unix time ``t``."""
@@ -192,7 +217,7 @@ def run_ours(
 
     ``stop_when(progress_rows, seconds_since_start)`` may return a reason to end the run early
     (checked by the supervisor loop a few times per second); the run then has no "after" eval.
-    ``pause_for_eval``: the run's processes are held still while the held-out evaluation samples,
+    ``pause_for_eval``: the run's processes are held still while the held-out evaluation runs,
     and the figures are on a clock without those pauses (``EvalPauses``).
     """
     from rlax_tasks.config import load_config
@@ -219,7 +244,7 @@ def run_ours(
     log.info("[%s] run_local: %d steps, overrides %s, run dir %s", label, steps, overrides, root)
     t0 = time.monotonic()
     try:
-        with pauses.around_sampling() if pause_for_eval else contextlib.nullcontext():
+        with pauses.around_evaluation() if pause_for_eval else contextlib.nullcontext():
             report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
     except StopRun as e:
         stopped, report = str(e), {}

@@ -23,8 +23,9 @@ every ``--eval-every`` steps, by default with the same evaluator on both sides: 
 ``HeldOutEvaluator`` (JAX Sampler, same seeds), for TRL on its weights read back from a
 ``save_pretrained`` copy (``--trl-eval torch``: ``transformers.generate`` on the torch model
 instead). The clock excludes evaluation on both sides: ours reports when the trainer produced
-each evaluated version, and its processes are held still (SIGSTOP) while the evaluation, in the
-supervisor process, samples, those pauses taken off its clock (``--eval-beside-training``: they
+each evaluated version, and its processes are held still (SIGSTOP) from the moment the
+evaluation, in the supervisor process, has pulled the weights until it has sampled, scored and
+recorded them, those pauses taken off its clock (``--eval-beside-training``: they
 run on and compete with it for the CPU, as in a real run); for TRL a ``TrainerCallback``
 evaluates after the optimizer step with the clock paused. Both clocks start before the model
 is loaded (ours: before its processes start). The target (default: base pass@1 + 0.15) is one

@@ -1,12 +1,16 @@
 """The benchmarks' own checks and reports: the TRL benchmarks say what to install before they
 start, not minutes in (a fresh machine set up with ``scripts/setup.sh --test`` has neither TRL
-nor ``datasets``); rollout.py prints the machine's load and marks contended figures."""
+nor ``datasets``); rollout.py prints the machine's load and marks contended figures; the
+TRL comparison holds our run still for its whole evaluation, as TRL's clock pauses for its own."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import time
+import types
 
 import pytest
 
@@ -59,3 +63,60 @@ def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys)
     rollout.print_figures(figures, {**quiet, "contended": False}, busy)
     out = capsys.readouterr().out.splitlines()
     assert all(line.endswith("[CONTENDED: load 0.1, busy 1.2 cores]") for line in out[1:])
+
+
+def _stopped(pid: int, want: bool) -> bool:
+    """Whether process ``pid`` is stopped ('T' in /proc/<pid>/stat) as ``want``, within 2 s."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if (state == "T") == want or time.monotonic() > deadline:
+            return state == "T"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_eval_pauses_hold_the_run_from_sampling_until_the_evaluation_is_recorded(monkeypatch):
+    """vs_trl's clock excludes evaluation as TRL's does: a periodic evaluation holds the run's
+    processes still (after pulling the weights) until its row is recorded, not only while it
+    samples; the base model's evaluation, outside a run, holds nothing."""
+    from benchmarks.async_vs_sync import EvalPauses
+    from rlax_tasks.run.progress import HeldOutProgress
+    from rlax_tasks.run.report import HeldOutEvaluator
+
+    run = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+        start_new_session=True,  # leads its own process group, as the supervisor's jobs do
+    )
+    seen: list[tuple[str, bool]] = []
+
+    def sample(evaluator, params):
+        seen.append(("sampling", _stopped(run.pid, True)))
+        return [[params]]
+
+    def maybe_evaluate(progress, every):  # the pull, then sampling, scoring, recording
+        seen.append(("pull", _stopped(run.pid, True)))
+        HeldOutEvaluator.sample(None, "weights")
+        seen.append(("recording", _stopped(run.pid, True)))
+
+    monkeypatch.setattr(HeldOutEvaluator, "sample", sample)
+    monkeypatch.setattr(HeldOutProgress, "maybe_evaluate", maybe_evaluate)
+    pauses = EvalPauses()
+    try:
+        with pauses.around_evaluation():
+            HeldOutEvaluator.sample(None, "base")  # before the run: nothing to hold
+            pauses.supervisor = types.SimpleNamespace(
+                components={"colocated": types.SimpleNamespace(proc=run)}
+            )
+            HeldOutProgress.maybe_evaluate(None, 10)
+            running_after = not _stopped(run.pid, False)
+    finally:
+        run.kill()
+        run.wait()
+    assert seen == [("sampling", False), ("pull", False), ("sampling", True), ("recording", True)]
+    assert running_after
+    assert len(pauses.pauses) == 1
+    start, end = pauses.pauses[0]
+    assert pauses.paused_before(end + 1) == pytest.approx(end - start)
+    assert HeldOutProgress.maybe_evaluate is maybe_evaluate  # restored on leaving
