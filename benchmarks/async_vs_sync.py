@@ -125,6 +125,7 @@ class EvalPauses:
         self.supervisor: Any = None  # set by the supervisor hook once the processes run
         self.pauses: list[tuple[float, float]] = []
         self._held: tuple[float, list[int]] | None = None  # (unix start, stopped groups)
+        self._evaluating = False  # inside a periodic evaluation (HeldOutProgress.maybe_evaluate)
 
     def _groups(self) -> list[int]:
         if self.supervisor is None:
@@ -159,19 +160,19 @@ class EvalPauses:
         from rlax_tasks.run.report import HeldOutEvaluator
 
         sample, maybe_evaluate = HeldOutEvaluator.sample, HeldOutProgress.maybe_evaluate
-        pauses, during = self, []  # during: inside a periodic evaluation
+        pauses = self
 
         def held_sample(evaluator: Any, params: Any) -> Any:
-            if during:  # after the pull: the parameter server may be in a held process
+            if pauses._evaluating:  # after the pull: the parameter server may be in a held process
                 pauses.hold()
             return sample(evaluator, params)
 
         def released(progress: Any, every: int) -> None:
-            during.append(True)
+            pauses._evaluating = True
             try:
                 maybe_evaluate(progress, every)
             finally:
-                during.clear()
+                pauses._evaluating = False
                 pauses.release()
 
         HeldOutEvaluator.sample = held_sample  # type: ignore[method-assign]
@@ -181,7 +182,6 @@ class EvalPauses:
         finally:
             HeldOutEvaluator.sample = sample  # type: ignore[method-assign]
             HeldOutProgress.maybe_evaluate = maybe_evaluate  # type: ignore[method-assign]
-            self.release()
 
     def paused_before(self, t: float) -> float:
         """Seconds the run was held still before unix time ``t``."""
