@@ -287,3 +287,53 @@ def write_json(path: str | None, results: dict[str, Any], log: logging.Logger) -
         with open(path, "w") as fh:
             json.dump(results, fh, indent=2, default=str)
         log.info("wrote %s", path)
+
+
+def run_in_fresh_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, launched=T, **kwargs)`` in a fresh Python process (multiprocessing "spawn"),
+    where ``T`` is ``time.monotonic()`` taken here just before that process starts: a clock from
+    ``T`` counts the interpreter's start and every import, as a user's command pays them.
+
+    ``fn`` must be importable by name (a module-level function) and return something picklable.
+    An exception in ``fn``, or the process dying, is raised here as RuntimeError (with the
+    child's traceback), never a hang.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    launched = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process of the host
+    proc = ctx.Process(
+        target=_fresh_process_main, args=(send, fn, args, {**kwargs, "launched": launched})
+    )
+    proc.start()
+    send.close()  # the child holds the only sending end: its death ends the wait below
+    try:
+        try:
+            status, value = receive.recv()
+        except EOFError:
+            proc.join()
+            raise RuntimeError(
+                f"{getattr(fn, '__name__', fn)} in a fresh process died without a result "
+                f"(exit code {proc.exitcode})"
+            ) from None
+    finally:
+        receive.close()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status == "error":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its fresh process:\n{value}")
+    return value
+
+
+def _fresh_process_main(send: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    import traceback
+
+    try:
+        result = ("ok", fn(*args, **kwargs))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        result = ("error", traceback.format_exc())
+    send.send(result)
+    send.close()

@@ -16,7 +16,7 @@ temperature 1.0, at most 8 new tokens.
   sampler of 256 slots) and disaggregated (parameter server, trainer, 2 inference workers of 128
   slots and controller as separate processes), JAX CPU, with the preset's staleness (j=1, k=2;
   ``--reload-every/--max-staleness``).
-- TRL: ``GRPOTrainer`` in this process (``transformers.generate`` for the rollouts).
+- TRL: ``GRPOTrainer`` in a fresh Python process (``transformers.generate`` for the rollouts).
 
 Held-out pass@1 (200 problems never trained on, 8 samples each at temperature 1) is measured
 every ``--eval-every`` steps, by default with the same evaluator on both sides: the run report's
@@ -27,12 +27,15 @@ each evaluated version, and its processes are held still (SIGSTOP) from the mome
 evaluation, in the supervisor process, has pulled the weights until it has sampled, scored and
 recorded them, those pauses taken off its clock (``--eval-beside-training``: they
 run on and compete with it for the CPU, as in a real run); for TRL a ``TrainerCallback``
-evaluates after the optimizer step with the clock paused. Both clocks start before the model
-is loaded (ours: before its processes start). The target (default: base pass@1 + 0.15) is one
-number for both, from the base model's evaluation; two checks of that estimate are printed
-(torch sampling, and the exact expectation P(answer <eos> | prompt)). Each side stops at the
-first evaluation reaching the target (``--no-early-stop``: run on to the caps), at
-``--max-steps`` or after ``--max-seconds``.
+evaluates after the optimizer step with the clock paused. Both clocks start before the
+processes that train are launched, so each side's interpreter start and imports count, as a
+user's command pays them: ours before ``run_local`` starts its processes, TRL's before a fresh
+Python process (``run_trl_fresh``) imports torch, transformers and TRL; the benchmark's own set-up
+there (the preset's config, the prompt list, the evaluator) is off TRL's clock. The target
+(default: base pass@1 + 0.15) is one number for both, from the base model's evaluation; two
+checks of that estimate are printed (torch sampling, and the exact expectation
+P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the target
+(``--no-early-stop``: run on to the caps), at ``--max-steps`` or after ``--max-seconds``.
 
     .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
         [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
@@ -73,6 +76,7 @@ from benchmarks.async_vs_sync import (  # noqa: E402
 )
 
 log = logging.getLogger("benchmarks.vs_trl")
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 
 # ours' layouts (placement.mode): the preset's own (colocated) and the paper's separate jobs
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -229,8 +233,16 @@ def run_trl(
     target: float | None,
     early_stop: bool,
     evaluation: str = "rlax",
+    started: float | None = None,
+    off_clock: float = 0.0,
 ) -> dict[str, Any]:
-    """TRL's GRPOTrainer on the same model, data, reward and hyper-parameters as the preset."""
+    """TRL's GRPOTrainer on the same model, data, reward and hyper-parameters as the preset.
+
+    ``started``: the ``time.monotonic()`` its clock starts at (``run_trl_fresh``: before this
+    process was launched, so the imports below count); default: now, before the model is loaded.
+    ``off_clock``: seconds of the benchmark's own set-up before the call (the preset's config),
+    taken off the clock like the prompt list and the evaluator built here.
+    """
     import torch
     import trl
     from datasets import Dataset
@@ -242,7 +254,10 @@ def run_trl(
     if cfg.algorithm.preset != "grpo":
         raise ValueError(f"the TRL mapping covers the grpo preset, not {cfg.algorithm.preset!r}")
     schedule_steps = t.total_steps or max_steps
+    imported = time.monotonic()
+    # the benchmark's set-up, off the clock: ours' controller draws the same prompts on its own
     pairs = training_prompts(cfg, max_steps * r.prompts_per_step)
+    off_clock += time.monotonic() - imported
     dataset = Dataset.from_dict(
         {"prompt": [p for p, _ in pairs], "reference": [ref for _, ref in pairs]}
     )
@@ -303,7 +318,13 @@ def run_trl(
         schedule_steps,
     )
 
-    state: dict[str, Any] = {"paused": 0.0, "rows": [], "stopped": "max-steps", "intervals": []}
+    state: dict[str, Any] = {
+        "paused": 0.0,  # evaluation
+        "off_clock": 0.0,  # the benchmark's set-up (``started`` given)
+        "rows": [],
+        "stopped": "max-steps",
+        "intervals": [],
+    }
 
     class HeldOutCallback(TrainerCallback):
         def __init__(self, evaluator: Any) -> None:
@@ -311,7 +332,7 @@ def run_trl(
             self.last_step_end: float | None = None
 
         def clock(self) -> float:
-            return time.monotonic() - state["t0"] - state["paused"]
+            return time.monotonic() - state["t0"] - state["paused"] - state["off_clock"]
 
         def _evaluate(self, model: Any, step: int, produced: float) -> dict[str, Any]:
             t0 = time.monotonic()
@@ -357,8 +378,15 @@ def run_trl(
             self.last_step_end = self.clock()
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    built = time.monotonic()
     evaluator = RlaxHeldOut(cfg) if evaluation == "rlax" else TorchHeldOut(cfg, tokenizer)
-    state["t0"] = time.monotonic()  # like ours: before the model is loaded
+    off_clock += time.monotonic() - built
+    if started is None:
+        state["t0"] = time.monotonic()  # before the model is loaded
+    else:
+        state["t0"], state["off_clock"] = started, off_clock
+        state["imports_seconds"] = imported - started
+        log.info("[trl] interpreter start and imports: %.1fs, on its clock", imported - started)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(
         model=model,
@@ -384,6 +412,8 @@ def run_trl(
         "stopped": state["stopped"],
         "train_seconds": state.get("train_seconds"),
         "startup_seconds": state.get("train_begin"),
+        "imports_seconds": state.get("imports_seconds"),
+        "setup_seconds_off_clock": state["off_clock"],
         "first_step_seconds": state.get("first_step_seconds"),
         "seconds_per_step_total": state["train_seconds"] / steps if steps else None,
         "step_interval_median": statistics.median(intervals) if intervals else None,
@@ -397,6 +427,34 @@ def run_trl(
         "reward_last10": rewards[-1] if rewards else None,
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
     }
+
+
+def run_trl_fresh(
+    model_dir: str, overrides: dict[str, Any], *, torch_threads: int | None = None, **kw: Any
+) -> dict[str, Any]:
+    """``run_trl`` in a fresh Python process, its clock started before that process is launched:
+    TRL's imports (torch, transformers, TRL: seconds on 2 cores) count, as ours' do in the
+    processes ``run_local`` starts; in this process they would already be loaded."""
+    return _timing.run_in_fresh_process(_trl_process, model_dir, overrides, torch_threads, kw)
+
+
+def _trl_process(
+    model_dir: str,
+    overrides: dict[str, Any],
+    torch_threads: int | None,
+    kw: dict[str, Any],
+    *,
+    launched: float,
+) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    t0 = time.monotonic()
+    cfg = preset_config(model_dir, overrides)  # the benchmark's set-up: off the clock
+    off_clock = time.monotonic() - t0
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    return run_trl(cfg, model_dir, started=launched, off_clock=off_clock, **kw)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -455,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "ours" and (missing := rl_throughput.trl_missing()):
         print(missing, file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if args.model_size == "30m":
         out = rl_throughput.run(args, layouts, args.only)
         if args.json_out:
@@ -525,9 +583,10 @@ def main(argv: list[str] | None = None) -> int:
                 pause_for_eval=not args.eval_beside_training,
             )
     if args.only != "ours":
-        results["trl"] = run_trl(
-            cfg,
+        results["trl"] = run_trl_fresh(
             model_dir,
+            ours_overrides,
+            torch_threads=args.torch_threads,
             max_steps=args.max_steps,
             max_seconds=args.max_seconds,
             eval_every=args.eval_every,

@@ -120,3 +120,34 @@ def test_eval_pauses_hold_the_run_from_sampling_until_the_evaluation_is_recorded
     start, end = pauses.pauses[0]
     assert pauses.paused_before(end + 1) == pytest.approx(end - start)
     assert HeldOutProgress.maybe_evaluate is maybe_evaluate  # restored on leaving
+
+
+_PARENT_ONLY: list[str] = []  # set in the test's process; a fresh interpreter starts without it
+
+
+def _fresh_process_report(value: int, *, launched: float) -> dict:
+    """Run by run_in_fresh_process: what the child saw of its start."""
+    if value < 0:
+        raise ValueError(f"negative value {value}")
+    return {
+        "pid": os.getpid(),
+        "value": value,
+        "since_launch": time.monotonic() - launched,
+        "parent_state": list(_PARENT_ONLY),
+    }
+
+
+def test_a_fresh_process_clock_counts_its_start_and_a_failure_is_raised_not_hung():
+    """TRL's side runs in a fresh interpreter whose clock starts before it is launched: its own
+    imports count as ours' processes' do."""
+    from benchmarks import _timing
+
+    _PARENT_ONLY[:] = ["set in the parent"]
+    t0 = time.monotonic()
+    seen = _timing.run_in_fresh_process(_fresh_process_report, 7)
+    assert seen["pid"] != os.getpid() and seen["value"] == 7
+    assert seen["parent_state"] == []  # a fresh interpreter, not a fork of this one
+    # the clock began before the child existed: its interpreter start is on it
+    assert 0.0 < seen["since_launch"] <= time.monotonic() - t0
+    with pytest.raises(RuntimeError, match="negative value -1"):
+        _timing.run_in_fresh_process(_fresh_process_report, -1)
