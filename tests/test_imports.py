@@ -87,6 +87,19 @@ def test_light_modules_import_without_jax() -> None:
     )
 
 
+def test_the_command_line_loads_no_dataframe_library_until_a_dataset_file_is_read() -> None:
+    """Every ``rlax`` process (the colocated run, each worker) imports the CLI, which builds the
+    ``rlax data`` parser; pandas and pyarrow (~0.4 s on 2 cores) load when a file is read."""
+    code = _PROBE.format(heavy=("pandas", "pyarrow"), modules=("rlax_tasks.cli",))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
+    assert report["loaded"] == [], f"the CLI loaded {report['loaded']}; first import of:\n{chains}"
+
+
 # --------------------------------------------------------------------------- package graph
 # Nodes are rlax_tasks' sub-packages (rlax_tasks.X.* → "X") and its top-level modules
 # (rlax_tasks/config.py → "config"). Every import counts: module-level, inside functions (a lazy

@@ -14,12 +14,12 @@ import io
 import json
 import logging
 from dataclasses import asdict, dataclass, field
-
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from rlax_tasks.data.files import file_format, read_bytes
+
+if TYPE_CHECKING:  # pandas and pyarrow load when a file is read: every `rlax` command imports
+    import pandas as pd  # this module (through its CLI), most never read a dataset (~0.4 s)
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,9 @@ def _csv_records(path: str, data: bytes) -> tuple[list[dict], list[int], list[Re
 
 
 def _parquet_frame(path: str, data: bytes) -> pd.DataFrame:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as exc:
@@ -160,6 +163,8 @@ def _parquet_frame(path: str, data: bytes) -> pd.DataFrame:
 def _object_frame(records: list[dict]) -> pd.DataFrame:
     """Records as object columns, values as parsed: no dtype inference, which would turn the
     integers of a column with a missing value into floats (42 -> 42.0)."""
+    import pandas as pd
+
     if not records:
         return pd.DataFrame()
     names = dict.fromkeys(k for r in records for k in r)
@@ -188,6 +193,8 @@ def read_file(path: str) -> RawTable:
 
 def read_inputs(paths: list[str]) -> RawTable:
     """All rows of several files (columns are the union; absent ones are missing values)."""
+    import pandas as pd
+
     tables = [read_file(p) for p in paths]
     frames = [t.frame for t in tables if len(t.frame)]
     if frames:

@@ -12,15 +12,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from rlax_tasks.data.code_tests import CodeTests
 from rlax_tasks.data.errors import FieldError
 from rlax_tasks.data.readers import RawTable, Rejected, snippet
+
+if TYPE_CHECKING:  # pandas loads when rows are validated (readers.py says why)
+    import pandas as pd
 
 SCHEMA_FIELDS = ("prompt", "answer", "tests", "source", "date", "metadata")
 REQUIRED = ("prompt",)
@@ -33,9 +36,12 @@ Prompt = str | Messages
 
 def is_missing(value: object) -> bool:
     """None, NaN, pd.NA and NaT all mean "no value"."""
-    if value is None or value is pd.NA or value is pd.NaT:
+    if value is None:
         return True
-    return isinstance(value, float) and math.isnan(value)
+    if isinstance(value, float):
+        return math.isnan(value)
+    pd = sys.modules.get("pandas")  # pd.NA and NaT exist only once pandas is loaded
+    return pd is not None and (value is pd.NA or value is pd.NaT)
 
 
 def _text(value: object, what: str = "a string") -> str:
@@ -142,7 +148,7 @@ def check_tests(value: object) -> dict[str, Any] | None:
 
 
 def check_date(value: object) -> str:
-    if isinstance(value, pd.Timestamp | dt.datetime):
+    if isinstance(value, dt.datetime):  # pd.Timestamp too (a datetime subclass)
         return value.date().isoformat()
     if isinstance(value, dt.date):
         return value.isoformat()
@@ -162,7 +168,7 @@ def _json_default(value: object) -> object:
         return value.tolist()
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, dt.date | dt.datetime | pd.Timestamp):
+    if isinstance(value, dt.date):  # datetime and pd.Timestamp are subclasses
         return value.isoformat()
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
@@ -206,6 +212,8 @@ CHECKS: dict[str, Callable[[object], Any]] = {
 def validate(raw: RawTable) -> tuple[pd.DataFrame, list[Rejected]]:
     """Clean rows (schema fields + origin_file/origin_row) and one quarantine entry per
     invalid row naming each bad field and why."""
+    import pandas as pd
+
     frame = raw.frame
     n = len(frame)
     files = frame["_file"].tolist() if n else []
