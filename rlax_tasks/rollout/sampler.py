@@ -631,13 +631,16 @@ class Sampler:
     def _precompile_admissions(
         self, rows: int, bucket: int, filtering: bool, sampling: bool
     ) -> None:
-        """Once admissions at (bucket, filtering, sampling) came in two sizes (their size
+        """Once admissions at (bucket, filtering, sampling) came in three sizes (their size
         varies: continuous batching refilling slots as they free), the prefill of every other
-        admission size (``admission_sizes``) compiles in the background. A workload that always
-        admits the same size (a whole batch at a time) compiles nothing it would not use."""
+        admission size (``admission_sizes``) compiles in the background. A workload that admits
+        whole batches compiles nothing it would not use: its first batches often come in two
+        sizes (the first requests trickle in while the first admission runs), and compiling the
+        other sizes then cost the colocated tiny-arith run ~2 s of Python beside its first
+        training step (warm cache), or several needless XLA compiles (cold)."""
         seen = self._admissions_seen.setdefault((bucket, filtering, sampling), set())
         seen.add(rows)
-        if len(seen) < 2:
+        if len(seen) < 3:
             return
         sizes = self._not_precompiled(
             ("prefill", bucket, filtering, sampling),
