@@ -87,17 +87,31 @@ def test_light_modules_import_without_jax() -> None:
     )
 
 
-def test_the_command_line_loads_no_dataframe_library_until_a_dataset_file_is_read() -> None:
-    """Every ``rlax`` process (the colocated run, each worker) imports the CLI, which builds the
-    ``rlax data`` parser; pandas and pyarrow (~0.4 s on 2 cores) load when a file is read."""
-    code = _PROBE.format(heavy=("pandas", "pyarrow"), modules=("rlax_tasks.cli",))
+# what a colocated run imports before its first step: the CLI and the services it runs in-process
+COLOCATED_MODULES = (
+    "rlax_tasks.cli",
+    "rlax_tasks.run.colocated",
+    "rlax_tasks.trainer.service",
+    "rlax_tasks.rollout.service",
+    "rlax_tasks.rollout.worker",
+    "rlax_tasks.controller.service",
+    "rlax_tasks.paramserver.server",
+)
+
+
+def test_a_colocated_run_imports_no_web_framework_and_no_dataframe_library() -> None:
+    """Every ``rlax`` process imports the CLI, which builds the ``rlax data`` parser; pandas and
+    pyarrow (~0.4 s on 2 cores) load when a dataset file is read. A colocated run calls its
+    trainer and worker in-process: FastAPI (~0.25 s) loads only where they serve HTTP."""
+    heavy = ("pandas", "pyarrow", "fastapi", "starlette")
+    code = _PROBE.format(heavy=heavy, modules=COLOCATED_MODULES)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
-    assert report["loaded"] == [], f"the CLI loaded {report['loaded']}; first import of:\n{chains}"
+    assert report["loaded"] == [], f"they loaded {report['loaded']}; first import of:\n{chains}"
 
 
 # --------------------------------------------------------------------------- package graph

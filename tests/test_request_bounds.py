@@ -235,7 +235,8 @@ def test_a_worker_with_a_long_poll_open_stops_promptly_on_sigterm():
 # --------------------------------------------------------------------------- trainer
 @pytest.fixture
 def trainer_app():
-    from rlax_tasks.trainer.service import TrainerService, create_app
+    from rlax_tasks.trainer.http_app import create_app
+    from rlax_tasks.trainer.service import TrainerService
 
     service = TrainerService(CountingTrainer()).start()
     return service, create_app(service, TOKEN, max_body_bytes=64 * 1024)

@@ -44,7 +44,8 @@ def test_parameter_server_401_403_and_the_run_token():
 
 
 def test_trainer_refuses_a_strangers_step_and_takes_the_controllers():
-    from rlax_tasks.trainer.service import TrainerService, create_app
+    from rlax_tasks.trainer.http_app import create_app
+    from rlax_tasks.trainer.service import TrainerService
 
     trainer = CountingTrainer()
     service = TrainerService(trainer).start()

@@ -25,8 +25,6 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import HTTPException
-
 from rlax_tasks.endpoints import (
     Endpoint,
     add_address_args,
@@ -86,6 +84,8 @@ def check_groups(raw: Any) -> list[GroupRequest]:
 
 def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     """The FastAPI application around a started ``InferenceWorker``; every call needs ``token``."""
+    from fastapi import HTTPException  # here: a colocated run imports this module, serves nothing
+
     app = authorized_app("RLAX inference worker", token, max_body_bytes=max_body_bytes)
 
     @app.get("/healthz")

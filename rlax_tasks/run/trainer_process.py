@@ -18,7 +18,7 @@ import signal
 
 from rlax_tasks.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
 from rlax_tasks.service_http import serve_app, service_token
-from rlax_tasks.trainer.service import TrainerService, batch_body_limit, create_app
+from rlax_tasks.trainer.service import TrainerService, batch_body_limit
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
     from rlax_tasks.models import load_pretrained
+    from rlax_tasks.trainer.http_app import create_app  # FastAPI: not for every rlax command
     from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
     from rlax_tasks.trainer.trainer import Trainer
 

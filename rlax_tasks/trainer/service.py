@@ -28,7 +28,8 @@ controller to judge against its snapshot and lineage.
 With ``trainer.hosts`` > 1 the same command runs on every host of the trainer's slice, joined by
 ``jax.distributed`` (rlax_tasks.trainer.process_group): host 0 serves and sends the group's
 device work through a ``CommandChannel``; the other hosts follow it and serve nothing.
-The command that builds it from the run configuration: rlax_tasks/run/trainer_process.py.
+The command that builds it from the run configuration: rlax_tasks/run/trainer_process.py; its
+HTTP application: rlax_tasks/trainer/http_app.py (FastAPI loads only where the trainer serves).
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ import time
 from typing import Any
 
 import numpy as np
-from fastapi import HTTPException, Request
-from starlette.concurrency import run_in_threadpool
 
 from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.paramserver.client import VersionConflictError
@@ -54,7 +53,7 @@ from rlax_tasks.protocol import (
     TrainerBehindError,
 )
 from rlax_tasks.run_paths import run_paths
-from rlax_tasks.service_http import TOKEN_ENV, JsonClient, Reply, authorized_app
+from rlax_tasks.service_http import TOKEN_ENV, JsonClient, Reply
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class TrainerService:
         while True:
             seq, command, payload = self.channel.receive()
             op = command.pop("op")
-            batch = _decode_batch(payload) if payload else None
+            batch = decode_batch(payload) if payload else None
             try:
                 self._execute(op, command, batch)
             except ValueError as e:  # the same deterministic refusal as on host 0
@@ -251,7 +250,7 @@ class BatchTooLargeError(ValueError):
     """A batch whose arrays would unpack to more bytes than the service takes."""
 
 
-def _decode_batch(payload: bytes, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+def decode_batch(payload: bytes, max_bytes: int | None = None) -> dict[str, np.ndarray]:
     """The arrays of an .npz body; BatchTooLargeError, before unpacking any, when they would
     take more than ``max_bytes`` (a small compressed body can unpack to gigabytes)."""
     with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
@@ -268,39 +267,6 @@ def batch_body_limit(rows: int, max_len: int) -> int:
     tokens: room for 16 [rows, max_len] arrays of 4 bytes (a batch sends 4, plus ``stat_``
     scalars) and 1 MiB of framing."""
     return (1 << 20) + 16 * 4 * rows * max_len
-
-
-def create_app(
-    service: TrainerService, token: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-) -> Any:
-    """The FastAPI application of a started ``TrainerService``; every call needs ``token``."""
-    app = authorized_app("RLAX trainer", token, max_body_bytes=max_body_bytes)
-
-    @app.get("/v1/status")
-    def status() -> dict:
-        return {"step": service.step, "version": service.step}
-
-    @app.post("/v1/steps/{step}")
-    async def train(step: int, request: Request) -> dict:
-        if step < 1:
-            raise HTTPException(422, f"step must be an integer >= 1, got {step}")
-        body = await request.body()
-        try:
-            batch = _decode_batch(body, max_body_bytes)
-        except BatchTooLargeError as e:
-            raise HTTPException(413, str(e)) from e
-        except (ValueError, OSError, EOFError) as e:
-            raise HTTPException(400, f"the body is not an .npz batch: {e}") from e
-        try:
-            return await run_in_threadpool(service.train, step, batch)
-        except TrainerBehindError as e:
-            raise HTTPException(409, {"message": str(e), "trainer_step": e.trainer_step}) from e
-        except StepConflictError as e:
-            raise HTTPException(409, str(e)) from e
-        except ValueError as e:  # a malformed batch (BatchFormatError names the key)
-            raise HTTPException(400, str(e)) from e
-
-    return app
 
 
 class TrainerClient:

@@ -17,13 +17,13 @@ from rlax_tasks.controller import TrainerBehindError
 from rlax_tasks.paramserver import ParameterServerClient
 from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 from rlax_tasks.trainer.config import TrainerConfig
+from rlax_tasks.trainer.http_app import create_app
 from rlax_tasks.trainer.metrics import read_metrics
 from rlax_tasks.trainer.service import (
     StepConflictError,
     StepReplayedError,
     TrainerClient,
     TrainerService,
-    create_app,
 )
 from rlax_tasks.trainer.trainer import Trainer
 from tests.trainer.helpers import random_batch, tiny_policy
