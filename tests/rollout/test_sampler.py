@@ -363,6 +363,7 @@ policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), s
 sampler = Sampler(policy, max_slots=64, max_len=96)
 sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)
 sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)  # a second size
+sampler.generate([[5, 6, 7]] * 12, max_new_tokens=4, temperature=1.0)  # a third: 32, 64 follow
 print("alive:", any(t.is_alive() for t in sampler._precompiling))
 """
 
