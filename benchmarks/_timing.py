@@ -309,22 +309,22 @@ def run_in_fresh_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     proc.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     try:
-        try:
-            status, value = receive.recv()
-        except EOFError:
-            proc.join()
-            raise RuntimeError(
-                f"{getattr(fn, '__name__', fn)} in a fresh process died without a result "
-                f"(exit code {proc.exitcode})"
-            ) from None
+        status, value = receive.recv()
+    except EOFError:
+        status, value = "died", None
     finally:
         receive.close()
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
             proc.join()
+    name = getattr(fn, "__name__", fn)
+    if status == "died":
+        raise RuntimeError(
+            f"{name} in a fresh process died without a result (exit code {proc.exitcode})"
+        )
     if status == "error":
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its fresh process:\n{value}")
+        raise RuntimeError(f"{name} failed in its fresh process:\n{value}")
     return value
 
 

@@ -73,18 +73,23 @@ _PROBE = textwrap.dedent(
 )
 
 
-def test_light_modules_import_without_jax() -> None:
-    """The scheduler's and triggerer's imports load none of JAX, Flax, Optax, Orbax."""
-    code = _PROBE.format(heavy=HEAVY, modules=LIGHT_MODULES)
+def _heavy_imports(heavy: tuple[str, ...], modules: tuple[str, ...]) -> tuple[list[str], str]:
+    """(which of ``heavy`` a fresh interpreter loaded importing ``modules``, the rlax_tasks
+    frames that first imported each), by ``_PROBE``."""
+    code = _PROBE.format(heavy=heavy, modules=modules)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
-    assert report["loaded"] == [], (
-        f"light imports loaded {report['loaded']}; first import of:\n{chains}"
-    )
+    return report["loaded"], chains
+
+
+def test_light_modules_import_without_jax() -> None:
+    """The scheduler's and triggerer's imports load none of JAX, Flax, Optax, Orbax."""
+    loaded, chains = _heavy_imports(HEAVY, LIGHT_MODULES)
+    assert loaded == [], f"light imports loaded {loaded}; first import of:\n{chains}"
 
 
 # what a colocated run imports before its first step: the CLI and the services it runs in-process
@@ -104,14 +109,8 @@ def test_a_colocated_run_imports_no_web_framework_and_no_dataframe_library() -> 
     pyarrow (~0.4 s on 2 cores) load when a dataset file is read. A colocated run calls its
     trainer and worker in-process: FastAPI (~0.25 s) loads only where they serve HTTP."""
     heavy = ("pandas", "pyarrow", "fastapi", "starlette")
-    code = _PROBE.format(heavy=heavy, modules=COLOCATED_MODULES)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
-    assert report["loaded"] == [], f"they loaded {report['loaded']}; first import of:\n{chains}"
+    loaded, chains = _heavy_imports(heavy, COLOCATED_MODULES)
+    assert loaded == [], f"they loaded {loaded}; first import of:\n{chains}"
 
 
 # --------------------------------------------------------------------------- package graph
