@@ -143,8 +143,11 @@ def test_a_packed_train_step_makes_the_padded_update(algorithm, micro, width) ->
     n_micro = 16 // (micro or 16)
     padded = step(params, optimizer.init(params), batch)
     packed = step(params, optimizer.init(params), _packed(batch, width, n_micro))
+    # atol: 0.5% of one update of lr 1e-2. An element whose gradient is near eps gets an
+    # update of up to lr whose rounding differs with the summation order: on one AMD EPYC
+    # (XLA's CPU code for its instruction set) one element in 4096 differed by 2.25e-5 (ppo-8-16)
     for want, got in zip(jax.tree.leaves(padded[0]), jax.tree.leaves(packed[0]), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-5)
     for key in ("loss", "grad_norm", "entropy", "old_logprob_mean", "tokens"):
         np.testing.assert_allclose(float(packed[2][key]), float(padded[2][key]), rtol=1e-4)
 
