@@ -29,6 +29,11 @@ from rlax_tasks.controller.controller import (
 )
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
 from rlax_tasks.endpoints import Endpoint, add_url_arg
+from rlax_tasks.garbage_collection import (
+    collect_if_due,
+    defer_full_collections,
+    freeze_startup,
+)
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.rollout.service import WorkerClient
 from rlax_tasks.service_http import service_token
@@ -181,6 +186,7 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
 def _controller_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
 
+    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
     token = service_token()  # the trainer and the workers refuse calls without it
     cfg = load_config(args.config)
     controller = build_controller(cfg, args.trainer_url, args.workers_file, token)
@@ -188,10 +194,12 @@ def _controller_command(args: argparse.Namespace) -> int:
     if not steps:
         raise ValueError("give --steps (the run config has no trainer.total_steps)")
     controller.start()
+    freeze_startup()
     last = time.monotonic()
     while controller.step < steps:
         if not controller.iterate():
             time.sleep(0.02)
+        collect_if_due()
         if time.monotonic() - last > args.status_every_s:
             last = time.monotonic()
             log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))

@@ -33,6 +33,7 @@ from rlax_tasks.endpoints import (
     bind_host,
     listen,
 )
+from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.rollout.requests import GroupRequest
 from rlax_tasks.service_http import (
     MAX_WAIT_S,
@@ -236,6 +237,7 @@ def worker_mesh(mesh_shape: str) -> Any:
 
 
 def _worker_command(args: argparse.Namespace) -> int:
+    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
     token = service_token()  # before anything slow: no token, no worker (exit 2)
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
@@ -258,6 +260,7 @@ def _worker_command(args: argparse.Namespace) -> int:
         worker.start()
     except RuntimeError as e:  # e.g. the PS refused our token: a configuration mistake
         raise ValueError(f"cannot load weights: {e}") from e
+    freeze_startup()
     announce(url, args.publish)  # first-line contract: the controller reads the address
     log.info(
         "worker %s serving %s on %s (weights v%s)",

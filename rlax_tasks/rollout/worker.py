@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import jax
 from flax import nnx
 
+from rlax_tasks.garbage_collection import collect_if_due
 from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exported
     Completion,
     GroupRequest,
@@ -213,6 +214,7 @@ class InferenceWorker:
                 self._admit()
                 if self.sampler.has_unfinished:
                     self._collect(self.sampler.step())
+                    collect_if_due()  # between decode chunks (see rlax_tasks.garbage_collection)
                 else:
                     with self._lock:
                         if not self._queue and not self._stop.is_set():

@@ -302,8 +302,10 @@ class ColocatedRun:
 def _colocated_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
     from rlax_tasks.endpoints import publish
+    from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
     from rlax_tasks.run.compilation_cache import enable_in_process
 
+    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
     cfg = load_config(args.config)
     if cfg.placement.mode != "colocated":
         raise ValueError(
@@ -323,6 +325,7 @@ def _colocated_command(args: argparse.Namespace) -> int:
     run = ColocatedRun(cfg, args.host, args.port, ps_args)
     try:
         run.start()
+        freeze_startup()
         sys.stdout.write(run.server.address + "\n")  # first line: the parameter server's URL
         sys.stdout.flush()
         if args.publish:

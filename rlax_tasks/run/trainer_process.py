@@ -17,6 +17,7 @@ import logging
 import signal
 
 from rlax_tasks.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
+from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.service_http import serve_app, service_token
 from rlax_tasks.trainer.service import TrainerService, batch_body_limit
 
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def _trainer_command(args: argparse.Namespace) -> int:
+    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
     # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
     token = service_token()
     from rlax_tasks.algorithms import make_objective
@@ -54,6 +56,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
         ps = ParameterServerClient(args.ps_url, token)
     channel = CommandChannel() if group is not None else None
     service = TrainerService(trainer, ps, channel=channel).start()
+    freeze_startup()
     if not service.is_leader:  # host 0 serves the controller; this host does what it sends
         # a stop reaches every host from host 0 (with the group's final checkpoint); a SIGTERM
         # here would leave host 0 waiting in a collective

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks.endpoints import Endpoint
+from rlax_tasks.garbage_collection import collect_if_due
 from rlax_tasks.paramserver.client import VersionConflictError
 from rlax_tasks.protocol import (
     StepAheadError,
@@ -214,7 +215,8 @@ class TrainerService:
                 )
             metrics = self._group_work("step", {"step": step}, batch)
             self.last_metrics = metrics
-            return {"version": step, "replayed": False, "metrics": metrics}
+        collect_if_due()  # between steps, not in one (see rlax_tasks.garbage_collection)
+        return {"version": step, "replayed": False, "metrics": metrics}
 
     def _apply(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         """One training step and its push (on every host of the group)."""
