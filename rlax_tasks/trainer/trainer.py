@@ -162,7 +162,10 @@ class Trainer:
         self.mesh = build_mesh(config.mesh_shape)
         self._graphdef = policy.graphdef
         self._template = dataclasses.replace(policy, params=None, mesh=self.mesh)
-        self._schedule = learning_rate_schedule(config)
+        # the lr metric of each step, as one compiled call: the schedule's eager jnp ops
+        # compiled op by op at the first step (0.25 s against 0.035 s on 2 CPU cores), then
+        # cost 0.4 ms a step against 0.01 ms
+        self._schedule = jax.jit(learning_rate_schedule(config))
         self._optimizer = make_optimizer(config)
         self._rng = jax.random.key(config.seed)
         self.step_count = 0
