@@ -368,6 +368,8 @@ class Sampler:
         # that they may be the caller's, which an in-place reload must not free
         self._owns_params = False
         self._unembedding = held_unembedding(self.policy)
+        # read from the model's configs once: every request looks them up (512 a tiny step)
+        self._eos_ids = frozenset(self.policy.eos_token_ids)
         self.max_slots, self.max_len = max_slots, max_len
         self.decode_chunk, self.batching = decode_chunk, batching
         self.max_stop_ids = max_stop_ids
@@ -564,8 +566,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ internals
     def _stop_set(self, p: SamplingParams) -> frozenset[int]:
-        eos = () if p.ignore_eos else self.policy.eos_token_ids
-        return frozenset(eos) | frozenset(p.stop_token_ids)
+        eos = frozenset() if p.ignore_eos else self._eos_ids
+        return eos | frozenset(p.stop_token_ids)
 
     def _admission_arrays(self, rows: int, bucket: int) -> tuple[np.ndarray, ...]:
         """An admission's host arrays, every row padding until filled: prompt ids [rows,
@@ -622,7 +624,7 @@ class Sampler:
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
         for row, (request, slot) in enumerate(zip(take, free, strict=False)):
-            eos = frozenset(() if request.params.ignore_eos else self.policy.eos_token_ids)
+            eos = frozenset() if request.params.ignore_eos else self._eos_ids
             state = _Slot(request, [], [], self._stop_set(request.params), eos)
             self._slots[slot] = state
             self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
