@@ -35,6 +35,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Protocol
 
 import numpy as np
@@ -459,6 +460,15 @@ class Controller:
             return True
         finally:
             self._idle_since = self.clock()
+
+    def wait_for_scoring(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the oldest scoring job on the scorer's threads to end;
+        returns False at once when none runs. A driver idling between ``iterate`` calls waits
+        here rather than sleeping a fixed interval: the batch forms as soon as it is scored."""
+        if not self._scoring:
+            return False
+        futures_wait([self._scoring[0][1]], timeout=timeout_s)
+        return True
 
     # ------------------------------------------------------------------ phase timing
     @contextlib.contextmanager

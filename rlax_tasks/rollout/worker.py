@@ -145,6 +145,15 @@ class InferenceWorker:
             n = len(self._results) if max_groups is None else min(max_groups, len(self._results))
             return [self._results.popleft() for _ in range(n)]
 
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until a finished group is ready to collect (or the
+        generation thread failed); returns whether one is. Nothing is removed: an in-process
+        driver sleeps here instead of polling ``results``."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: bool(self._results) or self._error is not None, timeout_s
+            )
+
     def reset(self) -> int:
         """Drops queued, in-flight and uncollected work; returns the number of groups dropped."""
         with self._lock:

@@ -155,3 +155,25 @@ def test_a_scorer_failure_on_the_scoring_thread_is_retried_and_counted(tmp_path)
     assert world.scorer.scored[2][: len(first)] == first
     assert [r["step"] for r in read_lineage(run_dir)] == [1, 2, 3]
     assert set(first) <= trained_or_dropped(run_dir)
+
+
+def test_a_driver_waits_for_the_scoring_job_and_is_woken_when_it_ends(tmp_path):
+    c = controller(str(tmp_path / "none"), World(), scoring_threads=1)
+    c.start()
+    t0 = time.monotonic()
+    assert c.wait_for_scoring(5.0) is False  # no job: returns at once, no sleep
+    assert time.monotonic() - t0 < 1.0
+    c.close()
+
+    c, world, gate = blocked(str(tmp_path / "run"))
+    try:
+        t0 = time.monotonic()
+        assert c.wait_for_scoring(0.2) is True  # a job runs: waited, up to the timeout
+        assert 0.19 <= time.monotonic() - t0 < 5.0
+        threading.Timer(0.1, gate.set).start()
+        t0 = time.monotonic()
+        assert c.wait_for_scoring(30.0) is True
+        assert time.monotonic() - t0 < 5.0  # woken when the job ended, not at the timeout
+    finally:
+        gate.set()
+        c.close()

@@ -329,3 +329,17 @@ def test_a_worker_whose_generation_fails_exits_1_instead_of_serving_the_error(tm
                 proc.kill()
             trainer.close()
     assert "its generation failed" in proc.stderr.read()
+
+
+def test_waiting_for_results_wakes_when_a_group_finishes_and_removes_nothing(policies):
+    policy = policies[0]
+    sampler = Sampler(policy, max_slots=4, max_len=64)
+    with InferenceWorker(sampler, FixedWeights(policy.params, version=0)) as worker:
+        t0 = time.monotonic()
+        assert worker.wait_for_results(0.2) is False  # nothing submitted: the timeout
+        assert time.monotonic() - t0 >= 0.19
+        worker.submit([group("a", "1+2=")])
+        assert worker.wait_for_results(60.0) is True  # woken by the finished group
+        assert worker.wait_for_results(0.0) is True  # still there: waiting takes nothing
+        assert [r.prompt_id for r in worker.results()] == ["a"]
+        assert worker.wait_for_results(0.05) is False
