@@ -14,7 +14,7 @@ temperature 1.0, at most 8 new tokens.
 - Ours, once per ``--layouts`` entry (default both, side by side): ``run_local`` of the preset
   colocated (its default: trainer, sampler, parameter server and controller in one process, one
   sampler of 256 slots) and disaggregated (parameter server, trainer, 2 inference workers of 128
-  slots and controller as separate processes), JAX CPU, with the preset's staleness (j=1, k=2;
+  slots and controller as separate processes), JAX CPU, with the preset's staleness (j=k=1;
   ``--reload-every/--max-staleness``).
 - TRL: ``GRPOTrainer`` in a fresh Python process (``transformers.generate`` for the rollouts).
 

@@ -36,7 +36,7 @@ from tests.dags.conftest import REPO
 from tests.dags.standalone import DAG_ID, TAG_ENV, Standalone, tail, wait_for
 
 RUN_ID = "browser-e2e"
-OTHER_RUN_ID = "browser-compare"  # written from files: j=2, k=4 against the DAG run's j=1, k=2
+OTHER_RUN_ID = "browser-compare"  # written from files: j=2, k=4 against the DAG run's j=k=1
 STEPS = 2
 PRESET = "tiny-arith"
 PLOTS = ("reward", "pass_at_k", "staleness", "weight_sync")
@@ -505,7 +505,7 @@ def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, bro
         compared = open_compare_view(browser, airflow, artifacts, dag_run_id)
         print(f"compare view: {json.dumps(compared)}")
         assert compared["differences"] == {
-            "staleness.max_staleness": {RUN_ID: "2", OTHER_RUN_ID: "4"},
+            "staleness.max_staleness": {RUN_ID: "1", OTHER_RUN_ID: "4"},
             "staleness.reload_every": {RUN_ID: "1", OTHER_RUN_ID: "2"},
         }, compared
     except Exception as e:
