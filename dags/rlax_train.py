@@ -76,7 +76,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="workers reload when the PS is >= j versions ahead",
         ),
         "max_staleness": Param(
-            2, type=["null", "integer"], minimum=1, title="staleness k",
+            1, type=["null", "integer"], minimum=1, title="staleness k",
             description="a rollout of version u trains version v only if v - u <= k (null: any)",
         ),
         "accelerator_type": Param(

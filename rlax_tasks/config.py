@@ -1,6 +1,6 @@
 """The run configuration as validated data: one frozen dataclass per section, loaded from YAML.
 
-``load_config("tiny-arith", {"staleness.reload_every": 2})`` loads a preset shipped in
+``load_config("tiny-arith", {"staleness.max_staleness": 2})`` loads a preset shipped in
 ``rlax_tasks/presets/`` (or a YAML file path) and applies overrides (dotted keys or nested dicts).
 Every error is a ``ConfigError`` (a ValueError) whose message starts with the dotted field, e.g.
 ``staleness.max_staleness: must be >= reload_every (1), got 0``; unknown keys are errors with a

@@ -95,7 +95,9 @@ def test_a_second_run_with_the_same_model_data_and_settings_is_not_evaluated_aga
     assert os.path.exists(os.path.join(run_paths(second.run_dir).eval_dir(0), "summary.md"))
     assert base_eval(first, fake) is False and len(fake.calls) == 1
     # what else a run changes (its steps, its staleness) is not the evaluation's business
-    other = config(tmp_path, model_dir, "third", **{"staleness.reload_every": 2})
+    other = config(
+        tmp_path, model_dir, "third", **{"staleness.reload_every": 2, "staleness.max_staleness": 4}
+    )
     assert base_eval(other, fake) is False and len(fake.calls) == 1
 
 

@@ -251,7 +251,8 @@ def test_rlax_run_starts_each_job_with_its_own_devices(tmp_path, monkeypatch):
         assert "--mesh-shape=-1,1,1" in argv  # one token: argparse would take -1 for an option
         assert argv[argv.index("--dtype") + 1] == cfg.model.dtype
     ps = comps["ps"].argv
-    assert ps[ps.index("--keep-versions") + 1] == "4"  # k + 2: a tiny model fits many
+    k = cfg.staleness.max_staleness
+    assert ps[ps.index("--keep-versions") + 1] == str(k + 2)  # k + 2: a tiny model fits many
     assert int(ps[ps.index("--keep-bytes") + 1]) > 0
 
 

@@ -42,6 +42,7 @@ def small_config(model_path: str, **extra):
                       "warmup_if_missing": False},
             "algorithm.overrides": {"kl_beta": 0.04},  # a KL term: the trainer holds a reference
             "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 16},
+            "staleness": {"reload_every": 1, "max_staleness": 2},  # k + 2 = 4 versions wanted
             "trainer": {"micro_batch_size": 4, "remat": "none", "mesh_shape": [1, -1, 1]},
             "workers": {"count": 1, "slots": 8, "max_len": 64, "mesh_shape": [1, 1, -1]},
             "placement": {"mode": "disaggregated", "platform": "gpu",
