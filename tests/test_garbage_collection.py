@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -95,6 +96,4 @@ def test_a_bad_interval_is_refused() -> None:
 
 
 def _later(seconds: float) -> float:
-    import time
-
     return time.monotonic() + seconds

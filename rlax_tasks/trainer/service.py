@@ -215,8 +215,7 @@ class TrainerService:
                 )
             metrics = self._group_work("step", {"step": step}, batch)
             self.last_metrics = metrics
-        collect_if_due()  # between steps, not in one (see rlax_tasks.garbage_collection)
-        return {"version": step, "replayed": False, "metrics": metrics}
+            return {"version": step, "replayed": False, "metrics": metrics}
 
     def _apply(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         """One training step and its push (on every host of the group)."""
@@ -239,6 +238,9 @@ class TrainerService:
             else:
                 metrics["push_s"] = time.perf_counter() - t0
                 self._record_sync(step, metrics["push_s"])
+        # after the step, on every host of the group (the followers never pass through
+        # train()): see rlax_tasks.garbage_collection
+        collect_if_due()
         return metrics
 
 
