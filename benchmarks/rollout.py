@@ -4,7 +4,8 @@ batching, in one run on the same ~30M-parameter Qwen2-shaped model (same weights
 1. Ours vs transformers: B prompts of P tokens, N new tokens each, greedy, EOS ignored so every
    row generates exactly N tokens. Ours: ``Sampler(policy, max_slots=B).generate``; theirs:
    ``model.generate(use_cache=True, do_sample=False)`` (PyTorch CPU, default threads). Both warmed
-   up once (JAX compiles there), then the median of ``--repeats`` runs; tokens/s = B*N / seconds.
+   up once (JAX compiles there), then ``--repeats`` rounds of one run each, in turn (a VM's speed
+   drifts: both sides see the same drift); the median of each side's runs; tokens/s = B*N / s.
    The fraction of rows whose greedy tokens agree is printed as a sanity check.
    Then the same with nucleus sampling (``--sample-temperature`` 0.6, ``--sample-top-p`` 0.95,
    half as many new tokens; transformers ``do_sample=True``): the throughput ratio only.
@@ -60,15 +61,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed(fn: Any, repeats: int) -> tuple[float, Any]:
-    """(median seconds, last result) of ``repeats`` calls after one warm-up call."""
-    result = fn()
-    times = []
+def timed_side_by_side(fns: list[Any], repeats: int) -> list[tuple[float, Any]]:
+    """(median seconds, last result) of each of ``fns``: one warm-up call each, then ``repeats``
+    rounds calling each once in turn, so every side sees the same machine (a cloud VM's speed
+    drifts by a third over minutes: timed one side after the other, a drift lands on one side).
+    """
+    results = [fn() for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), result
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            results[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+    return [(float(np.median(t)), r) for t, r in zip(times, results, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -127,10 +132,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 pad_token_id=0,
             )
 
-    log.info("ours: %d prompts x %d new tokens (warm-up compiles)", args.batch, args.new_tokens)
-    ours_s, ours_out = timed(lambda: ours(args.new_tokens), args.repeats)
-    log.info("transformers generate, same prompts")
-    theirs_s, theirs_out = timed(lambda: theirs(args.new_tokens), args.repeats)
+    log.info(
+        "ours and transformers generate, in turn: %d prompts x %d new tokens (warm-up compiles)",
+        args.batch,
+        args.new_tokens,
+    )
+    (ours_s, ours_out), (theirs_s, theirs_out) = timed_side_by_side(
+        [lambda: ours(args.new_tokens), lambda: theirs(args.new_tokens)], args.repeats
+    )
     tokens = args.batch * args.new_tokens
     agree = np.mean(
         [o.tokens == theirs_out[i, args.prompt_len :].tolist() for i, o in enumerate(ours_out)]
@@ -154,11 +163,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sample_tokens_n = args.new_tokens // 2
     nucleus = {"temperature": temperature, "top_p": top_p}
 
-    log.info("nucleus sampling: T=%s top_p=%s, ours then transformers", temperature, top_p)
-    ours_sampled_s, _ = timed(
-        lambda: ours(sample_tokens_n, **nucleus, seed=args.seed), args.repeats
+    log.info("nucleus sampling: T=%s top_p=%s, ours and transformers in turn", temperature, top_p)
+    (ours_sampled_s, _), (theirs_sampled_s, _) = timed_side_by_side(
+        [
+            lambda: ours(sample_tokens_n, **nucleus, seed=args.seed),
+            lambda: theirs(sample_tokens_n, **nucleus),
+        ],
+        args.repeats,
     )
-    theirs_sampled_s, _ = timed(lambda: theirs(sample_tokens_n, **nucleus), args.repeats)
     sampled = args.batch * sample_tokens_n
     out["nucleus_sampling"] = {
         "temperature": temperature,
@@ -182,16 +194,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in lengths
     ]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
-    results = {}
-    for mode in ("static", "continuous"):
-        s = Sampler(
+    modes = ("static", "continuous")
+    samplers = [
+        Sampler(
             policy,
             max_slots=args.slots,
             max_len=max_len,
             decode_chunk=args.decode_chunk,
             batching=mode,
         )
-        seconds, outs = timed(lambda s=s: s.generate(mix, params=params), args.repeats)
+        for mode in modes
+    ]
+    timings = timed_side_by_side(
+        [lambda s=s: s.generate(mix, params=params) for s in samplers], args.repeats
+    )
+    results = {}
+    for mode, s, (seconds, outs) in zip(modes, samplers, timings, strict=True):
         assert [len(o.tokens) for o in outs] == lengths
         results[mode] = {
             "seconds": seconds,

@@ -65,6 +65,18 @@ def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys)
     assert all(line.endswith("[CONTENDED: load 0.1, busy 1.2 cores]") for line in out[1:])
 
 
+def test_rollout_times_the_sides_in_turn():
+    """Each round runs every side once: a drift of the machine's speed reaches both sides."""
+    from benchmarks import rollout
+
+    calls = []
+    sides = [lambda: calls.append("ours") or 1, lambda: calls.append("theirs") or 2]
+    timings = rollout.timed_side_by_side(sides, repeats=3)
+    assert calls == ["ours", "theirs"] * 4  # a warm-up round, then three timed ones
+    assert [result for _, result in timings] == [1, 2]
+    assert all(seconds >= 0 for seconds, _ in timings)
+
+
 def _stopped(pid: int, want: bool) -> bool:
     """Whether process ``pid`` is stopped ('T' in /proc/<pid>/stat) as ``want``, within 2 s."""
     deadline = time.monotonic() + 2.0
