@@ -18,6 +18,9 @@ temperature 1.0, at most 8 new tokens.
   ``--reload-every/--max-staleness``).
 - TRL: ``GRPOTrainer`` in a fresh Python process (``transformers.generate`` for the rollouts).
 
+Ours checkpoints as the preset says (every 25 steps, Orbax, on the clock); TRL saves nothing
+(``save_strategy="no"``), as a user's quick TRL run would not.
+
 Held-out pass@1 (200 problems never trained on, 8 samples each at temperature 1) is measured
 every ``--eval-every`` steps, by default with the same evaluator on both sides: the run report's
 ``HeldOutEvaluator`` (JAX Sampler, same seeds), for TRL on its weights read back from a
