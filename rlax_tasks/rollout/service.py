@@ -34,6 +34,7 @@ from rlax_tasks.endpoints import (
     listen,
 )
 from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
+from rlax_tasks.host_malloc import tune_if_host_compute
 from rlax_tasks.rollout.requests import GroupRequest
 from rlax_tasks.service_http import (
     MAX_WAIT_S,
@@ -238,6 +239,7 @@ def worker_mesh(mesh_shape: str) -> Any:
 
 def _worker_command(args: argparse.Namespace) -> int:
     defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
+    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.host_malloc
     token = service_token()  # before anything slow: no token, no worker (exit 2)
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler

@@ -306,9 +306,11 @@ def _colocated_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
     from rlax_tasks.endpoints import publish
     from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
+    from rlax_tasks.host_malloc import tune_if_host_compute
     from rlax_tasks.run.compilation_cache import enable_in_process
 
     defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
+    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.host_malloc
     cfg = load_config(args.config)
     if cfg.placement.mode != "colocated":
         raise ValueError(

@@ -1,0 +1,84 @@
+"""glibc malloc settings for XLA:CPU processes (rlax_tasks.host_malloc)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from rlax_tasks import host_malloc
+
+# a jitted program whose ~96 MB temporary (the [4096, 6144] product) XLA:CPU allocates per call
+PROBE = """
+import json, resource, sys
+if sys.argv[1] == "tuned":
+    from rlax_tasks.host_malloc import keep_freed_memory
+    assert keep_freed_memory()
+import jax, jax.numpy as jnp
+x, w, w2 = jnp.ones((4096, 64)), jnp.ones((64, 6144)), jnp.ones((6144, 8))
+f = jax.jit(lambda x, w, w2: jnp.sin(x @ w) @ w2)
+f(x, w, w2).block_until_ready()
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x, w, w2).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"fewest_faults": min(faults)}))
+"""
+
+
+def _fewest_faults_of_a_call(mode: str) -> int:
+    """The fewest page faults of 8 calls: a VM's memory reclaim may take idle pages back
+    between calls (then faulted in again), but it cannot make a fresh mapping fault less."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["fewest_faults"]
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_an_xla_cpu_temporary_is_reused_not_faulted_in_at_every_call():
+    pages = 4096 * 6144 * 4 / 4096  # the temporary's 4 KiB pages
+    default = _fewest_faults_of_a_call("default")
+    tuned = _fewest_faults_of_a_call("tuned")
+    assert default > 0.5 * pages  # glibc maps it afresh at every call
+    assert tuned < 0.05 * pages  # the same pages again
+
+
+@pytest.mark.parametrize(
+    ("platforms", "expected"),
+    [("cpu", True), (" cpu ", True), ("cuda", False), ("cpu,cuda", False), ("tpu", False)],
+)
+def test_jax_platforms_decides_where_the_process_computes(monkeypatch, platforms, expected):
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert host_malloc.computes_on_host() is expected
+
+
+def test_without_jax_platforms_an_installed_accelerator_runtime_decides(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    installed: set[str] = set()
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name in installed else None
+    )
+    assert host_malloc.computes_on_host()
+    installed.add("libtpu")
+    assert not host_malloc.computes_on_host()
+
+
+def test_an_accelerator_process_keeps_glibc_defaults(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    calls = []
+    monkeypatch.setattr(host_malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert host_malloc.tune_if_host_compute() is False
+    assert calls == []
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert host_malloc.tune_if_host_compute() is True
+    assert calls == [1]
