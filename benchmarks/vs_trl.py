@@ -25,18 +25,20 @@ Held-out pass@1 (200 problems never trained on, 8 samples each at temperature 1)
 every ``--eval-every`` steps, by default with the same evaluator on both sides: the run report's
 ``HeldOutEvaluator`` (JAX Sampler, same seeds), for TRL on its weights read back from a
 ``save_pretrained`` copy (``--trl-eval torch``: ``transformers.generate`` on the torch model
-instead). The clock excludes evaluation on both sides: ours reports when the trainer produced
-each evaluated version, and its processes are held still (SIGSTOP) from the moment the
-evaluation, in the supervisor process, has pulled the weights until it has sampled, scored and
-recorded them, those pauses taken off its clock (``--eval-beside-training``: they
-run on and compete with it for the CPU, as in a real run); for TRL a ``TrainerCallback``
-evaluates after the optimizer step with the clock paused. Both clocks start before the
-processes that train are launched, so each side's interpreter start and imports count, as a
-user's command pays them: ours before ``run_local`` starts its processes, TRL's before a fresh
-Python process (``run_trl_fresh``) imports torch, transformers and TRL; the benchmark's own set-up
-there (the preset's config, the prompt list, the evaluator) is off TRL's clock. The target
-(default: base pass@1 + 0.15) is one number for both, from the base model's evaluation; two
-checks of that estimate are printed (torch sampling, and the exact expectation
+instead). The clock excludes evaluation on both sides, but not the hand-over of the weights to
+it: ours pushes every ``--eval-every``-th version to its parameter server, TRL's
+``save_pretrained`` writes the copy (none with ``--trl-eval torch``), each on its side's clock.
+Ours reports when the trainer produced each evaluated version, and its processes are held still
+(SIGSTOP) from the moment the evaluation, in the supervisor process, has pulled the weights
+until it has sampled, scored and recorded them, those pauses taken off its clock
+(``--eval-beside-training``: they run on and compete with it for the CPU, as in a real run); for
+TRL a ``TrainerCallback`` evaluates after the optimizer step with the clock paused. Both clocks
+start before the processes that train are launched, so each side's interpreter start and imports
+count, as a user's command pays them: ours before ``run_local`` starts its processes, TRL's
+before a fresh Python process (``run_trl_fresh``) imports torch, transformers and TRL; the
+benchmark's own set-up there (the preset's config, the prompt list, the evaluator) is off TRL's
+clock. The target (default: base pass@1 + 0.15) is one number for both, from the base model's
+evaluation; two checks of that estimate are printed (torch sampling, and the exact expectation
 P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the target
 (``--no-early-stop``: run on to the caps), at ``--max-steps`` or after ``--max-seconds``.
 
@@ -194,6 +196,9 @@ class RlaxHeldOut:
 
         t0 = time.perf_counter()
         model.save_pretrained(self.tmp)  # HF safetensors, read back like any HF checkpoint
+        # the hand-over of the weights to the evaluator: on TRL's clock, as ours (its push to
+        # the parameter server every eval.every_steps) is on ours
+        handover = time.perf_counter() - t0
         params = hf_io.read_params(self.tmp, self.evaluator.base_params, self.dtype)
 
         class Weights:  # what HeldOutEvaluator.evaluate pulls from (a parameter server)
@@ -203,6 +208,7 @@ class RlaxHeldOut:
         res = self.evaluator.evaluate(Weights())
         out = {k: v for k, v in res.items() if k.startswith("pass@")}
         out["eval_seconds"] = time.perf_counter() - t0
+        out["handover_seconds"] = handover
         return out
 
 
@@ -342,7 +348,7 @@ def run_trl(
             res = self.evaluator.evaluate(model, step)
             row = {"version": step, "seconds": round(produced, 3), **res}
             state["rows"].append(row)
-            state["paused"] += time.monotonic() - t0
+            state["paused"] += time.monotonic() - t0 - res.get("handover_seconds", 0.0)
             log.info(
                 "[trl] held-out at step %d (%.1fs of training): pass@1 %.3f, pass@8 %.3f "
                 "(eval %.1fs)",
