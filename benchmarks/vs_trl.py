@@ -432,6 +432,8 @@ def run_trl(
             for row in state["rows"]
         ],
         "eval_seconds_total": state["paused"],
+        # save_pretrained for the evaluator: on the clock (see the module docstring)
+        "handover_seconds_total": sum(row.get("handover_seconds", 0.0) for row in state["rows"]),
         # log_history has one row per 10 steps (logging_steps), each the mean over its steps
         "reward_last10": rewards[-1] if rewards else None,
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
@@ -638,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
             lambda r: fmt_value(
                 r.get("eval_pause_seconds") or r.get("eval_seconds_total"), "{:.1f}"
             ),
+        ),
+        (
+            "save_pretrained for eval s, on the clock",
+            lambda r: fmt_value(r.get("handover_seconds_total"), "{:.2f}"),
         ),
         ("s/step (median interval)", lambda r: fmt_value(r["step_interval_median"])),
         ("s/step (mean interval)", lambda r: fmt_value(r["step_interval_mean"])),
