@@ -351,6 +351,10 @@ class Sampler:
     incrementally (the inference worker does, to drop partial rollouts on a weight reload).
     ``precompile``: compile the other admission sizes and decode windows in the background
     (only when JAX's persistent compilation cache is on; see the module docstring).
+    ``decode_chunk``: decode steps per device call (a slot that ends returns earlier when
+    requests wait). 8 rather than 4: the tiny preset's 8-token completions in one call (256 of
+    them 15.8 -> 14.7 ms, same process, alternating); 64 slots of the 30M benchmark model
+    decoded as fast with 4, 8 or 16.
     """
 
     def __init__(
@@ -359,7 +363,7 @@ class Sampler:
         max_slots: int = 32,
         max_len: int = 2048,
         *,
-        decode_chunk: int = 4,
+        decode_chunk: int = 8,
         batching: Literal["continuous", "static"] = "continuous",
         max_stop_ids: int = 8,
         precompile: bool = True,

@@ -307,7 +307,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     add_address_args(p)
     p.add_argument("--max-slots", type=int, default=32)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--decode-chunk", type=int, default=4)
+    p.add_argument("--decode-chunk", type=int, default=8)
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
