@@ -5,6 +5,7 @@ These are what the trainer, the sampler and the tests jit; ``Policy`` is a thin 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -193,6 +194,7 @@ def extend_cache(
     window: int | None = None,
     logits_at: jax.Array | None = None,
     unembedding: jax.Array | None = None,
+    layers: Sequence[nnx.State] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
 
@@ -204,6 +206,8 @@ def extend_cache(
     cost as much as the rest of the model at a 32k vocabulary, and T·V floats of memory).
     ``unembedding`` [D, V]: the output projection to use instead of the model's (the same
     values in a layout the caller keeps, e.g. a tied embedding held transposed).
+    ``layers``: each decoder layer's weights held unstacked (``Transformer.unstack_layers``),
+    used instead of the stacked ones in ``params``.
     """
     model = nnx.merge(graphdef, params)
     hidden, cache = model.hidden_states_cached(
@@ -214,6 +218,7 @@ def extend_cache(
         start,
         fresh,
         window,
+        layers,
     )
     if logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)

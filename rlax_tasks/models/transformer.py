@@ -299,6 +299,7 @@ class Transformer(nnx.Module):
         start: jax.Array,
         fresh: bool = False,
         window: int | None = None,
+        layers: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Hidden states [B, T, D] of new tokens attending to the cache, and the updated cache.
 
@@ -308,6 +309,8 @@ class Transformer(nnx.Module):
         entries long and start is 0 (the sampler's prefill), so attention is self-attention.
         ``window`` (static): attention reads only the first ``window`` cache entries, which must
         hold every valid one, this call's included (a decode reads what its slots have written).
+        ``layers``: each layer's weights as arrays of their own (``unstack_layers``), run one after
+        the other instead of scanned over the stacked ones (see ``unstack_layers``).
         """
         if fresh and cache.max_len != input_ids.shape[1]:
             raise ValueError(
@@ -328,10 +331,28 @@ class Transformer(nnx.Module):
 
         # the cache rides in the carry (not as scanned slices): XLA updates it in place, so a
         # decode step costs the new tokens' writes, not a copy of the whole cache
-        (x, k, v, _), _ = jax.lax.scan(
-            body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), layer_state
-        )
+        if layers is None:
+            (x, k, v, _), _ = jax.lax.scan(
+                body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), layer_state
+            )
+        else:
+            k, v = cache.k, cache.v
+            for i, state in enumerate(layers):
+                (x, k, v, _), _ = body((x, k, v, jnp.int32(i)), state)
         return self.norm(x), KVCache(k, v, kv_positions, kv_valid)
+
+    def unstack_layers(self) -> tuple[nnx.State, ...]:
+        """Each decoder layer's weights as arrays of their own (copies of the stacked ones).
+
+        A scan over the stacked layers slices each layer's weights out of the stack at every
+        step: XLA:CPU copies them (a dynamic slice feeds no matmul directly), so a one-token
+        decode step moved every weight twice. A sampler holding these runs its decode without.
+        """
+        _, layer_state = nnx.split(self.layers)
+        return tuple(
+            jax.tree.map(lambda a, i=i: a[i], layer_state)
+            for i in range(self.config.num_hidden_layers)
+        )
 
     def unembedding(self) -> jax.Array:
         """The [D, V] output projection (the transposed embedding table when tied)."""

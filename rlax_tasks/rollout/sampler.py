@@ -128,7 +128,7 @@ def _prefill(
     config: Any,
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    unembedding: jax.Array | None,
+    held: HeldWeights,
     cache: KVCache,
     state: SlotState,
     ids: jax.Array,
@@ -141,8 +141,9 @@ def _prefill(
     """Prefills prompts ids [n, P] into cache rows ``slots`` [n] and draws each first token.
 
     Rows whose slot index is out of range (padding of the admission bucket) are computed and
-    dropped. ``new`` holds the admitted requests' settings ([n] leading dims); ``unembedding``:
-    the sampler's own [D, V] output projection or None (``held_unembedding``). Returns the cache,
+    dropped. ``new`` holds the admitted requests' settings ([n] leading dims); ``held``: the
+    sampler's own copies of weights (``held_weights``; a prefill reads only the output
+    projection: its many tokens share each layer's weights). Returns the cache,
     the slot state, first tokens [n], their log-probs [n] and whether each row is still active.
     """
     n, bucket = ids.shape
@@ -159,7 +160,7 @@ def _prefill(
         jnp.zeros(n, jnp.int32),
         fresh=True,
         logits_at=lengths - 1,
-        unembedding=unembedding,
+        unembedding=held.unembedding,
     )
     last = logits[:, 0]
     keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
@@ -184,7 +185,7 @@ def _prefill(
 def _decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    unembedding: jax.Array | None,
+    held: HeldWeights,
     cache: KVCache,
     state: SlotState,
     steps: int,
@@ -215,7 +216,8 @@ def _decode(
             cache,
             st.position,
             window=window,
-            unembedding=unembedding,
+            unembedding=held.unembedding,
+            layers=held.layers,
         )
         keys = jax.vmap(token_key)(st.key, st.generated)
         tokens, logprobs = sample_tokens(
@@ -253,11 +255,54 @@ _DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(3, 4)
 _UNEMBEDDING = jax.jit(
     lambda graphdef, params: nnx.merge(graphdef, params).unembedding(), static_argnums=0
 )
+_UNSTACK_LAYERS = jax.jit(
+    lambda graphdef, params: nnx.merge(graphdef, params).unstack_layers(), static_argnums=0
+)
 
 
 def _weights_device(policy: Policy) -> jax.Device:
     """The device a policy's weights are on (one of them when sharded)."""
     return next(iter(jax.tree.leaves(policy.params)[0].devices()))
+
+
+class HeldWeights(NamedTuple):
+    """Copies of weights a sampler keeps beside its policy's, in the layouts its decode reads
+    fastest (``held_weights``); None where it uses the policy's own."""
+
+    unembedding: jax.Array | None  # [D, V] (``held_unembedding``)
+    layers: tuple[nnx.State, ...] | None  # each decoder layer's own arrays (``held_layers``)
+
+    def delete(self) -> None:
+        """Frees the copies' device buffers (before new weights are placed)."""
+        for a in jax.tree.leaves(tuple(self)):
+            a.delete()
+
+
+def _holds_copies(policy: Policy) -> bool:
+    """Whether a sampler keeps decode-layout copies of ``policy``'s weights: on a CPU without a
+    mesh (measured there); accelerators keep the one copy of their scarcer memory."""
+    return policy.mesh is None and _weights_device(policy).platform == "cpu"
+
+
+def held_weights(policy: Policy) -> HeldWeights:
+    """The copies a sampler of ``policy`` holds (``HeldWeights``)."""
+    return HeldWeights(held_unembedding(policy), held_layers(policy))
+
+
+def held_layers(policy: Policy) -> tuple[nnx.State, ...] | None:
+    """Each decoder layer's weights as arrays of their own, which decode runs one after the
+    other, or None (decode scans the stacked layers).
+
+    A scan over the stacked layers slices each layer's weights out of the stack at every step,
+    and XLA:CPU copies the slices before the matmuls read them: a one-token decode step moved
+    every layer weight twice (27% of a 16-slot decode of the 30M benchmark model in the
+    profile). Costs one more copy of the layer weights and a decode program unrolled over the
+    layers (longer to compile).
+    """
+    if not _holds_copies(policy):
+        return None
+    with policy._scope():
+        return _UNSTACK_LAYERS(policy.graphdef, policy.params)
 
 
 def held_unembedding(policy: Policy) -> jax.Array | None:
@@ -269,11 +314,7 @@ def held_unembedding(policy: Policy) -> jax.Array | None:
     slots), for V x D more memory. Untied models hold their lm head as [D, V] already;
     accelerators are unmeasured, so they keep the one copy.
     """
-    if (
-        not policy.config.tie_word_embeddings
-        or policy.mesh is not None
-        or _weights_device(policy).platform != "cpu"
-    ):
+    if not policy.config.tie_word_embeddings or not _holds_copies(policy):
         return None
     with policy._scope():
         return _UNEMBEDDING(policy.graphdef, policy.params)
@@ -380,7 +421,7 @@ class Sampler:
         # the weights' buffers are the sampler's own only once set_params placed them: before
         # that they may be the caller's, which an in-place reload must not free
         self._owns_params = False
-        self._unembedding = held_unembedding(self.policy)
+        self._held = held_weights(self.policy)
         # read from the model's configs once: every request looks them up (512 a tiny step)
         self._eos_ids = frozenset(self.policy.eos_token_ids)
         self.max_slots, self.max_len = max_slots, max_len
@@ -442,9 +483,9 @@ class Sampler:
                     f"{jax.tree_util.keystr(new_path)} {tuple(b.shape)} vs {tuple(a.shape)}"
                 )
         treedef = jax.tree.structure(self.policy.params)
-        if self._unembedding is not None:  # freed first: never two of them beside two weights
-            self._unembedding.delete()
-            self._unembedding = None
+        # the copies are freed first: never two of them beside two weights
+        self._held.delete()
+        self._held = HeldWeights(None, None)
         placed = []
         for (_, a), (_, b) in zip(old, new, strict=True):
             sharding, dtype = a.sharding, a.dtype
@@ -461,7 +502,7 @@ class Sampler:
         del old
         self.policy = self.policy.with_params(jax.tree.unflatten(treedef, placed))
         self._owns_params = True
-        self._unembedding = held_unembedding(self.policy)
+        self._held = held_weights(self.policy)
         self.stats.last_swap_s = time.perf_counter() - t0
         return self.stats.last_swap_s
 
@@ -623,7 +664,7 @@ class Sampler:
                 self.policy.config,
                 self.policy.graphdef,
                 self.policy.params,
-                self._unembedding,
+                self._held,
                 self._cache,
                 self._state,
                 ids,
@@ -710,13 +751,13 @@ class Sampler:
         return todo
 
     def _abstract_state(self) -> tuple[Any, Any, Any, Any]:
-        """(params, held unembedding, cache, slot state) as shapes with their placements: what a
+        """(params, held copies, cache, slot state) as shapes with their placements: what a
         background lowering reads while generation goes on with (and donates) the arrays."""
 
         def spec(a: jax.Array) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
 
-        held = (self.policy.params, self._unembedding, self._cache, self._state)
+        held = (self.policy.params, self._held, self._cache, self._state)
         return jax.tree.map(spec, held)
 
     def _start_precompiling(self, what: str, lowerings: list[Callable[[], list[Any]]]) -> None:
@@ -775,7 +816,7 @@ class Sampler:
             self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(
                 self.policy.graphdef,
                 self.policy.params,
-                self._unembedding,
+                self._held,
                 self._cache,
                 self._state,
                 self.decode_chunk,

@@ -224,16 +224,20 @@ def test_weight_swap_without_recompilation(policy, prompts):
     assert (sampler._prefill_fn._cache_size(), sampler._decode_fn._cache_size()) == compiled
 
 
-def test_a_tied_model_decodes_through_the_held_projection_and_swaps_it_with_the_weights(prompts):
-    """On CPU the sampler keeps a tied embedding's [D, V] transpose for the lm head
-    (``held_unembedding``): exact against the reference decode, before and after a swap."""
+def test_a_sampler_decodes_through_its_held_copies_and_swaps_them_with_the_weights(prompts):
+    """On CPU the sampler keeps a tied embedding's [D, V] transpose for the lm head and each
+    layer's weights unstacked (``held_weights``): exact against the reference decode, before
+    and after a swap, which frees the old copies."""
     tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
     policy, other = Policy.init(tied, seed=3), Policy.init(tied, seed=99)
     sampler = Sampler(policy, max_slots=4, max_len=96)
-    assert sampler._unembedding.shape == (tied.hidden_size, tied.vocab_size)
+    held = sampler._held
+    assert held.unembedding.shape == (tied.hidden_size, tied.vocab_size)
+    assert len(held.layers) == tied.num_hidden_layers
     outs = sampler.generate(prompts, max_new_tokens=8)
     assert [o.tokens for o in outs] == greedy_decode(policy, prompts, 8)
     sampler.set_params(other.params)
+    assert all(a.is_deleted() for a in jax.tree.leaves(tuple(held)))
     outs = sampler.generate(prompts, max_new_tokens=8)
     assert [o.tokens for o in outs] == greedy_decode(other, prompts, 8)
     for prompt, out in zip(prompts, outs, strict=True):
