@@ -45,7 +45,9 @@ from rlax_tasks.validation import check_choice, check_int, field_error
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 16
+# the smallest prefill bucket: tiny-arith's 5-7-token prompts padded to 16 ran twice the rows
+# they needed (256 of them with 8 new tokens: 29.8 -> 25.7 ms median, same process, alternating)
+MIN_BUCKET = 8
 NO_STOP = -1  # padding of the per-slot stop-id table
 
 
@@ -359,7 +361,8 @@ def admission_rows(n: int, max_slots: int) -> int:
 
 
 def prompt_bucket(length: int, max_len: int) -> int:
-    """The padded prefill length for a prompt: the next power of two (>= 16), at most max_len."""
+    """The padded prefill length for a prompt: the next power of two (>= MIN_BUCKET), at most
+    max_len."""
     return _power_of_two_bucket(length, MIN_BUCKET, max_len)
 
 

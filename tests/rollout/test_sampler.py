@@ -22,6 +22,7 @@ from rlax_tasks.rollout.sampler import (
     admission_rows,
     admission_sizes,
     decode_window,
+    prompt_bucket,
     request_keys,
 )
 from tests.models.hf_models import tiny_hf_model
@@ -288,6 +289,13 @@ def test_admissions_pad_to_a_few_sizes_at_most_a_sixteenth_of_the_slots_apart():
             rows = admission_rows(n, slots)
             assert rows >= n and rows in admission_sizes(slots)
             assert rows - n <= max(n, -(-slots // 16))  # at most doubled, or a sixteenth
+
+
+def test_prompts_pad_to_powers_of_two_from_eight():
+    """Short prompts (a tiny-arith prompt has 5-7 tokens) prefill at 8, not 16: half the rows
+    of their prefill were padding."""
+    assert [prompt_bucket(n, 64) for n in (1, 5, 8, 9, 16, 17, 40)] == [8, 8, 8, 16, 16, 32, 64]
+    assert prompt_bucket(40, 32) == 32  # never past max_len
 
 
 def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
