@@ -6,7 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_tasks.rollout.sampling import filter_logits, greedy_tokens, inverse_cdf_draw
+from rlax_tasks.rollout.sampling import (
+    filter_logits,
+    greedy_tokens,
+    inverse_cdf_draw,
+    sample_tokens,
+)
 
 
 def test_greedy_tokens_are_argmax_with_the_first_of_ties():
@@ -16,9 +21,34 @@ def test_greedy_tokens_are_argmax_with_the_first_of_ties():
     logits[2, :] = -np.inf
     logits[2, 998] = 0.0  # one finite entry among -inf
     logits[3, :] = 1.0  # all equal: token 0
+    logits[4, 130:140] = 9.0  # a tie inside one block, not its first entry
     got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
     assert got.dtype == np.int32
+    nan = np.full((1, 1000), np.nan, np.float32)
+    assert int(jax.jit(greedy_tokens)(jnp.asarray(nan))[0]) == 999  # no maximum: the last token
+
+
+def test_sampled_and_greedy_log_probs_are_the_log_softmax_of_their_distribution():
+    """Greedy rows: log softmax(logits) at the argmax; sampled rows: log softmax(logits / T) at
+    the drawn token (float64 reference), in one batch mixing both."""
+    rng = np.random.default_rng(1)
+    logits = (3 * rng.standard_normal((8, 3001))).astype(np.float32)
+    temperature = np.array([0, 0.7, 1.0, 0, 1.3, 0.5, 0, 2.0], np.float32)
+    keys = _row_keys(4, 8)
+    off_k, off_p = jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32)
+    for sampling in (True, False):
+        t = temperature if sampling else np.zeros_like(temperature)
+        tokens, lp = jax.jit(sample_tokens, static_argnums=(5, 6))(
+            jnp.asarray(logits), keys, jnp.asarray(t), off_k, off_p, False, sampling
+        )
+        tokens, lp = np.asarray(tokens), np.asarray(lp)
+        scaled = logits.astype(np.float64) / np.where(t > 0, t, 1.0)[:, None]
+        ref = scaled - scaled.max(-1, keepdims=True)
+        ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+        np.testing.assert_allclose(lp, ref[np.arange(8), tokens], rtol=1e-5, atol=1e-5)
+        greedy = t <= 0
+        np.testing.assert_array_equal(tokens[greedy], np.argmax(logits[greedy], -1))
 
 
 def _row_keys(seed: int, rows: int) -> jax.Array:
