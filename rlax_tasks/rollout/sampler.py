@@ -626,6 +626,15 @@ class Sampler:
         eos = frozenset() if p.ignore_eos else self._eos_ids
         return eos | frozenset(p.stop_token_ids)
 
+    def _stop_sets(self, params: list[SamplingParams]) -> list[frozenset[int]]:
+        """``_stop_set`` of each, computed once per distinct settings object (a step's
+        requests usually share one)."""
+        seen: dict[int, frozenset[int]] = {}
+        for p in params:
+            if id(p) not in seen:
+                seen[id(p)] = self._stop_set(p)
+        return [seen[id(p)] for p in params]
+
     def _admission_arrays(self, rows: int, bucket: int) -> tuple[np.ndarray, ...]:
         """An admission's host arrays, every row padding until filled: prompt ids [rows,
         bucket], lengths, cache slots (out of range: dropped) and the rows' ``SlotState``."""
@@ -645,21 +654,22 @@ class Sampler:
         rows = admission_rows(len(take), self.max_slots)
         bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
         ids, lengths, slots, new = self._admission_arrays(rows, bucket)
-        for row, (request, slot) in enumerate(zip(take, free, strict=False)):
-            p = request.params
-            ids[row, : len(request.prompt)] = request.prompt
-            lengths[row] = len(request.prompt)
-            slots[row] = slot
-            new.budget[row] = p.max_new_tokens
-            new.temperature[row] = p.temperature
-            new.top_k[row] = p.top_k
-            new.top_p[row] = p.top_p
-            stops = sorted(self._stop_set(p))
-            new.stop_ids[row, : len(stops)] = stops
-        keys = request_keys([r.params.seed for r in take], [r.sample_index for r in take])
-        new.key[: len(take)] = keys
-        filtering = any(r.params.filtering for r in take)
-        sampling = any(r.params.temperature > 0 for r in take)
+        # filled column by column: the tiny preset admits 256 requests at a time
+        n = len(take)
+        params = [r.params for r in take]
+        lengths[:n] = [len(r.prompt) for r in take]
+        ids[:n][np.arange(bucket) < lengths[:n, None]] = [t for r in take for t in r.prompt]
+        slots[:n] = free[:n]
+        new.budget[:n] = [p.max_new_tokens for p in params]
+        new.temperature[:n] = [p.temperature for p in params]
+        new.top_k[:n] = [p.top_k for p in params]
+        new.top_p[:n] = [p.top_p for p in params]
+        stop_sets = self._stop_sets(params)
+        for row, stops in enumerate(stop_sets):
+            new.stop_ids[row, : len(stops)] = sorted(stops)
+        new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r in take])
+        filtering = any(p.filtering for p in params)
+        sampling = any(p.temperature > 0 for p in params)
         self._precompile_admissions(rows, bucket, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
@@ -680,11 +690,13 @@ class Sampler:
             tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
-        for row, (request, slot) in enumerate(zip(take, free, strict=False)):
+        # the admitted rows first (padding rows after them), each with its free slot
+        tokens, logprobs, active = tokens[:n].tolist(), logprobs[:n].tolist(), active[:n].tolist()
+        rows_out = zip(take, free[:n], stop_sets, tokens, logprobs, active, strict=True)
+        for request, slot, stops, token, logprob, still in rows_out:
             eos = frozenset() if request.params.ignore_eos else self._eos_ids
-            state = _Slot(request, [], [], self._stop_set(request.params), eos)
-            self._slots[slot] = state
-            self._emit(slot, int(tokens[row]), float(logprobs[row]), bool(active[row]), finished)
+            self._slots[slot] = _Slot(request, [], [], stops, eos)
+            self._emit(slot, token, logprob, still, finished)
 
     # ------------------------------------------------------------------ precompilation
     def _precompile_admissions(
@@ -835,14 +847,19 @@ class Sampler:
             )
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_calls += 1
+        # a slot emits at the first steps of the chunk, until it ends: a prefix of each column
+        counts = emitted.sum(axis=0)
+        if not np.array_equal(emitted, np.arange(len(emitted))[:, None] < counts):
+            raise RuntimeError("a slot emitted after it stopped: decode state is inconsistent")
+        counts = counts.tolist()
+        tokens, logprobs, active = tokens.T.tolist(), logprobs.T.tolist(), active.tolist()
         for slot, state in enumerate(self._slots):
             if state is None:
                 continue
-            steps = np.flatnonzero(emitted[:, slot])
-            for i, step in enumerate(steps):
-                still = bool(active[slot]) or i < len(steps) - 1
-                tok, lp = int(tokens[step, slot]), float(logprobs[step, slot])
-                if self._emit(slot, tok, lp, still, finished):
+            n = counts[slot]
+            for i in range(n):
+                still = active[slot] or i < n - 1
+                if self._emit(slot, tokens[slot][i], logprobs[slot][i], still, finished):
                     break
 
     def _emit(
