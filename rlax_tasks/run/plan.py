@@ -28,7 +28,9 @@ Trainer, per device (shards = fsdp × tensor):
                                        S = min(T², T·(T+128)/2): 128-query blocks)
     remat none: s·L·A;  dots (matmul outputs kept): s·(L·bc·T·(3h + a·d/t_a + 2kv·d/t_kv
     + 2f/t_f) + A);  full (layer inputs kept): s·(L·bc·T·h + A)   (+A: the layer recomputed)
-  logits: s·c·(V/t_V)·4·3 (c = min(trainer.logprob_chunk_size, T): f32 logits, softmax, grad).
+  logits: s·c·(V/t_V)·4·3 (c = min(trainer.logprob_chunk_size, T): f32 logits, softmax, grad),
+  plus s·T·(V/t_V)·4 when the micro-batch's logits (micro·T·V·4) fit trainer.keep_logits_mb
+  (kept from the forward for the backward; unset: 1 GiB on a CPU, none on accelerators).
   Packed sequences (trainer.pack_sequences) hold at most the padded batch's tokens, in rows T
   wide (32 when T < 32): the same bound.
 Worker, per device:
@@ -72,6 +74,7 @@ from rlax_tasks.run.placement import (
     job_names,
     resolve_mesh,
 )
+from rlax_tasks.trainer.config import keep_logits_mb
 
 # share of a host's RAM the parameter server may keep versions in
 PS_RAM_FRACTION = 0.25
@@ -254,13 +257,16 @@ def trainer_bytes(cfg: Any, m: Any) -> tuple[dict[str, int], str]:
     else:
         per_seq = layers * bc * tokens * h + a_layer
     chunk = min(t.logprob_chunk_size, tokens)
+    vocab = m.vocab_size // _split(m.vocab_size, tensor)
+    budget = keep_logits_mb(t.keep_logits_mb, cfg.placement.platform) << 20
+    kept = seqs * tokens * vocab * 4 if micro * tokens * m.vocab_size * 4 <= budget else 0
     parts = {
         "params": n_params * bp // shards,
         "reference": n_params * bc // shards if cfg.objective_config().needs_reference else 0,
         "adam": 2 * n_params * bp // shards,
         "grads": n_params * 4 // shards * (2 if micro < batch else 1),
         "activations": seqs * per_seq,
-        "logits": seqs * chunk * (m.vocab_size // _split(m.vocab_size, tensor)) * 4 * 3,
+        "logits": seqs * chunk * vocab * 4 * 3 + kept,
     }
     note = (
         f"trainer: {seqs} sequence(s) × {tokens} tokens per device (micro-batch {micro} over "
@@ -465,10 +471,12 @@ def _advice(cfg: Any, job: str, devices: str | None = None) -> str:
     (a slice plan: the Param that sizes the slice)."""
     if job == "trainer":
         remat = "" if cfg.trainer.remat == "full" else "trainer.remat: full, "
+        kept = keep_logits_mb(cfg.trainer.keep_logits_mb, cfg.placement.platform)
+        keep = "trainer.keep_logits_mb: 0, " if kept else ""
         devices = devices or "give it more devices (placement.trainer, trainer.hosts)"
         return (
             f"{devices} or shards (trainer.mesh_shape fsdp/tensor), a smaller "
-            f"trainer.micro_batch_size, {remat}or a smaller workers.max_len"
+            f"trainer.micro_batch_size, {remat}{keep}or a smaller workers.max_len"
         )
     if job == COLOCATED:
         return (

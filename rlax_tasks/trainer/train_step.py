@@ -69,6 +69,9 @@ class StepSettings:
     # a batch of one micro-batch runs forward once (the old log-probs and the backward share
     # it); False: a separate prefill first, as with micro-batches (see Trainer for when)
     one_forward_pass: bool = True
+    # a micro-batch's float32 logits up to this size are kept from the forward for the backward
+    # instead of recomputed (forward.chunked_logprobs)
+    keep_logits_bytes: int = 0
 
 
 def init_value_head(hidden_size: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -86,6 +89,7 @@ def policy_outputs(
     remat: str = "none",
     with_entropy: bool = False,
     segment_ids: jax.Array | None = None,
+    keep_logits_bytes: int = 0,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs.
 
@@ -102,13 +106,20 @@ def policy_outputs(
             remat=remat,
             with_entropy=with_entropy,
             segment_ids=segment_ids,
+            keep_logits_bytes=keep_logits_bytes,
         )
         lp, ent = out if with_entropy else (out, None)
         return lp, ent, None
     model = nnx.merge(graphdef, params[MODEL])
     ids, positions, valid = forward.model_inputs(input_ids, attention_mask, segment_ids)
     hidden = model.hidden_states(ids, positions, valid, remat=remat)
-    lp, ent = forward.chunked_logprobs(hidden[:, :-1], model.unembedding(), ids[:, 1:], chunk_size)
+    lp, ent = forward.chunked_logprobs(
+        hidden[:, :-1],
+        model.unembedding(),
+        ids[:, 1:],
+        chunk_size,
+        keep_logits_bytes=keep_logits_bytes,
+    )
     head = params[VALUE_HEAD]
     values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
     values = values + head["bias"].astype(jnp.float32)
@@ -254,6 +265,7 @@ def make_train_step(
                 remat=settings.remat,
                 with_entropy=with_entropy,
                 segment_ids=mask if packed else None,
+                keep_logits_bytes=settings.keep_logits_bytes,
             )
 
         # 1. the current parameters' (old policy's) log-probs, values and entropy. One

@@ -41,7 +41,7 @@ from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
 from rlax_tasks.run_paths import run_paths
 from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS, Checkpointer
-from rlax_tasks.trainer.config import TrainerConfig
+from rlax_tasks.trainer.config import TrainerConfig, keep_logits_mb
 from rlax_tasks.trainer.metrics import MetricsWriter
 from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
 from rlax_tasks.trainer.packing import pack_batch, row_multiple, row_width
@@ -210,6 +210,10 @@ class Trainer:
             micro_batch_size=config.micro_batch_size,
             remat=config.remat,
             chunk_size=config.logprob_chunk_size,
+            keep_logits_bytes=keep_logits_mb(
+                config.keep_logits_mb, self.mesh.devices.flat[0].platform
+            )
+            << 20,
             value_loss_coef=config.value_loss_coef,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
             # one-pass step over several host devices (8 forced devices: a rendezvous timeout in

@@ -47,9 +47,11 @@ def test_gradients_through_chunks_equal_naive(policy):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax():
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 20], ids=["recomputed", "kept"])
+def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax(keep_logits_bytes):
     """The chunks' hand-written backward: cotangents on both outputs (an entropy bonus would
-    differentiate the entropy), padding positions included, in the inputs' dtypes."""
+    differentiate the entropy), padding positions included, in the inputs' dtypes; with the
+    logits recomputed in the backward or kept from the forward."""
     rng = np.random.default_rng(4)
     b, t, d, v = 3, 11, 8, 37
     hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
@@ -62,8 +64,10 @@ def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax():
         lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
-    def chunked(h, u):
-        return forward.chunked_logprobs(h, u, targets, chunk_size=4)  # 3 chunks of 4, 1 padded
+    def chunked(h, u):  # 3 chunks of 4, 1 padded
+        return forward.chunked_logprobs(
+            h, u, targets, chunk_size=4, keep_logits_bytes=keep_logits_bytes
+        )
 
     want_out, want_back = jax.vjp(naive, hidden, unembedding)
     got_out, got_back = jax.vjp(chunked, hidden, unembedding)
@@ -84,6 +88,29 @@ def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax():
         hidden.astype(jnp.bfloat16), unembedding.astype(jnp.bfloat16)
     )
     assert g_h.dtype == g_u.dtype == jnp.bfloat16
+
+
+def test_logits_that_fit_the_budget_are_not_recomputed_by_the_backward():
+    """Kept logits: the forward's vocabulary product and the unembedding's gradient, no third
+    [., V] product; over the budget the backward recomputes the logits."""
+    rng = np.random.default_rng(5)
+    b, t, d, v = 2, 12, 8, 37
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    unembedding = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+
+    def vocabulary_products(budget: int) -> int:
+        def loss(h, u):
+            lp, _ = forward.chunked_logprobs(h, u, targets, 4, keep_logits_bytes=budget)
+            return jnp.sum(lp)
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, unembedding).as_text()
+        results = [line.split("->")[-1] for line in text.splitlines() if "dot_general" in line]
+        return sum(f"x{v}xf32>" in result for result in results)
+
+    logits_bytes = b * t * v * 4
+    assert vocabulary_products(logits_bytes) == 2
+    assert vocabulary_products(logits_bytes - 1) == vocabulary_products(0) == 3
 
 
 def test_the_backward_never_materializes_full_logits(policy):

@@ -62,7 +62,8 @@ def test_memory_of_a_small_model_by_hand(small_model):
     #   per token 2·(4·64 + 2·4·16 + 2·2·16 + 4·128) = 2·960; T·that = 122880
     #   scores 4 heads × min(64², 64·192/2) = 4096 × (4 + 2) B = 98304; A = 221184 a layer
     #   remat none: 2 layers × A × 2 sequences = 884736
-    # logits: 2 sequences × chunk min(128, 64) × 256 × 4 B × 3 = 393216
+    # logits: 2 sequences × chunk min(128, 64) × 256 × 4 B × 3 = 393216 (on GPUs none are kept
+    #   for the backward unless trainer.keep_logits_mb says)
     assert trainer.parts == {
         "params": P * 4 // 2,
         "reference": P * 2 // 2,  # the frozen reference in the compute dtype
@@ -102,6 +103,23 @@ def test_memory_of_a_small_model_by_hand(small_model):
 def test_remat_keeps_less(small_model, remat, activations):
     plan = memory_plan(small_config(small_model, **{"trainer.remat": remat}))
     assert plan.jobs[0].parts["activations"] == activations
+
+
+def test_logits_kept_for_the_backward_count_only_when_they_fit_the_budget(small_model, monkeypatch):
+    from rlax_tasks.run.placement import ACCELERATORS, Accelerator
+
+    # the micro-batch's logits are 4 × 64 × 256 × 4 B = 256 KiB: a 1 MiB budget keeps them,
+    # 2 sequences × 64 × 256 × 4 B per device; 0 recomputes them; unset on GPUs: 0
+    def logits(**settings: object) -> int:
+        return memory_plan(small_config(small_model, **settings)).jobs[0].parts["logits"]
+
+    assert logits(**{"trainer.keep_logits_mb": 1}) == 393216 + 2 * 64 * 256 * 4
+    assert logits(**{"trainer.keep_logits_mb": 0}) == logits() == 393216
+    # and a trainer that does not fit is told it may recompute them
+    monkeypatch.setitem(ACCELERATORS, "h100-80gb", Accelerator("h100-80gb", "gpu", MiB))
+    tight = memory_plan(small_config(small_model, **{"trainer.keep_logits_mb": 1}))
+    with pytest.raises(PlanDoesNotFit, match="trainer.keep_logits_mb: 0"):
+        tight.check()
 
 
 def test_parameter_server_keeps_what_fits_its_budget(small_model):
