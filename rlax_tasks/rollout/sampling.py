@@ -88,10 +88,10 @@ def sample_tokens(
         scaled = filter_logits(scaled, top_k, top_p)
     drawn = inverse_cdf_draw(keys, scaled)
     tokens = jnp.where(greedy, greedy_tokens(logits), drawn).astype(jnp.int32)
-    return tokens, token_logprobs(jnp.where(greedy[:, None], logits, scaled), tokens)
+    return tokens, _logprobs_at(jnp.where(greedy[:, None], logits, scaled), tokens)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+def _logprobs_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log softmax(logits)[b, tokens[b]] [B], without writing the [B, V] log-softmax out."""
     top = jnp.max(logits, axis=-1)
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
