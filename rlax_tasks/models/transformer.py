@@ -342,12 +342,8 @@ class Transformer(nnx.Module):
         return self.norm(x), KVCache(k, v, kv_positions, kv_valid)
 
     def unstack_layers(self) -> tuple[nnx.State, ...]:
-        """Each decoder layer's weights as arrays of their own (copies of the stacked ones).
-
-        A scan over the stacked layers slices each layer's weights out of the stack at every
-        step: XLA:CPU copies them (a dynamic slice feeds no matmul directly), so a one-token
-        decode step moved every weight twice. A sampler holding these runs its decode without.
-        """
+        """Each decoder layer's weights as arrays of their own (copies of the stacked ones), for
+        ``hidden_states_cached(layers=...)``; why a sampler holds them: ``held_layers``."""
         _, layer_state = nnx.split(self.layers)
         return tuple(
             jax.tree.map(lambda a, i=i: a[i], layer_state)
