@@ -6,7 +6,9 @@ batching, in one run on the same ~30M-parameter Qwen2-shaped model (same weights
    ``model.generate(use_cache=True, do_sample=False)`` (PyTorch CPU, default threads). Both warmed
    up once (JAX compiles there), then ``--repeats`` rounds of one run each, in turn (a VM's speed
    drifts: both sides see the same drift); the median of each side's runs; tokens/s = B*N / s.
-   The fraction of rows whose greedy tokens agree is printed as a sanity check.
+   The fraction of rows whose greedy tokens agree is printed as a sanity check. A third side, in
+   the same turns: the model's matrix products alone (``_matmul_floor``), a floor under any
+   decode loop; transformers' time over it bounds the ratio any implementation could reach.
    Then the same with nucleus sampling (``--sample-temperature`` 0.6, ``--sample-top-p`` 0.95,
    half as many new tokens; transformers ``do_sample=True``): the throughput ratio only.
 2. Continuous vs static batching on a long-tailed mix: ``--mix-requests`` requests, 7 in 8 asking
@@ -39,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 import forward as forward_bench  # noqa: E402  (the same model shape and checkpoint builder)
+from _matmul_floor import make_floor  # noqa: E402
 
 log = logging.getLogger("benchmarks.rollout")
 
@@ -137,8 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.batch,
         args.new_tokens,
     )
-    (ours_s, ours_out), (theirs_s, theirs_out) = timed_side_by_side(
-        [lambda: ours(args.new_tokens), lambda: theirs(args.new_tokens)], args.repeats
+    floor = make_floor(policy, args.batch, args.prompt_len, args.new_tokens)
+    (ours_s, ours_out), (theirs_s, theirs_out), (floor_s, _) = timed_side_by_side(
+        [lambda: ours(args.new_tokens), lambda: theirs(args.new_tokens), floor], args.repeats
     )
     tokens = args.batch * args.new_tokens
     agree = np.mean(
@@ -154,6 +158,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report(
         f"[generate] ours {tokens / ours_s:,.0f} tok/s vs transformers {tokens / theirs_s:,.0f} "
         f"tok/s: {theirs_s / ours_s:.2f}x (target >= 2x); identical greedy rows {agree:.0%}"
+    )
+    out["matmul_floor"] = {
+        "seconds": floor_s,
+        "ours_over_floor": ours_s / floor_s,
+        "transformers_over_floor": theirs_s / floor_s,
+    }
+    report(
+        f"[floor] the model's matrix products alone (no attention, norms or sampling): "
+        f"{floor_s:.2f} s; ours takes {ours_s / floor_s:.2f}x that, transformers "
+        f"{theirs_s / floor_s:.2f}x: no decode loop at these products' speed could beat "
+        f"transformers by more than {theirs_s / floor_s:.2f}x"
     )
 
     # ------------------------------------------------------------ 1b. nucleus sampling

@@ -77,6 +77,40 @@ def test_rollout_times_the_sides_in_turn():
     assert all(seconds >= 0 for seconds, _ in timings)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_matmul_floor_runs_every_product_of_the_rollout_on_the_policys_weights(tied):
+    """rollout.py's floor must not be lower than the products it stands for: every layer's seven
+    projections and the output projection, for the prefill and each decode step, all kept by XLA
+    (a product whose result went unused would be dropped and the floor read too fast)."""
+    import re
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks._matmul_floor import floor_program
+    from rlax_tasks.models import Policy
+    from tests.tiny_model import tiny_model_config
+
+    config = tiny_model_config(tie_word_embeddings=tied)
+    policy = Policy.init(config, seed=0)
+    fn, (prompt, mats, head) = floor_program(policy, batch=3, prompt_len=5, new_tokens=4)
+    assert prompt.shape == (3 * 5, config.hidden_size)
+    layers = policy.params["layers"]
+    for i, m in enumerate(mats):
+        gate = np.asarray(layers["mlp"]["gate_proj"]["kernel"][...][i])
+        o = np.asarray(layers["self_attn"]["o_proj"]["kernel"][...][i])
+        np.testing.assert_array_equal(m["gate_proj"], gate)
+        np.testing.assert_array_equal(m["o_proj"], o.reshape(-1, config.hidden_size))
+    unembedding = np.asarray(nnx.merge(policy.graphdef, policy.params).unembedding())
+    np.testing.assert_array_equal(head, unembedding)
+    compiled = fn.lower(prompt, mats, head).compile().as_text()
+    dots = re.findall(r"\bdot\(", compiled)
+    # the prefill's products and one decode step's (the loop body), each 7 per layer + the head
+    assert len(dots) == 2 * (7 * config.num_hidden_layers + 1)
+    assert jnp.isfinite(fn(prompt, mats, head)).all()
+
+
 def _stopped(pid: int, want: bool) -> bool:
     """Whether process ``pid`` is stopped ('T' in /proc/<pid>/stat) as ``want``, within 2 s."""
     deadline = time.monotonic() + 2.0
