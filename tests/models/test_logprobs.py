@@ -161,3 +161,24 @@ def test_chunks_are_equal_and_pad_as_little_as_possible(policy):
 def test_out_of_range_token_ids_are_rejected(policy):
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 211\)"):
         policy.logits(np.array([[1, 2, 211]]))
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_stacks_up_to_the_unroll_limit_run_their_layers_unrolled(extra):
+    """The full-sequence pass (the train step's) runs a stack of at most UNROLL_LAYERS_UP_TO
+    layers unrolled, without a layer loop whose stacked residuals are zero-filled and sliced;
+    deeper stacks keep the scan (compile time flat in depth)."""
+    from flax import nnx
+
+    from rlax_tasks.models.transformer import UNROLL_LAYERS_UP_TO
+
+    config = tiny_model_config(num_hidden_layers=UNROLL_LAYERS_UP_TO + extra)
+    policy = Policy.init(config, seed=0)
+    ids, mask = left_padded_batch(np.random.default_rng(0), config.vocab_size, [9, 5])
+
+    def loss(params):
+        inputs = forward.model_inputs(ids, mask)
+        return jnp.sum(nnx.merge(policy.graphdef, params).hidden_states(*inputs))
+
+    text = jax.jit(jax.grad(loss)).lower(policy.params).as_text()
+    assert ("stablehlo.while" in text) == bool(extra)
