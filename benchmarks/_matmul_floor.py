@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 
 # each projection's module, and whether its output (not its input) is the hidden size
 _KERNELS = {
@@ -31,23 +31,18 @@ _KERNELS = {
 
 
 def layer_matrices(policy: Any) -> tuple[list[dict[str, jax.Array]], jax.Array]:
-    """Each layer's projection kernels as [in, out] matrices (arrays of their own), and the
-    [D, V] output projection."""
-    layers, d = policy.params["layers"], policy.config.hidden_size
+    """Each layer's projection kernels as [in, out] matrices (arrays of their own, as
+    ``Transformer.unstack_layers`` gives them), and the [D, V] output projection."""
+    model = nnx.merge(policy.graphdef, policy.params)
+    d = policy.config.hidden_size
 
-    def matrix(name: str, i: int) -> jax.Array:
+    def matrix(layer: nnx.State, name: str) -> jax.Array:
         module, to_hidden = _KERNELS[name]
-        k = np.asarray(layers[module][name]["kernel"][...][i], np.float32)
-        return jnp.asarray(k.reshape(-1, d) if to_hidden else k.reshape(d, -1))
+        k = jnp.asarray(layer[module][name]["kernel"][...], jnp.float32)
+        return k.reshape(-1, d) if to_hidden else k.reshape(d, -1)
 
-    mats = [
-        {name: matrix(name, i) for name in _KERNELS} for i in range(policy.config.num_hidden_layers)
-    ]
-    if "lm_head" in policy.params:
-        head = policy.params["lm_head"]["kernel"][...]
-    else:  # tied: the transposed embedding table
-        head = policy.params["embed_tokens"]["embedding"][...].T
-    return mats, jnp.asarray(np.asarray(head, np.float32))
+    mats = [{name: matrix(layer, name) for name in _KERNELS} for layer in model.unstack_layers()]
+    return mats, jnp.asarray(model.unembedding(), jnp.float32)
 
 
 def _layer(x: jax.Array, m: dict[str, jax.Array]) -> jax.Array:
