@@ -88,9 +88,8 @@ def test_commit_pointer_generations(root):
     assert storage.read_versioned(path)[1] == g3
 
 
-def test_commit_pointer_rejects_a_stale_generation_locally(tmp_path):
-    # (the GCS emulator ignores preconditions; real GCS enforces if_generation_match)
-    path = str(tmp_path / "LATEST")
+def test_commit_pointer_rejects_a_stale_generation(root):
+    path = storage.join(root, "LATEST")
     g1 = storage.commit_pointer(path, b"a", if_generation_match=0)
     with pytest.raises(storage.PreconditionFailedError):
         storage.commit_pointer(path, b"b", if_generation_match=0)
@@ -100,8 +99,8 @@ def test_commit_pointer_rejects_a_stale_generation_locally(tmp_path):
     assert storage.read_bytes(path) == b"c"
 
 
-def test_concurrent_compare_and_swap_has_one_winner_per_generation(tmp_path):
-    path = str(tmp_path / "ptr")
+def test_concurrent_compare_and_swap_has_one_winner_per_generation(root):
+    path = storage.join(root, "ptr")
     storage.commit_pointer(path, b"0")
     wins = []
 

@@ -21,11 +21,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def gcs_emulator(bucket: str = "rlax-test") -> Iterator[str]:
-    """An in-process gcp-storage-emulator with ``bucket``; STORAGE_EMULATOR_HOST points at it."""
+    """An in-process gcp-storage-emulator with ``bucket`` and GCS's generation preconditions
+    (``tests.gcs_generations``); STORAGE_EMULATOR_HOST points at it."""
     from gcp_storage_emulator.server import create_server
 
     from rlax_tasks import storage
+    from tests import gcs_generations
 
+    gcs_generations.install()  # real GCS's generation preconditions, which the emulator lacks
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
     server.start()
