@@ -1,8 +1,11 @@
 """Test session set-up, before any test module imports jax or airflow: 8 host CPU devices for the
-sharding tests, and Airflow in a temporary AIRFLOW_HOME (SQLite) with the repository's dags/ and
-plugins/ (Airflow fixes its home and DAG folder when first imported, whichever test does it)."""
+sharding tests, a compilation cache for the processes the tests start, and Airflow in a
+temporary AIRFLOW_HOME (SQLite) with the repository's dags/ and plugins/ (Airflow fixes its home
+and DAG folder when first imported, whichever test does it)."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -10,6 +13,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# one JAX compilation cache, empty at the session's start, for the processes the tests start:
+# the end-to-end tests' jobs compile the same tiny programs again and again (as a run's restarted
+# components do from the run's own cache, which tests/run/test_compilation_cache checks without
+# this variable). Not for this process: its tests compile many programs once each, and writing
+# them all cost more than the repeats saved.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlax-test-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    import jax  # noqa: E402  (reads the variables above as its defaults)
+
+    jax.config.update("jax_compilation_cache_dir", None)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAGS = os.path.join(REPO, "dags")
