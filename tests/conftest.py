@@ -22,7 +22,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlax-test-jax-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    import jax  # noqa: E402  (reads the variables above as its defaults)
+    import jax  # (reads the variables above as its defaults)
 
     jax.config.update("jax_compilation_cache_dir", None)
 

@@ -86,7 +86,7 @@ def _failed_condition(query: dict[str, list[str]], obj: dict[str, Any] | None) -
         have = int(obj[field]) if obj is not None else None
         if param.endswith("NotMatch"):
             # 0: "some live version exists"; n: "the live version is not n"
-            holds = have is not None and (have != want if want else True)
+            holds = have is not None and (want == 0 or have != want)
         else:
             # 0: "no live version exists"; n: "the live version is n"
             holds = have is None if want == 0 else have == want
