@@ -352,7 +352,9 @@ def _source_from(raw: Mapping[str, Any]) -> SyntheticSource | FileSource:
 class WorkerSettings:
     """The inference fleet: how many workers, sampler slots and sequence length per worker."""
 
-    count: int = 2
+    # null: 1 in a colocated run (its one sampler), else one per device list of
+    # placement.workers (on each host), else 2
+    count: int | None = None
     slots: int = 32
     max_len: int = 512
     # groups the controller keeps in flight per worker; null = max(1, slots // group_size)
@@ -365,7 +367,7 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self, "mesh_shape")
-        _check_int(self, "count", low=1)
+        _check_int(self, "count", low=1, optional=True)
         _check_int(self, "slots", low=1)
         _check_int(self, "max_len", low=2)
         _check_int(self, "groups_per_worker", low=1, optional=True)
@@ -429,8 +431,9 @@ class PlacementSettings:
 
     # disaggregated: PS, trainer, workers and controller as separate jobs (slices, async j/k);
     # colocated: all of them in one process on the trainer's devices, the sampler reading the
-    # trainer's weights in memory (rlax_tasks/run/colocated.py): one host, workers.count 1
-    mode: str = "disaggregated"
+    # trainer's weights in memory (rlax_tasks/run/colocated.py): one host, workers.count 1.
+    # null: colocated on a single-accelerator host, else disaggregated (``default_mode``)
+    mode: str | None = None
     # gpu | tpu | cpu | auto (nothing forced: JAX picks what the host has)
     platform: str = "auto"
     # for the memory plan (rlax run --dry-run): h100-80gb, h200, a100-40gb, a100-80gb, v4, v5e,
@@ -455,7 +458,8 @@ class PlacementSettings:
             parse_bytes,
         )
 
-        _check_str(self, "mode", MODES)
+        if self.mode is not None:
+            _check_str(self, "mode", MODES)
         _check_str(self, "platform", PLATFORMS)
         _check_int(self, "hosts", low=1)
         if self.accelerator is not None:
@@ -495,6 +499,20 @@ class PlacementSettings:
             self._check_colocated()
         self._check_devices(TPU_CHIP_BOUNDS)
 
+    def default_mode(self, workers_count: int | None) -> str:
+        """The mode of a placement that names none: colocated on a single-accelerator host (gpu
+        or tpu, one host, one trainer device, no worker device lists, at most one worker: a
+        second process on the one device would only split its memory), else disaggregated."""
+        single = (
+            self.platform in ("gpu", "tpu")
+            and self.hosts == 1
+            and self.trainer is not None
+            and len(self.trainer) == 1
+            and self.workers is None
+            and workers_count in (None, 1)
+        )
+        return "colocated" if single else "disaggregated"
+
     def _check_colocated(self) -> None:
         """Colocated: one process on one host's devices (the trainer's, shared by the sampler)."""
         if self.hosts > 1:
@@ -522,18 +540,24 @@ class PlacementSettings:
                     )
             return
         if self.platform in ("gpu", "tpu"):
-            needed = ("trainer",) if self.mode == "colocated" else ("trainer", "workers")
+            # (no mode yet: RunConfig names it, and this check runs again then)
+            needed = ("trainer", "workers") if self.mode == "disaggregated" else ("trainer",)
             for name in needed:
                 if getattr(self, name) is None:
-                    who, example = (
-                        ("the trainer's", "[0, 1, 2, 3]")
+                    who, example, other = (
+                        ("the trainer's", "[0, 1, 2, 3]", "")
                         if name == "trainer"
-                        else ("each worker's", "[[4, 5], [6, 7]]")
+                        else (
+                            "each worker's",
+                            "[[4, 5], [6, 7]]",
+                            " (or mode: colocated: one process, the sampler on the trainer's "
+                            "devices)",
+                        )
                     )
                     raise ConfigError(
                         name,
                         f"give {who} device indices on the host for platform {self.platform}, "
-                        f"e.g. {example}",
+                        f"e.g. {example}{other}",
                     )
         if self.platform != "tpu":
             if self.memory_fraction is not None:
@@ -642,8 +666,29 @@ class RunConfig:
             raise ConfigError(
                 "placement", f"must be a mapping or a mode name, got {self.placement!r}"
             )
+        self._resolve_defaults()
         self._cross_checks()
         self._placement_checks()
+
+    def _resolve_defaults(self) -> None:
+        """Names what the configuration left to the host's shape: the placement's mode
+        (``PlacementSettings.default_mode``) and workers.count (1 colocated, else one per
+        device list of placement.workers, else 2); the saved config.yaml records both."""
+        p = self.placement
+        if p.mode is None:
+            try:
+                p = dataclasses.replace(p, mode=p.default_mode(self.workers.count))
+            except ConfigError as e:
+                raise e.under("placement") from None
+            _set(self, "placement", p)
+        if self.workers.count is None:
+            if p.mode == "colocated":
+                count = 1
+            elif p.workers is not None:  # one worker per device list (of each host)
+                count = p.hosts * len(p.workers)
+            else:
+                count = 2
+            _set(self, "workers", dataclasses.replace(self.workers, count=count))
 
     def _placement_checks(self) -> None:
         """The placement against the workers and meshes it must carry."""

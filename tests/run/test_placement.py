@@ -167,6 +167,54 @@ def test_placement_errors_name_the_field(overrides, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+def unnamed(placement: dict, **overrides) -> RunConfig:
+    """The tiny preset with ``placement``, naming neither the mode nor workers.count."""
+    raw = {"placement": {"mode": None, **placement}, "workers.count": None, **overrides}
+    return load_config("tiny-arith", raw)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_a_single_accelerator_host_runs_colocated_unless_told_otherwise(platform):
+    cfg = unnamed({"platform": platform, "trainer": [0]})
+    assert (cfg.placement.mode, cfg.workers.count) == ("colocated", 1)
+    assert list(job_envs(cfg, environ={})) == ["colocated"]
+    saved = yaml.safe_load(cfg.to_yaml())  # config.yaml names what was chosen
+    assert (saved["placement"]["mode"], saved["workers"]["count"]) == ("colocated", 1)
+    assert RunConfig.from_dict(saved) == cfg
+
+
+@pytest.mark.parametrize(
+    "placement, overrides, count",
+    [
+        ({"platform": "gpu", "trainer": [0], "workers": [[0]]}, {}, 1),  # sharing: as asked
+        ({"platform": "gpu", "trainer": [0, 1], "workers": [[2], [3]]}, {}, 2),
+        ({"platform": "gpu", "hosts": 2, "trainer": [0], "workers": [[1]]}, {}, 2),
+        ({"platform": "tpu", "trainer": [0], "workers": [[1], [2]]}, {}, 2),
+        ({"platform": "cpu"}, {}, 2),  # a CPU host has no accelerator to share
+        ({"platform": "auto"}, {}, 2),
+        ({"platform": "cpu", "trainer": [0]}, {"workers.count": 3}, 3),
+    ],
+)  # fmt: skip
+def test_other_placements_default_to_separate_jobs(placement, overrides, count):
+    cfg = unnamed(placement, **overrides)
+    assert (cfg.placement.mode, cfg.workers.count) == ("disaggregated", count)
+
+
+@pytest.mark.parametrize(
+    "placement, overrides",
+    [
+        ({"platform": "gpu", "trainer": [0, 1]}, {}),  # two GPUs: which are the workers'?
+        ({"platform": "gpu", "trainer": [0]}, {"workers.count": 2}),  # two workers asked for
+    ],
+)
+def test_a_placement_without_worker_devices_says_how_to_fix_it(placement, overrides):
+    with pytest.raises(ConfigError) as info:
+        unnamed(placement, **overrides)
+    message = str(info.value)
+    assert message.startswith("placement.workers: give each worker's device indices"), message
+    assert "or mode: colocated" in message
+
+
 def test_shorthand_multi_host_and_round_trip():
     cfg = tiny({"placement": "disaggregated"})
     assert cfg.placement.mode == "disaggregated" and cfg.placement.platform == "auto"
@@ -196,7 +244,7 @@ def test_parse_bytes():
 # --------------------------------------------------------------------------- both launchers
 class RecordingSupervisor:
     """Stands in for rlax_tasks.run.supervisor.Supervisor: records the components, starts
-    nothing, and reports the controller done at once."""
+    nothing, and reports every one done at once (the controller, or a colocated run's job)."""
 
     made: list[RecordingSupervisor] = []
 
@@ -209,7 +257,7 @@ class RecordingSupervisor:
         return component
 
     def poll(self) -> dict:
-        return {"controller": 0}
+        return dict.fromkeys(self.components, 0)
 
     def stop(self) -> None:
         pass
@@ -254,6 +302,27 @@ def test_rlax_run_starts_each_job_with_its_own_devices(tmp_path, monkeypatch):
     k = cfg.staleness.max_staleness
     assert ps[ps.index("--keep-versions") + 1] == str(k + 2)  # k + 2: a tiny model fits many
     assert int(ps[ps.index("--keep-bytes") + 1]) > 0
+
+
+def test_rlax_run_on_one_gpu_starts_one_colocated_job_by_default(tmp_path, monkeypatch):
+    from rlax_tasks.run import local_run
+    from tests.tiny_model import save_char_model
+
+    RecordingSupervisor.made.clear()
+    monkeypatch.setattr(local_run, "Supervisor", RecordingSupervisor)
+    save_char_model(str(tmp_path / "model"))
+    cfg = unnamed(
+        {"platform": "gpu", "trainer": [0]},
+        **{"run_root": str(tmp_path / "runs"), "model.path": str(tmp_path / "model"),
+           "model.warmup_if_missing": False, "compilation_cache": False},
+    )  # fmt: skip
+    local_run.run_local(cfg, 1, evaluate=False, status_every_s=1e9)
+    comps = RecordingSupervisor.made[0].components
+    assert list(comps) == ["colocated"]
+    assert comps["colocated"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "colocated" in comps["colocated"].argv
+    saved = yaml.safe_load((tmp_path / "runs" / cfg.run_id / "config.yaml").read_text())
+    assert (saved["placement"]["mode"], saved["workers"]["count"]) == ("colocated", 1)
 
 
 def test_rlax_run_refuses_a_placement_across_hosts(tmp_path, monkeypatch):
