@@ -499,13 +499,14 @@ class PlacementSettings:
             self._check_colocated()
         self._check_devices(TPU_CHIP_BOUNDS)
 
-    def default_mode(self, workers_count: int | None) -> str:
+    def default_mode(self, workers_count: int | None, trainer_hosts: int = 1) -> str:
         """The mode of a placement that names none: colocated on a single-accelerator host (gpu
         or tpu, one host, one trainer device, no worker device lists, at most one worker: a
         second process on the one device would only split its memory), else disaggregated."""
         single = (
             self.platform in ("gpu", "tpu")
             and self.hosts == 1
+            and trainer_hosts == 1
             and self.trainer is not None
             and len(self.trainer) == 1
             and self.workers is None
@@ -677,7 +678,8 @@ class RunConfig:
         p = self.placement
         if p.mode is None:
             try:
-                p = dataclasses.replace(p, mode=p.default_mode(self.workers.count))
+                mode = p.default_mode(self.workers.count, self.trainer.hosts)
+                p = dataclasses.replace(p, mode=mode)
             except ConfigError as e:
                 raise e.under("placement") from None
             _set(self, "placement", p)

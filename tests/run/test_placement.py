@@ -205,6 +205,7 @@ def test_other_placements_default_to_separate_jobs(placement, overrides, count):
     [
         ({"platform": "gpu", "trainer": [0, 1]}, {}),  # two GPUs: which are the workers'?
         ({"platform": "gpu", "trainer": [0]}, {"workers.count": 2}),  # two workers asked for
+        ({"platform": "gpu", "trainer": [0]}, {"trainer.hosts": 2}),  # a trainer on two hosts
     ],
 )
 def test_a_placement_without_worker_devices_says_how_to_fix_it(placement, overrides):
