@@ -41,10 +41,14 @@ clock. The target (default: base pass@1 + 0.15) is one number for both, from the
 evaluation; two checks of that estimate are printed (torch sampling, and the exact expectation
 P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the target
 (``--no-early-stop``: run on to the caps), at ``--max-steps`` or after ``--max-seconds``.
+``--rounds N`` runs every side N times, ours first in odd rounds and TRL first in even ones, and
+reports each round's ratios and their median: on a cloud VM whose speed drifts, one round's
+ratio on the same machine read 1.53x to 2.27x.
 
     .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
         [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
         [--layouts colocated,disaggregated] [--compilation-cache DIR] [--eval-beside-training]
+        [--rounds N]
     .venv/bin/python benchmarks/vs_trl.py --model-size 30m [--steps 6] [--prompts 8]
         [--group 4] [--new-tokens 128]     # RL steps/s on a 30M model (rl_throughput.py)
         [--torch-threads N] [--json-out FILE]
@@ -503,6 +507,14 @@ def main(argv: list[str] | None = None) -> int:
         "CPU) instead of holding the run still and taking the pauses off its clock",
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every side this many times, ours first in odd rounds and TRL first in even\n"
+        "ones; the ratios are then each round's and their median (a cloud VM's speed drifts\n"
+        "by a third over minutes: one round can land a slow spell on one side)",
+    )
+    ap.add_argument(
         "--layouts",
         default="colocated,disaggregated",
         help="ours: the placement modes to run, side by side (comma-separated)",
@@ -521,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown or not layouts:
         ap.error(f"--layouts: {unknown or 'none'}; choose from {', '.join(LAYOUTS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds: give a positive number of rounds, got {args.rounds}")
     if args.only != "ours" and (missing := rl_throughput.trl_missing()):
         print(missing, file=sys.stderr)
         return 2
@@ -574,39 +588,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     early = not args.no_early_stop
 
-    results: dict[str, dict[str, Any]] = {}
-    if args.only != "trl":
+    def stop_when(rows: list[dict[str, Any]], elapsed: float) -> str | None:
+        if early and time_to_target(rows, target) is not None:
+            return "target"
+        if elapsed > args.max_seconds:
+            return "max-seconds"
+        return None
 
-        def stop_when(rows: list[dict[str, Any]], elapsed: float) -> str | None:
-            if early and time_to_target(rows, target) is not None:
-                return "target"
-            if elapsed > args.max_seconds:
-                return "max-seconds"
-            return None
-
-        for layout in layouts:
-            results[f"ours-{layout}"] = run_ours(
-                f"ours-{layout}",
-                {**ours_overrides, **LAYOUTS[layout]},
+    def run_side(label: str) -> dict[str, Any]:
+        if label == "trl":
+            result = run_trl_fresh(
+                model_dir,
+                ours_overrides,
+                torch_threads=args.torch_threads,
+                max_steps=args.max_steps,
+                max_seconds=args.max_seconds,
+                eval_every=args.eval_every,
+                target=target,
+                early_stop=early,
+                evaluation=args.trl_eval,
+            )
+        else:
+            result = run_ours(
+                label,
+                {**ours_overrides, **LAYOUTS[label.removeprefix("ours-")]},
                 args.max_steps,
                 model_dir=model_dir,
                 stop_when=stop_when,
                 pause_for_eval=not args.eval_beside_training,
             )
-    if args.only != "ours":
-        results["trl"] = run_trl_fresh(
-            model_dir,
-            ours_overrides,
-            torch_threads=args.torch_threads,
-            max_steps=args.max_steps,
-            max_seconds=args.max_seconds,
-            eval_every=args.eval_every,
-            target=target,
-            early_stop=early,
-            evaluation=args.trl_eval,
-        )
-    for r in results.values():
-        r["time_to_target"] = time_to_target(r["curve"], target)
+        result["time_to_target"] = time_to_target(result["curve"], target)
+        return result
+
+    sides = [f"ours-{layout}" for layout in layouts] if args.only != "trl" else []
+    sides += ["trl"] if args.only != "ours" else []
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i, order in enumerate(round_orders(sides, args.rounds)):
+        if args.rounds > 1:
+            log.info("round %d of %d: %s", i + 1, args.rounds, ", ".join(order))
+        done = {label: run_side(label) for label in order}
+        rounds.append({label: done[label] for label in sides})
 
     s = cfg.staleness
     print()
@@ -651,17 +672,31 @@ def main(argv: list[str] | None = None) -> int:
         ("best pass@1", lambda r: fmt_value(max((c["pass@1"] for c in r["curve"]), default=None))),
         ("mean reward, last 10 steps", lambda r: fmt_value(r["reward_last10"])),
     ]
-    print_table(list(results.items()), lines)
-    print()
-    print_curves(
-        results, "held-out pass@1 by step (seconds of training when that step's weights existed):"
-    )
-    ratios: dict[str, dict[str, float | None]] = {}
+    for i, results in enumerate(rounds):
+        if len(rounds) > 1:
+            print()
+            order = round_orders(sides, len(rounds))[i]
+            print(f"round {i + 1} of {len(rounds)} (in this order: {', '.join(order)}):")
+        print_table(list(results.items()), lines)
+        print()
+        print_curves(
+            results,
+            "held-out pass@1 by step (seconds of training when that step's weights existed):",
+        )
     load_after = _timing.machine_load(log, when="after")
     print()
     print(f"ratios{_timing.contended_mark(load_before, load_after) or ' (quiet machine)'}:")
-    for label in [k for k in results if k.startswith("ours")]:
-        ratios[label] = _ratios(results, label)
+    per_round: list[dict[str, dict[str, float | None]]] = []
+    for i, results in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1}:")
+        per_round.append({k: _ratios(results, k) for k in results if k.startswith("ours")})
+    ratios = median_ratios(per_round)
+    if len(rounds) > 1:
+        print(f"median over {len(rounds)} rounds:")
+        for label, r in ratios.items():
+            print(f"  {label}: TRL / ours = {_times(r['end_to_end'])} end to end, "
+                  f"{_times(r['from_first_step'])} from each side's first step")  # fmt: skip
     print(f"peak RSS of this process: {_timing.peak_rss_bytes() / 2**20:.0f} MiB")
     ratio = (ratios.get("ours-colocated") or next(iter(ratios.values()), {})).get("end_to_end")
     if args.json_out:
@@ -677,9 +712,13 @@ def main(argv: list[str] | None = None) -> int:
                     "max_seconds": args.max_seconds,
                     "cpu_count": os.cpu_count(),
                     "busy_cores_before": busy,
-                    "results": results,
+                    "results": rounds[0],
                     "ratio_trl_over_ours": ratio,
                     "ratios_trl_over_ours": ratios,
+                    "rounds": [
+                        {"results": r, "ratios_trl_over_ours": q}
+                        for r, q in zip(rounds, per_round, strict=True)
+                    ],
                     "layouts": layouts,
                     "machine_load": {"before": load_before, "after": load_after},
                     "compilation_cache": cache_state,
@@ -689,6 +728,30 @@ def main(argv: list[str] | None = None) -> int:
             )
         log.info("wrote %s", args.json_out)
     return 0
+
+
+def round_orders(sides: list[str], rounds: int) -> list[list[str]]:
+    """The order each round runs ``sides`` in: as given in odd rounds, reversed in even ones, so
+    that a drift of the machine's speed over the run reaches every side alike."""
+    return [list(sides) if i % 2 == 0 else sides[::-1] for i in range(rounds)]
+
+
+def median_ratios(
+    per_round: list[dict[str, dict[str, float | None]]],
+) -> dict[str, dict[str, float | None]]:
+    """Each layout's ratios (end to end, from the first step) as the median over the rounds that
+    have one (None when none has)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for label in per_round[0] if per_round else {}:
+        out[label] = {}
+        for kind in ("end_to_end", "from_first_step"):
+            values = [r[label][kind] for r in per_round if r[label][kind] is not None]
+            out[label][kind] = statistics.median(values) if values else None
+    return out
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def base_checks(cfg: Any, model_dir: str) -> dict[str, float]:

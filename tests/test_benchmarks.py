@@ -197,3 +197,54 @@ def test_a_fresh_process_clock_counts_its_start_and_a_failure_is_raised_not_hung
     assert 0.0 < seen["since_launch"] <= time.monotonic() - t0
     with pytest.raises(RuntimeError, match="negative value -1"):
         _timing.run_in_fresh_process(_fresh_process_report, -1)
+
+
+def test_vs_trl_rounds_alternate_the_sides_and_report_the_median(monkeypatch, capsys, tmp_path):
+    """--rounds N runs every side N times, ours first, then TRL first, ...: a slow spell of the
+    machine reaches both sides; the ratios are each round's and their median."""
+    import json
+
+    seconds = {"ours-colocated": [10.0, 12.0], "trl": [30.0, 20.0]}  # time to target per call
+    calls: list[str] = []
+
+    def result(label: str) -> dict:
+        t = seconds[label][calls.count(label)]
+        calls.append(label)
+        curve = [
+            {"version": 0, "pass@1": 0.1, "seconds": 0.0},
+            {"version": 10, "pass@1": 0.5, "seconds": t},
+        ]
+        return {"curve": curve, "steps": 10, "stopped": "target", "train_seconds": t,
+                "first_step_seconds": 2.0, "step_interval_median": 0.1,
+                "step_interval_mean": 0.1, "reward_last10": 0.3}  # fmt: skip
+
+    class Evaluator:
+        def __init__(self, cfg):
+            pass
+
+        def evaluate(self):
+            return {"pass@1": 0.1}
+
+    monkeypatch.setattr(vs_trl, "run_ours", lambda label, *a, **k: result(label))
+    monkeypatch.setattr(vs_trl, "run_trl_fresh", lambda *a, **k: result("trl"))
+    monkeypatch.setattr(vs_trl, "base_model_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(vs_trl, "base_checks", lambda cfg, d: {"torch_sampled": 0.1, "exact": 0.1})
+    monkeypatch.setattr(rl_throughput, "trl_missing", lambda: None)
+    monkeypatch.setattr("rlax_tasks.run.report.HeldOutEvaluator", Evaluator)
+    out_json = tmp_path / "out.json"
+    argv = ["--layouts", "colocated", "--rounds", "2", "--json-out", str(out_json)]
+    assert vs_trl.main(argv) == 0
+    assert calls == ["ours-colocated", "trl", "trl", "ours-colocated"]
+    out = capsys.readouterr().out
+    # end to end: 30/10 = 3.0 and 20/12 = 1.67; from the first step: 28/8 = 3.5 and 18/10 = 1.8
+    assert "round 2 of 2 (in this order: trl, ours-colocated)" in out
+    assert "ours-colocated: TRL / ours = 2.33x end to end, 2.65x from each side's first" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["ratios_trl_over_ours"]["ours-colocated"] == {
+        "end_to_end": pytest.approx(7 / 3),
+        "from_first_step": pytest.approx(2.65),
+    }
+    assert [r["ratios_trl_over_ours"]["ours-colocated"]["end_to_end"] for r in saved["rounds"]] == [
+        pytest.approx(3.0),
+        pytest.approx(20 / 12),
+    ]
