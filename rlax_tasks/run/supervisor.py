@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -73,11 +74,50 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now (the component binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# where the kernel takes the local ports of outgoing connections (Linux's default when unread)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+LOWEST_PORT = 10000  # listening ports are drawn from here up to the ephemeral range
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The (first, last) port the kernel gives outgoing connections."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+
+
+def free_port(host: str = "127.0.0.1", taken: Sequence[int] = ()) -> int:
+    """A port free now that no outgoing connection will take before a component listens on it
+    (it binds it a moment later), and not one of ``taken``.
+
+    Drawn below the kernel's ephemeral range: a port the kernel handed out for ``bind(0)`` goes
+    back to the pool outgoing connections draw from, and a run's own connections (its workers
+    pulling weights, the controller polling them) took such a port before its worker listened
+    ("cannot listen on 127.0.0.1:38491: Address already in use"). Falls back to ``bind(0)``
+    when the range leaves no room below it.
+    """
+    first, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200 if first - LOWEST_PORT >= 1000 else 0):
+        port = rng.randrange(LOWEST_PORT, first)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # something listens there (or holds it): another draw
+                continue
+        return port
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 @dataclasses.dataclass

@@ -77,12 +77,11 @@ def free_ports(cfg: Any) -> Ports:
     """Ports free on this machine now for every service of ``cfg`` (the jobs bind them soon)."""
     from rlax_tasks.run.supervisor import free_port
 
-    return Ports(
-        ps=free_port(),
-        trainer=free_port(),
-        workers=tuple(free_port() for _ in range(cfg.workers.count)),
-        coordinator=free_port(),
-    )
+    taken: list[int] = []
+    for _ in range(cfg.workers.count + 3):  # distinct: each draw is free only on its own
+        taken.append(free_port(taken=taken))
+    ps, trainer, coordinator, *workers = taken
+    return Ports(ps=ps, trainer=trainer, workers=tuple(workers), coordinator=coordinator)
 
 
 @dataclasses.dataclass(frozen=True)
