@@ -545,15 +545,15 @@ class PlacementSettings:
             needed = ("trainer", "workers") if self.mode == "disaggregated" else ("trainer",)
             for name in needed:
                 if getattr(self, name) is None:
-                    who, example, other = (
-                        ("the trainer's", "[0, 1, 2, 3]", "")
+                    who, example = (
+                        ("the trainer's", "[0, 1, 2, 3]")
                         if name == "trainer"
-                        else (
-                            "each worker's",
-                            "[[4, 5], [6, 7]]",
-                            " (or mode: colocated: one process, the sampler on the trainer's "
-                            "devices)",
-                        )
+                        else ("each worker's", "[[4, 5], [6, 7]]")
+                    )
+                    other = (
+                        " (or mode: colocated: one process, the sampler on the trainer's devices)"
+                        if name == "workers"
+                        else ""
                     )
                     raise ConfigError(
                         name,
