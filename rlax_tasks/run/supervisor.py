@@ -101,17 +101,18 @@ def free_port(host: str = "127.0.0.1", taken: Sequence[int] = ()) -> int:
     when the range leaves no room below it.
     """
     first, _ = ephemeral_range()
-    rng = random.SystemRandom()
-    for _ in range(200 if first - LOWEST_PORT >= 1000 else 0):
-        port = rng.randrange(LOWEST_PORT, first)
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:  # something listens there (or holds it): another draw
+    if first - LOWEST_PORT >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(LOWEST_PORT, first)
+            if port in taken:
                 continue
-        return port
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:  # something listens there (or holds it): another draw
+                    continue
+            return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
