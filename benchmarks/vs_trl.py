@@ -622,8 +622,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = [f"ours-{layout}" for layout in layouts] if args.only != "trl" else []
     sides += ["trl"] if args.only != "ours" else []
+    orders = round_orders(sides, args.rounds)
     rounds: list[dict[str, dict[str, Any]]] = []
-    for i, order in enumerate(round_orders(sides, args.rounds)):
+    for i, order in enumerate(orders):
         if args.rounds > 1:
             log.info("round %d of %d: %s", i + 1, args.rounds, ", ".join(order))
         done = {label: run_side(label) for label in order}
@@ -675,8 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, results in enumerate(rounds):
         if len(rounds) > 1:
             print()
-            order = round_orders(sides, len(rounds))[i]
-            print(f"round {i + 1} of {len(rounds)} (in this order: {', '.join(order)}):")
+            print(f"round {i + 1} of {len(rounds)} (in this order: {', '.join(orders[i])}):")
         print_table(list(results.items()), lines)
         print()
         print_curves(
