@@ -14,7 +14,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ from typing import Any
 
 import psutil
 
+from rlax_tasks.run.supervisor import free_port
 from tests.dags.conftest import DAGS, PLUGINS
 
 TAG_ENV = "RLAX_TEST_TAG"
 DAG_ID = "rlax_train"
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: no proxy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: str, lines: int) -> str:
@@ -119,6 +113,9 @@ class Standalone:
         for d in (self.home, self.run_root, self.cwd):
             os.makedirs(d, exist_ok=True)
         self.port = free_port()
+        # the scheduler's and the triggerer's log servers (fixed ports by default)
+        worker_log = free_port(taken=[self.port])
+        self.log_ports = (worker_log, free_port(taken=[self.port, worker_log]))
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tag = uuid.uuid4().hex
         self.proc: subprocess.Popen | None = None
@@ -142,9 +139,8 @@ class Standalone:
                 "AIRFLOW__API__PORT": str(self.port),
                 "AIRFLOW__API__BASE_URL": self.base_url,
                 "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base_url}/execution/",
-                # the log servers of the scheduler and the triggerer: fixed ports by default
-                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(self.log_ports[0]),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(self.log_ports[1]),
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
                 "RLAX_RUN_ROOT": self.run_root,

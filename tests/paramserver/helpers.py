@@ -10,13 +10,11 @@ import sys
 import threading
 from collections.abc import Iterator
 
+# below the ephemeral range, as `rlax run` draws its services' ports: a bind(0) port could be
+# taken by one of the test's own outgoing connections before the server listens on it
+from rlax_tasks.run.supervisor import free_port
+
 TOKEN = "test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

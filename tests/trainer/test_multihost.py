@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from rlax_tasks.run.supervisor import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "multihost_trainer.py")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
@@ -39,7 +34,7 @@ def _run_group(run_dir: str, out: str, hosts: int, devices_per_host: int) -> Non
     if hosts == 1:
         procs = [subprocess.Popen([sys.executable, SCRIPT, run_dir, out], env=_env(8))]
     else:
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         procs = [
             subprocess.Popen(
                 [sys.executable, SCRIPT, run_dir, out],
