@@ -540,26 +540,14 @@ class PlacementSettings:
                         "device lists need platform gpu, tpu or cpu (auto forces nothing)",
                     )
             return
-        if self.platform in ("gpu", "tpu"):
-            # (no mode yet: RunConfig names it, and this check runs again then)
-            needed = ("trainer", "workers") if self.mode == "disaggregated" else ("trainer",)
-            for name in needed:
-                if getattr(self, name) is None:
-                    who, example = (
-                        ("the trainer's", "[0, 1, 2, 3]")
-                        if name == "trainer"
-                        else ("each worker's", "[[4, 5], [6, 7]]")
-                    )
-                    other = (
-                        " (or mode: colocated: one process, the sampler on the trainer's devices)"
-                        if name == "workers"
-                        else ""
-                    )
-                    raise ConfigError(
-                        name,
-                        f"give {who} device indices on the host for platform {self.platform}, "
-                        f"e.g. {example}{other}",
-                    )
+        # the workers' lists a disaggregated run needs are RunConfig's check: whether colocated
+        # is the way out depends on trainer.hosts and workers.count
+        if self.platform in ("gpu", "tpu") and self.trainer is None:
+            raise ConfigError(
+                "trainer",
+                f"give the trainer's device indices on the host for platform {self.platform}, "
+                "e.g. [0, 1, 2, 3]",
+            )
         if self.platform != "tpu":
             if self.memory_fraction is not None:
                 for d in {d for devices in lists.values() for d in devices or ()}:
@@ -674,7 +662,9 @@ class RunConfig:
     def _resolve_defaults(self) -> None:
         """Names what the configuration left to the host's shape: the placement's mode
         (``PlacementSettings.default_mode``) and workers.count (1 colocated, else one per
-        device list of placement.workers, else 2); the saved config.yaml records both."""
+        device list of placement.workers, else 2); the saved config.yaml records both. A
+        disaggregated run on gpu or tpu must name its workers' devices: the check is here, where
+        trainer.hosts and workers.count say whether colocated is the way out."""
         p = self.placement
         if p.mode is None:
             try:
@@ -683,6 +673,8 @@ class RunConfig:
             except ConfigError as e:
                 raise e.under("placement") from None
             _set(self, "placement", p)
+        if p.mode == "disaggregated" and p.platform in ("gpu", "tpu") and p.workers is None:
+            raise ConfigError("placement.workers", self._missing_worker_devices())
         if self.workers.count is None:
             if p.mode == "colocated":
                 count = 1
@@ -745,6 +737,22 @@ class RunConfig:
                     "workers.mesh_shape",
                     f"{e}: worker list placement.workers[{i}] has {len(devices)} device(s)",
                 ) from None
+
+    def _missing_worker_devices(self) -> str:
+        """What a disaggregated run on gpu or tpu without placement.workers should give, and
+        colocated as the other way where this run could be one (one host, one sampler)."""
+        p = self.placement
+        message = (
+            f"give each worker's device indices on the host for platform {p.platform}, "
+            "e.g. [[4, 5], [6, 7]]"
+        )
+        if p.hosts > 1 or self.trainer.hosts > 1:
+            return message + " (a trainer on several hosts runs disaggregated)"
+        count = "" if self.workers.count in (None, 1) else "workers.count: 1 and "
+        return (
+            f"{message} (or {count}mode: colocated: one process, the sampler on the trainer's "
+            "devices)"
+        )
 
     def _cross_checks(self) -> None:
         r, w = self.rollout, self.workers

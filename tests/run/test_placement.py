@@ -201,19 +201,31 @@ def test_other_placements_default_to_separate_jobs(placement, overrides, count):
 
 
 @pytest.mark.parametrize(
-    "placement, overrides",
+    "placement, overrides, way_out",
     [
-        ({"platform": "gpu", "trainer": [0, 1]}, {}),  # two GPUs: which are the workers'?
-        ({"platform": "gpu", "trainer": [0]}, {"workers.count": 2}),  # two workers asked for
-        ({"platform": "gpu", "trainer": [0]}, {"trainer.hosts": 2}),  # a trainer on two hosts
+        # two GPUs: which are the workers'?
+        ({"platform": "gpu", "trainer": [0, 1]}, {}, "(or mode: colocated: one process"),
+        # two workers asked for: colocated has one
+        ({"platform": "gpu", "trainer": [0]}, {"workers.count": 2},
+         "(or workers.count: 1 and mode: colocated"),
+        # the same, named disaggregated on purpose
+        ({"platform": "tpu", "trainer": [0], "mode": "disaggregated"}, {},
+         "(or mode: colocated: one process"),
+        # a trainer on two hosts: colocated is one host, so not offered
+        ({"platform": "gpu", "trainer": [0]}, {"trainer.hosts": 2},
+         "(a trainer on several hosts runs disaggregated)"),
+        ({"platform": "gpu", "hosts": 2, "trainer": [0]}, {},
+         "(a trainer on several hosts runs disaggregated)"),
     ],
-)
-def test_a_placement_without_worker_devices_says_how_to_fix_it(placement, overrides):
+)  # fmt: skip
+def test_a_placement_without_worker_devices_says_how_to_fix_it(placement, overrides, way_out):
     with pytest.raises(ConfigError) as info:
         unnamed(placement, **overrides)
     message = str(info.value)
     assert message.startswith("placement.workers: give each worker's device indices"), message
-    assert "or mode: colocated" in message
+    assert way_out in message, message
+    if "several hosts" in way_out:  # never offered where it would be refused
+        assert "colocated" not in message
 
 
 def test_shorthand_multi_host_and_round_trip():
