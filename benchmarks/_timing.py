@@ -262,6 +262,12 @@ def contended_mark(*loads: dict[str, Any] | None) -> str:
     return f" [CONTENDED: {load}busy {fmt_opt(busy, 1)} cores]"
 
 
+def round_orders(sides: list[str], rounds: int) -> list[list[str]]:
+    """The order each round runs ``sides`` in: as given in odd rounds, reversed in even ones, so
+    that a drift of the machine's speed over the run reaches every side alike."""
+    return [list(sides) if i % 2 == 0 else sides[::-1] for i in range(rounds)]
+
+
 def fmt_opt(x: float | None, digits: int = 2) -> str:
     """``x`` with ``digits`` decimals, or "n/a" when it is None."""
     return "n/a" if x is None else f"{x:.{digits}f}"

@@ -13,7 +13,7 @@ it), no evaluation. The figure is steps per second after the first step (which c
 side and warms torch's allocator on TRL's): (N - 1) / (t_N - t_1).
 
     .venv/bin/python benchmarks/rl_throughput.py [--steps 6] [--prompts 8] [--group 4]
-        [--new-tokens 128] [--layouts colocated,disaggregated] [--only ours|trl]
+        [--new-tokens 128] [--layouts colocated,disaggregated] [--only ours|trl] [--rounds N]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -192,7 +193,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[str, Any]:
-    """Both sides on the 30M model; prints the table and the ratios; returns the figures."""
+    """Both sides on the 30M model, ``args.rounds`` times (ours first in odd rounds, TRL first
+    in even ones); prints each round's table and ratios and their median; returns the figures."""
+    rounds = getattr(args, "rounds", 1)
     before = _timing.machine_load(log)
     tmp = tempfile.mkdtemp(prefix="rlax-bench-30m-")
     from benchmarks.async_vs_sync import base_model_dir
@@ -200,13 +203,21 @@ def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[
     model_dir = os.path.join(tmp, "model")
     n = build_model(model_dir, base_model_dir())
     log.info("built the %.1fM-parameter model at %s", n / 1e6, model_dir)
-    results: dict[str, dict[str, Any]] = {}
+    sides = [f"ours-{layout}" for layout in layouts] if only != "trl" else []
+    sides += ["trl"] if only != "ours" else []
+    orders = _timing.round_orders(sides, rounds)
+    per_round: list[dict[str, dict[str, Any]]] = []
     try:
-        if only != "trl":
-            for layout in layouts:
-                results[f"ours-{layout}"] = run_ours(layout, args, model_dir)
-        if only != "ours":
-            results["trl"] = run_trl(args, model_dir)
+        for i, order in enumerate(orders):
+            if rounds > 1:
+                log.info("round %d of %d: %s", i + 1, rounds, ", ".join(order))
+            done = {
+                label: run_trl(args, model_dir)
+                if label == "trl"
+                else run_ours(label.removeprefix("ours-"), args, model_dir)
+                for label in order
+            }
+            per_round.append({label: done[label] for label in sides})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     after = _timing.machine_load(log, when="after")
@@ -217,22 +228,50 @@ def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[
         f"{args.group} completions of up to {args.new_tokens} tokens, {args.steps} steps (rate "
         f"after the first); {os.cpu_count()} CPUs; {_timing.describe_load(before)}{mark}"
     )
-    for label, r in results.items():
-        rate = r["steps_per_s"]
-        print(f"  {label:<20} {'n/a' if rate is None else f'{rate:.4f}'} steps/s  "
-              f"(first step done at {r['first_step_s']:.1f}s)")  # fmt: skip
-    ratios = {}
-    trl_rate = (results.get("trl") or {}).get("steps_per_s")
-    for label, r in results.items():
-        if label.startswith("ours") and trl_rate and r["steps_per_s"]:
-            ratios[label] = r["steps_per_s"] / trl_rate
-            print(f"  {label} / TRL = {ratios[label]:.2f}x  (target >= 2x){mark}")
+    round_ratios = []
+    for i, results in enumerate(per_round):
+        if rounds > 1:
+            print(f"round {i + 1} of {rounds} (in this order: {', '.join(orders[i])}):")
+        for label, r in results.items():
+            rate = r["steps_per_s"]
+            print(f"  {label:<20} {'n/a' if rate is None else f'{rate:.4f}'} steps/s  "
+                  f"(first step done at {r['first_step_s']:.1f}s)")  # fmt: skip
+        round_ratios.append(ratios_over_trl(results))
+        for label, ratio in round_ratios[-1].items():
+            print(f"  {label} / TRL = {ratio:.2f}x  (target >= 2x){mark}")
+    ratios = median_ratios(round_ratios)
+    if rounds > 1:
+        print(f"median over {rounds} rounds:")
+        for label, ratio in ratios.items():
+            print(f"  {label} / TRL = {ratio:.2f}x  (target >= 2x){mark}")
     return {
         "parameters": n,
-        "results": results,
+        "results": per_round[0],
         "ratios": ratios,
+        "rounds": [
+            {"order": order, "results": results, "ratios": q}
+            for order, results, q in zip(orders, per_round, round_ratios, strict=True)
+        ],
         "machine_load": {"before": before, "after": after},
         "args": {k: getattr(args, k) for k in ("steps", "prompts", "group", "new_tokens")},
+    }
+
+
+def ratios_over_trl(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each of ours' steps/s over TRL's, where both have a rate."""
+    trl_rate = (results.get("trl") or {}).get("steps_per_s")
+    return {
+        label: r["steps_per_s"] / trl_rate
+        for label, r in results.items()
+        if label.startswith("ours") and trl_rate and r["steps_per_s"]
+    }
+
+
+def median_ratios(round_ratios: list[dict[str, float]]) -> dict[str, float]:
+    """Each layout's ratio as the median over the rounds that have one."""
+    labels = dict.fromkeys(label for q in round_ratios for label in q)
+    return {
+        label: statistics.median(q[label] for q in round_ratios if label in q) for label in labels
     }
 
 
@@ -241,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     add_args(ap)
     ap.add_argument("--layouts", default="colocated,disaggregated")
     ap.add_argument("--only", choices=("ours", "trl"), default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every side this many times, ours first in odd rounds and TRL "
+                    "first in even ones; the ratios' median is reported")  # fmt: skip
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: give a positive number of rounds, got {args.rounds}")
     if args.only != "ours" and (missing := trl_missing()):
         print(missing, file=sys.stderr)
         return 2

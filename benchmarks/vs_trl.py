@@ -50,7 +50,7 @@ ratio on the same machine read 1.53x to 2.27x.
         [--layouts colocated,disaggregated] [--compilation-cache DIR] [--eval-beside-training]
         [--rounds N]
     .venv/bin/python benchmarks/vs_trl.py --model-size 30m [--steps 6] [--prompts 8]
-        [--group 4] [--new-tokens 128]     # RL steps/s on a 30M model (rl_throughput.py)
+        [--group 4] [--new-tokens 128] [--rounds N]  # RL steps/s, 30M model (rl_throughput.py)
         [--torch-threads N] [--json-out FILE]
 
 Needs TRL: ``bash scripts/setup.sh --bench``.
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = [f"ours-{layout}" for layout in layouts] if args.only != "trl" else []
     sides += ["trl"] if args.only != "ours" else []
-    orders = round_orders(sides, args.rounds)
+    orders = _timing.round_orders(sides, args.rounds)
     rounds: list[dict[str, dict[str, Any]]] = []
     for i, order in enumerate(orders):
         if args.rounds > 1:
@@ -728,12 +728,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         log.info("wrote %s", args.json_out)
     return 0
-
-
-def round_orders(sides: list[str], rounds: int) -> list[list[str]]:
-    """The order each round runs ``sides`` in: as given in odd rounds, reversed in even ones, so
-    that a drift of the machine's speed over the run reaches every side alike."""
-    return [list(sides) if i % 2 == 0 else sides[::-1] for i in range(rounds)]
 
 
 def median_ratios(

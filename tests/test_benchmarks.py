@@ -49,6 +49,41 @@ def test_only_ours_needs_no_trl(monkeypatch):
     assert ran
 
 
+def test_30m_rounds_alternate_the_sides_and_report_the_median(monkeypatch, capsys, tmp_path):
+    """--model-size 30m --rounds N: ours first, then TRL first, ...; each round's steps/s ratio
+    and their median."""
+    import json
+
+    rates = {"ours-colocated": [0.10, 0.09, 0.11], "trl": [0.05, 0.06, 0.04]}
+    calls: list[str] = []
+
+    def side(label: str) -> dict:
+        rate = rates[label][calls.count(label)]
+        calls.append(label)
+        return {"label": label, "steps": 6, "first_step_s": 3.0, "steps_per_s": rate}
+
+    monkeypatch.setattr(rl_throughput, "trl_missing", lambda: None)
+    monkeypatch.setattr(rl_throughput, "build_model", lambda path, tokenizer_dir: 30_000_000)
+    monkeypatch.setattr("benchmarks.async_vs_sync.base_model_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(rl_throughput, "run_ours", lambda layout, *a: side(f"ours-{layout}"))
+    monkeypatch.setattr(rl_throughput, "run_trl", lambda *a: side("trl"))
+    out_json = tmp_path / "out.json"
+    argv = ["--model-size", "30m", "--layouts", "colocated", "--rounds", "3",
+            "--json-out", str(out_json)]  # fmt: skip
+    assert vs_trl.main(argv) == 0
+    assert calls == ["ours-colocated", "trl", "trl", "ours-colocated", "ours-colocated", "trl"]
+    out = capsys.readouterr().out
+    # rounds: 0.10/0.05 = 2.0, 0.09/0.06 = 1.5, 0.11/0.04 = 2.75: median 2.0
+    assert "round 2 of 3 (in this order: trl, ours-colocated):" in out
+    assert "median over 3 rounds:\n  ours-colocated / TRL = 2.00x" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["ratios"] == {"ours-colocated": pytest.approx(2.0)}
+    assert [r["ratios"]["ours-colocated"] for r in saved["rounds"]] == [
+        pytest.approx(2.0), pytest.approx(1.5), pytest.approx(2.75)
+    ]  # fmt: skip
+    assert saved["rounds"][1]["order"] == ["trl", "ours-colocated"]
+
+
 def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys):
     from benchmarks import rollout
 
