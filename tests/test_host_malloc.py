@@ -13,18 +13,20 @@ import pytest
 
 from rlax_tasks import host_malloc
 
-# a jitted program whose ~96 MB temporary (the [4096, 6144] product) XLA:CPU allocates per call
+# a jitted program whose temporary (the [4096, columns] product: 96 MB at 6144 columns)
+# XLA:CPU allocates per call
 PROBE = """
 import json, resource, sys
 if sys.argv[1] == "tuned":
     from rlax_tasks.host_malloc import keep_freed_memory
     assert keep_freed_memory()
 import jax, jax.numpy as jnp
-x, w, w2 = jnp.ones((4096, 64)), jnp.ones((64, 6144)), jnp.ones((6144, 8))
+columns = int(sys.argv[2])
+x, w, w2 = jnp.ones((4096, 64)), jnp.ones((64, columns)), jnp.ones((columns, 8))
 f = jax.jit(lambda x, w, w2: jnp.sin(x @ w) @ w2)
 f(x, w, w2).block_until_ready()
 faults = []
-for _ in range(8):
+for _ in range(int(sys.argv[3])):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w, w2).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -32,25 +34,46 @@ print(json.dumps({"fewest_faults": min(faults)}))
 """
 
 
-def _fewest_faults_of_a_call(mode: str) -> int:
-    """The fewest page faults of 8 calls: a VM's memory reclaim may take idle pages back
-    between calls (then faulted in again), but it cannot make a fresh mapping fault less."""
+def _fewest_faults_of_a_call(mode: str, columns: int = 6144, calls: int = 8) -> int:
+    """The fewest page faults of ``calls`` calls: a VM's memory reclaim may take idle pages
+    back between calls (then faulted in again), but it cannot make a fresh mapping fault less."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", PROBE, mode, str(columns), str(calls)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["fewest_faults"]
 
 
-@pytest.mark.skipif(
+glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
+
+
+@glibc_only
 def test_an_xla_cpu_temporary_is_reused_not_faulted_in_at_every_call():
     pages = 4096 * 6144 * 4 / 4096  # the temporary's 4 KiB pages
     default = _fewest_faults_of_a_call("default")
     tuned = _fewest_faults_of_a_call("tuned")
     assert default > 0.5 * pages  # glibc maps it afresh at every call
     assert tuned < 0.05 * pages  # the same pages again
+
+
+@glibc_only
+def test_a_temporary_above_any_trim_threshold_is_kept_too():
+    """A 1.3 GB temporary (a 30M-parameter model's train step allocates 3 GB): above the 1 GiB
+    trim threshold once used, glibc gave the whole heap top back after every call."""
+    columns = 80_000
+    pages = 4096 * columns * 4 / 4096
+    assert _fewest_faults_of_a_call("tuned", columns, calls=3) < 0.05 * pages
+
+
+def test_a_trim_threshold_mallopt_cannot_take_is_refused():
+    with pytest.raises(ValueError, match="trim_threshold"):
+        host_malloc.keep_freed_memory(16 << 30)  # would wrap to 0 in mallopt's int
 
 
 @pytest.mark.parametrize(
