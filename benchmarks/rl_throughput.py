@@ -195,7 +195,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, layouts: list[str], only: str | None) -> dict[str, Any]:
     """Both sides on the 30M model, ``args.rounds`` times (ours first in odd rounds, TRL first
     in even ones); prints each round's table and ratios and their median; returns the figures."""
-    rounds = getattr(args, "rounds", 1)
+    rounds = args.rounds
     before = _timing.machine_load(log)
     tmp = tempfile.mkdtemp(prefix="rlax-bench-30m-")
     from benchmarks.async_vs_sync import base_model_dir

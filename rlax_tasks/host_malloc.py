@@ -5,8 +5,8 @@ XLA:CPU allocates each execution's temporary buffer with ``malloc`` on one of it
 (a pool thread's arena holds at most 64 MB) and unmaps it when freed, so every execution
 page-faults the whole buffer in again: 18k minor faults and ~30 ms of system time per train step
 on 2 CPU cores, beside ~28 ms of work. ``keep_freed_memory`` routes every thread to the main
-heap, serves large blocks from it and keeps up to ``TRIM_THRESHOLD`` of freed memory there, so
-the next execution reuses the same pages (the step: 0.039-0.047 s -> 0.028-0.030 s).
+heap, serves large blocks from it and keeps the freed memory there, so the next execution
+reuses the same pages (the step: 0.039-0.047 s -> 0.028-0.030 s).
 
 Freed memory is never trimmed (``NEVER_TRIM``): glibc gives back the whole free top of the heap
 once it exceeds the trim threshold, and a threshold (an ``int``, at most 2 GiB) below a step's

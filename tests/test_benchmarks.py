@@ -63,6 +63,7 @@ def test_30m_rounds_alternate_the_sides_and_report_the_median(monkeypatch, capsy
         return {"label": label, "steps": 6, "first_step_s": 3.0, "steps_per_s": rate}
 
     monkeypatch.setattr(rl_throughput, "trl_missing", lambda: None)
+    _quiet_machine(monkeypatch)
     monkeypatch.setattr(rl_throughput, "build_model", lambda path, tokenizer_dir: 30_000_000)
     monkeypatch.setattr("benchmarks.async_vs_sync.base_model_dir", lambda: str(tmp_path))
     monkeypatch.setattr(rl_throughput, "run_ours", lambda layout, *a: side(f"ours-{layout}"))
@@ -234,6 +235,18 @@ def test_a_fresh_process_clock_counts_its_start_and_a_failure_is_raised_not_hung
         _timing.run_in_fresh_process(_fresh_process_report, -1)
 
 
+def _quiet_machine(monkeypatch) -> None:
+    """The benchmarks' load readings, stubbed: a real one waits up to 150 s for a load left by
+    the previous test to settle."""
+    from benchmarks import _timing
+
+    def load(log=None, when="before", **_):
+        return {"when": when, "load_1m": 0.1, "load_5m": 0.1, "load_15m": 0.1,
+                "busy_cores": 0.0, "cpu_count": 2, "contended": False}  # fmt: skip
+
+    monkeypatch.setattr(_timing, "machine_load", load)
+
+
 def test_vs_trl_rounds_alternate_the_sides_and_report_the_median(monkeypatch, capsys, tmp_path):
     """--rounds N runs every side N times, ours first, then TRL first, ...: a slow spell of the
     machine reaches both sides; the ratios are each round's and their median."""
@@ -266,6 +279,7 @@ def test_vs_trl_rounds_alternate_the_sides_and_report_the_median(monkeypatch, ca
     monkeypatch.setattr(vs_trl, "base_checks", lambda cfg, d: {"torch_sampled": 0.1, "exact": 0.1})
     monkeypatch.setattr(rl_throughput, "trl_missing", lambda: None)
     monkeypatch.setattr("rlax_tasks.run.report.HeldOutEvaluator", Evaluator)
+    _quiet_machine(monkeypatch)
     out_json = tmp_path / "out.json"
     argv = ["--layouts", "colocated", "--rounds", "2", "--json-out", str(out_json)]
     assert vs_trl.main(argv) == 0
