@@ -11,6 +11,7 @@ other work shared the CPU, so a slow figure from a busy machine is never taken f
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -260,6 +261,25 @@ def contended_mark(*loads: dict[str, Any] | None) -> str:
     busy = max((x["busy_cores"] for x in given if x.get("busy_cores") is not None), default=None)
     load = f"load {max(before):.1f}, " if before else ""
     return f" [CONTENDED: {load}busy {fmt_opt(busy, 1)} cores]"
+
+
+def add_rounds_option(ap: argparse.ArgumentParser) -> None:
+    """``--rounds N`` of the comparisons with TRL (``round_orders`` runs them); N >= 1."""
+
+    def rounds(text: str) -> int:
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"give a positive number of rounds, got {n}")
+        return n
+
+    ap.add_argument(
+        "--rounds",
+        type=rounds,
+        default=1,
+        help="run every side this many times, ours first in odd rounds and TRL first in even\n"
+        "ones; the ratios are then each round's and their median (a cloud VM's speed drifts\n"
+        "by a third over minutes: one round can land a slow spell on one side)",
+    )
 
 
 def round_orders(sides: list[str], rounds: int) -> list[list[str]]:

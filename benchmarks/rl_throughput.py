@@ -280,13 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     add_args(ap)
     ap.add_argument("--layouts", default="colocated,disaggregated")
     ap.add_argument("--only", choices=("ours", "trl"), default=None)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every side this many times, ours first in odd rounds and TRL "
-                    "first in even ones; the ratios' median is reported")  # fmt: skip
+    _timing.add_rounds_option(ap)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds: give a positive number of rounds, got {args.rounds}")
     if args.only != "ours" and (missing := trl_missing()):
         print(missing, file=sys.stderr)
         return 2

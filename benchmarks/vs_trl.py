@@ -506,14 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ours: keep training while the held-out evaluation samples (competing for the\n"
         "CPU) instead of holding the run still and taking the pauses off its clock",
     )
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run every side this many times, ours first in odd rounds and TRL first in even\n"
-        "ones; the ratios are then each round's and their median (a cloud VM's speed drifts\n"
-        "by a third over minutes: one round can land a slow spell on one side)",
-    )
+    _timing.add_rounds_option(ap)
     ap.add_argument(
         "--layouts",
         default="colocated,disaggregated",
@@ -533,8 +526,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown or not layouts:
         ap.error(f"--layouts: {unknown or 'none'}; choose from {', '.join(LAYOUTS)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds: give a positive number of rounds, got {args.rounds}")
     if args.only != "ours" and (missing := rl_throughput.trl_missing()):
         print(missing, file=sys.stderr)
         return 2

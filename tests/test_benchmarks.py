@@ -85,6 +85,16 @@ def test_30m_rounds_alternate_the_sides_and_report_the_median(monkeypatch, capsy
     assert saved["rounds"][1]["order"] == ["trl", "ours-colocated"]
 
 
+@pytest.mark.parametrize("main", [vs_trl.main, rl_throughput.main])
+def test_a_round_count_below_one_is_refused(monkeypatch, capsys, main):
+    monkeypatch.setattr(rl_throughput, "run", lambda *a, **k: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(vs_trl, "base_model_dir", lambda: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as info:
+        main(["--rounds", "0"])
+    assert info.value.code == 2
+    assert "--rounds: give a positive number of rounds, got 0" in capsys.readouterr().err
+
+
 def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys):
     from benchmarks import rollout
 
