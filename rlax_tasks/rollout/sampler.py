@@ -135,23 +135,27 @@ def _prefill(
     state: SlotState,
     ids: jax.Array,
     lengths: jax.Array,
+    source: jax.Array | None,
     slots: jax.Array,
     new: SlotState,
     filtering: bool,
     sampling: bool,
 ) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
-    """Prefills prompts ids [n, P] into cache rows ``slots`` [n] and draws each first token.
+    """Prefills prompts ids [p, P] into cache rows ``slots`` [n] and draws each first token.
 
-    Rows whose slot index is out of range (padding of the admission bucket) are computed and
-    dropped. ``new`` holds the admitted requests' settings ([n] leading dims); ``held``: the
-    sampler's own copies of weights (``held_weights``; a prefill reads only the output
-    projection: its many tokens share each layer's weights). Returns the cache,
-    the slot state, first tokens [n], their log-probs [n] and whether each row is still active.
+    ``source`` [n]: the prompt row of each admitted row, so a prompt that several rows share
+    (a group's G samples) is computed once and its cache entries copied to each of their
+    slots; None: row i is prompt i (p == n). Rows whose slot index is out of range (padding of
+    the admission bucket) are computed and dropped. ``new`` holds the admitted requests'
+    settings ([n] leading dims); ``held``: the sampler's own copies of weights
+    (``held_weights``; a prefill reads only the output projection: its many tokens share each
+    layer's weights). Returns the cache, the slot state, first tokens [n], their log-probs [n]
+    and whether each row is still active.
     """
-    n, bucket = ids.shape
-    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (n, bucket))
+    p, bucket = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (p, bucket))
     valid = positions < lengths[:, None]
-    fresh = init_cache(config, n, bucket, cache.k.dtype)
+    fresh = init_cache(config, p, bucket, cache.k.dtype)
     logits, fresh = forward.extend_cache(
         graphdef,
         params,
@@ -159,12 +163,19 @@ def _prefill(
         positions,
         valid,
         fresh,
-        jnp.zeros(n, jnp.int32),
+        jnp.zeros(p, jnp.int32),
         fresh=True,
         logits_at=lengths - 1,
         unembedding=held.unembedding,
     )
     last = logits[:, 0]
+    if source is not None:  # each admitted row takes its prompt's logits and cache entries
+        last, lengths = last[source], lengths[source]
+        fresh = fresh._replace(
+            k=jnp.take(fresh.k, source, axis=1), v=jnp.take(fresh.v, source, axis=1)
+        )
+        positions = positions[source]
+    n = last.shape[0]
     keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
     tokens, logprobs = sample_tokens(
         last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling
@@ -252,7 +263,7 @@ def _decode(
 
 
 # module-level: one compilation cache shared by every Sampler of the same model and shapes
-_PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 10, 11), donate_argnums=(4, 5))
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 11, 12), donate_argnums=(4, 5))
 _DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(3, 4))
 _UNEMBEDDING = jax.jit(
     lambda graphdef, params: nnx.merge(graphdef, params).unembedding(), static_argnums=0
@@ -454,7 +465,9 @@ class Sampler:
         # background compilation into the persistent cache (see the module docstring)
         self.precompile = precompile
         self._precompiled: set[tuple] = set()  # (kind..., shape) compiled or under way
-        self._admissions_seen: dict[tuple, set[int]] = {}  # (bucket, filtering, sampling)
+        # (bucket, filtering, sampling) -> {(rows, prompt rows)} admitted
+        self._admissions_seen: dict[tuple, set[tuple[int, int | None]]] = {}
+        self._rows_per_prompt = 1  # the most requests per distinct prompt an admission had
         self._precompiling: list[threading.Thread] = []
         self._stop_precompiling = threading.Event()
 
@@ -635,14 +648,24 @@ class Sampler:
                 seen[id(p)] = self._stop_set(p)
         return [seen[id(p)] for p in params]
 
-    def _admission_arrays(self, rows: int, bucket: int) -> tuple[np.ndarray, ...]:
-        """An admission's host arrays, every row padding until filled: prompt ids [rows,
-        bucket], lengths, cache slots (out of range: dropped) and the rows' ``SlotState``."""
-        ids = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)
+    def _admission_arrays(
+        self, rows: int, bucket: int, prompt_rows: int | None = None
+    ) -> tuple[Any, ...]:
+        """An admission's host arrays, every row padding until filled: prompt ids [prompt_rows,
+        bucket] and their lengths, each row's prompt row (None when every row has its own:
+        ``prompt_rows`` None), cache slots (out of range: dropped) and the rows' ``SlotState``."""
+        ids = np.zeros((prompt_rows or rows, bucket), np.int32)
+        lengths = np.ones(prompt_rows or rows, np.int32)
+        source = None if prompt_rows is None else np.zeros(rows, np.int32)
         slots = np.full(rows, self.max_slots, np.int32)
         new = _empty_state(rows, self.max_stop_ids)
-        return ids, lengths, slots, new
+        return ids, lengths, source, slots, new
+
+    def _prompt_rows(self, rows: int, distinct: int) -> int | None:
+        """The padded prompt rows of an admission of ``rows`` whose requests hold ``distinct``
+        prompts, or None when sharing would not compute fewer rows (each row its own prompt)."""
+        shared = admission_rows(distinct, self.max_slots)
+        return shared if shared < rows else None
 
     def _admit(self, finished: list[Completion]) -> None:
         free = [i for i, s in enumerate(self._slots) if s is None]
@@ -653,12 +676,21 @@ class Sampler:
         take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         rows = admission_rows(len(take), self.max_slots)
         bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
-        ids, lengths, slots, new = self._admission_arrays(rows, bucket)
+        # equal prompts (a group's G samples) are prefilled once: rows -> their prompt's row
+        prompt_of: dict[tuple[int, ...], int] = {}
+        rows_prompt = [prompt_of.setdefault(tuple(r.prompt), len(prompt_of)) for r in take]
+        prompt_rows = self._prompt_rows(rows, len(prompt_of))
+        ids, lengths, source, slots, new = self._admission_arrays(rows, bucket, prompt_rows)
         # filled column by column: the tiny preset admits 256 requests at a time
         n = len(take)
         params = [r.params for r in take]
-        lengths[:n] = [len(r.prompt) for r in take]
-        ids[:n][np.arange(bucket) < lengths[:n, None]] = [t for r in take for t in r.prompt]
+        prompts = list(prompt_of) if source is not None else [r.prompt for r in take]
+        if source is not None:
+            source[:n] = rows_prompt
+            self._rows_per_prompt = max(self._rows_per_prompt, n // len(prompt_of))
+        p = len(prompts)
+        lengths[:p] = [len(t) for t in prompts]
+        ids[:p][np.arange(bucket) < lengths[:p, None]] = [t for prompt in prompts for t in prompt]
         slots[:n] = free[:n]
         new.budget[:n] = [p.max_new_tokens for p in params]
         new.temperature[:n] = [p.temperature for p in params]
@@ -670,7 +702,7 @@ class Sampler:
         new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r in take])
         filtering = any(p.filtering for p in params)
         sampling = any(p.temperature > 0 for p in params)
-        self._precompile_admissions(rows, bucket, filtering, sampling)
+        self._precompile_admissions(rows, prompt_rows, bucket, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, tokens, logprobs, active = self._prefill_fn(
@@ -682,6 +714,7 @@ class Sampler:
                 self._state,
                 ids,
                 lengths,
+                source,
                 slots,
                 new,
                 filtering,
@@ -700,40 +733,58 @@ class Sampler:
 
     # ------------------------------------------------------------------ precompilation
     def _precompile_admissions(
-        self, rows: int, bucket: int, filtering: bool, sampling: bool
+        self, rows: int, prompt_rows: int | None, bucket: int, filtering: bool, sampling: bool
     ) -> None:
         """Once admissions at (bucket, filtering, sampling) came in three sizes (their size
         varies: continuous batching refilling slots as they free), the prefill of every other
-        admission size (``admission_sizes``) compiles in the background. A workload that admits
+        admission size (``admission_sizes``) compiles in the background, with the prompt rows
+        its groups of equal prompts make likely (``_likely_prompt_rows``; again when larger
+        groups come). A workload that admits
         whole batches compiles nothing it would not use: its first batches often come in two
         sizes (the first requests trickle in while the first admission runs), and compiling the
         other sizes then cost the colocated tiny-arith run ~2 s of Python beside its first
         training step (warm cache), or several needless XLA compiles (cold)."""
         seen = self._admissions_seen.setdefault((bucket, filtering, sampling), set())
-        seen.add(rows)
-        if len(seen) < 3:
+        seen.add((rows, prompt_rows))
+        if len({n for n, _ in seen}) < 3:
             return
-        sizes = self._not_precompiled(
+        shapes = self._not_precompiled(
             ("prefill", bucket, filtering, sampling),
-            [n for n in admission_sizes(self.max_slots) if n not in seen],
+            [
+                (n, likely)
+                for n in admission_sizes(self.max_slots)
+                for likely in self._likely_prompt_rows(n)
+                if (n, likely) not in seen
+            ],
         )
-        if not sizes:
+        if not shapes:
             return
         args = self._abstract_state()
 
-        def lower(n: int) -> list[Any]:
-            ids, lengths, slots, new = self._admission_arrays(n, bucket)
+        def lower(n: int, prompt_rows: int | None) -> list[Any]:
             cfg, graphdef = self.policy.config, self.policy.graphdef
+            ids, lengths, source, slots, new = self._admission_arrays(n, bucket, prompt_rows)
+            prefill = self._prefill_fn.lower(
+                cfg, graphdef, *args, ids, lengths, source, slots, new, filtering, sampling
+            )
             seeds, indices = np.zeros((n, 2), np.uint32), np.zeros(n, np.uint32)
-            return [
-                self._prefill_fn.lower(
-                    cfg, graphdef, *args, ids, lengths, slots, new, filtering, sampling
-                ),
-                _fold_in_rows.lower(seeds, indices),
-            ]
+            return [prefill, _fold_in_rows.lower(seeds, indices)]
 
-        what = f"admissions of {sizes} rows at prompt bucket {bucket}"
-        self._start_precompiling(what, [functools.partial(lower, n) for n in sizes])
+        what = f"admissions of (rows, prompt rows) {shapes} at prompt bucket {bucket}"
+        self._start_precompiling(what, [functools.partial(lower, *shape) for shape in shapes])
+
+    def _likely_prompt_rows(self, rows: int) -> list[int | None]:
+        """The prompt rows an admission of ``rows`` is likely to come with: every row its own
+        prompt, and, once admissions shared prompts (groups of G), whole groups or one more
+        (a group split between two admissions)."""
+        out: list[int | None] = [None]
+        g = self._rows_per_prompt
+        if g > 1:
+            for distinct in (-(-rows // g), -(-rows // g) + 1):
+                prompt_rows = self._prompt_rows(rows, distinct)
+                if prompt_rows not in out:
+                    out.append(prompt_rows)
+        return out
 
     def _precompile_decodes(self, window: int, reach: int, filtering: bool, sampling: bool) -> None:
         """The attention windows the slots' requests will reach (``reach``: their longest
@@ -756,7 +807,7 @@ class Sampler:
         what = f"decode windows {windows}"
         self._start_precompiling(what, [functools.partial(lower, w) for w in windows])
 
-    def _not_precompiled(self, kind: tuple, shapes: list[int]) -> list[int]:
+    def _not_precompiled(self, kind: tuple, shapes: list[Any]) -> list[Any]:
         """Those of ``shapes`` (of programs ``kind``) to precompile now, marked as done: none
         without a persistent cache to fill (see the module docstring)."""
         if not self.precompile or not jax.config.jax_compilation_cache_dir:

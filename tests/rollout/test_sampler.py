@@ -137,6 +137,32 @@ def test_same_seed_same_output_whatever_shares_the_batch(policy, prompts):
     assert other[0].tokens != alone[0].tokens
 
 
+def test_a_prompt_shared_by_several_requests_is_prefilled_once(policy, prompts):
+    """A group's G samples of one prompt take one prefill row (its cache entries copied to each
+    slot), and they complete exactly as each prefilled on its own (one slot at a time)."""
+    shared = Sampler(policy, max_slots=16, max_len=96)
+    rows = []
+    prefill = shared._prefill_fn
+
+    def spy(*args: object) -> object:
+        rows.append((args[6].shape[0], None if args[8] is None else args[8].shape[0]))
+        return prefill(*args)
+
+    shared._prefill_fn = spy
+    kwargs = dict(max_new_tokens=12, temperature=1.0, seed=5, n=4)
+    out = shared.generate(prompts[:3], **kwargs)  # 12 rows, 3 prompts
+    # 3 distinct prompts of 12 requests: 4 prompt rows (padded) for 16 admission rows
+    assert rows == [(4, 16)]
+    alone = Sampler(policy, max_slots=1, max_len=96).generate(prompts[:3], **kwargs)
+    assert [o.tokens for o in out] == [o.tokens for o in alone]
+    for a, b in zip(out, alone, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    # every row its own prompt: no sharing, the prefill computes every row
+    rows.clear()
+    shared.generate(prompts[:3], max_new_tokens=4, temperature=1.0, seed=5)
+    assert rows == [(4, None)]
+
+
 def test_request_keys_are_fold_in_of_the_seed_key_and_sample_index():
     # one device call per admission must give each request the key it always had
     seeds = [0, 11, 11, 2**31 - 1, 2**31, 2**32 + 5, -3]
@@ -318,11 +344,12 @@ from tests.tiny_model import tiny_model_config
 policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
 sampler = Sampler(policy, max_slots=16, max_len=96, precompile=sys.argv[2] == "on")
 short = dict(max_new_tokens=4, temperature=1.0)
-sampler.generate([[5, 6, 7]] * 8, **short)  # 8 rows, window 64: one size so far
+distinct = lambda n: [[5, 6, 7 + i] for i in range(n)]  # (equal prompts share a prefill row)
+sampler.generate(distinct(8), **short)  # 8 rows, window 64: one size so far
 print("after one size:", sum(t.is_alive() for t in sampler._precompiling))
-sampler.generate([[5, 6, 7]] * 3, **short)  # 4 rows: two sizes, as a whole-batch start can give
+sampler.generate(distinct(3), **short)  # 4 rows: two sizes, as a whole-batch start can give
 print("after two sizes:", sum(t.is_alive() for t in sampler._precompiling))
-sampler.generate([[5, 6, 7]] * 2, **short)  # 2 rows: sizes vary, the others (1, 16) follow
+sampler.generate(distinct(2), **short)  # 2 rows: sizes vary, the others (1, 16) follow
 # a request that will reach 73 cache entries (window 96): one decode chunk, then dropped
 long = SamplingParams(max_new_tokens=70, temperature=1.0, ignore_eos=True)
 sampler.add_request(Request.make([5, 6, 7], long))
@@ -334,10 +361,17 @@ entries = lambda: {n: os.stat(os.path.join(sys.argv[1], n)).st_mtime_ns
 before = entries()
 print("prefills:", sum(n.startswith("jit__prefill") for n in before))
 print("decodes:", sum(n.startswith("jit__decode") for n in before))
-sampler.generate([[5, 6, 7]], **short)
-sampler.generate([[5, 6, 7]] * 16, **short)
-sampler.generate([[5, 6, 7]], max_new_tokens=70, temperature=1.0, ignore_eos=True)
+sampler.generate(distinct(1), **short)
+sampler.generate(distinct(16), **short)
+sampler.generate(distinct(1), max_new_tokens=70, temperature=1.0, ignore_eos=True)
 print("compiled later:", sorted(n for n, t in entries().items() if before.get(n) != t))
+# groups of 4 equal prompts: 8 rows of 2 prompts compile here; then 16 rows of 4 prompts (or
+# 5: a group split between admissions) are likely and follow in the background
+sampler.generate(distinct(2), n=4, **short)
+sampler.wait_precompiled()
+before = entries()
+sampler.generate(distinct(4), n=4, **short)
+print("groups compiled later:", sorted(n for n, t in entries().items() if before.get(n) != t))
 """
 
 
@@ -358,10 +392,12 @@ def test_admissions_of_varying_size_and_longer_requests_precompile_what_follows(
     if precompile == "on":  # sizes 1, 2, 4, 8, 16; windows 64, 96
         assert lines["prefills"] == "5" and lines["decodes"] == "2", out.stdout
         assert lines["compiled later"] == "[]", out.stdout
+        assert lines["groups compiled later"] == "[]", out.stdout
     else:  # the check can fail: without precompiling, the later calls compile
         assert lines["prefills"] == "4" and lines["decodes"] == "1", out.stdout  # 8, 4, 2, 1 rows
         assert "jit__prefill" in lines["compiled later"], out.stdout
         assert "jit__decode" in lines["compiled later"], out.stdout
+        assert "jit__prefill" in lines["groups compiled later"], out.stdout
 
 
 _EXIT_WHILE_PRECOMPILING = """
