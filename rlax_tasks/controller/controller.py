@@ -426,14 +426,16 @@ class Controller:
                     f"no training step {self.step + 1} after {max_iterations} iterations"
                 )
             iterations += 1
-            progressed = self.iterate()
+            progressed = self.iterate(last_step=num_steps)
             if not progressed and self.idle_sleep_s > 0:
                 time.sleep(self.idle_sleep_s)
 
-    def iterate(self) -> bool:
+    def iterate(self, last_step: int | None = None) -> bool:
         """One round: dispatch, collect, score, and at most one training step.
 
-        Returns whether anything happened (a result arrived or a step was trained).
+        ``last_step``: the run's last step (drivers pass it): the prompts of the next step go
+        out as soon as a step is trained, except after that one. Returns whether anything
+        happened (a result arrived or a step was trained).
         """
         if not self._started:
             raise RuntimeError("call start() first: it restores a snapshot or starts fresh")
@@ -456,7 +458,7 @@ class Controller:
                 return got > 0
             with self._timed("snapshot"):
                 self.snapshot(pending=batch, buffer_state=before)
-            self._train(batch)
+            self._train(batch, dispatch_next=last_step is None or self.step + 1 < last_step)
             return True
         finally:
             self._idle_since = self.clock()
@@ -781,9 +783,10 @@ class Controller:
         )
 
     # ------------------------------------------------------------------ train, record, snapshot
-    def _train(self, batch: Batch, sent_before: bool = False) -> None:
+    def _train(self, batch: Batch, sent_before: bool = False, dispatch_next: bool = False) -> None:
         """Trains the next step on ``batch`` (``sent_before``: the pending step of the restored
-        snapshot, which the trainer may have applied before this controller heard back)."""
+        snapshot, which the trainer may have applied before this controller heard back;
+        ``dispatch_next``: hands out the next prompts before the step's records are written)."""
         batch = dataclasses.replace(batch, timings=self._end_cycle())
         step = self.step + 1
         sent_before = sent_before or self.lineage.has(step)
@@ -801,6 +804,13 @@ class Controller:
         self.step += 1
         self.version = new_version
         self.counters["trained_groups"] += len(batch.groups)
+        if dispatch_next:
+            # the next prompts go out before this step's records are written: the workers (on
+            # the new version) generate while the lineage, rollouts and snapshot are written,
+            # and the snapshot records them in flight (a lockstep run otherwise left the
+            # sampler idle for those ~10 ms of a tiny-preset step)
+            with self._timed("dispatch"):
+                self._dispatch()
         with self._timed("lineage"):
             self.lineage.append(lineage_record(self.step, batch))
         with self._timed("rollouts"):

@@ -197,7 +197,7 @@ def _controller_command(args: argparse.Namespace) -> int:
     freeze_startup()
     last = time.monotonic()
     while controller.step < steps:
-        if not controller.iterate():
+        if not controller.iterate(last_step=steps):
             time.sleep(0.02)
         collect_if_due()
         if time.monotonic() - last > args.status_every_s:

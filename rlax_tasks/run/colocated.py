@@ -165,9 +165,7 @@ def sampler_policy(trainer_policy: Any, mesh_shape: Sequence[int], dtype: str) -
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), params)
     else:
         shardings = param_shardings(params, mesh)
-    placed = jax.tree.map(
-        lambda a, s: jax.device_put(a, s, may_alias=False), params, shardings
-    )
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, s, may_alias=False), params, shardings)
     return dataclasses.replace(trainer_policy, params=placed, mesh=mesh, param_dtype=None)
 
 
@@ -277,7 +275,8 @@ class ColocatedRun:
         self._publish = publish_steps(self.cfg, steps)
         last = time.monotonic()
         while self.controller.step < steps:
-            if not self.controller.iterate() and not self.controller.wait_for_scoring(IDLE_S):
+            progressed = self.controller.iterate(last_step=steps)
+            if not progressed and not self.controller.wait_for_scoring(IDLE_S):
                 # woken by the sampler's next finished group (a lockstep step waits for its
                 # whole batch: a fixed 5 ms sleep here cost ~10% of a tiny-preset step)
                 self.worker.wait_for_results(IDLE_S)

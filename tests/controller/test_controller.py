@@ -233,20 +233,49 @@ def test_scorer_failure_keeps_groups_and_retries(tmp_path):
     assert len(read_lineage(str(tmp_path / "run"))) == 3
 
 
-def test_lockstep_on_policy_uses_only_fresh_rollouts(tmp_path):
-    world = World(reload_every=1)
-    c = make(
-        str(tmp_path / "run"),
+def make_lockstep(run_dir: str, world: World) -> Controller:
+    """On-policy j = k = 1, one batch of 4 groups outstanding, no dynamic sampling."""
+    return make(
+        run_dir,
         world,
         reload_every=1,
         max_staleness=1,
         max_outstanding_groups=4,
         dynamic_sampling=False,
     )
+
+
+def test_lockstep_on_policy_uses_only_fresh_rollouts(tmp_path):
+    world = World(reload_every=1)
+    c = make_lockstep(str(tmp_path / "run"), world)
     c.start()
     c.run(5, max_iterations=500)
     for r in read_lineage(str(tmp_path / "run")):
         assert r["rollout_versions"] == [r["version"] - 1] * 4
+
+
+@pytest.mark.parametrize(("last_step", "next_out"), [(3, True), (1, False)])
+def test_a_trained_step_hands_out_the_next_prompts_before_its_snapshot_but_not_the_last(
+    tmp_path, last_step, next_out
+):
+    """Lockstep: the next step's prompts go to the workers as soon as a step is trained (they
+    generate on the new version while its records are written), so its snapshot holds them in
+    flight; after the run's last step none are drawn for a step that will not come."""
+    run_dir = str(tmp_path / "run")
+    world = World(reload_every=1)
+    c = make_lockstep(run_dir, world)
+    c.start()
+    while c.step < 1:
+        c.iterate(last_step=last_step)
+    snap = SnapshotStore(run_dir).load_latest()
+    assert snap.step == 1 and snap.pending is None
+    assert [e["prompt_id"] for e in snap.in_flight] == c.in_flight_ids
+    assert len(c.in_flight_ids) == (4 if next_out else 0)
+    submitted = [pid for _, pids in world.pool.submits for pid in pids]
+    assert len(submitted) == (8 if next_out else 4)  # step 1's prompts, then step 2's
+    if next_out:  # they train step 2 on the version step 1 produced
+        c.run(2, max_iterations=500)
+        assert read_lineage(run_dir)[1]["rollout_versions"] == [1] * 4
 
 
 def test_overlong_shaping_changes_rewards_not_scores(tmp_path):
