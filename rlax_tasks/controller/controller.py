@@ -804,13 +804,17 @@ class Controller:
         self.step += 1
         self.version = new_version
         self.counters["trained_groups"] += len(batch.groups)
+        unusable: ValueError | None = None
         if dispatch_next:
             # the next prompts go out before this step's records are written: the workers (on
             # the new version) generate while the lineage, rollouts and snapshot are written,
             # and the snapshot records them in flight (a lockstep run otherwise left the
             # sampler idle for those ~10 ms of a tiny-preset step)
-            with self._timed("dispatch"):
-                self._dispatch()
+            try:
+                with self._timed("dispatch"):
+                    self._dispatch()
+            except ValueError as e:  # every prompt drawn was unusable: raised once recorded
+                unusable = e
         with self._timed("lineage"):
             self.lineage.append(lineage_record(self.step, batch))
         with self._timed("rollouts"):
@@ -819,6 +823,8 @@ class Controller:
         if self.version % self.settings.reload_every == 0:
             with self._timed("snapshot"):
                 self.snapshot()
+        if unusable is not None:
+            raise unusable
 
     def _replay_trainer(self, trainer_step: int) -> None:
         """Gives a trainer restored at ``trainer_step`` the steps after it, up to ours, again.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlax_tasks.controller import RolloutBuffer, SnapshotStore, read_lineage
+from rlax_tasks.controller.rollouts import read_step_batch
 from tests.controller.fakes import UNENCODABLE, World, controller, encode, mixture
 from tests.controller.test_buffer import group
 
@@ -89,6 +90,35 @@ def test_a_mixture_of_only_too_long_prompts_is_a_clear_error(tmp_path, prompts_p
         c.run(5, max_iterations=50)
     assert c.counters["skipped_prompts"] == threshold == c.mixture.draws == len(encoded)
     assert world.pool.submits == []
+
+
+def test_a_mixture_unusable_from_the_second_step_on_fails_after_the_first_is_recorded(tmp_path):
+    """The next step's prompts are drawn as soon as a step is trained: when none of them is
+    usable, the error comes once that step's lineage, rollouts and snapshot are written."""
+    run_dir = str(tmp_path / "run")
+    world = World()
+
+    def too_long_once_trained(content):  # 200 tokens from the second step's prompts on
+        return [7] * 200 if world.trainer.batches else encode(content)
+
+    c = controller(
+        run_dir,
+        world,
+        max_prompt_tokens=LIMIT,
+        reload_every=1,
+        max_staleness=1,
+        max_outstanding_groups=4,
+        encode=too_long_once_trained,
+    )
+    c.start()
+    with pytest.raises(ValueError, match="prompts drawn were all skipped"):
+        for _ in range(50):
+            c.iterate(last_step=3)
+    assert c.step == 1 and len(world.trainer.batches) == 1
+    assert [r["step"] for r in read_lineage(run_dir)] == [1]
+    assert read_step_batch(run_dir, 1).prompt_ids == world.trainer.batches[0].prompt_ids
+    snap = SnapshotStore(run_dir).load_latest()
+    assert snap.step == 1 and snap.pending is None
 
 
 def test_many_too_long_prompts_but_never_a_threshold_in_a_row_do_not_end_the_run(tmp_path):
