@@ -684,13 +684,17 @@ class Sampler:
         # filled column by column: the tiny preset admits 256 requests at a time
         n = len(take)
         params = [r.params for r in take]
-        prompts = list(prompt_of) if source is not None else [r.prompt for r in take]
-        if source is not None:
+        if source is None:
+            prompts = [r.prompt for r in take]
+        else:
+            prompts = list(prompt_of)
             source[:n] = rows_prompt
-            self._rows_per_prompt = max(self._rows_per_prompt, n // len(prompt_of))
-        p = len(prompts)
-        lengths[:p] = [len(t) for t in prompts]
-        ids[:p][np.arange(bucket) < lengths[:p, None]] = [t for prompt in prompts for t in prompt]
+            self._rows_per_prompt = max(self._rows_per_prompt, n // len(prompts))
+        filled = len(prompts)
+        lengths[:filled] = [len(prompt) for prompt in prompts]
+        ids[:filled][np.arange(bucket) < lengths[:filled, None]] = [
+            t for prompt in prompts for t in prompt
+        ]
         slots[:n] = free[:n]
         new.budget[:n] = [p.max_new_tokens for p in params]
         new.temperature[:n] = [p.temperature for p in params]
@@ -739,11 +743,11 @@ class Sampler:
         varies: continuous batching refilling slots as they free), the prefill of every other
         admission size (``admission_sizes``) compiles in the background, with the prompt rows
         its groups of equal prompts make likely (``_likely_prompt_rows``; again when larger
-        groups come). A workload that admits
-        whole batches compiles nothing it would not use: its first batches often come in two
-        sizes (the first requests trickle in while the first admission runs), and compiling the
-        other sizes then cost the colocated tiny-arith run ~2 s of Python beside its first
-        training step (warm cache), or several needless XLA compiles (cold)."""
+        groups come). A workload that admits whole batches compiles nothing it would not use:
+        its first batches often come in two sizes (the first requests trickle in while the
+        first admission runs), and compiling the other sizes then cost the colocated tiny-arith
+        run ~2 s of Python beside its first training step (warm cache), or several needless XLA
+        compiles (cold)."""
         seen = self._admissions_seen.setdefault((bucket, filtering, sampling), set())
         seen.add((rows, prompt_rows))
         if len({n for n, _ in seen}) < 3:
@@ -780,7 +784,8 @@ class Sampler:
         out: list[int | None] = [None]
         g = self._rows_per_prompt
         if g > 1:
-            for distinct in (-(-rows // g), -(-rows // g) + 1):
+            whole_groups = -(-rows // g)
+            for distinct in (whole_groups, whole_groups + 1):
                 prompt_rows = self._prompt_rows(rows, distinct)
                 if prompt_rows not in out:
                     out.append(prompt_rows)
