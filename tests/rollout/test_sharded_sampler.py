@@ -109,3 +109,38 @@ def test_worker_mesh_flag() -> None:
             service.worker_mesh(bad)
     with pytest.raises(ValueError, match="needs"):
         service.worker_mesh("1,3,1")
+
+
+GROUPS = dict(max_new_tokens=NEW, temperature=1.0, seed=7, n=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def groups_unsharded():
+    """A peaked policy and its 4 x 4 group completions on one device (that these equal one slot
+    at a time's, prefilled each on its own: ``test_sampler.py``)."""
+    policy = _peaked_policy(3)
+    return policy, Sampler(policy, max_slots=16, max_len=MAX_LEN).generate(PROMPTS, **GROUPS)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4)], ids=["1x1x8", "2x1x4"])
+def test_groups_on_a_mesh_share_their_prefill_and_sample_as_on_one_device(
+    groups_unsharded, shape  # noqa: ANN001
+) -> None:
+    """A group's n samples of one prompt take one prefill row on a worker mesh too (2x1x4: the
+    slots sharded over data, a prompt row's cache entries copied to slots on other devices),
+    and sample exactly the tokens they do on one device."""
+    policy, alone = groups_unsharded
+    mesh = make_mesh(*shape, devices=jax.devices()[:8])
+    sampler = Sampler(policy.shard(mesh), max_slots=16, max_len=MAX_LEN)
+    rows, prefill = [], sampler._prefill_fn
+
+    def spy(*args: object) -> object:  # (ids, source): the prompt rows and the rows they fill
+        rows.append((args[6].shape[0], None if args[8] is None else args[8].shape[0]))
+        return prefill(*args)
+
+    sampler._prefill_fn = spy
+    outs = sampler.generate(PROMPTS, **GROUPS)
+    assert rows == [(4, 16)]  # 4 distinct prompts, 16 requests: one prefill of 4 prompt rows
+    assert [o.tokens for o in outs] == [o.tokens for o in alone]
+    for out, ref in zip(outs, alone, strict=True):
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=5e-5, rtol=0)
