@@ -124,7 +124,7 @@ def groups_unsharded():
 
 @pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4)], ids=["1x1x8", "2x1x4"])
 def test_groups_on_a_mesh_share_their_prefill_and_sample_as_on_one_device(
-    groups_unsharded, shape  # noqa: ANN001
+    groups_unsharded: tuple, shape: tuple[int, int, int]
 ) -> None:
     """A group's n samples of one prompt take one prefill row on a worker mesh too (2x1x4: the
     slots sharded over data, a prompt row's cache entries copied to slots on other devices),
