@@ -16,7 +16,7 @@ from rlax_tasks import host_malloc
 # a jitted program whose temporary (the [4096, columns] product: 96 MB at 6144 columns)
 # XLA:CPU allocates per call
 PROBE = """
-import json, resource, sys
+import json, resource, sys, time
 if sys.argv[1] == "tuned":
     from rlax_tasks.host_malloc import keep_freed_memory
     assert keep_freed_memory()
@@ -27,6 +27,10 @@ f = jax.jit(lambda x, w, w2: jnp.sin(x @ w) @ w2)
 f(x, w, w2).block_until_ready()
 faults = []
 for _ in range(int(sys.argv[3])):
+    # XLA frees a call's temporary on its own thread just after the result is ready: a call at
+    # once may allocate before that free (a new block, faulted in). A train step's next call
+    # comes after the host's work on the last one's results; this pause stands for it
+    time.sleep(0.1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w, w2).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -68,7 +72,7 @@ def test_a_temporary_above_any_trim_threshold_is_kept_too():
     trim threshold once used, glibc gave the whole heap top back after every call."""
     columns = 80_000
     pages = 4096 * columns * 4 / 4096
-    assert _fewest_faults_of_a_call("tuned", columns, calls=3) < 0.05 * pages
+    assert _fewest_faults_of_a_call("tuned", columns, calls=4) < 0.05 * pages
 
 
 def test_a_trim_threshold_mallopt_cannot_take_is_refused():
