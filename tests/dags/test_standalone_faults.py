@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
+from rlax_tasks import storage
 from tests.dags.conftest import read_jsonl
 from tests.dags.standalone import Components, tail, wait_for
 
@@ -170,7 +171,9 @@ def test_a_killed_job_and_restarted_components_complete_the_run_once(airflow, tm
         _signal_tree(job, signal.SIGSTOP)
         held = job
         note(f"job {job.pid} held after checkpoint {_checkpoints(run_dir)[-1]}")
-        steps_before = [m["step"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+        # a process stopped mid-write leaves a torn last line: storage.read_jsonl skips it
+        metrics = storage.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        steps_before = [m["step"] for m in metrics]
         assert steps_before and max(steps_before) < STEPS, (
             f"the job was held at step {max(steps_before, default=0)} of {STEPS}: not mid-run"
         )

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from rlax_tasks import storage
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
 from tests.dags.conftest import DAGS, read_jsonl
 
@@ -36,7 +37,7 @@ def _preempt_when_training(url: str, run_dir: str, seen: dict) -> None:
     """Preempts the trainer slice once the run applied 2 steps, noting where the PS was."""
     deadline = time.monotonic() + 1200
     while time.monotonic() < deadline:
-        steps = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+        steps = [r["step"] for r in storage.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
         if steps and max(steps) >= 2:
             seen["ps_before"] = _published(run_dir, "ps")
             seen["trainer_before"] = _published(run_dir, "trainer")

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from rlax_tasks import storage
 from rlax_tasks.config import load_config
 from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
@@ -55,7 +56,7 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     def hook(sup):
         if not schedule or not os.path.exists(metrics_path):
             return
-        done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+        done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
         at, name = schedule[0]
         if done >= at:
             sup.kill(name)
@@ -102,7 +103,7 @@ def test_chaos_ten_random_kills_during_one_run(tmp_path, monkeypatch):
     def hook(sup):
         if len(kills) >= 10 or not os.path.exists(metrics_path):
             return
-        done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+        done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
         if done > (kills[-1][0] if kills else 0) and done < steps:
             name = rng.choice(names)
             sup.kill(name)
@@ -135,7 +136,7 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
 
     def hook(sup):
         if schedule and os.path.exists(metrics_path):
-            done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+            done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
             if done >= schedule[0][0]:
                 sup.kill(schedule.pop(0)[1])
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from rlax_tasks import storage
 from rlax_tasks.cli import main
 from rlax_tasks.run.local_run import run_local
 from tests.run.test_local_run import read_jsonl, small_config
@@ -53,7 +54,7 @@ def test_two_trainer_hosts_match_one_and_survive_a_host_kill(tmp_path, monkeypat
     def kill_host_1_after_step_3(sup):
         if killed or not os.path.exists(metrics_path):
             return
-        done = max((r["step"] for r in read_jsonl(metrics_path)), default=0)
+        done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
         if done >= 3:
             sup.kill("trainer-host1")
             killed.append(done)
