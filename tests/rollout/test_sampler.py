@@ -26,6 +26,7 @@ from rlax_tasks.rollout.sampler import (
     request_keys,
 )
 from tests.models.hf_models import tiny_hf_model
+from tests.rollout.prefill_rows import record_prefill_rows
 from tests.tiny_model import tiny_model_config
 
 CONFIG = tiny_model_config("wide", vocab_size=97, eos_token_id=2)
@@ -141,14 +142,7 @@ def test_a_prompt_shared_by_several_requests_is_prefilled_once(policy, prompts):
     """A group's G samples of one prompt take one prefill row (its cache entries copied to each
     slot), and they complete exactly as each prefilled on its own (one slot at a time)."""
     shared = Sampler(policy, max_slots=16, max_len=96)
-    rows = []
-    prefill = shared._prefill_fn
-
-    def spy(*args: object) -> object:
-        rows.append((args[6].shape[0], None if args[8] is None else args[8].shape[0]))
-        return prefill(*args)
-
-    shared._prefill_fn = spy
+    rows = record_prefill_rows(shared)
     kwargs = dict(max_new_tokens=12, temperature=1.0, seed=5, n=4)
     out = shared.generate(prompts[:3], **kwargs)  # 12 rows, 3 prompts
     # 3 distinct prompts of 12 requests: 4 prompt rows (padded) for 16 admission rows

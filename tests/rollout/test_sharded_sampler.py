@@ -9,6 +9,7 @@ import pytest
 
 from rlax_tasks.models import Policy, make_mesh
 from rlax_tasks.rollout import Sampler, service
+from tests.rollout.prefill_rows import record_prefill_rows
 from tests.tiny_model import tiny_model_config
 
 # every sharded dimension divisible by 8 (heads 16, kv heads 8, ffn 128, vocab 256, hidden 64)
@@ -132,13 +133,7 @@ def test_groups_on_a_mesh_share_their_prefill_and_sample_as_on_one_device(
     policy, alone = groups_unsharded
     mesh = make_mesh(*shape, devices=jax.devices()[:8])
     sampler = Sampler(policy.shard(mesh), max_slots=16, max_len=MAX_LEN)
-    rows, prefill = [], sampler._prefill_fn
-
-    def spy(*args: object) -> object:  # (ids, source): the prompt rows and the rows they fill
-        rows.append((args[6].shape[0], None if args[8] is None else args[8].shape[0]))
-        return prefill(*args)
-
-    sampler._prefill_fn = spy
+    rows = record_prefill_rows(sampler)
     outs = sampler.generate(PROMPTS, **GROUPS)
     assert rows == [(4, 16)]  # 4 distinct prompts, 16 requests: one prefill of 4 prompt rows
     assert [o.tokens for o in outs] == [o.tokens for o in alone]
