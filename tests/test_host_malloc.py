@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -52,9 +51,7 @@ def _fewest_faults_of_a_call(mode: str, columns: int = 6144, calls: int = 8) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])["fewest_faults"]
 
 
-glibc_only = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
-)
+glibc_only = pytest.mark.skipif(not host_malloc.is_glibc(), reason="glibc only")
 
 
 @glibc_only
@@ -73,6 +70,66 @@ def test_a_temporary_above_any_trim_threshold_is_kept_too():
     columns = 80_000
     pages = 4096 * columns * 4 / 4096
     assert _fewest_faults_of_a_call("tuned", columns, calls=3) < 0.05 * pages
+
+
+# a host-compute process's heap after a few calls of a jitted program with a 96 MB temporary:
+# how much of it the kernel backs with transparent huge pages
+HUGE_PAGE_PROBE = """
+from rlax_tasks.host_malloc import keep_freed_memory
+assert keep_freed_memory()
+import jax, jax.numpy as jnp
+x, w, w2 = jnp.ones((4096, 64)), jnp.ones((64, 6144)), jnp.ones((6144, 8))
+f = jax.jit(lambda x, w, w2: jnp.sin(x @ w) @ w2)
+for _ in range(3):
+    f(x, w, w2).block_until_ready()
+with open("/proc/self/smaps_rollup") as fh:
+    print(next(int(line.split()[1]) << 10 for line in fh if line.startswith("AnonHugePages:")))
+"""
+
+
+def _huge_page_bytes(env: dict[str, str]) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGE_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _transparent_huge_pages() -> str:
+    """The kernel's transparent huge page mode: always, madvise or never ("" if unknown)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            return fh.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return ""
+
+
+@glibc_only
+@pytest.mark.skipif(
+    _transparent_huge_pages() != "madvise", reason="needs transparent huge pages on madvise"
+)
+def test_a_launched_host_compute_process_keeps_xla_temporaries_on_huge_pages():
+    plain = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    plain.pop("GLIBC_TUNABLES", None)
+    temporary = 4096 * 6144 * 4
+    assert _huge_page_bytes(host_malloc.with_huge_pages(plain)) >= 0.5 * temporary
+    assert _huge_page_bytes(plain) < 0.25 * temporary  # glibc alone asks for none
+
+
+def test_huge_pages_go_to_host_compute_processes_beside_the_users_tunables(monkeypatch):
+    monkeypatch.setattr(host_malloc, "is_glibc", lambda: True)
+    cpu = {"JAX_PLATFORMS": "cpu", "PATH": "/bin"}
+    assert host_malloc.with_huge_pages(cpu) == {**cpu, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    theirs = {**cpu, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.mem.tagging=0"}
+    assert host_malloc.with_huge_pages(theirs)["GLIBC_TUNABLES"] == (
+        "glibc.malloc.arena_max=2:glibc.mem.tagging=0:glibc.malloc.hugetlb=1"
+    )
+    declined = {**cpu, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert host_malloc.with_huge_pages(declined) == declined  # the user's choice stands
+    accelerator = {"JAX_PLATFORMS": "tpu"}
+    assert host_malloc.with_huge_pages(accelerator) == accelerator
+    assert "GLIBC_TUNABLES" not in cpu  # the caller's mapping is not changed
+    monkeypatch.setattr(host_malloc, "is_glibc", lambda: False)
+    assert host_malloc.with_huge_pages(cpu) == cpu
 
 
 def test_a_trim_threshold_mallopt_cannot_take_is_refused():

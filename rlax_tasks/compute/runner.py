@@ -25,6 +25,7 @@ import time
 
 from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
+from rlax_tasks.host_malloc import with_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,13 @@ def run_job(status_dir: str, command: list[str], heartbeat_interval_s: float = 5
     out_path = os.path.join(log_dir, jobstatus.STDOUT)
     err_path = os.path.join(log_dir, jobstatus.STDERR)
     with open(out_path, "ab") as out, open(err_path, "ab") as err:
-        child = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=with_huge_pages(os.environ),  # see rlax_tasks.host_malloc
+        )
 
     def forward(signum: int, _frame: object) -> None:
         if child.poll() is None:

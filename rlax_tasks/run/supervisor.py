@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from rlax_tasks.host_malloc import with_huge_pages
+
 log = logging.getLogger(__name__)
 
 JOB_NAME_ENV = "RLAX_JOB_NAME"  # rlax_tasks.notices reads it as a notice's source
@@ -204,7 +206,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, JOB_NAME_ENV: c.name, **c.env},
+                env=with_huge_pages({**os.environ, JOB_NAME_ENV: c.name, **c.env}),
                 start_new_session=True,
             )
         c.started_at = time.monotonic()

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
+from rlax_tasks.host_malloc import is_glibc
 from tests.compute.helpers import ENTRYPOINT, wait_for
 
 
@@ -62,6 +63,25 @@ def test_job_succeeds_with_logs_and_env(backend, slice_, tmp_path):
     assert wait_for(lambda: finished(backend, env_job)).state is JobState.SUCCEEDED
     with open(os.path.join(env_job.status_dir, "stdout.log")) as fh:
         assert fh.read().strip() == "RLAX_X=42"
+
+
+@pytest.mark.skipif(not is_glibc(), reason="glibc only")
+def test_a_job_computing_on_the_host_starts_with_its_heap_on_huge_pages(backend, slice_):
+    """The runner sets glibc's huge-page tunable for the command (rlax_tasks.host_malloc), beside
+    the tunables the job's environment already has; an accelerator job keeps its environment."""
+    env = {"JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}
+    cpu = backend.start_job(slice_, JobSpec(name="cpu", argv=["env", "GLIBC_TUNABLES"], env=env))
+    tpu = backend.start_job(
+        slice_,
+        JobSpec(name="tpu", argv=["env", "GLIBC_TUNABLES"], env={**env, "JAX_PLATFORMS": "tpu"}),
+    )
+    for job, expected in [
+        (cpu, "glibc.malloc.arena_max=1:glibc.malloc.hugetlb=1"),
+        (tpu, "glibc.malloc.arena_max=1"),
+    ]:
+        assert wait_for(lambda job=job: finished(backend, job)).state is JobState.SUCCEEDED
+        with open(os.path.join(job.status_dir, "stdout.log")) as fh:
+            assert fh.read().strip() == f"GLIBC_TUNABLES={expected}"
 
 
 def test_exit_code_2_is_a_configuration_error(backend, slice_):

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from rlax_tasks import notices
+from rlax_tasks.host_malloc import is_glibc
 from rlax_tasks.run.supervisor import (
     Component,
     ComponentFailed,
@@ -139,6 +140,24 @@ def test_each_component_posts_notices_under_its_own_name(tmp_path):
     _poll_until(sup, lambda f: "controller" in f)
     (notice,), _ = notices.read_since(run_dir)
     assert notice.format() == "[fallback] controller: snapshots/12.json set aside, using 10.json"
+
+
+@pytest.mark.skipif(not is_glibc(), reason="glibc only")
+def test_components_computing_on_the_host_start_with_their_heap_on_huge_pages(tmp_path):
+    """glibc reads its tunables at start only: the supervisor sets the huge-page one for each
+    component that computes on the host CPU (rlax_tasks.host_malloc), not for the others."""
+    sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
+    code = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('GLIBC_TUNABLES', ''))"
+    for platforms in ("cpu", "tpu"):
+        out = str(tmp_path / platforms)
+        env = {"JAX_PLATFORMS": platforms}
+        sup.add(Component(platforms, [], command=[*_program(code), out], restart=False, env=env))
+    try:
+        _poll_until(sup, lambda f: {"cpu", "tpu"} <= set(f))
+    finally:
+        sup.stop()
+    assert (tmp_path / "cpu").read_text().split(":")[-1] == "glibc.malloc.hugetlb=1"
+    assert "hugetlb" not in (tmp_path / "tpu").read_text()
 
 
 def test_children_die_with_a_supervisor_killed_by_sigkill(tmp_path):
