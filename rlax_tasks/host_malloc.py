@@ -74,12 +74,17 @@ def is_glibc() -> bool:
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
+def _tunables(env: Mapping[str, str]) -> list[str]:
+    """The ``name=value`` entries of ``env``'s ``GLIBC_TUNABLES``."""
+    return [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+
+
 def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` for a new process, with its malloc heap on transparent huge pages
     (``HUGE_PAGES_TUNABLE=1`` added to ``GLIBC_TUNABLES``) when the process will compute on the
     host CPU; as given otherwise, or when ``GLIBC_TUNABLES`` already sets that tunable."""
     env = dict(env)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    tunables = _tunables(env)
     if not is_glibc() or not computes_on_host(env):
         return env
     if any(t.split("=", 1)[0] == HUGE_PAGES_TUNABLE for t in tunables):
@@ -114,7 +119,7 @@ def tune_if_host_compute() -> bool:
         return False
     applied = keep_freed_memory()
     if applied:
-        huge = f"{HUGE_PAGES_TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+        huge = f"{HUGE_PAGES_TUNABLE}=1" in _tunables(os.environ)
         log.debug(
             "malloc: one heap, freed memory kept (XLA:CPU temporaries reused), %s",
             "on huge pages" if huge else f"on 4 KiB pages (no {HUGE_PAGES_TUNABLE}=1)",

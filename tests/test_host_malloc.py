@@ -33,22 +33,31 @@ for _ in range(int(sys.argv[3])):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w, w2).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"fewest_faults": min(faults)}))
+with open("/proc/self/smaps_rollup") as fh:  # the heap's bytes on transparent huge pages
+    huge = next(int(line.split()[1]) << 10 for line in fh if line.startswith("AnonHugePages:"))
+print(json.dumps({"fewest_faults": min(faults), "huge_page_bytes": huge}))
 """
+
+# the host-compute environment the probe runs in
+HOST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _probe(mode: str, columns: int = 6144, calls: int = 8, env: dict | None = None) -> dict:
+    """PROBE's figures, run in a process with environment ``env`` (default: ``HOST_ENV``)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode, str(columns), str(calls)],
+        env=HOST_ENV if env is None else env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _fewest_faults_of_a_call(mode: str, columns: int = 6144, calls: int = 8) -> int:
     """The fewest page faults of ``calls`` calls: a VM's memory reclaim may take idle pages
     back between calls (then faulted in again), but it cannot make a fresh mapping fault less."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode, str(columns), str(calls)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["fewest_faults"]
+    return _probe(mode, columns, calls)["fewest_faults"]
 
 
 glibc_only = pytest.mark.skipif(not host_malloc.is_glibc(), reason="glibc only")
@@ -72,28 +81,6 @@ def test_a_temporary_above_any_trim_threshold_is_kept_too():
     assert _fewest_faults_of_a_call("tuned", columns, calls=3) < 0.05 * pages
 
 
-# a host-compute process's heap after a few calls of a jitted program with a 96 MB temporary:
-# how much of it the kernel backs with transparent huge pages
-HUGE_PAGE_PROBE = """
-from rlax_tasks.host_malloc import keep_freed_memory
-assert keep_freed_memory()
-import jax, jax.numpy as jnp
-x, w, w2 = jnp.ones((4096, 64)), jnp.ones((64, 6144)), jnp.ones((6144, 8))
-f = jax.jit(lambda x, w, w2: jnp.sin(x @ w) @ w2)
-for _ in range(3):
-    f(x, w, w2).block_until_ready()
-with open("/proc/self/smaps_rollup") as fh:
-    print(next(int(line.split()[1]) << 10 for line in fh if line.startswith("AnonHugePages:")))
-"""
-
-
-def _huge_page_bytes(env: dict[str, str]) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", HUGE_PAGE_PROBE], env=env, capture_output=True, text=True, check=True
-    )
-    return int(out.stdout.strip().splitlines()[-1])
-
-
 def _transparent_huge_pages() -> str:
     """The kernel's transparent huge page mode: always, madvise or never ("" if unknown)."""
     try:
@@ -108,11 +95,14 @@ def _transparent_huge_pages() -> str:
     _transparent_huge_pages() != "madvise", reason="needs transparent huge pages on madvise"
 )
 def test_a_launched_host_compute_process_keeps_xla_temporaries_on_huge_pages():
-    plain = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    plain.pop("GLIBC_TUNABLES", None)
+    plain = {k: v for k, v in HOST_ENV.items() if k != "GLIBC_TUNABLES"}
     temporary = 4096 * 6144 * 4
-    assert _huge_page_bytes(host_malloc.with_huge_pages(plain)) >= 0.5 * temporary
-    assert _huge_page_bytes(plain) < 0.25 * temporary  # glibc alone asks for none
+
+    def huge_page_bytes(env: dict) -> int:
+        return _probe("tuned", calls=3, env=env)["huge_page_bytes"]
+
+    assert huge_page_bytes(host_malloc.with_huge_pages(plain)) >= 0.5 * temporary
+    assert huge_page_bytes(plain) < 0.25 * temporary  # glibc alone asks for none
 
 
 def test_huge_pages_go_to_host_compute_processes_beside_the_users_tunables(monkeypatch):
