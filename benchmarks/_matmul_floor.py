@@ -7,11 +7,19 @@ projection, on the policy's own weights (each layer's arrays of their own, as th
 them). Attention, norms, RoPE, the cache and sampling are left out, so no implementation whose
 products run at XLA:CPU's speed can take less; transformers' time over this floor is the most any
 of them could beat it by.
+
+With ``attention=True`` each decode step also runs attention's two products over the keys and
+values a KV cache holds (queries x keys, then scores x values, per layer): reading the cache is
+the part of a decode step that grows with the batch and the sequence, which the products alone
+leave out. The window of each stretch of ``ATTENTION_STRETCHES`` steps is the entries every row
+holds at the stretch's first step, fewer than its later steps read; there is no softmax, mask or
+cache write, so it is still a floor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import jax
@@ -53,12 +61,64 @@ def _layer(x: jax.Array, m: dict[str, jax.Array]) -> jax.Array:
     return x + (jax.nn.silu(x @ m["gate_proj"]) * (x @ m["up_proj"])) @ m["down_proj"]
 
 
-def floor_program(policy: Any, batch: int, prompt_len: int, new_tokens: int) -> tuple:
-    """(the jitted products, their arguments): ``fn(*args)`` runs a rollout's products once."""
+# the decode steps of the attention floor run in this many stretches, each over a fixed window
+ATTENTION_STRETCHES = 8
+
+
+def stretches(prompt_len: int, new_tokens: int) -> list[tuple[int, int]]:
+    """(decode steps, cache entries attended) of each stretch of the N - 1 decode steps: decode
+    step t (from 0) feeds the token at position P + t, so the cache then holds P + t + 1
+    entries; a stretch attends over what its first step holds."""
+    steps = new_tokens - 1
+    starts = sorted({steps * j // ATTENTION_STRETCHES for j in range(ATTENTION_STRETCHES)})
+    bounds = [t for t in starts if t < steps] + [steps]
+    return [(end - start, prompt_len + start + 1) for start, end in pairwise(bounds)]
+
+
+def _attend(q: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """Attention's two products for queries [B, H * hd] over keys [B, KV, hd, W] and values
+    [B, KV, W, hd] (the sampler's cache layout): [B, H * hd]."""
+    b, kv, hd = keys.shape[0], keys.shape[1], keys.shape[2]
+    rows = q.reshape(b, kv, -1, hd)  # each kv head's query heads, as the sampler groups them
+    scores = jnp.einsum("bkgd,bkdw->bkgw", rows, keys)
+    return jnp.einsum("bkgw,bkwd->bkgd", scores, values).reshape(b, -1)
+
+
+def _attention_layer(
+    x: jax.Array, m: dict[str, jax.Array], keys: jax.Array, values: jax.Array
+) -> jax.Array:
+    q, k, v = x @ m["q_proj"], x @ m["k_proj"], x @ m["v_proj"]
+    # k and v feed the output so neither product is dropped (a cache write would use them)
+    attended = _attend(q, keys, values)
+    attended = attended + (jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)) * 1e-6
+    x = x + attended @ m["o_proj"]
+    return x + (jax.nn.silu(x @ m["gate_proj"]) * (x @ m["up_proj"])) @ m["down_proj"]
+
+
+def cache_windows(policy: Any, batch: int, prompt_len: int, new_tokens: int) -> list:
+    """Each stretch's (keys, values): per layer, arrays [B, KV, hd, W] and [B, KV, W, hd]."""
+    c = policy.config
+    kv, hd, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
+    return [
+        (
+            tuple(jnp.full((batch, kv, hd, w), 0.01, jnp.float32) for _ in range(layers)),
+            tuple(jnp.full((batch, kv, w, hd), 0.01, jnp.float32) for _ in range(layers)),
+        )
+        for _, w in stretches(prompt_len, new_tokens)
+    ]
+
+
+def floor_program(
+    policy: Any, batch: int, prompt_len: int, new_tokens: int, attention: bool = False
+) -> tuple:
+    """(the jitted products, their arguments): ``fn(*args)`` runs a rollout's products once;
+    with ``attention``, attention's products over the cache too (the last argument: the
+    windows, ``cache_windows``)."""
     mats, head = layer_matrices(policy)
     d = policy.config.hidden_size
+    plan = stretches(prompt_len, new_tokens)
 
-    def products(prompt: jax.Array, mats: list, head: jax.Array) -> jax.Array:
+    def products(prompt: jax.Array, mats: list, head: jax.Array, windows: Any) -> jax.Array:
         h = prompt
         for m in mats:
             h = _layer(h, m)
@@ -71,14 +131,29 @@ def floor_program(policy: Any, batch: int, prompt_len: int, new_tokens: int) -> 
                 x = _layer(x, m)
             return x + jnp.max(x @ head, -1, keepdims=True) * 1e-6
 
-        return jax.lax.fori_loop(0, new_tokens - 1, step, x)
+        if windows is None:
+            return jax.lax.fori_loop(0, new_tokens - 1, step, x)
+        for (steps, _), (keys, values) in zip(plan, windows, strict=True):
+
+            def attending(_: int, x: jax.Array, keys: tuple = keys, values: tuple = values):
+                for m, k, v in zip(mats, keys, values, strict=True):
+                    x = _attention_layer(x, m, k, v)
+                return x + jnp.max(x @ head, -1, keepdims=True) * 1e-6
+
+            x = jax.lax.fori_loop(0, steps, attending, x)
+        return x
 
     prompt = jnp.full((batch * prompt_len, d), 0.01, jnp.float32)
-    return jax.jit(products), (prompt, mats, head)
+    if not attention:
+        return jax.jit(lambda p, m, h: products(p, m, h, None)), (prompt, mats, head)
+    windows = cache_windows(policy, batch, prompt_len, new_tokens)
+    return jax.jit(products), (prompt, mats, head, windows)
 
 
-def make_floor(policy: Any, batch: int, prompt_len: int, new_tokens: int) -> Callable[[], Any]:
+def make_floor(
+    policy: Any, batch: int, prompt_len: int, new_tokens: int, attention: bool = False
+) -> Callable[[], Any]:
     """A no-argument callable running the rollout's products once (blocking); compiled on its
     first call."""
-    fn, args = floor_program(policy, batch, prompt_len, new_tokens)
+    fn, args = floor_program(policy, batch, prompt_len, new_tokens, attention)
     return lambda: jax.block_until_ready(fn(*args))

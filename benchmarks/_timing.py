@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import resource
 import statistics
 import sys
@@ -221,6 +222,7 @@ def machine_load(
         "load_15m": None if load is None else load[2],
         "busy_cores": busy,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_model(),
         "contended": bool(contended),
     }
     if log is not None:
@@ -232,6 +234,29 @@ def machine_load(
     return out
 
 
+# the widest vector instructions a CPU offers, as /proc/cpuinfo's flags name them: the same
+# program's speed (torch's kernels, XLA's) differs by far more than a run's noise between them
+VECTOR_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """'<model name>, <widest vector instructions>' of this machine's CPU (None when
+    ``cpuinfo`` cannot be read): figures from two machines compare only when this matches."""
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    vector = next((name for flag, name in VECTOR_FLAGS if flag in flags), "no AVX2")
+    return f"{fields.get('model name', platform.machine() or 'unknown CPU')}, {vector}"
+
+
 def _loadavg() -> tuple[float, float, float] | None:
     try:
         return os.getloadavg()
@@ -240,12 +265,14 @@ def _loadavg() -> tuple[float, float, float] | None:
 
 
 def describe_load(load: dict[str, Any] | None) -> str:
-    """``machine_load``'s dict in words: 'load 1.90 (1 min), 1.30 of 2 cores busy'."""
+    """``machine_load``'s dict in words: 'load 1.90 (1 min), 1.30 of 2 cores busy with other
+    work (Intel Xeon, AVX-512)'."""
     if not load:
         return "load n/a"
+    cpu = f" ({load['cpu']})" if load.get("cpu") else ""
     return (
         f"load {fmt_opt(load.get('load_1m'))} (1 min), {fmt_opt(load.get('busy_cores'))} of "
-        f"{load.get('cpu_count')} cores busy with other work"
+        f"{load.get('cpu_count')} cores busy with other work{cpu}"
     )
 
 

@@ -111,6 +111,31 @@ def test_rollout_figures_come_with_the_machine_load_and_a_contended_mark(capsys)
     assert all(line.endswith("[CONTENDED: load 0.1, busy 1.2 cores]") for line in out[1:])
 
 
+def test_figures_name_the_cpu_and_its_widest_vector_instructions(tmp_path):
+    """The machine line names the CPU: torch's and XLA's kernels differ by more than a run's
+    noise between an AVX2 and an AVX-512 machine, so figures compare only on the same kind."""
+    from benchmarks import _timing
+
+    def cpuinfo(flags: str) -> str:
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        core = f"processor\t: {{}}\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: {flags}\n"
+        path.write_text(core.format(0) + "\n" + core.format(1))
+        return str(path)
+
+    assert _timing.cpu_model(cpuinfo("fpu sse avx2 avx512f avx512bw")) == (
+        "Intel(R) Xeon(R) Processor, AVX-512"
+    )
+    assert _timing.cpu_model(cpuinfo("fpu avx avx2 fma")).endswith(", AVX2")
+    assert _timing.cpu_model(cpuinfo("fpu avx2 avx512f amx_tile")).endswith(", AMX")
+    assert _timing.cpu_model(cpuinfo("fpu sse4_2")).endswith(", no AVX2")
+    assert _timing.cpu_model(str(tmp_path / "missing")) is None
+    load = {"load_1m": 0.1, "busy_cores": 0.0, "cpu_count": 2, "cpu": "Xeon, AVX-512"}
+    assert _timing.describe_load(load) == (
+        "load 0.10 (1 min), 0.00 of 2 cores busy with other work (Xeon, AVX-512)"
+    )
+    assert _timing.describe_load({**load, "cpu": None}).endswith("busy with other work")
+
+
 def test_rollout_times_the_sides_in_turn():
     """Each round runs every side once: a drift of the machine's speed reaches both sides."""
     from benchmarks import rollout
@@ -155,6 +180,54 @@ def test_the_matmul_floor_runs_every_product_of_the_rollout_on_the_policys_weigh
     # the prefill's products and one decode step's (the loop body), each 7 per layer + the head
     assert len(dots) == 2 * (7 * config.num_hidden_layers + 1)
     assert jnp.isfinite(fn(prompt, mats, head)).all()
+
+
+def test_the_cache_floor_attends_over_no_more_entries_than_each_decode_step_holds():
+    """The attention floor's windows: the N - 1 decode steps, in order, each stretch over the
+    entries its first step holds (P + t + 1 at step t), never more than any of its steps."""
+    from benchmarks._matmul_floor import ATTENTION_STRETCHES, stretches
+
+    for prompt_len, new_tokens in [(64, 128), (5, 4), (7, 2), (3, 1), (16, 1000)]:
+        plan = stretches(prompt_len, new_tokens)
+        assert sum(steps for steps, _ in plan) == new_tokens - 1
+        assert len(plan) <= ATTENTION_STRETCHES
+        first = 0
+        for steps, window in plan:
+            assert steps > 0
+            assert window == prompt_len + first + 1  # what the stretch's first step holds
+            first += steps
+    assert stretches(64, 128)[-1] == (16, 64 + 111 + 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cache_floor_adds_attentions_two_products_per_layer_over_the_windows(tied):
+    """With attention=True every decode stretch runs the same products plus, per layer, the
+    queries x keys and scores x values products over its window, all kept by XLA."""
+    import re
+
+    import jax.numpy as jnp
+
+    from benchmarks._matmul_floor import floor_program, stretches
+    from rlax_tasks.models import Policy
+    from tests.tiny_model import tiny_model_config
+
+    config = tiny_model_config(tie_word_embeddings=tied)
+    policy = Policy.init(config, seed=0)
+    fn, (prompt, mats, head, windows) = floor_program(
+        policy, batch=3, prompt_len=5, new_tokens=4, attention=True
+    )
+    plan = stretches(5, 4)
+    kv, hd, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    assert len(windows) == len(plan) == 3
+    for (keys, values), (_, w) in zip(windows, plan, strict=True):
+        assert [k.shape for k in keys] == [(3, kv, hd, w)] * layers
+        assert [v.shape for v in values] == [(3, kv, w, hd)] * layers
+    compiled = fn.lower(prompt, mats, head, windows).compile().as_text()
+    dots = re.findall(r"\bdot\(", compiled)
+    # the prefill's products, then each stretch's loop body: 7 per layer + the head, and the
+    # two attention products per layer
+    assert len(dots) == (7 * layers + 1) + len(plan) * (9 * layers + 1)
+    assert jnp.isfinite(fn(prompt, mats, head, windows)).all()
 
 
 def _stopped(pid: int, want: bool) -> bool:
