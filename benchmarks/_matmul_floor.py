@@ -53,14 +53,6 @@ def layer_matrices(policy: Any) -> tuple[list[dict[str, jax.Array]], jax.Array]:
     return mats, jnp.asarray(model.unembedding(), jnp.float32)
 
 
-def _layer(x: jax.Array, m: dict[str, jax.Array]) -> jax.Array:
-    q, k, v = x @ m["q_proj"], x @ m["k_proj"], x @ m["v_proj"]
-    # q stands in for the attention output (its shape); k and v feed it so neither is dropped
-    attended = q + (jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)) * 1e-6
-    x = x + attended @ m["o_proj"]
-    return x + (jax.nn.silu(x @ m["gate_proj"]) * (x @ m["up_proj"])) @ m["down_proj"]
-
-
 # the decode steps of the attention floor run in this many stretches, each over a fixed window
 ATTENTION_STRETCHES = 8
 
@@ -84,12 +76,14 @@ def _attend(q: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.einsum("bkgw,bkwd->bkgd", scores, values).reshape(b, -1)
 
 
-def _attention_layer(
-    x: jax.Array, m: dict[str, jax.Array], keys: jax.Array, values: jax.Array
+def _layer(
+    x: jax.Array, m: dict[str, jax.Array], window: tuple[jax.Array, jax.Array] | None = None
 ) -> jax.Array:
+    """One layer's products; with ``window`` (keys, values), attention's two over it too."""
     q, k, v = x @ m["q_proj"], x @ m["k_proj"], x @ m["v_proj"]
-    # k and v feed the output so neither product is dropped (a cache write would use them)
-    attended = _attend(q, keys, values)
+    # without a window q stands in for the attention output (its shape); k and v feed it so
+    # neither product is dropped (a cache write would use them)
+    attended = q if window is None else _attend(q, *window)
     attended = attended + (jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)) * 1e-6
     x = x + attended @ m["o_proj"]
     return x + (jax.nn.silu(x @ m["gate_proj"]) * (x @ m["up_proj"])) @ m["down_proj"]
@@ -126,21 +120,17 @@ def floor_program(
         # the maximum of every row's logits: the product is needed whole
         x = last + jnp.max(last @ head, -1, keepdims=True) * 1e-6
 
-        def step(_: int, x: jax.Array) -> jax.Array:
-            for m in mats:
-                x = _layer(x, m)
+        def step(x: jax.Array, layer_windows: list) -> jax.Array:
+            for m, window in zip(mats, layer_windows, strict=True):
+                x = _layer(x, m, window)
             return x + jnp.max(x @ head, -1, keepdims=True) * 1e-6
 
         if windows is None:
-            return jax.lax.fori_loop(0, new_tokens - 1, step, x)
+            no_windows = [None] * len(mats)
+            return jax.lax.fori_loop(0, new_tokens - 1, lambda _, x: step(x, no_windows), x)
         for (steps, _), (keys, values) in zip(plan, windows, strict=True):
-
-            def attending(_: int, x: jax.Array, keys: tuple = keys, values: tuple = values):
-                for m, k, v in zip(mats, keys, values, strict=True):
-                    x = _attention_layer(x, m, k, v)
-                return x + jnp.max(x @ head, -1, keepdims=True) * 1e-6
-
-            x = jax.lax.fori_loop(0, steps, attending, x)
+            layer_windows = list(zip(keys, values, strict=True))
+            x = jax.lax.fori_loop(0, steps, lambda _, x, w=layer_windows: step(x, w), x)
         return x
 
     prompt = jnp.full((batch * prompt_len, d), 0.01, jnp.float32)

@@ -164,29 +164,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"[generate] ours {tokens / ours_s:,.0f} tok/s vs transformers {tokens / theirs_s:,.0f} "
         f"tok/s: {theirs_s / ours_s:.2f}x (target >= 2x); identical greedy rows {agree:.0%}"
     )
-    out["matmul_floor"] = {
-        "seconds": floor_s,
-        "ours_over_floor": ours_s / floor_s,
-        "transformers_over_floor": theirs_s / floor_s,
-    }
-    report(
-        f"[floor] the model's matrix products alone (no attention, norms or sampling): "
-        f"{floor_s:.2f} s; ours takes {ours_s / floor_s:.2f}x that, transformers "
-        f"{theirs_s / floor_s:.2f}x: no decode loop at these products' speed could beat "
-        f"transformers by more than {theirs_s / floor_s:.2f}x"
-    )
-    out["matmul_and_cache_floor"] = {
-        "seconds": attention_s,
-        "ours_over_floor": ours_s / attention_s,
-        "transformers_over_floor": theirs_s / attention_s,
-    }
-    report(
-        f"[floor] with attention's products over the KV cache (no softmax, norms, cache writes "
-        f"or sampling): {attention_s:.2f} s; ours takes {ours_s / attention_s:.2f}x that, "
-        f"transformers {theirs_s / attention_s:.2f}x: no decode loop reading the cache at "
-        f"these products' speed could beat transformers by more than "
-        f"{theirs_s / attention_s:.2f}x"
-    )
+    for key, seconds, what, loop in [
+        ("matmul_floor", floor_s, "the model's matrix products alone (no attention, norms or "
+         "sampling)", "no decode loop"),
+        ("matmul_and_cache_floor", attention_s, "with attention's products over the KV cache "
+         "(no softmax, norms, cache writes or sampling)", "no decode loop reading the cache"),
+    ]:  # fmt: skip
+        out[key] = {
+            "seconds": seconds,
+            "ours_over_floor": ours_s / seconds,
+            "transformers_over_floor": theirs_s / seconds,
+        }
+        report(
+            f"[floor] {what}: {seconds:.2f} s; ours takes {ours_s / seconds:.2f}x that, "
+            f"transformers {theirs_s / seconds:.2f}x: {loop} at these products' speed could "
+            f"beat transformers by more than {theirs_s / seconds:.2f}x"
+        )
 
     # ------------------------------------------------------------ 1b. nucleus sampling
     # the settings evaluations use (Qwen's recommended T=0.6, top_p=0.95): the top-p filter
