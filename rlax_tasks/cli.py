@@ -16,9 +16,9 @@ from rlax_tasks.rewards.service import add_verify_parser
 from rlax_tasks.rollout.service import add_worker_parser
 from rlax_tasks.run import add_run_parser
 from rlax_tasks.run.export import add_export_parser
-from rlax_tasks.run.run_lock import RunLocked
 from rlax_tasks.run.supervisor import ComponentFailed
 from rlax_tasks.run.trainer_process import add_trainer_parser
+from rlax_tasks.run_lock import RunLocked
 
 # reported as one line, exit 2, never a traceback: user mistakes, a run directory held by a live
 # run, and a run component's own error (rlax run: the component and its log)

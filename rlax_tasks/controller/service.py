@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks import storage
+from rlax_tasks import run_lock, storage
 from rlax_tasks.controller.controller import (
     Controller,
     ControllerSettings,
@@ -189,22 +189,26 @@ def _controller_command(args: argparse.Namespace) -> int:
     defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
     token = service_token()  # the trainer and the workers refuse calls without it
     cfg = load_config(args.config)
-    controller = build_controller(cfg, args.trainer_url, args.workers_file, token)
     steps = args.steps or cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the run config has no trainer.total_steps)")
-    controller.start()
-    freeze_startup()
-    last = time.monotonic()
-    while controller.step < steps:
-        if not controller.iterate(last_step=steps):
-            time.sleep(0.02)
-        collect_if_due()
-        if time.monotonic() - last > args.status_every_s:
-            last = time.monotonic()
-            log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))
-    log.info("controller done at step %d: %s", controller.step, controller.status())
-    controller.close()
+    # one live controller per run: a second one (a DAG task's retry beside a job still running,
+    # a hand-started copy) is refused here rather than at its first snapshot
+    with run_lock.for_job(cfg.run_dir) as lock:
+        controller = build_controller(cfg, args.trainer_url, args.workers_file, token)
+        controller.start()
+        freeze_startup()
+        last = time.monotonic()
+        while controller.step < steps:
+            lock.check()
+            if not controller.iterate(last_step=steps):
+                time.sleep(0.02)
+            collect_if_due()
+            if time.monotonic() - last > args.status_every_s:
+                last = time.monotonic()
+                log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))
+        log.info("controller done at step %d: %s", controller.step, controller.status())
+        controller.close()
     return 0
 
 

@@ -270,11 +270,14 @@ class ColocatedRun:
             return
         log.info("published version %d in %.2fs", version, time.perf_counter() - t0)
 
-    def run(self, steps: int, status_every_s: float = 10.0) -> None:
-        """Trains until the controller reached ``steps`` (in total, across restarts)."""
+    def run(self, steps: int, status_every_s: float = 10.0, lock: Any = None) -> None:
+        """Trains until the controller reached ``steps`` (in total, across restarts); with
+        ``lock`` (the run lock, ``run_lock.for_job``), stops when it was lost."""
         self._publish = publish_steps(self.cfg, steps)
         last = time.monotonic()
         while self.controller.step < steps:
+            if lock is not None:
+                lock.check()
             progressed = self.controller.iterate(last_step=steps)
             if not progressed and not self.controller.wait_for_scoring(IDLE_S):
                 # woken by the sampler's next finished group (a lockstep step waits for its
@@ -302,6 +305,7 @@ class ColocatedRun:
 
 
 def _colocated_command(args: argparse.Namespace) -> int:
+    from rlax_tasks import run_lock
     from rlax_tasks.config import load_config
     from rlax_tasks.endpoints import publish
     from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
@@ -326,21 +330,24 @@ def _colocated_command(args: argparse.Namespace) -> int:
         raise SystemExit(143)  # unwinds through stop(): final checkpoint, mirror flushed
 
     signal.signal(signal.SIGTERM, terminate)
-    run = ColocatedRun(cfg, args.host, args.port, ps_args)
-    try:
-        run.start()
-        freeze_startup()
-        sys.stdout.write(run.server.address + "\n")  # first line: the parameter server's URL
-        sys.stdout.flush()
-        if args.publish:
-            publish(args.publish, run.server.address)
-        run.run(steps, args.status_every_s)
-    except OSError as e:
-        if e.errno not in STORAGE_ERRNOS:
-            raise
-        raise storage_stopped(cfg.run_dir, e) from e  # one line and exit 2, not a traceback
-    finally:
-        run.stop()
+    # one live process per run: a second one (a DAG task's retry beside a job still running, a
+    # second trigger of the same run id) is refused before it restores anything
+    with run_lock.for_job(cfg.run_dir) as lock:
+        run = ColocatedRun(cfg, args.host, args.port, ps_args)
+        try:
+            run.start()
+            freeze_startup()
+            sys.stdout.write(run.server.address + "\n")  # first line: the parameter server's URL
+            sys.stdout.flush()
+            if args.publish:
+                publish(args.publish, run.server.address)
+            run.run(steps, args.status_every_s, lock)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            raise storage_stopped(cfg.run_dir, e) from e  # one line and exit 2, no traceback
+        finally:
+            run.stop()
     return 0
 
 

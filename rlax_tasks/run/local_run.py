@@ -7,7 +7,7 @@ the run goes, and ends with held-out pass@k before and after plus plots (rlax_ta
 Running it again with the same run id resumes the run.
 
 Before anything starts: the memory plan and the datasets are checked (rlax_tasks.run.preflight),
-the run lock is taken (rlax_tasks.run.run_lock: a second `rlax run` on a live run is refused),
+the run lock is taken (rlax_tasks.run_lock: a second `rlax run` on a live run is refused),
 and a resume may not change training settings unless allowed (``save_resolved``). The components
 die with it (rlax_tasks.run.supervisor); a component's user error or repeated failure, or a
 fatal notice, stops the run with that component's own message (``ComponentFailed``).
@@ -20,9 +20,8 @@ import os
 import time
 from typing import Any
 
-from rlax_tasks import notices
+from rlax_tasks import notices, run_lock
 from rlax_tasks.config import RunConfig, save_resolved
-from rlax_tasks.run import run_lock
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe, is_colocated
 from rlax_tasks.run.preflight import check_datasets
@@ -113,6 +112,8 @@ def run_local(
                 # exit 0 of the controller = done (a crash is still restarted); the hosts of a
                 # multi-host trainer restart together
                 group = job.name if len(job.hosts) > 1 else None
+                # the controller finds the lock held for it (run_lock.for_job)
+                env = {**env, **run_lock.holder_env(lock)}
                 sup.add(Component(name, job.argv, env, restart=job.service, group=group))
             # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
             ending = next(job.name for job in topology.jobs if not job.service)

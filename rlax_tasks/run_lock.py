@@ -15,6 +15,12 @@ said so in the log.
     with acquire(run_dir) as lock:
         ...
         lock.check()
+
+The job that decides for a run (the controller; a colocated run's one process) takes the lock
+itself (``for_job``), so a run started by the rlax_train DAG or by hand is locked as `rlax run`'s
+is; under `rlax run`, whose lock covers the processes it starts, it names that lock's holder in
+``HOLDER_ENV`` and holds none of its own. On a ``gs://`` root a job waits up to ``JOB_WAIT_S`` for
+a lease to run out: a job restarted after its host was preempted finds the dead one's lease.
 """
 
 from __future__ import annotations
@@ -36,10 +42,20 @@ from rlax_tasks.run_paths import run_paths
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
+# the longest a job waits for another holder's lease to run out (``for_job``): a lease and a
+# renewal's slack, so that a preempted holder's lease has expired by then
+JOB_WAIT_S = DEFAULT_TTL_S + 15.0
+# set by `rlax run` for the processes it starts: the id of the lock it holds for them
+HOLDER_ENV = "RLAX_RUN_LOCK_HOLDER"
 
 
 class RunLocked(RuntimeError):
-    """The run directory is held by another live run (or this run lost its lease)."""
+    """The run directory is held by another live run (or this run lost its lease); ``holder``:
+    who holds it, when known."""
+
+    def __init__(self, message: str, holder: Holder | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +98,8 @@ def _refusal(run_dir: str, holder: Holder | None, extra: str = "") -> RunLocked:
     stop = f" (kill {holder.pid} on {holder.host})" if holder is not None else ""
     return RunLocked(
         f"run {run_dir} is in use by {who}{extra}: wait for that run to end or stop it{stop}, "
-        "then run this again (the same command resumes it)"
+        "then run this again (the same command resumes it)",
+        holder,
     )
 
 
@@ -91,6 +108,7 @@ class FileLock:
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir, self.path = run_dir, run_paths(run_dir).lock
+        self.holder = Holder.me()
         self._file: Any = None
 
     def acquire(self) -> FileLock:
@@ -112,7 +130,7 @@ class FileLock:
             )  # fmt: skip
         f.seek(0)
         f.truncate()
-        f.write(Holder.me().to_bytes())
+        f.write(self.holder.to_bytes())
         f.flush()
         self._file = f
         return self
@@ -237,12 +255,77 @@ def _clock(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t or 0))
 
 
-def acquire(run_dir: str, ttl_s: float = DEFAULT_TTL_S) -> FileLock | Lease:
+def acquire(
+    run_dir: str, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0, poll_s: float = 2.0
+) -> FileLock | Lease:
     """Takes the lock of ``run_dir`` (a local flock, or a gs:// lease); RunLocked when a live
-    run holds it. Use as a context manager, or call ``release()``."""
-    if storage.is_gcs(run_dir):
-        return Lease(run_dir, ttl_s).acquire()
-    return FileLock(run_dir).acquire()
+    run holds it, after trying for up to ``wait_s`` (every ``poll_s``). Use as a context
+    manager, or call ``release()``."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            if storage.is_gcs(run_dir):
+                return Lease(run_dir, ttl_s).acquire()
+            return FileLock(run_dir).acquire()
+        except RunLocked as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            if not waiting:
+                waiting = True
+                log.warning("%s; waiting up to %.0f s for it to end", e, left)
+            time.sleep(min(poll_s, left))
 
 
-__all__ = ["FileLock", "Holder", "Lease", "RunLocked", "acquire"]
+class InheritedLock:
+    """The lock `rlax run` holds for the processes it starts (``for_job``): nothing to take,
+    check or release in the process itself."""
+
+    def __init__(self, run_dir: str, holder: Holder) -> None:
+        self.run_dir, self.holder = run_dir, holder
+
+    def check(self) -> None:
+        """The holder, this process's `rlax run`, stops its processes before it ends."""
+
+    def release(self) -> None:
+        """Released by its holder."""
+
+    def __enter__(self) -> InheritedLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def for_job(run_dir: str) -> FileLock | Lease | InheritedLock:
+    """The lock of the job that decides for ``run_dir`` (the controller, a colocated run): the
+    lock of the `rlax run` that started it (``HOLDER_ENV`` names its holder), else its own,
+    taken as ``acquire`` does, waiting up to ``JOB_WAIT_S`` for a gs:// lease to run out.
+    RunLocked names the live run that holds it."""
+    inherited = os.environ.get(HOLDER_ENV)
+    wait_s = JOB_WAIT_S if storage.is_gcs(run_dir) and not inherited else 0.0
+    try:
+        return acquire(run_dir, wait_s=wait_s)
+    except RunLocked as e:
+        if inherited and e.holder is not None and e.holder.id == inherited:
+            log.info("run %s: locked by the rlax run that started this job", run_dir)
+            return InheritedLock(run_dir, e.holder)
+        raise
+
+
+def holder_env(lock: FileLock | Lease) -> dict[str, str]:
+    """The environment of the processes a lock's holder starts: ``for_job`` finds it there."""
+    return {HOLDER_ENV: lock.holder.id}
+
+
+__all__ = [
+    "FileLock",
+    "Holder",
+    "InheritedLock",
+    "Lease",
+    "RunLocked",
+    "acquire",
+    "for_job",
+    "holder_env",
+]

@@ -1,5 +1,6 @@
 """The run lock: a local flock, and a gs:// lease (on the GCS emulator) renewed in the
-background and taken over once it expired."""
+background and taken over once it expired; the deciding job of a run started without `rlax run`
+(the rlax_train DAG's, one started by hand) takes it too."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from rlax_tasks import storage
-from rlax_tasks.run import run_lock
-from rlax_tasks.run.run_lock import FileLock, Holder, Lease, RunLocked
+from rlax_tasks import run_lock, storage
+from rlax_tasks.run_lock import FileLock, Holder, Lease, RunLocked
 from rlax_tasks.run_paths import run_paths
 from tests.compute.helpers import wait_for
+from tests.run.test_local_run import small_config
 
 
 def test_a_local_run_is_locked_until_released(tmp_path, caplog):
@@ -28,7 +31,7 @@ def test_a_local_run_is_locked_until_released(tmp_path, caplog):
     assert f"run {run_dir} is in use by pid {os.getpid()} on {socket.gethostname()} since" in msg
     assert f"kill {os.getpid()}" in msg and "the same command resumes it" in msg
     first.release()
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
     with run_lock.acquire(run_dir):  # released cleanly: taken without a word
         pass
     assert "taken over" not in caplog.text
@@ -40,7 +43,7 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_logged(tmp_path, caplog):
     dead = Holder("x", 999999, "old-host", time.time() - 3600)
     with open(run_paths(run_dir).lock, "wb") as f:  # written, but nobody holds the flock
         f.write(dead.to_bytes())
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
     with run_lock.acquire(run_dir):
         held = Holder.parse(open(run_paths(run_dir).lock, "rb").read())
         assert held is not None and held.pid == os.getpid()
@@ -53,7 +56,7 @@ def test_gcs_lease_refuses_a_second_holder_then_is_taken_over_after_expiry(gcs_b
     with pytest.raises(RunLocked, match=rf"in use by pid {os.getpid()} on .* \(its lease runs to"):
         run_lock.acquire(run_dir, ttl_s=1.5)
     wait_for(lambda: time.time() > first.holder.expires, timeout_s=10)
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
     second = run_lock.acquire(run_dir, ttl_s=30)
     assert isinstance(second, Lease)
     assert "expired at" in caplog.text and "taken over" in caplog.text
@@ -104,3 +107,65 @@ def test_a_lease_race_has_one_winner(tmp_path, monkeypatch):
         Lease(run_dir, ttl_s=60).acquire()
     assert Holder.parse(read(path)[0]).id == winner.holder.id
     winner.release()
+
+
+def test_a_job_takes_the_lock_unless_the_rlax_run_that_started_it_holds_it(tmp_path, monkeypatch):
+    run_dir = str(tmp_path / "run")
+    parent = run_lock.acquire(run_dir)  # `rlax run`'s lock
+    monkeypatch.setenv(run_lock.HOLDER_ENV, parent.holder.id)
+    with run_lock.for_job(run_dir) as inherited:  # started by it: its lock covers the job
+        assert isinstance(inherited, run_lock.InheritedLock)
+        inherited.check()
+    monkeypatch.setenv(run_lock.HOLDER_ENV, "another-run")  # started by some other run
+    with pytest.raises(RunLocked, match=f"is in use by pid {os.getpid()}"):
+        run_lock.for_job(run_dir)
+    monkeypatch.delenv(run_lock.HOLDER_ENV)  # started by a DAG task or by hand
+    with pytest.raises(RunLocked, match=f"is in use by pid {os.getpid()}"):
+        run_lock.for_job(run_dir)
+    parent.release()
+    monkeypatch.setenv(run_lock.HOLDER_ENV, parent.holder.id)  # its rlax run has ended
+    with run_lock.for_job(run_dir) as own:
+        assert isinstance(own, FileLock)
+        with pytest.raises(RunLocked):
+            run_lock.acquire(run_dir)
+
+
+def test_a_job_waits_for_the_lease_of_a_preempted_holder_to_run_out(gcs_bucket, monkeypatch):
+    run_dir = f"{gcs_bucket}/runs/preempted"
+    dead = Lease(run_dir, ttl_s=2.0, renew_every_s=3600).acquire()  # never renewed again
+    with pytest.raises(RunLocked, match=r"its lease runs to"):  # rlax run does not wait
+        run_lock.acquire(run_dir)
+    monkeypatch.setattr(run_lock, "JOB_WAIT_S", 20.0)
+    with run_lock.for_job(run_dir) as lock:  # a restarted job: waits, then takes it over
+        assert isinstance(lock, Lease) and time.time() >= dead.holder.expires
+        lock.check()
+    monkeypatch.setattr(run_lock, "JOB_WAIT_S", 0.5)
+    live = Lease(run_dir, ttl_s=60, renew_every_s=3600).acquire()
+    t0 = time.monotonic()
+    with pytest.raises(RunLocked, match=f"is in use by pid {os.getpid()}"):
+        run_lock.for_job(run_dir)  # a live holder: refused once the wait is over
+    assert time.monotonic() - t0 < 10
+    live.release()
+
+
+@pytest.mark.parametrize("command", ["colocated", "controller"])
+def test_a_run_started_without_rlax_run_refuses_a_second_live_process(tmp_path, command):
+    """The DAG's colocated job and controller job take the run lock: while another process holds
+    it they exit 2 (no retry) with one line naming the holder, before they write anything."""
+    from rlax_tasks.config import save_resolved
+
+    mode = {"colocated": "colocated", "controller": "disaggregated"}[command]
+    cfg = small_config(tmp_path, **{"placement.mode": mode, "workers.count": 1})
+    argv = [sys.executable, "-m", "rlax_tasks.cli", command, "--config", save_resolved(cfg)]
+    argv += ["--steps", "2"]
+    if command == "controller":
+        argv += ["--trainer-url", "http://127.0.0.1:9", "--workers-file", str(tmp_path / "w.json")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLAX_PS_TOKEN": "t"}
+    env.pop(run_lock.HOLDER_ENV, None)
+    with run_lock.acquire(cfg.run_dir):
+        before = sorted(os.listdir(cfg.run_dir))
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert sorted(os.listdir(cfg.run_dir)) == before
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"rlax {command}: error: run {cfg.run_dir} is in use by pid {os.getpid()}" in done.stderr
+    assert "Traceback" not in done.stderr
