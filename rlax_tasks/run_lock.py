@@ -45,6 +45,8 @@ DEFAULT_TTL_S = 60.0
 # the longest a job waits for another holder's lease to run out (``for_job``): a lease and a
 # renewal's slack, so that a preempted holder's lease has expired by then
 JOB_WAIT_S = DEFAULT_TTL_S + 15.0
+# how often a waiting ``acquire`` tries again
+POLL_S = 2.0
 # set by `rlax run` for the processes it starts: the id of the lock it holds for them
 HOLDER_ENV = "RLAX_RUN_LOCK_HOLDER"
 
@@ -255,11 +257,9 @@ def _clock(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t or 0))
 
 
-def acquire(
-    run_dir: str, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0, poll_s: float = 2.0
-) -> FileLock | Lease:
+def acquire(run_dir: str, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0) -> FileLock | Lease:
     """Takes the lock of ``run_dir`` (a local flock, or a gs:// lease); RunLocked when a live
-    run holds it, after trying for up to ``wait_s`` (every ``poll_s``). Use as a context
+    run holds it, after trying for up to ``wait_s`` (every ``POLL_S``). Use as a context
     manager, or call ``release()``."""
     deadline = time.monotonic() + wait_s
     waiting = False
@@ -275,7 +275,7 @@ def acquire(
             if not waiting:
                 waiting = True
                 log.warning("%s; waiting up to %.0f s for it to end", e, left)
-            time.sleep(min(poll_s, left))
+            time.sleep(min(POLL_S, left))
 
 
 class InheritedLock:

@@ -92,9 +92,11 @@ def run_local(
             evaluator = HeldOutEvaluator(cfg)
             report["before"] = evaluator.evaluate()
         token = run_token()
+        # every job's environment names this lock's holder: the controller finds the lock held
+        # for it (run_lock.for_job)
         topology = plan_topology(
             cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token,
-            base_env=cache_env(cfg),
+            base_env={**cache_env(cfg), **run_lock.holder_env(lock)},
         )  # fmt: skip
         if not is_colocated(cfg):
             write_workers_file(cfg, topology)
@@ -112,8 +114,6 @@ def run_local(
                 # exit 0 of the controller = done (a crash is still restarted); the hosts of a
                 # multi-host trainer restart together
                 group = job.name if len(job.hosts) > 1 else None
-                # the controller finds the lock held for it (run_lock.for_job)
-                env = {**env, **run_lock.holder_env(lock)}
                 sup.add(Component(name, job.argv, env, restart=job.service, group=group))
             # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
             ending = next(job.name for job in topology.jobs if not job.service)
