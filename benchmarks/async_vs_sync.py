@@ -51,7 +51,7 @@ from benchmarks._timing import (  # noqa: E402
     machine_load,
     peak_rss_bytes,
 )
-from rlax_tasks.storage import read_jsonl  # noqa: E402
+from rlax_tasks.rundir.storage import read_jsonl  # noqa: E402
 
 log = logging.getLogger("benchmarks.async_vs_sync")
 

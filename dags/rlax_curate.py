@@ -57,7 +57,7 @@ The slice is deleted by a teardown task whatever happens.
 def rlax_curate():
     @task
     def plan(params: dict, run_id: str) -> dict:
-        from rlax_tasks import storage
+        from rlax_tasks.rundir import storage
 
         rid = rc.dag_run_run_id(run_id)
         out = params["out"] or storage.join(params["run_root"], "datasets", rid)
@@ -87,7 +87,7 @@ def rlax_curate():
 
     @task(outlets=[rc.CURATED_DATASET])
     def publish(p: dict, outlet_events=None) -> str:
-        from rlax_tasks import storage
+        from rlax_tasks.rundir import storage
 
         path = storage.join(p["out"], "train.parquet")
         if not storage.exists(path):

@@ -141,8 +141,8 @@ def rlax_train():
     @task
     def finish(p: dict, slice_handles: list) -> None:
         """The controller reached `steps`: stop the services (they run until told)."""
-        from rlax_tasks import storage
         from rlax_tasks.compute import get_backend
+        from rlax_tasks.rundir import storage
 
         storage.write_bytes(p["done_marker"], b"")  # the watchers stop their jobs
         backend = get_backend(rc.backend_name(), **rc.backend_settings(p["run_root"]))

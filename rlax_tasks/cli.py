@@ -18,7 +18,7 @@ from rlax_tasks.run import add_run_parser
 from rlax_tasks.run.export import add_export_parser
 from rlax_tasks.run.supervisor import ComponentFailed
 from rlax_tasks.run.trainer_process import add_trainer_parser
-from rlax_tasks.run_lock import RunLocked
+from rlax_tasks.rundir.lock import RunLocked
 
 # reported as one line, exit 2, never a traceback: user mistakes, a run directory held by a live
 # run, and a run component's own error (rlax run: the component and its log)
@@ -32,39 +32,11 @@ USER_ERRORS = (
 )
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="load an HF model directory and generate greedily (the main job until `rlax run`)",
-    )
-    p.add_argument(
-        "--model-dir",
-        default="runs/demo/base-model",
-        help="HF model directory; a tiny random model is built there when it is missing or empty",
-    )
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-
-    def run(args: argparse.Namespace) -> int:
-        from rlax_tasks.demo import DEFAULT_PROMPTS, run_demo
-
-        if args.max_new_tokens <= 0:
-            raise ValueError("--max-new-tokens must be positive")
-        run_demo(
-            args.model_dir, args.prompt or list(DEFAULT_PROMPTS), args.max_new_tokens, args.dtype
-        )
-        return 0
-
-    p.set_defaults(func=run)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every sub-command registered."""
     parser = argparse.ArgumentParser(prog="rlax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_demo(sub)
     add_verify_parser(sub)
     add_curate_parser(sub)
     add_data_parser(sub)

@@ -25,13 +25,14 @@ from typing import Any
 
 import yaml
 
-from rlax_tasks import storage, validation
 from rlax_tasks.algorithms.config import FIELD_NAMES as OBJECTIVE_FIELDS
 from rlax_tasks.algorithms.config import PRESETS as OBJECTIVE_PRESETS
 from rlax_tasks.algorithms.config import ObjectiveConfig, ObjectiveConfigError, preset_config
 from rlax_tasks.data.prompts import PromptSettings, PromptSettingsError
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
+from rlax_tasks.utils import validation
 
 PRESET_PACKAGE = "rlax_tasks.presets"
 DTYPES = ("float32", "bfloat16")

@@ -12,7 +12,7 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from rlax_tasks.endpoints import listen
+from rlax_tasks.services.endpoints import listen
 from tests.compute.helpers import wait_for
 
 TOKEN = "s3cret-run-token"

@@ -146,7 +146,7 @@ def test_dr_grpo_runs_normalise_by_the_generation_budget():
 def test_validation_helpers_name_the_field_in_the_callers_error():
     """One wording for every configuration class; each keeps its own error type."""
     from rlax_tasks.trainer import TrainerConfig, TrainerConfigError
-    from rlax_tasks.validation import check_choice, check_int, check_number, field_error
+    from rlax_tasks.utils.validation import check_choice, check_int, check_number, field_error
 
     with pytest.raises(ConfigError, match=r"^slots: must be >= 1, got 0$"):
         check_int("slots", 0, ConfigError, minimum=1)

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from rlax_tasks import garbage_collection
+from rlax_tasks.process import garbage_collection
 
 
 class _Node:

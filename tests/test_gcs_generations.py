@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tensorstore as ts
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from tests.paramserver.helpers import gcs_emulator
 
 

@@ -1,4 +1,4 @@
-"""glibc malloc settings for XLA:CPU processes (rlax_tasks.host_malloc)."""
+"""glibc malloc settings for XLA:CPU processes (rlax_tasks.process.host_malloc)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from rlax_tasks import host_malloc
+from rlax_tasks.process import host_malloc
 
 # a jitted program whose temporary (the [4096, columns] product: 96 MB at 6144 columns)
 # XLA:CPU allocates per call
 PROBE = """
 import json, resource, sys, time
 if sys.argv[1] == "tuned":
-    from rlax_tasks.host_malloc import keep_freed_memory
+    from rlax_tasks.process.host_malloc import keep_freed_memory
     assert keep_freed_memory()
 import jax, jax.numpy as jnp
 columns = int(sys.argv[2])

@@ -30,10 +30,10 @@ LIGHT_MODULES = (
     "rlax_tasks.rollout.requests",
     "rlax_tasks.algorithms.config",
     "rlax_tasks.compute",
-    "rlax_tasks.run_paths",
-    "rlax_tasks.service_http",
-    "rlax_tasks.protocol",
-    "rlax_tasks.validation",
+    "rlax_tasks.rundir.paths",
+    "rlax_tasks.services.http",
+    "rlax_tasks.services.protocol",
+    "rlax_tasks.utils.validation",
 )
 LAZY_PACKAGES = tuple(
     f"rlax_tasks.{p}"
@@ -117,7 +117,7 @@ def test_a_colocated_run_imports_no_web_framework_and_no_dataframe_library() -> 
 # Nodes are rlax_tasks' sub-packages (rlax_tasks.X.* → "X") and its top-level modules
 # (rlax_tasks/config.py → "config"). Every import counts: module-level, inside functions (a lazy
 # import still couples the layers) and under TYPE_CHECKING, and so do the modules a package's
-# lazy export table names (rlax_tasks.lazy_exports).
+# lazy export table names (rlax_tasks.utils.lazy_exports).
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlax_tasks import notices
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import notices
+from rlax_tasks.rundir.paths import run_paths
 
 
 def test_notices_are_read_once_each_in_order(tmp_path):

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rlax_tasks.progress_meter import (
+from rlax_tasks.utils.progress_meter import (
     EVERY_ENV,
     ProgressMeter,
     default_every_s,

@@ -192,9 +192,9 @@ def test_sixty_long_polls_leave_the_worker_responsive():
 
 _SERVE_IDLE_WORKER = """
 import sys
-from rlax_tasks.endpoints import listen
+from rlax_tasks.services.endpoints import listen
 from rlax_tasks.rollout.service import GRACEFUL_S, create_app
-from rlax_tasks.service_http import serve_app, service_token
+from rlax_tasks.services.http import serve_app, service_token
 from tests.service_fakes import IdleWorker
 
 sock, url = listen("127.0.0.1", 0)

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from rlax_tasks import run_lock, storage
-from rlax_tasks.run_lock import FileLock, Holder, Lease, RunLocked
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import lock as run_lock
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.lock import FileLock, Holder, Lease, RunLocked
+from rlax_tasks.rundir.paths import run_paths
 from tests.compute.helpers import wait_for
 from tests.run.test_local_run import small_config
 
@@ -31,7 +32,7 @@ def test_a_local_run_is_locked_until_released(tmp_path, caplog):
     assert f"run {run_dir} is in use by pid {os.getpid()} on {socket.gethostname()} since" in msg
     assert f"kill {os.getpid()}" in msg and "the same command resumes it" in msg
     first.release()
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.rundir.lock")
     with run_lock.acquire(run_dir):  # released cleanly: taken without a word
         pass
     assert "taken over" not in caplog.text
@@ -43,7 +44,7 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_logged(tmp_path, caplog):
     dead = Holder("x", 999999, "old-host", time.time() - 3600)
     with open(run_paths(run_dir).lock, "wb") as f:  # written, but nobody holds the flock
         f.write(dead.to_bytes())
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.rundir.lock")
     with run_lock.acquire(run_dir):
         held = Holder.parse(open(run_paths(run_dir).lock, "rb").read())
         assert held is not None and held.pid == os.getpid()
@@ -56,7 +57,7 @@ def test_gcs_lease_refuses_a_second_holder_then_is_taken_over_after_expiry(gcs_b
     with pytest.raises(RunLocked, match=rf"in use by pid {os.getpid()} on .* \(its lease runs to"):
         run_lock.acquire(run_dir, ttl_s=1.5)
     wait_for(lambda: time.time() > first.holder.expires, timeout_s=10)
-    caplog.set_level(logging.WARNING, logger="rlax_tasks.run_lock")
+    caplog.set_level(logging.WARNING, logger="rlax_tasks.rundir.lock")
     second = run_lock.acquire(run_dir, ttl_s=30)
     assert isinstance(second, Lease)
     assert "expired at" in caplog.text and "taken over" in caplog.text

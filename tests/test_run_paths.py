@@ -1,4 +1,4 @@
-"""rlax_tasks.run_paths: the run directory's layout (DESIGN §7), spelled in one module only."""
+"""rlax_tasks.rundir.paths: the run directory's layout (DESIGN §7), spelled in one module only."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from rlax_tasks import run_paths as layout
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import paths as layout
+from rlax_tasks.rundir.paths import run_paths
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-OWNER = "rlax_tasks/run_paths.py"
+OWNER = "rlax_tasks/rundir/paths.py"
 
 # DESIGN §7 (and the files the services and Airflow add): attribute -> path below the run
 LAYOUT = {
@@ -100,7 +100,7 @@ def test_no_module_but_run_paths_spells_a_run_file_name():
         offences = _offences(path.read_text(encoding="utf-8"), ELSEWHERE.get(rel, set()))
         if offences:
             found[rel] = offences
-    assert not found, f"spell these through rlax_tasks.run_paths: {found}"
+    assert not found, f"spell these through rlax_tasks.rundir.paths: {found}"
 
 
 def test_the_check_catches_a_spelled_name():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from rlax_tasks.protocol import StepReplayedError
-from rlax_tasks.service_http import TOKEN_ENV
+from rlax_tasks.services.http import TOKEN_ENV
+from rlax_tasks.services.protocol import StepReplayedError
 from tests.service_fakes import AUTH, TOKEN, CountingTrainer, IdleWorker, request, served
 
 WRONG = {"Authorization": "Bearer not-the-run-token"}

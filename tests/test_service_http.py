@@ -1,4 +1,4 @@
-"""The HTTP plumbing every service shares (rlax_tasks.service_http): the bearer check (DESIGN
+"""The HTTP plumbing every service shares (rlax_tasks.services.http): the bearer check (DESIGN
 §13: missing → 401, wrong → 403), and JsonClient's retries, back-off and error mapping, also as
 the worker and trainer clients use it."""
 
@@ -13,9 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rlax_tasks import endpoints
-from rlax_tasks.protocol import StepConflictError, TrainerBehindError
-from rlax_tasks.service_http import (
+from rlax_tasks.services import endpoints
+from rlax_tasks.services.http import (
     AuthError,
     HttpStatusError,
     JsonClient,
@@ -23,6 +22,7 @@ from rlax_tasks.service_http import (
     backoff_s,
     check_bearer,
 )
+from rlax_tasks.services.protocol import StepConflictError, TrainerBehindError
 
 
 # --------------------------------------------------------------------------- bearer auth
@@ -76,7 +76,7 @@ def test_a_request_is_refused_before_its_body_is_read():
     400) without reading any of the body: the app's receive is never called."""
     import asyncio
 
-    from rlax_tasks.service_http import RequestGuard
+    from rlax_tasks.services.http import RequestGuard
 
     async def app(scope, receive, send):  # noqa: ANN001, ANN202 - reached only when allowed
         raise AssertionError("the app was reached")
@@ -107,7 +107,7 @@ def test_a_request_is_refused_before_its_body_is_read():
 
 
 def test_wait_seconds_are_finite_non_negative_and_capped():
-    from rlax_tasks.service_http import MAX_WAIT_S, check_wait_s
+    from rlax_tasks.services.http import MAX_WAIT_S, check_wait_s
 
     assert check_wait_s("2.5") == 2.5 and check_wait_s(0) == 0.0
     assert check_wait_s(MAX_WAIT_S) == MAX_WAIT_S
@@ -119,7 +119,7 @@ def test_wait_seconds_are_finite_non_negative_and_capped():
 
 
 def test_one_token_per_run_from_the_environment():
-    from rlax_tasks.service_http import TOKEN_ENV, run_token, service_token
+    from rlax_tasks.services.http import TOKEN_ENV, run_token, service_token
 
     assert TOKEN_ENV == "RLAX_PS_TOKEN"
     assert service_token({TOKEN_ENV: "abc"}) == "abc"
@@ -149,7 +149,7 @@ def sleeps(monkeypatch) -> list[float]:
         taken.append(seconds)
         real_sleep(min(seconds, 0.01))
 
-    monkeypatch.setattr("rlax_tasks.service_http.time.sleep", sleep)
+    monkeypatch.setattr("rlax_tasks.services.http.time.sleep", sleep)
     return taken
 
 
@@ -264,7 +264,7 @@ def test_a_service_file_is_followed_once_it_is_published(tmp_path, scripted, mon
         endpoints.publish(path, _url(scripted))
 
     # nothing published yet: a connection error (NotPublishedError), retried
-    monkeypatch.setattr("rlax_tasks.service_http.time.sleep", publish_on_sleep)
+    monkeypatch.setattr("rlax_tasks.services.http.time.sleep", publish_on_sleep)
     scripted.script = [(200, {"here": True})]
     assert client.call("GET", "/") == {"here": True}
 
@@ -323,7 +323,7 @@ def test_trainer_client_raises_a_replay_it_did_not_cause_and_takes_one_it_did(sc
     """A replay answer to the first attempt: someone else's step (StepReplayedError, for the
     controller to judge); after a retry: our own lost answer (returned)."""
     np = pytest.importorskip("numpy")
-    from rlax_tasks.protocol import StepReplayedError
+    from rlax_tasks.services.protocol import StepReplayedError
     from rlax_tasks.trainer.service import TrainerClient
 
     arrays = {"x": np.zeros(2)}

@@ -1,4 +1,4 @@
-"""rlax_tasks.storage on a local directory and on GCS (real client, local emulator)."""
+"""rlax_tasks.rundir.storage on a local directory and on GCS (real client, local emulator)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from tests.paramserver.helpers import gcs_emulator
 
 

@@ -50,9 +50,9 @@ from rlax_dashboard.runs import (
     run_roots_from_env,
     summarize,
 )
-from rlax_tasks import storage
 from rlax_tasks.evaluation.history import read_history
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 MAX_COMPARED = 8  # runs in one compare view (each is read and drawn per plot)
 HISTORY_ROWS = 30  # nightly evaluations listed on a run's page (newest first)

@@ -1,4 +1,4 @@
-"""What the RLAX dashboard knows about runs: found under run roots, read through rlax_tasks.storage.
+"""What the RLAX dashboard knows about runs: found under run roots, read through rundir.storage.
 
 A run is a child ``<run_id>/`` of a run root (local directory or ``gs://bucket/prefix``) holding
 ``config.yaml`` or ``metrics.jsonl`` (DESIGN §7). The dashboard reads, and never writes:
@@ -38,8 +38,8 @@ from typing import Any
 
 import yaml
 
-from rlax_tasks import storage
-from rlax_tasks.run_paths import EVAL_RESULTS, run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import EVAL_RESULTS, run_paths
 
 log = logging.getLogger(__name__)
 

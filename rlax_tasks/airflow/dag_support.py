@@ -209,16 +209,16 @@ def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
 def write_status(run_dir: str, state: str, dag_run_id: str | None = None, **extra: Any) -> None:
     """Writes run_dir/status.json (read by the dashboard and the janitor): {"state", "updated",
     "dag_run_id", ...``extra``}; the DAGs add "dag_id" (the dashboard links the DAG run)."""
-    from rlax_tasks import storage
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     record = {"state": state, "updated": time.time(), "dag_run_id": dag_run_id, **extra}
     storage.write_bytes(run_paths(run_dir).status, json.dumps(record).encode())
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
-    from rlax_tasks import storage
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     try:
         data = json.loads(storage.read_bytes(run_paths(run_dir).status))
@@ -295,7 +295,7 @@ def worker_slice_layout(params: dict[str, Any]) -> Any:
 def done_marker(run_dir: str) -> str:
     """run_dir/DONE: written once the controller reached the run's steps; the service jobs'
     watchers then stop their jobs (on whichever slice instance they run now)."""
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
 
     return run_paths(run_dir).done
 
@@ -369,14 +369,14 @@ def plan_training(
     provision for it (``check_slice``: Params ``accelerator_type``, ``runtime_version``; the
     returned ``runtime_version`` is the one to provision with). Each job's environment gives it
     its own devices (rlax_tasks.run.placement). The services bind their host's address on a free
-    port and publish it under run_dir/services/ (rlax_tasks.endpoints): addresses are not known
-    before the slices exist, and change when one is re-provisioned. ``slices`` lists the slices
+    port and publish it under run_dir/services/ (rlax_tasks.services.endpoints): addresses
+    are not known before the slices exist, and change when one is re-provisioned. ``slices``
+    lists the slices
     to provision (``plan_slices``) and each job names its slice (role) and hosts. ``dataset``
     (a curated file, e.g.
     from the rlax_curate Asset) replaces the preset's datasets (``verifier``: "math" or "code",
     as rlax_curate published it).
     """
-    from rlax_tasks import storage
     from rlax_tasks.config import ConfigChangeError, ConfigError, load_config, save_resolved
     from rlax_tasks.run.compilation_cache import cache_env
     from rlax_tasks.run.local_run import ensure_model
@@ -384,7 +384,8 @@ def plan_training(
     from rlax_tasks.run.plan import memory_plan
     from rlax_tasks.run.preflight import DatasetError, check_datasets
     from rlax_tasks.run.topology import Job, plan_topology, write_workers_file
-    from rlax_tasks.service_http import run_token
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.services.http import run_token
 
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
@@ -497,9 +498,9 @@ def plan_training(
 def eval_dataset_file(cfg: Any) -> str:
     """A held-out dataset file for ``rlax eval``: the config's eval file, or its synthetic task
     written once to run_dir/eval/heldout.jsonl in the curated schema."""
-    from rlax_tasks import storage
     from rlax_tasks.config import FileSource, SyntheticSource
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     spec = cfg.eval.dataset
     if spec is None:
@@ -547,7 +548,7 @@ def base_eval_argv(cfg: Any, dataset: str) -> list[str]:
 
 def _eval_argv(cfg: Any, dataset: str, weights: list[str], version: int) -> list[str]:
     from rlax_tasks.config import FileSource
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
 
     paths = run_paths(cfg.run_dir)
     e = cfg.eval
@@ -618,10 +619,10 @@ def write_run_report(run_dir: str) -> str:
     """eval/report.md, report.json and the plots of a trained run, as `rlax run` writes them:
     the held-out scores of the starting weights (eval/v0) against the newest evaluated version;
     the training time spans the metrics rows (first to last step). Returns report.md's path."""
-    from rlax_tasks import storage
     from rlax_tasks.evaluation.history import evaluated_versions, read_overall
     from rlax_tasks.run.report import write_report
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     paths = run_paths(run_dir)
     versions = evaluated_versions(run_dir)
@@ -643,9 +644,9 @@ def write_run_report(run_dir: str) -> str:
 
 def load_run_config(run_dir: str) -> Any:
     """The resolved run configuration saved at run_dir/config.yaml."""
-    from rlax_tasks import storage
     from rlax_tasks.config import load_config
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     path = run_paths(run_dir).config
     if not storage.exists(path):
@@ -656,8 +657,8 @@ def load_run_config(run_dir: str) -> Any:
 def runs_to_evaluate(roots: list[str], active_within_s: float) -> list[dict[str, Any]]:
     """Runs under ``roots`` with a committed weight version not evaluated yet and activity
     (metrics or status) within ``active_within_s``: [{"run_dir", "version"}]."""
-    from rlax_tasks import storage
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir import storage
+    from rlax_tasks.rundir.paths import run_paths
 
     out = []
     now = time.time()
@@ -704,8 +705,8 @@ def orphaned_slices(slices: list[dict[str, Any]], grace_s: float) -> list[dict[s
 def slice_run_dir(handle: dict[str, Any]) -> str | None:
     """run_root/<run_id> of a slice, from the handle's label and its backend's run root
     (annotated by the janitor as "run_root"), or None when unknown."""
-    from rlax_tasks import storage
     from rlax_tasks.compute import RUN_ID_LABEL
+    from rlax_tasks.rundir import storage
 
     run_id = (handle.get("spec") or {}).get("labels", {}).get(RUN_ID_LABEL)
     run_root = handle.get("run_root")
@@ -921,7 +922,7 @@ def service_job_handles(slice_handles: Any) -> list[dict[str, Any]]:
 
 
 def _service_jobs(slice_handle: dict[str, Any]) -> list[dict[str, Any]]:
-    from rlax_tasks import storage
+    from rlax_tasks.rundir import storage
 
     jobs_dir = storage.join(slice_handle["root"], "jobs")
     out = []

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from rlax_tasks import notices
 from rlax_tasks.run.progress import format_duration, status_line, trained_step
+from rlax_tasks.rundir import notices
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from rlax_tasks.evaluation.history import evaluated_versions, read_overall
 from rlax_tasks.run.progress import format_duration
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.scalar_export import log_scalars
 
 log = logging.getLogger(__name__)

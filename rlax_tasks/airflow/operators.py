@@ -44,7 +44,6 @@ from airflow.sdk.exceptions import (
     AirflowSkipException,
 )
 
-from rlax_tasks import storage
 from rlax_tasks.airflow.triggers import JobStateTrigger, SliceReadyTrigger
 from rlax_tasks.compute import (
     JobSpec,
@@ -55,6 +54,7 @@ from rlax_tasks.compute import (
     get_backend,
 )
 from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE
+from rlax_tasks.rundir import storage
 
 
 class JobPreemptedError(AirflowException):

@@ -133,7 +133,7 @@ class JobStateTrigger(_PollingTrigger):
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         if self.done_marker is not None:
-            from rlax_tasks import storage
+            from rlax_tasks.rundir import storage
 
             if storage.exists(self.done_marker):
                 return self._event("DONE", f"{self.done_marker} exists: the run is complete")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlax_tasks.algorithms import names
-from rlax_tasks.validation import (
+from rlax_tasks.utils.validation import (
     check_bool,
     check_choice,
     check_int,

@@ -37,7 +37,6 @@ import sys
 import time
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.runner import runner_argv
 from rlax_tasks.compute.types import (
@@ -48,6 +47,7 @@ from rlax_tasks.compute.types import (
     WORKER_ID_ENV,
     coordinator_port,
 )
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,6 @@ import time
 import uuid
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, slice_hosts
@@ -57,7 +56,8 @@ from rlax_tasks.compute.types import (
     SliceSpec,
     SliceState,
 )
-from rlax_tasks.run_paths import SLICES
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import SLICES
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import socket
 import time
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE, JobState, JobStatus
+from rlax_tasks.rundir import storage
 
 SPEC = "spec.json"
 RUNNER = "runner.json"

@@ -37,7 +37,7 @@ from rlax_tasks.compute.types import (
     SliceSpec,
     SliceState,
 )
-from rlax_tasks.run_paths import SLICES
+from rlax_tasks.rundir.paths import SLICES
 
 log = logging.getLogger(__name__)
 

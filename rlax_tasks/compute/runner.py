@@ -23,9 +23,9 @@ import tempfile
 import threading
 import time
 
-from rlax_tasks import storage
 from rlax_tasks.compute import jobstatus
-from rlax_tasks.host_malloc import with_huge_pages
+from rlax_tasks.process.host_malloc import with_huge_pages
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def run_job(status_dir: str, command: list[str], heartbeat_interval_s: float = 5
             stdout=out,
             stderr=err,
             stdin=subprocess.DEVNULL,
-            env=with_huge_pages(os.environ),  # see rlax_tasks.host_malloc
+            env=with_huge_pages(os.environ),  # see rlax_tasks.process.host_malloc
         )
 
     def forward(signum: int, _frame: object) -> None:

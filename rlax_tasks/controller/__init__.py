@@ -1,12 +1,12 @@
 """The controller (DESIGN §2, §3, §7): prompt mixture, rollout buffer under the staleness rules,
 snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer.
 
-Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
 its heavy modules."""
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

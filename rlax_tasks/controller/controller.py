@@ -40,7 +40,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlax_tasks import notices
 from rlax_tasks.algorithms import overlong_penalty
 from rlax_tasks.config import RunConfig
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer, ScoredGroup
@@ -49,8 +48,9 @@ from rlax_tasks.controller.mixture import Prompt, PromptMixture
 from rlax_tasks.controller.rollouts import read_step_batch, rollouts_dir
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
-from rlax_tasks.protocol import StepReplayedError, TrainerBehindError  # (re-exported)
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SamplingParams
+from rlax_tasks.rundir import notices
+from rlax_tasks.services.protocol import StepReplayedError, TrainerBehindError  # (re-exported)
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.controller.buffer import Batch, ScoredGroup
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 
 def rollouts_dir(run_dir: str) -> str:

@@ -1,11 +1,11 @@
 """`rlax controller`: the Controller wired to real components over HTTP.
 
 Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` (or, on slices, each
-worker's service file, rlax_tasks.endpoints) that the launcher rewrites when a worker (re)starts,
-so workers can join, leave or move; the trainer is a
+worker's service file, rlax_tasks.services.endpoints) that the launcher rewrites when a worker
+(re)starts, so workers can join, leave or move; the trainer is a
 ``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
 the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset. Every call to
-the trainer and the workers carries the run's token (``RLAX_PS_TOKEN``, rlax_tasks.service_http):
+the trainer and the workers carries the run's token (``RLAX_PS_TOKEN``, rlax_tasks.services.http):
 `rlax controller` refuses to start without it (exit 2).
 """
 
@@ -20,7 +20,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks import run_lock, storage
 from rlax_tasks.controller.controller import (
     Controller,
     ControllerSettings,
@@ -28,15 +27,17 @@ from rlax_tasks.controller.controller import (
     WorkerError,
 )
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
-from rlax_tasks.endpoints import Endpoint, add_url_arg
-from rlax_tasks.garbage_collection import (
+from rlax_tasks.process.garbage_collection import (
     collect_if_due,
     defer_full_collections,
     freeze_startup,
 )
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.rollout.service import WorkerClient
-from rlax_tasks.service_http import service_token
+from rlax_tasks.rundir import lock as run_lock
+from rlax_tasks.rundir import storage
+from rlax_tasks.services.endpoints import Endpoint, add_url_arg
+from rlax_tasks.services.http import service_token
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
 def _controller_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
 
-    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
+    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     token = service_token()  # the trainer and the workers refuse calls without it
     cfg = load_config(args.config)
     steps = args.steps or cfg.trainer.total_steps

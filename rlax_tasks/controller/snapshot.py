@@ -28,8 +28,8 @@ import re
 import time
 from typing import Any
 
-from rlax_tasks import notices, storage
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import notices, storage
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 

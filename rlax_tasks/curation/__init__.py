@@ -2,12 +2,12 @@
 filter, deduplicate (exact + MinHash), split by date, decontaminate, and keep prompts of
 partial pass rate.
 
-Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
 its heavy modules."""
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlax_tasks.progress_meter import ProgressMeter
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 _WORD_RE = re.compile(r"\w+")
 

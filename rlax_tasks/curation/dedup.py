@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
-from rlax_tasks.progress_meter import ProgressMeter
-from rlax_tasks.validation import check_int, check_number, field_error
+from rlax_tasks.utils.progress_meter import ProgressMeter
+from rlax_tasks.utils.validation import check_int, check_number, field_error
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # 64-bit golden-ratio constant (Fibonacci hashing)
 _POLY = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, as the rolling-hash base

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from rlax_tasks.evaluation.generation import GenerateFn
-from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.scoring import score_completions
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 

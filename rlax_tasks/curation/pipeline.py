@@ -27,7 +27,7 @@ from rlax_tasks.data.normalize import dedup_key, normalize_prompt, normalize_tex
 from rlax_tasks.data.readers import Rejected, snippet
 from rlax_tasks.data.schema import prompt_text
 from rlax_tasks.evaluation.generation import GenerateFn
-from rlax_tasks.progress_meter import ProgressMeter
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 

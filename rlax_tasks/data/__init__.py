@@ -8,7 +8,7 @@ without pandas: verifier worker processes read answers through them.
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

@@ -90,7 +90,7 @@ def read_prompt_section(path: str) -> PromptSettings:
     """The ``prompt`` section of a YAML file (defaults when it has none)."""
     import yaml
 
-    from rlax_tasks import storage
+    from rlax_tasks.rundir import storage
 
     if not storage.is_gcs(path) and not os.path.isfile(path):
         raise FileNotFoundError(f"--prompt-config {path}: no such file")

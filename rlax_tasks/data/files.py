@@ -1,4 +1,4 @@
-"""Finding dataset files and reading or writing them, local or gs:// (rlax_tasks.storage)."""
+"""Finding dataset files and reading or writing them, local or gs:// (rlax_tasks.rundir.storage)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import glob
 import gzip
 import os
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 
 FORMATS = {
     ".jsonl": "jsonl",

@@ -41,7 +41,7 @@ from rlax_tasks.data.schema import (
     check_tests,
     is_missing,
 )
-from rlax_tasks.validation import did_you_mean
+from rlax_tasks.utils.validation import did_you_mean
 
 Record = Mapping[str, Any]
 Row = dict[str, Any]

@@ -26,8 +26,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlax_tasks import storage
-from rlax_tasks.run_paths import EVAL_RESULTS, base_eval_dir, run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import EVAL_RESULTS, base_eval_dir, run_paths
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.run_paths import CHECKPOINTS
+from rlax_tasks.rundir.paths import CHECKPOINTS
 
 logger = logging.getLogger(__name__)
 

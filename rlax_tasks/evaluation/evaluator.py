@@ -15,8 +15,8 @@ import pandas as pd
 
 from rlax_tasks.evaluation.generation import GenerateFn
 from rlax_tasks.evaluation.metrics import maj_at_k, pass_at_k
-from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.scoring import score_completions
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 

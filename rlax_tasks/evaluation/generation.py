@@ -14,7 +14,7 @@ from typing import Any
 
 from rlax_tasks.data.prompts import PromptRenderer, PromptSettings
 from rlax_tasks.data.schema import Prompt
-from rlax_tasks.progress_meter import ProgressMeter
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def sample_token_ids(
 ) -> list[list[list[int]]]:
     """n completions (token ids) per tokenized prompt, from `rlax_tasks.rollout.Sampler`
     (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls);
-    logs samples done / total every few seconds (`rlax_tasks.progress_meter`)."""
+    logs samples done / total every few seconds (`rlax_tasks.utils.progress_meter`)."""
     from rlax_tasks.rollout import Sampler, per_prompt_params
 
     if not prompt_ids:

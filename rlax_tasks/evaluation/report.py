@@ -10,7 +10,7 @@ from typing import Any
 
 from rlax_tasks.data.files import join, write_bytes
 from rlax_tasks.evaluation.evaluator import EvalResult
-from rlax_tasks.run_paths import EVAL_RESULTS
+from rlax_tasks.rundir.paths import EVAL_RESULTS
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Policy model: a Flax transformer for the Llama / Qwen2 / Qwen3 families with HF load/save.
 
-Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
 its heavy modules."""
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

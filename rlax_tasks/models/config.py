@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from rlax_tasks.validation import check_choice, check_int, check_number, field_error
+from rlax_tasks.utils.validation import check_choice, check_int, check_number, field_error
 
 # HF ``model_type`` -> the HF architecture class name written on save.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlax_tasks.models.config import ModelConfig
-from rlax_tasks.progress_meter import ProgressMeter, format_si
+from rlax_tasks.utils.progress_meter import ProgressMeter, format_si
 
 log = logging.getLogger(__name__)
 

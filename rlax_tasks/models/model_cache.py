@@ -17,9 +17,9 @@ tokenizer and chat-template files; nothing else under the prefix) into
 - Safe across processes: one ``fcntl`` lock per model directory, so ranks, workers or jobs on one
   host that ask at once download once; the others wait and find it complete.
 - Progress: bytes done / total, MB/s and ETA logged every ``progress_every_s`` seconds (default:
-  ``rlax_tasks.progress_meter``'s, 5), and a final line.
+  ``rlax_tasks.utils.progress_meter``'s, 5), and a final line.
 
-All GCS access goes through ``rlax_tasks.storage`` (so ``STORAGE_EMULATOR_HOST`` works).
+All GCS access goes through ``rlax_tasks.rundir.storage`` (so ``STORAGE_EMULATOR_HOST`` works).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
-from rlax_tasks import storage
-from rlax_tasks.progress_meter import ProgressMeter
+from rlax_tasks.rundir import storage
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def _is_current(target: str, entry: dict | None, obj: storage.ObjectInfo) -> boo
 class _Settings:
     workers: int
     chunk_bytes: int
-    progress_every_s: float | None  # None: rlax_tasks.progress_meter's default
+    progress_every_s: float | None  # None: rlax_tasks.utils.progress_meter's default
 
 
 def _sync(

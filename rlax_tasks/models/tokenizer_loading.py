@@ -18,8 +18,8 @@ import logging
 import os
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.models.model_cache import cache_root
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 

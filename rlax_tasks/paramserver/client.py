@@ -54,7 +54,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_tasks.endpoints import Endpoint
 from rlax_tasks.paramserver import shared_memory as shm
 from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
 from rlax_tasks.paramserver.server import (
@@ -84,9 +83,10 @@ from rlax_tasks.paramserver.wire import (
     split_blocks,
     version_digest,
 )
-from rlax_tasks.service_http import MAX_WAIT_S, JsonClient, Reply, backoff_s
-from rlax_tasks.service_http import TRANSPORT_ERRORS as _TRANSPORT_ERRORS
-from rlax_tasks.storage import read_into
+from rlax_tasks.rundir.storage import read_into
+from rlax_tasks.services.endpoints import Endpoint
+from rlax_tasks.services.http import MAX_WAIT_S, JsonClient, Reply, backoff_s
+from rlax_tasks.services.http import TRANSPORT_ERRORS as _TRANSPORT_ERRORS
 
 log = logging.getLogger(__name__)
 

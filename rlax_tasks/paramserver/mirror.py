@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks import storage
 from rlax_tasks.paramserver.store import Block, VersionGoneError, WeightVersion
 from rlax_tasks.paramserver.wire import (
     FORMAT,
@@ -42,7 +41,8 @@ from rlax_tasks.paramserver.wire import (
     read_manifest,
     version_digest,
 )
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,6 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.endpoints import add_address_args, announce, bind_host, listen
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver import shared_memory
 from rlax_tasks.paramserver.store import (
@@ -100,7 +99,9 @@ from rlax_tasks.paramserver.wire import (
     read_manifest,
     version_digest,
 )
-from rlax_tasks.service_http import (
+from rlax_tasks.rundir.storage import read_into
+from rlax_tasks.services.endpoints import add_address_args, announce, bind_host, listen
+from rlax_tasks.services.http import (
     MAX_WAIT_S,
     TOKEN_ENV,
     AuthError,
@@ -108,12 +109,11 @@ from rlax_tasks.service_http import (
     check_wait_s,
     service_token,
 )
-from rlax_tasks.storage import read_into
-from rlax_tasks.validation import check_int, check_number, field_error
+from rlax_tasks.utils.validation import check_int, check_number, field_error
 
 log = logging.getLogger(__name__)
 
-# TOKEN_ENV (RLAX_PS_TOKEN, the run's token) and MAX_WAIT_S: from rlax_tasks.service_http
+# TOKEN_ENV (RLAX_PS_TOKEN, the run's token) and MAX_WAIT_S: from rlax_tasks.services.http
 MAX_JSON_BYTES = 65536  # a JSON request body (reserve, ack)
 WORKER_HEADER = "X-RLAX-Worker"
 VERSION_HEADER = "X-RLAX-Version"
@@ -851,7 +851,7 @@ def parse_size(text: str) -> int:
 
 def serve_forever(config: ServerConfig, publish_to: str | None = None) -> int:
     """Runs a server until SIGINT/SIGTERM; its URL is the first line on stdout (and written to
-    the service file ``publish_to``, rlax_tasks.endpoints)."""
+    the service file ``publish_to``, rlax_tasks.services.endpoints)."""
     server = ParameterServer(config).start()
     announce(server.address, publish_to)
     done = threading.Event()

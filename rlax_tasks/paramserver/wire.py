@@ -52,7 +52,7 @@ from typing import BinaryIO
 import google_crc32c
 import numpy as np
 
-from rlax_tasks.storage import read_into
+from rlax_tasks.rundir.storage import read_into
 
 FORMAT = 2
 LEGACY_FORMATS = (1,)  # read from mirrors, never sent

@@ -2,7 +2,7 @@
 
 Lets verification run on other machines than the inference workers. Binds 127.0.0.1 unless
 told otherwise; with --port 0 the chosen address is printed on the first stdout line. It runs
-code, so every call needs the run's token (``RLAX_PS_TOKEN``, rlax_tasks.service_http; missing
+code, so every call needs the run's token (``RLAX_PS_TOKEN``, rlax_tasks.services.http; missing
 → 401, wrong → 403) and the service refuses to start without it (exit 2). A body over
 ``--max-body-mb`` is refused (413) before it is read; every field is bounded (422 naming it).
 """
@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks.endpoints import announce, listen
 from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
 from rlax_tasks.rewards.math import MathResult
 from rlax_tasks.rewards.sandbox import ExecResult
-from rlax_tasks.service_http import (
+from rlax_tasks.services.endpoints import announce, listen
+from rlax_tasks.services.http import (
     TOKEN_ENV,
     JsonClient,
     Reply,

@@ -41,7 +41,7 @@ from rlax_tasks.models.policy import Policy
 from rlax_tasks.models.transformer import resolve_dtype
 from rlax_tasks.rollout.requests import Completion, FinishReason, Request, SamplingParams
 from rlax_tasks.rollout.sampling import sample_tokens, token_key
-from rlax_tasks.validation import check_choice, check_int, field_error
+from rlax_tasks.utils.validation import check_choice, check_int, field_error
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Endpoints (JSON): POST /v1/groups {"groups": [GroupRequest...]} queues work; GET
 ?wait_s=&max_groups= long-polls finished groups (each tagged with its weight version); POST
 /v1/reset drops all work (a restarted controller re-issues its in-flight prompts); GET /v1/status.
 Binds 127.0.0.1 unless told otherwise. Every call needs the run's token (``RLAX_PS_TOKEN``,
-rlax_tasks.service_http; the worker refuses to start without it) as ``Authorization: Bearer
+rlax_tasks.services.http; the worker refuses to start without it) as ``Authorization: Bearer
 <token>`` (missing → 401, wrong → 403). The first stdout line is the URL.
 
 Bounds (DESIGN §13): a body over ``MAX_BODY_BYTES`` is refused (413) before it is read; a
@@ -25,7 +25,10 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlax_tasks.endpoints import (
+from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
+from rlax_tasks.process.host_malloc import tune_if_host_compute
+from rlax_tasks.rollout.requests import GroupRequest
+from rlax_tasks.services.endpoints import (
     Endpoint,
     add_address_args,
     add_url_arg,
@@ -33,10 +36,7 @@ from rlax_tasks.endpoints import (
     bind_host,
     listen,
 )
-from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
-from rlax_tasks.host_malloc import tune_if_host_compute
-from rlax_tasks.rollout.requests import GroupRequest
-from rlax_tasks.service_http import (
+from rlax_tasks.services.http import (
     MAX_WAIT_S,
     TOKEN_ENV,
     JsonClient,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the worker loads JAX and Flax: only its command needs them
 
 log = logging.getLogger(__name__)
 
-# TOKEN_ENV (RLAX_PS_TOKEN, the run's one token) and MAX_WAIT_S: from rlax_tasks.service_http
+# TOKEN_ENV (RLAX_PS_TOKEN, the run's one token) and MAX_WAIT_S: from rlax_tasks.services.http
 MAX_BODY_BYTES = 16 << 20  # a submission's JSON
 MAX_GROUPS = 4096  # groups in one submission (and results in one answer)
 MAX_GROUP_SIZE = 1024  # completions of one prompt
@@ -238,8 +238,8 @@ def worker_mesh(mesh_shape: str) -> Any:
 
 
 def _worker_command(args: argparse.Namespace) -> int:
-    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
-    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.host_malloc
+    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
+    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     token = service_token()  # before anything slow: no token, no worker (exit 2)
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler

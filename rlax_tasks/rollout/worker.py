@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 from flax import nnx
 
-from rlax_tasks.garbage_collection import collect_if_due
+from rlax_tasks.process.garbage_collection import collect_if_due
 from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exported
     Completion,
     GroupRequest,
@@ -28,7 +28,7 @@ from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exporte
     Request,
 )
 from rlax_tasks.rollout.sampler import Sampler
-from rlax_tasks.validation import check_int, field_error
+from rlax_tasks.utils.validation import check_int, field_error
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class InferenceWorker:
                 self._admit()
                 if self.sampler.has_unfinished:
                     self._collect(self.sampler.step())
-                    collect_if_due()  # between decode chunks (see rlax_tasks.garbage_collection)
+                    collect_if_due()  # between decode chunks (process.garbage_collection)
                 else:
                     with self._lock:
                         if not self._queue and not self._stop.is_set():

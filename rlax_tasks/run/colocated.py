@@ -226,10 +226,10 @@ class ColocatedRun:
         return self
 
     def _start_parameter_server(self) -> None:
-        from rlax_tasks.endpoints import bind_host
         from rlax_tasks.paramserver import ParameterServerClient
         from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
-        from rlax_tasks.service_http import run_token
+        from rlax_tasks.services.endpoints import bind_host
+        from rlax_tasks.services.http import run_token
 
         token = run_token()  # the run's RLAX_PS_TOKEN (or a new one: then only this process has it)
         config = ServerConfig(
@@ -305,15 +305,15 @@ class ColocatedRun:
 
 
 def _colocated_command(args: argparse.Namespace) -> int:
-    from rlax_tasks import run_lock
     from rlax_tasks.config import load_config
-    from rlax_tasks.endpoints import publish
-    from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
-    from rlax_tasks.host_malloc import tune_if_host_compute
+    from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
+    from rlax_tasks.process.host_malloc import tune_if_host_compute
     from rlax_tasks.run.compilation_cache import enable_in_process
+    from rlax_tasks.rundir import lock as run_lock
+    from rlax_tasks.services.endpoints import publish
 
-    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
-    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.host_malloc
+    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
+    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     cfg = load_config(args.config)
     if cfg.placement.mode != "colocated":
         raise ValueError(
@@ -359,7 +359,7 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 def storage_stopped(run_dir: str, error: OSError) -> ValueError:
     """The run stopped because its storage refused a write: posted as a "fatal" notice; a
     ValueError, so that ``rlax`` reports it in one line and exits 2 (do not restart)."""
-    from rlax_tasks import notices
+    from rlax_tasks.rundir import notices
     from rlax_tasks.trainer.checkpointing import describe_error
 
     where = error.filename or run_dir
@@ -374,8 +374,8 @@ def storage_stopped(run_dir: str, error: OSError) -> ValueError:
 
 def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax colocated`."""
-    from rlax_tasks.endpoints import add_address_args
     from rlax_tasks.paramserver.server import parse_size
+    from rlax_tasks.services.endpoints import add_address_args
 
     p = sub.add_parser(
         "colocated",

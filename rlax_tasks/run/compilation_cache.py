@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks import storage
 from rlax_tasks.models.config import SUPPORTED_DTYPES
-from rlax_tasks.run_paths import CONFIG as RUN_CONFIG
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import CONFIG as RUN_CONFIG
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 

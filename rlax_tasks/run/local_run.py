@@ -7,7 +7,7 @@ the run goes, and ends with held-out pass@k before and after plus plots (rlax_ta
 Running it again with the same run id resumes the run.
 
 Before anything starts: the memory plan and the datasets are checked (rlax_tasks.run.preflight),
-the run lock is taken (rlax_tasks.run_lock: a second `rlax run` on a live run is refused),
+the run lock is taken (rlax_tasks.rundir.lock: a second `rlax run` on a live run is refused),
 and a resume may not change training settings unless allowed (``save_resolved``). The components
 die with it (rlax_tasks.run.supervisor); a component's user error or repeated failure, or a
 fatal notice, stops the run with that component's own message (``ComponentFailed``).
@@ -20,7 +20,6 @@ import os
 import time
 from typing import Any
 
-from rlax_tasks import notices, run_lock
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
 from rlax_tasks.run.placement import describe, is_colocated
@@ -28,8 +27,10 @@ from rlax_tasks.run.preflight import check_datasets
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
 from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
-from rlax_tasks.run_paths import run_paths
-from rlax_tasks.service_http import run_token
+from rlax_tasks.rundir import lock as run_lock
+from rlax_tasks.rundir import notices
+from rlax_tasks.rundir.paths import run_paths
+from rlax_tasks.services.http import run_token
 
 log = logging.getLogger(__name__)
 

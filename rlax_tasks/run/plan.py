@@ -57,7 +57,6 @@ import math
 import os
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.compute.devices import GiB
 from rlax_tasks.run.placement import (
     ACCELERATORS,
@@ -74,6 +73,7 @@ from rlax_tasks.run.placement import (
     job_names,
     resolve_mesh,
 )
+from rlax_tasks.rundir import storage
 from rlax_tasks.trainer.config import keep_logits_mb
 
 # share of a host's RAM the parameter server may keep versions in

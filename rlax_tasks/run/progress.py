@@ -10,8 +10,8 @@ import os
 import time
 from typing import Any
 
-from rlax_tasks import storage
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.scalar_export import log_scalars
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks import storage
 from rlax_tasks.config import RunConfig
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class HeldOutEvaluator:
             temperature=float(e.temperature),
             stop_strings=self.cfg.prompt.stop,
         )
-        from rlax_tasks.progress_meter import ProgressMeter
+        from rlax_tasks.utils.progress_meter import ProgressMeter
 
         n = e.num_samples
         meter = ProgressMeter("held-out eval", len(self.prompt_ids) * n, logger=log, unit="samples")

@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from rlax_tasks.host_malloc import with_huge_pages
+from rlax_tasks.process.host_malloc import with_huge_pages
 
 log = logging.getLogger(__name__)
 
-JOB_NAME_ENV = "RLAX_JOB_NAME"  # rlax_tasks.notices reads it as a notice's source
+JOB_NAME_ENV = "RLAX_JOB_NAME"  # rlax_tasks.rundir.notices reads it as a notice's source
 _PR_SET_PDEATHSIG = 1
 # the last error line of a component's log: an `rlax <cmd>: error: ...` line (a user error) or
 # the last line of a Python traceback

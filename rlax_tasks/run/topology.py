@@ -20,11 +20,11 @@ Addresses: with ``ports`` (``rlax run``: every job on this machine) the services
 ``host`` at those ports and clients get URLs. With ``ports=None`` (slices: addresses unknown
 until the slices exist, and new after a re-provision) every service binds its host's address on a
 free port and publishes it to ``run_dir/services/<job>.json``; clients get those files
-(rlax_tasks.endpoints) and the node agent sets the group variables. Importable without JAX.
+(rlax_tasks.services.endpoints) and the node agent sets the group variables. Importable without JAX.
 
 One token per run (DESIGN §13): ``token`` goes into every job's environment as ``RLAX_PS_TOKEN``
 (never onto a command line); the parameter server, the trainer, the workers and the controller
-all read that one variable (rlax_tasks.service_http), each service refusing to start without it.
+all read that one variable (rlax_tasks.services.http), each service refusing to start without it.
 A launcher gets the token from ``service_http.run_token()``: the user's own when exported, else a
 new random one.
 """
@@ -34,13 +34,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlax_tasks import storage
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
-from rlax_tasks.endpoints import service_file
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
-from rlax_tasks.run_paths import run_paths
-from rlax_tasks.service_http import TOKEN_ENV  # (re-exported: the run's one token)
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
+from rlax_tasks.services.endpoints import service_file
+from rlax_tasks.services.http import TOKEN_ENV  # (re-exported: the run's one token)
 
 TRAINER_SLICE = "trainer"
 

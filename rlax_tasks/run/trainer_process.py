@@ -16,18 +16,18 @@ import dataclasses
 import logging
 import signal
 
-from rlax_tasks.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
-from rlax_tasks.garbage_collection import defer_full_collections, freeze_startup
-from rlax_tasks.host_malloc import tune_if_host_compute
-from rlax_tasks.service_http import serve_app, service_token
+from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
+from rlax_tasks.process.host_malloc import tune_if_host_compute
+from rlax_tasks.services.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
+from rlax_tasks.services.http import serve_app, service_token
 from rlax_tasks.trainer.service import TrainerService, batch_body_limit
 
 log = logging.getLogger(__name__)
 
 
 def _trainer_command(args: argparse.Namespace) -> int:
-    defer_full_collections()  # before the imports: see rlax_tasks.garbage_collection
-    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.host_malloc
+    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
+    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
     token = service_token()
     from rlax_tasks.algorithms import make_objective

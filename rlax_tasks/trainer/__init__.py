@@ -1,12 +1,12 @@
 """The trainer: old-policy prefill, RL objective, micro-batched Optax updates over a device mesh,
 Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7).
 
-Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
 its heavy modules."""
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

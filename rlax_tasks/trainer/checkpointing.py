@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.path import step as step_lib
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 

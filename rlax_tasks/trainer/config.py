@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlax_tasks.validation import (
+from rlax_tasks.utils.validation import (
     check_bool,
     check_choice,
     check_int,

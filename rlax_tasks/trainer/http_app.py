@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from rlax_tasks.protocol import StepConflictError, TrainerBehindError
-from rlax_tasks.service_http import authorized_app
+from rlax_tasks.services.http import authorized_app
+from rlax_tasks.services.protocol import StepConflictError, TrainerBehindError
 from rlax_tasks.trainer.service import (
     DEFAULT_MAX_BODY_BYTES,
     BatchTooLargeError,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from rlax_tasks.trainer.scalar_export import step_scalars_for
 
 log = logging.getLogger(__name__)

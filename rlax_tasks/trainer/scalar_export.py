@@ -35,8 +35,8 @@ import struct
 import time
 from typing import Any
 
-from rlax_tasks import storage
-from rlax_tasks.run_paths import METRICS, run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import METRICS, run_paths
 
 log = logging.getLogger(__name__)
 

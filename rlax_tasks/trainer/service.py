@@ -15,7 +15,7 @@ never applied twice to the same weights, and a big model is not written out at e
 On start it restores the newest complete checkpoint and makes sure the parameter server holds
 its version (a PS restarted from an older mirror gets it again); a background thread keeps
 checking that. Binds 127.0.0.1. Every call needs the run's token (``RLAX_PS_TOKEN``,
-rlax_tasks.service_http; the trainer refuses to start without it): a stranger cannot post a step.
+rlax_tasks.services.http; the trainer refuses to start without it): a stranger cannot post a step.
 A body over the service's limit (sized from the run's batch, ``batch_body_limit``) is refused
 (413) before it is read, and so is a batch whose arrays would unpack to more; step numbers are
 integers >= 1 (422).
@@ -44,27 +44,27 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.endpoints import Endpoint
-from rlax_tasks.garbage_collection import collect_if_due
 from rlax_tasks.paramserver.client import VersionConflictError
-from rlax_tasks.protocol import (
+from rlax_tasks.process.garbage_collection import collect_if_due
+from rlax_tasks.rundir.paths import run_paths
+from rlax_tasks.services.endpoints import Endpoint
+from rlax_tasks.services.http import TOKEN_ENV, JsonClient, Reply
+from rlax_tasks.services.protocol import (
     StepAheadError,
     StepConflictError,
     StepReplayedError,
     TrainerBehindError,
 )
-from rlax_tasks.run_paths import run_paths
-from rlax_tasks.service_http import TOKEN_ENV, JsonClient, Reply
 
 log = logging.getLogger(__name__)
 
-# TOKEN_ENV: RLAX_PS_TOKEN, the run's one token (rlax_tasks.service_http)
+# TOKEN_ENV: RLAX_PS_TOKEN, the run's one token (rlax_tasks.services.http)
 # the body limit without a run configuration to size it from (``batch_body_limit``)
 DEFAULT_MAX_BODY_BYTES = 1 << 30
 # scalars sent beside a batch's arrays (the controller's per-step counts, e.g. prompts skipped):
 # written to that step's metrics row, never trained on
 STAT_PREFIX = "stat_"
-# StepConflictError, TrainerBehindError: defined in rlax_tasks.protocol, importable from here too
+# StepConflictError, TrainerBehindError: defined in rlax_tasks.services.protocol
 
 
 class TrainerService:
@@ -239,7 +239,7 @@ class TrainerService:
                 metrics["push_s"] = time.perf_counter() - t0
                 self._record_sync(step, metrics["push_s"])
         # after the step, on every host of the group (the followers never pass through
-        # train()): see rlax_tasks.garbage_collection
+        # train()): see rlax_tasks.process.garbage_collection
         collect_if_due()
         return metrics
 

@@ -35,11 +35,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from rlax_tasks import notices
 from rlax_tasks.models import Policy
 from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import notices
+from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS, Checkpointer
 from rlax_tasks.trainer.config import TrainerConfig, keep_logits_mb
 from rlax_tasks.trainer.metrics import MetricsWriter

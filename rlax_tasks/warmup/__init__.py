@@ -11,12 +11,12 @@ pass@k far exceeds its pass@1. That gap is what a few minutes of GRPO can close 
 without smoothing, the gap is small and RL gained only a few points in 3 minutes (measured).
 
 
-Names load lazily (``rlax_tasks.lazy_exports``), so importing the package loads none of
+Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
 its heavy modules."""
 
 from __future__ import annotations
 
-from rlax_tasks.lazy_exports import lazy_exports
+from rlax_tasks.utils.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,

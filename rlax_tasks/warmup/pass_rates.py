@@ -9,9 +9,9 @@ from typing import Any
 
 from rlax_tasks.evaluation import mean_pass_at_k
 from rlax_tasks.models import Policy
-from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout import Sampler, per_prompt_params
+from rlax_tasks.utils.progress_meter import ProgressMeter
 from rlax_tasks.warmup.tiny_arith import TinyArith
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 from rlax_tasks.models import ModelConfig
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rewards.tasks import ArithmeticTask
-from rlax_tasks.validation import check_int, check_known, check_number, field_error
+from rlax_tasks.utils.validation import check_int, check_known, check_number, field_error
 from rlax_tasks.warmup.tiny_arith import DEFAULT_KNOBS, FORMAT_VERSION, TinyArith
 
 # bump when the warm-up code changes what a recipe produces

@@ -23,8 +23,8 @@ from rlax_tasks.models import ModelConfig, Policy, forward
 from rlax_tasks.models.policy import abstract_model
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.models.transformer import Transformer
-from rlax_tasks.progress_meter import ProgressMeter
 from rlax_tasks.rewards.tasks import Problem
+from rlax_tasks.utils.progress_meter import ProgressMeter
 from rlax_tasks.warmup.recipe import WarmupRecipe
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def train_base_policy(
 
     ``on_step(step, loss)`` is called after every step (progress hooks, tests). A status line
     (steps, steps/s, ETA, mean loss since the previous line) is logged every ``log_every_s``
-    seconds (None: ``rlax_tasks.progress_meter``'s default, 5).
+    seconds (None: ``rlax_tasks.utils.progress_meter``'s default, 5).
     """
     t0 = time.perf_counter()
     tokenizer = char_tokenizer()

@@ -17,10 +17,10 @@ import time
 import psutil
 import pytest
 
-from rlax_tasks import notices
 from rlax_tasks.airflow.dag_watch import DagRunWatcher
 from rlax_tasks.cli import main
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import notices
+from rlax_tasks.rundir.paths import run_paths
 from tests.conftest import REPO
 
 STAMP = r"^\[\s*(?:\d+h )?(?:\d+m )?\d+[sm]\] "  # the elapsed-time column of the lines

@@ -214,7 +214,7 @@ def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
     """The plan task shares `rlax run`'s resume check (DESIGN §13): a changed learning rate
     fails the plan, naming the field and the Param that accepts it; with the Param it plans and
     config_changes.jsonl records the change."""
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
 
     params = tiny_params(tmp_path, "resumed")
     rc.plan_training(params, "manual__1")
@@ -240,7 +240,7 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
     """The DAG's report task writes `rlax run`'s eval/report.md: pass@k of eval/v0 against the
     newest evaluated version, the steps and the time the metrics span; without the v0
     evaluation it names what is missing."""
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
     from tests.evaluation.test_history import write_results
 
     run_dir = rc.plan_training(tiny_params(tmp_path, "reported", steps=6), "manual__1")["run_dir"]

@@ -115,7 +115,7 @@ def host_record(slice_root: str, host: int) -> dict | None:
 
 def read_vars(path: str) -> dict[str, str]:
     """The NAME=value lines a job printed (``job_program.py env``/``group``)."""
-    from rlax_tasks import storage
+    from rlax_tasks.rundir import storage
 
     text = storage.read_bytes(path).decode()
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)

@@ -6,8 +6,8 @@ import os
 import pytest
 import requests
 
-from rlax_tasks import storage
 from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
+from rlax_tasks.rundir import storage
 from tests.compute.helpers import (
     ENTRYPOINT,
     FAKE_IMAGE,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlax_tasks.compute import JobSpec, JobState, SliceSpec, SliceState, get_backend
-from rlax_tasks.host_malloc import is_glibc
+from rlax_tasks.process.host_malloc import is_glibc
 from tests.compute.helpers import ENTRYPOINT, wait_for
 
 
@@ -67,8 +67,9 @@ def test_job_succeeds_with_logs_and_env(backend, slice_, tmp_path):
 
 @pytest.mark.skipif(not is_glibc(), reason="glibc only")
 def test_a_job_computing_on_the_host_starts_with_its_heap_on_huge_pages(backend, slice_):
-    """The runner sets glibc's huge-page tunable for the command (rlax_tasks.host_malloc), beside
-    the tunables the job's environment already has; an accelerator job keeps its environment."""
+    """The runner sets glibc's huge-page tunable for the command (process.host_malloc),
+    beside the tunables the job's environment already has; an accelerator job keeps its
+    environment."""
     env = {"JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}
     cpu = backend.start_job(slice_, JobSpec(name="cpu", argv=["env", "GLIBC_TUNABLES"], env=env))
     tpu = backend.start_job(
@@ -99,10 +100,11 @@ def test_real_rlax_cli_user_error_is_a_configuration_error(tmp_path):
     """The default entrypoint is `python -m rlax_tasks.cli`: a bad flag value exits 2."""
     backend = get_backend("local", run_root=str(tmp_path))
     handle = backend.provision(SliceSpec(name="cli"))
-    job = backend.start_job(handle, JobSpec(name="demo", argv=["demo", "--max-new-tokens", "0"]))
+    argv = ["run", "--steps", "0", "--run-root", str(tmp_path / "r")]
+    job = backend.start_job(handle, JobSpec(name="run", argv=argv))
     status = wait_for(lambda: finished(backend, job), timeout_s=120)
     assert status.is_config_error, status
-    assert "--max-new-tokens must be positive" in status.message
+    assert "--steps must be a positive number" in status.message
 
 
 def test_sigkill_of_the_job_is_preemption(backend, slice_):

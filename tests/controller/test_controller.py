@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.controller import Controller, SnapshotStore, read_lineage
+from rlax_tasks.rundir import storage
 from tests.controller.fakes import World, encode, mixture, settings
 
 N = 12  # training steps of a full run (j = 2: snapshots at even steps)

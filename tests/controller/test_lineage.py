@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.controller import (
     Batch,
     DroppedGroup,
@@ -13,6 +12,7 @@ from rlax_tasks.controller import (
     lineage_record,
     read_lineage,
 )
+from rlax_tasks.rundir import storage
 from tests.controller.test_buffer import group
 from tests.paramserver.helpers import gcs_emulator
 

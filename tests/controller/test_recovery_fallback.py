@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from rlax_tasks import notices, storage
 from rlax_tasks.controller import SnapshotError, SnapshotStore, read_lineage
 from rlax_tasks.controller.controller import reward_and_verdict
 from rlax_tasks.controller.snapshot import NoIntactSnapshotError
-from rlax_tasks.protocol import StepConflictError
 from rlax_tasks.rewards.scoring import SampleScore
+from rlax_tasks.rundir import notices, storage
+from rlax_tasks.services.protocol import StepConflictError
 from tests.controller.fakes import FakeTrainer, World
 from tests.controller.test_controller import N, full_run, make
 from tests.controller.test_snapshot import snap

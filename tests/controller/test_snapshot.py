@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.controller import Snapshot, SnapshotError, SnapshotStore
+from rlax_tasks.rundir import storage
 from tests.paramserver.helpers import gcs_emulator
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rlax_tasks.curation import CurationConfig, MinHashConfig, run_curation
-from rlax_tasks.progress_meter import EVERY_ENV
+from rlax_tasks.utils.progress_meter import EVERY_ENV
 from tests.evaluation.helpers import arithmetic_rows, write_jsonl
 
 

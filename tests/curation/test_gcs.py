@@ -2,8 +2,8 @@
 
 import json
 
-from rlax_tasks import storage
 from rlax_tasks.cli import main
+from rlax_tasks.rundir import storage
 from tests.evaluation.helpers import arithmetic_rows
 from tests.paramserver.helpers import gcs_emulator
 

@@ -360,7 +360,7 @@ def seed_base_eval(run_root: str, model_path: str) -> str:
     from rlax_tasks.airflow import dag_support as rc
     from rlax_tasks.config import load_config
     from rlax_tasks.evaluation.base_eval import plan_base_eval
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
 
     # the run config the DAG's plan task makes of the trigger form's Params
     overrides = {"run_root": run_root, "run_id": RUN_ID, "model.path": model_path,
@@ -377,7 +377,7 @@ def seed_base_eval(run_root: str, model_path: str) -> str:
 def write_other_run(run_root: str) -> None:
     """A second run beside RUN_ID, written from files as the components write them: RUN_ID's
     config with j=2, k=4, its metrics with other rewards, its base evaluation, another final."""
-    from rlax_tasks.run_paths import run_paths
+    from rlax_tasks.rundir.paths import run_paths
 
     src, dst = (
         run_paths(os.path.join(run_root, RUN_ID)),

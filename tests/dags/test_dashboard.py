@@ -9,7 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from tests.paramserver.helpers import gcs_emulator
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

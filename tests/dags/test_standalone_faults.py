@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from tests.dags.conftest import read_jsonl
 from tests.dags.standalone import Components, tail, wait_for
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
 from tests.dags.conftest import DAGS, read_jsonl
 

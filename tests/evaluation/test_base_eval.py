@@ -12,7 +12,7 @@ import pytest
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.config import DatasetSpec, FileSource, load_config, save_resolved
 from rlax_tasks.evaluation.base_eval import evaluate_base
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 
 
 class FakeEval:

@@ -7,7 +7,7 @@ import re
 
 from rlax_tasks.data import load_dataset
 from rlax_tasks.evaluation import EvalConfig, PolicyGenerator, evaluate
-from rlax_tasks.progress_meter import EVERY_ENV
+from rlax_tasks.utils.progress_meter import EVERY_ENV
 from tests.evaluation.helpers import arithmetic_rows, tiny_policy, write_jsonl
 
 

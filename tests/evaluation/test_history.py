@@ -7,7 +7,7 @@ import os
 
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.evaluation.history import append_evaluation, read_history
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 
 
 def write_results(run_dir: str, version: int, pass_at_1: float) -> None:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from rlax_tasks.models import load_pretrained
 from rlax_tasks.models.hf_io import write_hf
 from rlax_tasks.models.policy import abstract_model
-from rlax_tasks.progress_meter import EVERY_ENV, format_si
+from rlax_tasks.utils.progress_meter import EVERY_ENV, format_si
 
 
 def test_checkpoint_load_logs_parameters_loaded(tiny_config, tmp_path, monkeypatch, caplog):

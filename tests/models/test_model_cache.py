@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.models import model_cache
 from rlax_tasks.models.model_cache import MARKER_FILE, ModelCacheError, local_model_dir
+from rlax_tasks.rundir import storage
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 CHUNK = 64 * 1024  # several ranges per shard

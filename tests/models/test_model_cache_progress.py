@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import re
 
-from rlax_tasks import storage
 from rlax_tasks.models import model_cache
 from rlax_tasks.models.model_cache import local_model_dir
+from rlax_tasks.rundir import storage
 
 CHUNK = 256 * 1024
 

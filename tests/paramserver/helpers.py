@@ -23,7 +23,7 @@ def gcs_emulator(bucket: str = "rlax-test") -> Iterator[str]:
     (``tests.gcs_generations``); STORAGE_EMULATOR_HOST points at it."""
     from gcp_storage_emulator.server import create_server
 
-    from rlax_tasks import storage
+    from rlax_tasks.rundir import storage
     from tests import gcs_generations
 
     gcs_generations.install()  # real GCS's generation preconditions, which the emulator lacks

@@ -16,7 +16,6 @@ import urllib.parse
 import numpy as np
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.paramserver import ParameterServer, ParameterServerClient, ServerConfig
 from rlax_tasks.paramserver.mirror import (
@@ -28,6 +27,7 @@ from rlax_tasks.paramserver.mirror import (
     version_dir,
 )
 from rlax_tasks.paramserver.wire import ArraySpec, ChecksumError, Manifest, as_bytes, crc32c
+from rlax_tasks.rundir import storage
 from tests.compute.helpers import wait_for
 from tests.paramserver.helpers import TOKEN, gcs_emulator, start_server_process
 

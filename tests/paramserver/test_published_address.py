@@ -1,4 +1,4 @@
-"""A parameter server reached through the address it published (rlax_tasks.endpoints), as on
+"""A parameter server reached through the address it published (services.endpoints), as on
 slices: its clients follow it when it restarts elsewhere (a re-provisioned slice)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlax_tasks import endpoints
 from rlax_tasks.paramserver import ServerUnavailableError
+from rlax_tasks.services import endpoints
 
 
 def _params(version: int) -> dict[str, np.ndarray]:

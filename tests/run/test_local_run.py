@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.config import load_config
 from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
+from rlax_tasks.rundir import storage
 from tests.tiny_model import save_char_model
 
 

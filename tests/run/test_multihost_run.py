@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from rlax_tasks import storage
 from rlax_tasks.cli import main
 from rlax_tasks.run.local_run import run_local
+from rlax_tasks.rundir import storage
 from tests.run.test_local_run import read_jsonl, small_config
 
 pytestmark = pytest.mark.slow

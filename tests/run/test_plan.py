@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
 from rlax_tasks.run.plan import PlanDoesNotFit, memory_plan, ps_retention, resolve_model
+from rlax_tasks.rundir import storage
 
 MiB, GiB = 2**20, 2**30
 # qwen2: hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV of 16, vocabulary 256, untied.

@@ -7,7 +7,7 @@ import os
 import time
 
 from rlax_tasks.run.progress import WINDOW_S, dropped_stale, format_duration, status_line
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 
 NOW = 1_800_000_000.0  # the wall clock the status lines are computed at
 

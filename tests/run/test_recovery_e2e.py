@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from rlax_tasks import notices
 from rlax_tasks.config import save_resolved
+from rlax_tasks.rundir import notices
 from tests.run.test_colocated import COLOCATED, _env
 from tests.run.test_local_run import read_jsonl, small_config
 

@@ -18,7 +18,7 @@ from rlax_tasks.config import (
     load_config,
     save_resolved,
 )
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 from tests.run.test_preflight import model_shapes_only
 
 LR_CHANGE = "trainer.learning_rate 0.0003 → 1000000000.0"

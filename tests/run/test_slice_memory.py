@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from rlax_tasks import storage
 from rlax_tasks.config import load_config
 from rlax_tasks.run.plan import slice_fit_error, slice_memory_plan
+from rlax_tasks.rundir import storage
 from tests.run.test_plan import SMALL, GiB
 from tests.run.test_plan import P as P_SMALL  # the small qwen2's parameters, counted by hand
 

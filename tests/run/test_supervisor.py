@@ -13,8 +13,7 @@ import time
 import psutil
 import pytest
 
-from rlax_tasks import notices
-from rlax_tasks.host_malloc import is_glibc
+from rlax_tasks.process.host_malloc import is_glibc
 from rlax_tasks.run.supervisor import (
     Component,
     ComponentFailed,
@@ -23,6 +22,7 @@ from rlax_tasks.run.supervisor import (
     error_line,
     stop_on_signals,
 )
+from rlax_tasks.rundir import notices
 from tests.compute.helpers import wait_for
 
 PY = sys.executable
@@ -133,7 +133,7 @@ def test_each_component_posts_notices_under_its_own_name(tmp_path):
     run_dir = str(tmp_path / "run")
     sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
     code = (
-        f"from rlax_tasks import notices; notices.post({run_dir!r}, 'fallback', "
+        f"from rlax_tasks.rundir import notices; notices.post({run_dir!r}, 'fallback', "
         "'snapshots/12.json set aside, using 10.json')"
     )
     sup.add(Component("controller", [], command=_program(code), restart=False))
@@ -145,7 +145,7 @@ def test_each_component_posts_notices_under_its_own_name(tmp_path):
 @pytest.mark.skipif(not is_glibc(), reason="glibc only")
 def test_components_computing_on_the_host_start_with_their_heap_on_huge_pages(tmp_path):
     """glibc reads its tunables at start only: the supervisor sets the huge-page one for each
-    component that computes on the host CPU (rlax_tasks.host_malloc), not for the others."""
+    component that computes on the host CPU (rlax_tasks.process.host_malloc), not for the others."""
     sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
     code = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('GLIBC_TUNABLES', ''))"
     for platforms in ("cpu", "tpu"):

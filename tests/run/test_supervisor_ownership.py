@@ -16,9 +16,9 @@ import sys
 import psutil
 import pytest
 
-from rlax_tasks import notices
 from rlax_tasks.cli import main
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import notices
+from rlax_tasks.rundir.paths import run_paths
 from tests.compute.helpers import wait_for
 
 pytestmark = pytest.mark.slow

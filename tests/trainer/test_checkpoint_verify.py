@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from rlax_tasks.trainer import Checkpointer, is_complete_checkpoint
 from rlax_tasks.trainer.checkpointing import MANIFEST_FILE
 from tests.trainer.helpers import abstract, small_state

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 from rlax_tasks.trainer import Checkpointer, MetricsWriter, read_metrics
 from tests.compute.helpers import wait_for
 from tests.trainer.helpers import abstract, small_state

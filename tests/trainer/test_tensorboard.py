@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer import MetricsWriter, read_metrics
 from rlax_tasks.trainer.scalar_export import log_scalars
 from tests.compute.helpers import wait_for

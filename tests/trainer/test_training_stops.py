@@ -16,8 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from rlax_tasks import notices
 from rlax_tasks.algorithms import make_objective
+from rlax_tasks.rundir import notices
 from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS
 from rlax_tasks.trainer.config import TrainerConfig
 from rlax_tasks.trainer.service import TrainerService

@@ -1,7 +1,7 @@
 """HTTP plumbing every RLAX service shares: the run's bearer token (DESIGN §13), a FastAPI app
 guarded by it and by a body-size limit, bounded long-polls, served on a socket from
-``rlax_tasks.endpoints.listen``, and ``JsonClient`` (an ``Endpoint``, the token, a timeout per
-call, retries with exponential back-off).
+``rlax_tasks.services.endpoints.listen``, and ``JsonClient`` (an ``Endpoint``, the token, a
+timeout per call, retries with exponential back-off).
 
     token = service_token()                          # RLAX_PS_TOKEN, or ValueError (exit 2)
     check_bearer(request_headers.get("Authorization"), token)  # AuthError: 401 / 403
@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from rlax_tasks.endpoints import Endpoint
-from rlax_tasks.validation import check_number, field_error
+from rlax_tasks.services.endpoints import Endpoint
+from rlax_tasks.utils.validation import check_number, field_error
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlax_tasks import storage
+from rlax_tasks.rundir import storage
 
 # the names, relative to the run directory (DESIGN §7 is the contract: do not rename)
 CONFIG = "config.yaml"  # the resolved run configuration

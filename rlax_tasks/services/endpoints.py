@@ -25,9 +25,9 @@ import threading
 import time
 import urllib.parse
 
-from rlax_tasks import storage
 from rlax_tasks.compute.types import HOST_ADDRESS_ENV
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 # how long a client trusts the address it read before reading the service file again
 REFRESH_S = 2.0

@@ -36,8 +36,8 @@ import time
 import uuid
 from typing import Any
 
-from rlax_tasks import storage
-from rlax_tasks.run_paths import run_paths
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 

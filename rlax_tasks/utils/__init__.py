@@ -1,0 +1,1 @@
+"""Small JAX-free utilities: config field checks, lazy package exports, progress lines."""
