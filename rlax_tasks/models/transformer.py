@@ -1,11 +1,8 @@
 """Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 families.
 
-Module and parameter names follow Hugging Face (``layers.self_attn.q_proj.kernel`` for
-``model.layers.{i}.self_attn.q_proj.weight``) so the checkpoint mapping stays obvious. Decoder
-layers are stacked on a leading axis and run with ``jax.lax.scan``: compile time does not grow with
-depth and a remat policy applies to every layer at once (stacks of at most ``UNROLL_LAYERS_UP_TO``
-layers are unrolled in the full-sequence pass, where that is faster).
-"""
+Names follow Hugging Face (``layers.self_attn.q_proj.kernel``) so the checkpoint mapping stays
+obvious. Layers are stacked and scanned: compile time does not grow with depth and one remat
+policy covers them all (stacks up to ``UNROLL_LAYERS_UP_TO`` unroll in the full-sequence pass)."""
 
 from __future__ import annotations
 
@@ -25,11 +22,8 @@ from rlax_tasks.models.sharding import BATCH, constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # layer stacks this shallow run unrolled in the full-sequence pass: there the scan's slicing of
-# the stacked weights and stacking of residuals cost more than the compile time it saves. On 2
-# CPU cores: the tiny-arith train step (2 layers) 0.085 s scanned, 0.061 s unrolled; the 30M
-# benchmark model's (8 layers, 32 x 160 tokens) 7.4-7.6 s scanned, 6.7 s unrolled, its first
-# step (compile included) 14.7 s either way. A scan's stacked residuals are zero-filled before
-# the loop writes them: 0.3 s of that step went to filling 0.5 GB of them.
+# the stacked weights and its zero-filled stack of residuals cost more than the compile time it
+# saves
 UNROLL_LAYERS_UP_TO = 8
 REMAT_POLICIES = {
     "none": None,
@@ -71,7 +65,7 @@ class Projection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # as one [tokens, in] x [in, out] matmul: the same product, but XLA:CPU lays out the
-        # backward of a many-dimensional tensordot through transposing copies (2x its time)
+        # backward of a many-dimensional tensordot through transposing copies
         kernel = self.kernel[...].astype(self.dtype)
         n_in = self.n_in
         in_size = math.prod(kernel.shape[:n_in])
@@ -306,15 +300,9 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Hidden states [B, T, D] of new tokens attending to the cache, and the updated cache.
 
-        Row b's T tokens are written at cache entries start[b] .. start[b] + T - 1 (prefill: T is
-        the prompt bucket; decode: T = 1). Invalid tokens (valid=False) stay invisible to later
-        queries until a later write overwrites their entries. ``fresh``: the cache is empty, T
-        entries long and start is 0 (the sampler's prefill), so attention is self-attention.
-        ``window`` (static): attention reads only the first ``window`` cache entries, which must
-        hold every valid one, this call's included (a decode reads what its slots have written).
-        ``layers``: each layer's weights as arrays of their own (``unstack_layers``), run one after
-        the other instead of scanned over the stacked ones (see ``unstack_layers``).
-        """
+        Row b's tokens go to entries start[b] .. start[b] + T - 1; invalid ones stay invisible.
+        ``fresh``: an empty cache of exactly T entries (prefill); ``window`` (static): read only
+        the first entries, which hold every valid one; ``layers``: unstacked weights, in turn."""
         if fresh and cache.max_len != input_ids.shape[1]:
             raise ValueError(
                 f"fresh=True needs a cache of the tokens' length {input_ids.shape[1]}, "
