@@ -12,6 +12,8 @@ import enum
 import re
 from typing import Any
 
+from rlax_tasks.services.endpoints import HOST_ADDRESS_ENV
+
 # what rlax_tasks.compute exports from here
 __all__ = [
     "CONFIG_ERROR_EXIT_CODE", "COORDINATOR_ADDRESS_ENV", "COORDINATOR_PORT_ENV",
@@ -58,7 +60,6 @@ CONFIG_ERROR_EXIT_CODE = 2
 # several hosts (JobSpec.hosts) is one process group over them: these are what the trainer reads
 # to call jax.distributed.initialize (rlax_tasks/trainer/process_group.py).
 WORKER_ID_ENV = "RLAX_WORKER_ID"  # this host's index in its slice
-HOST_ADDRESS_ENV = "RLAX_HOST_ADDRESS"  # this host's address (where a service can be reached)
 PROCESS_ID_ENV = "RLAX_PROCESS_ID"  # this host's index in JobSpec.hosts (multi-host jobs)
 NUM_PROCESSES_ENV = "RLAX_NUM_PROCESSES"  # len(JobSpec.hosts) (multi-host jobs)
 COORDINATOR_ADDRESS_ENV = "RLAX_COORDINATOR_ADDRESS"  # "<address of hosts[0]>:<port>"

@@ -25,10 +25,11 @@ import threading
 import time
 import urllib.parse
 
-from rlax_tasks.compute.types import HOST_ADDRESS_ENV
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
+# this host's address, where a service can be reached (the node agent sets it on slices)
+HOST_ADDRESS_ENV = "RLAX_HOST_ADDRESS"
 # how long a client trusts the address it read before reading the service file again
 REFRESH_S = 2.0
 LOOPBACK = "127.0.0.1"
