@@ -42,6 +42,14 @@ LAZY_PACKAGES = tuple(
 )
 # the composition roots: they may import every package, and only they may import each other
 COMPOSITION_ROOTS = frozenset({"cli", "run", "airflow"})
+# the bottom packages, each with the only rlax_tasks packages it may import:
+# utils <- rundir <- services, utils <- process
+BOTTOM_PACKAGES = {
+    "utils": frozenset(),
+    "rundir": frozenset({"utils"}),
+    "services": frozenset({"utils", "rundir"}),
+    "process": frozenset({"utils"}),
+}
 
 # Runs in a fresh interpreter: a meta-path finder that sees every import records, for the first
 # heavy module asked for, the frames of rlax_tasks code that asked (outermost first).
@@ -67,29 +75,66 @@ _PROBE = textwrap.dedent(
 
     sys.meta_path.insert(0, Recorder())
     for m in MODULES:
-        importlib.import_module(m)
-    print(json.dumps({{"loaded": sorted(t for t in HEAVY if t in sys.modules), "chains": chains}}))
+        module = importlib.import_module(m)
+        for name in getattr(module, "__all__", ()):  # a lazy package's stub loads its modules
+            getattr(module, name)
+    print(json.dumps({{
+        "loaded": sorted(t for t in HEAVY if t in sys.modules), "chains": chains,
+        "rlax": sorted(m for m in sys.modules if m.startswith("rlax_tasks.")),
+    }}))
     """
 )
 
 
-def _heavy_imports(heavy: tuple[str, ...], modules: tuple[str, ...]) -> tuple[list[str], str]:
-    """(which of ``heavy`` a fresh interpreter loaded importing ``modules``, the rlax_tasks
-    frames that first imported each), by ``_PROBE``."""
+def _probe(heavy: tuple[str, ...], modules: tuple[str, ...]) -> dict:
+    """What a fresh interpreter loaded importing ``modules`` and every name they export:
+    {"loaded": heavy modules, "chains": {heavy: rlax_tasks frames}, "rlax": rlax_tasks modules}."""
     code = _PROBE.format(heavy=heavy, modules=modules)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _heavy_imports(heavy: tuple[str, ...], modules: tuple[str, ...]) -> tuple[list[str], str]:
+    """(which of ``heavy`` the probe of ``modules`` loaded, the rlax_tasks frames that first
+    imported each)."""
+    report = _probe(heavy, modules)
     chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
     return report["loaded"], chains
 
 
+# the concrete modules behind the light packages: Airflow's operators, triggers and DAG helpers,
+# the controller's decision loop and its message types, the compute backends, the run directory
+CONCRETE_LIGHT_MODULES = (
+    "rlax_tasks.airflow.operators",
+    "rlax_tasks.airflow.triggers",
+    "rlax_tasks.airflow.dag_support",
+    "rlax_tasks.airflow.dag_watch",
+    "rlax_tasks.controller.controller",
+    "rlax_tasks.controller.buffer",
+    "rlax_tasks.controller.lineage",
+    "rlax_tasks.controller.mixture",
+    "rlax_tasks.controller.snapshot",
+    "rlax_tasks.compute.local",
+    "rlax_tasks.compute.cloud_tpu",
+    "rlax_tasks.rundir.lock",
+    "rlax_tasks.rundir.notices",
+    "rlax_tasks.services.endpoints",
+)
+
+
 def test_light_modules_import_without_jax() -> None:
-    """The scheduler's and triggerer's imports load none of JAX, Flax, Optax, Orbax."""
-    loaded, chains = _heavy_imports(HEAVY, LIGHT_MODULES)
-    assert loaded == [], f"light imports loaded {loaded}; first import of:\n{chains}"
+    """The scheduler's and triggerer's imports load none of JAX, Flax, Optax, Orbax: the light
+    modules, every name they export (a lazy stub resolves to its modules), and the concrete
+    modules behind them."""
+    report = _probe(HEAVY, LIGHT_MODULES + CONCRETE_LIGHT_MODULES)
+    chains = "\n".join(f"{top}: " + "\n  -> ".join(c) for top, c in report["chains"].items())
+    assert report["loaded"] == [], f"light imports loaded {report['loaded']}; first of:\n{chains}"
+    # the probe reached the modules themselves, not only their packages' stubs
+    missing = set(CONCRETE_LIGHT_MODULES) - set(report["rlax"])
+    assert not missing, f"not imported by the probe: {sorted(missing)}"
 
 
 # what a colocated run imports before its first step: the CLI and the services it runs in-process
@@ -225,6 +270,40 @@ def test_only_composition_roots_import_composition_roots() -> None:
         for edge in targets[dst]
     ]
     assert wrong == [], "lower layers import a composition root:\n" + "\n".join(wrong)
+
+
+def bottom_layer_violations(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The edges by which a bottom package imports a package it may not (``BOTTOM_PACKAGES``)."""
+    return [
+        edge
+        for src, allowed in BOTTOM_PACKAGES.items()
+        for dst, edges in sorted(graph.get(src, {}).items())
+        if dst not in allowed
+        for edge in edges
+    ]
+
+
+def test_bottom_packages_import_only_the_packages_below_them() -> None:
+    """utils, rundir, services and process sit under every other package: each imports only
+    the bottom packages below it (``BOTTOM_PACKAGES``), so any package may use them."""
+    wrong = bottom_layer_violations(package_graph())
+    assert wrong == [], "a bottom package imports above its layer:\n" + "\n".join(wrong)
+
+
+def test_the_bottom_layer_rule_names_a_wrong_import() -> None:
+    """The checker itself: services importing compute, or utils importing rundir, is named."""
+    graph = {
+        "services": {
+            "compute": ["rlax_tasks.services.endpoints:28 -> rlax_tasks.compute.types"],
+            "rundir": ["rlax_tasks.services.endpoints:29 -> rlax_tasks.rundir"],
+        },
+        "utils": {"rundir": ["rlax_tasks.utils.x:3 -> rlax_tasks.rundir.paths"]},
+        "controller": {"config": ["rlax_tasks.controller.y:5 -> rlax_tasks.config"]},
+    }
+    assert bottom_layer_violations(graph) == [
+        "rlax_tasks.utils.x:3 -> rlax_tasks.rundir.paths",
+        "rlax_tasks.services.endpoints:28 -> rlax_tasks.compute.types",
+    ]
 
 
 def test_find_cycle_reports_the_cycle() -> None:
