@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up the project on a fresh machine: Debian packages it needs (when missing), then .venv with
 # every Python package pinned by constraints.txt. `--test` adds the test extras (pytest, ruff,
-# torch CPU for the transformers parity tests); `--bench` adds those and the benchmark extras (TRL for
-# benchmarks/vs_trl.py). Safe to re-run: it only installs what is missing.
+# torch CPU for the transformers parity tests, wandb; Debian g++ and chromium); `--bench` adds
+# those and the benchmark extras (TRL for benchmarks/vs_trl.py). Safe to re-run: it only installs
+# what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,9 +19,10 @@ done
 # Debian packages the project needs at run time: bubblewrap sandboxes generated code, which runs
 # under Debian's python3 (g++ is optional: C++ judging is enabled when it is present).
 apt_packages=(bubblewrap python3)
-# the tests also drive the Airflow UI in headless Chromium (tests/dags/test_browser.py, Selenium)
-# and validate docker-compose.yaml with `docker-compose config` (no Docker engine needed)
-if [[ "$extras" == *test* ]]; then apt_packages+=(chromium chromium-driver docker-compose); fi
+# the tests also drive the Airflow UI in headless Chromium (tests/dags/test_browser.py, Selenium),
+# validate docker-compose.yaml with `docker-compose config` (no Docker engine needed) and judge
+# C++ solutions (g++)
+if [[ "$extras" == *test* ]]; then apt_packages+=(chromium chromium-driver docker-compose g++); fi
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

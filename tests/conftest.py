@@ -95,3 +95,43 @@ def gcs_bucket(request):
     name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
     with gcs_emulator(name) as root:
         yield root
+
+
+# --------------------------------------------------------------------------- CI: no skips
+# CI installs everything the suite needs (scripts/setup.sh --test): under CI=true a skip is a
+# missing dependency, so a skipped test fails, and a skipped module fails the session, each
+# named with its reason.
+_skipped_modules: list[str] = []
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str | None:
+    if os.environ.get("CI", "").lower() != "true" or not report.skipped:
+        return None
+    if hasattr(report, "wasxfail"):  # an expected failure is reported as skipped too
+        return None
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 (pytest's hook signature)
+    report = yield
+    if (reason := _skip_reason(report)) is not None:
+        report.outcome = "failed"
+        report.longrepr = f"{report.nodeid} was skipped under CI=true: {reason}"
+    return report
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if (reason := _skip_reason(report)) is not None:
+        _skipped_modules.append(f"{report.nodeid} was skipped under CI=true: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    for line in _skipped_modules:
+        terminalreporter.write_line(f"FAILED {line}", red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped_modules and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
