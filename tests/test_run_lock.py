@@ -92,10 +92,13 @@ def test_gcs_lease_is_renewed_while_the_run_lives(gcs_bucket):
         lease.release()
 
 
-def test_a_lease_race_has_one_winner(tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["local", "gcs"])
+def test_a_lease_race_has_one_winner(store, tmp_path, monkeypatch, request):
     """Two runs see the same expired lease; the second write fails its generation precondition
-    (local commit_pointer enforces it; the GCS emulator ignores preconditions)."""
-    run_dir = str(tmp_path / "run")
+    (local ``commit_pointer`` enforces it, GCS its ``ifGenerationMatch``: on the emulator, by
+    tests.gcs_generations)."""
+    root = str(tmp_path) if store == "local" else request.getfixturevalue("gcs_bucket")
+    run_dir = f"{root}/runs/race"
     path = run_paths(run_dir).lock
     expired = Holder("old", 1, "h", 0.0, expires=1.0)
     storage.commit_pointer(path, expired.to_bytes())
