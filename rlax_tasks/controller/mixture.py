@@ -1,12 +1,8 @@
 """The prompt mixture: weighted draws over several datasets with reproducible, saveable state.
 
-Which dataset the next prompt comes from is drawn from one numpy PCG64 stream; within a dataset
-a cursor (epoch, position) walks a per-epoch permutation derived from (seed, dataset name, epoch),
-so the permutation itself never needs saving. Every prompt gets a stable id
-``<dataset>/<epoch>/<index>`` and a sequence number (its draw number). ``state_dict()`` is plain
-JSON and ``load_state_dict`` restores it exactly: the prompts drawn afterwards are those an
-uninterrupted mixture would have drawn.
-"""
+The dataset of each draw comes from one PCG64 stream; within a dataset a cursor walks a
+per-epoch permutation of (seed, dataset, epoch). Prompt ids are ``<dataset>/<epoch>/<index>``;
+``state_dict()`` is plain JSON, and after ``load_state_dict`` the draws continue exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +14,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlax_tasks.config import DatasetSpec, FileSource, SyntheticSource
+from rlax_tasks.data.code_tests import CodeTests
+from rlax_tasks.data.compact import compact_answer, compact_prompt
+from rlax_tasks.rewards.tasks import make_task
 
 STATE_FORMAT = 1
 
@@ -50,8 +49,6 @@ class SyntheticPrompts:
     """The first ``size`` problems of a synthetic task's stream (generated once, on first use)."""
 
     def __init__(self, spec: SyntheticSource) -> None:
-        from rlax_tasks.rewards.tasks import make_task
-
         self.spec = spec
         self.task = make_task(spec.task, **dict(spec.knobs))
         self._problems: list | None = None
@@ -77,9 +74,7 @@ class SyntheticPrompts:
     def get(self, index: int) -> tuple[str, str]:
         p = self._load()[index]
         if self.spec.prompt_format == "compact":
-            from rlax_tasks.warmup.tiny_arith import TinyArith
-
-            return TinyArith.prompt_text(p), p.reference
+            return compact_prompt(p), compact_answer(p)
         return p.prompt, p.reference
 
 
@@ -88,8 +83,7 @@ class FilePrompts:
     answer (math) or test suite (code). Rows that cannot be used are in ``rejected``."""
 
     def __init__(self, spec: FileSource) -> None:
-        from rlax_tasks.data.code_tests import CodeTests
-        from rlax_tasks.data.dataset import load_dataset
+        from rlax_tasks.data.dataset import load_dataset  # (pandas: only when a file is read)
 
         rows = load_dataset(spec.path, spec.format, spec.columns)
         frame = rows.frame

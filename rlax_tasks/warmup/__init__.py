@@ -1,18 +1,8 @@
 """The tiny-arith base model: compact arithmetic format, supervised warm-up, cached HF checkpoint.
 
-path = ensure_base_model("runs/base-models", name="tiny-arith")   # built once, then cached
-policy = load_pretrained(path)
-evaluate_pass_rates(policy, TinyArith().problems(200, seed=1), n=8, k_list=(1, 8))
-
-The default recipe (2-layer 0.1M-parameter Qwen2, 3000 AdamW steps, ~1 min on 2 cores) trains
-with label smoothing over the answer tokens: the base then knows most answers (greedy ~70%) but
-samples them diffusely at temperature 1 (pass@1 ~20%, pass@8 ~75%), like a pretrained LLM whose
-pass@k far exceeds its pass@1. That gap is what a few minutes of GRPO can close on 2 cores;
-without smoothing, the gap is small and RL gained only a few points in 3 minutes (measured).
-
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+The warm-up trains with label smoothing, so the base knows most answers but samples them
+diffusely (pass@k far above pass@1, like a pretrained LLM): the gap a short GRPO run closes.
+Names load lazily (``rlax_tasks.utils.lazy_exports``): importing the package loads no JAX."""
 
 from __future__ import annotations
 
@@ -21,7 +11,6 @@ from rlax_tasks.utils.lazy_exports import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "FORMAT_VERSION": ".tiny_arith",
         "MARKER": ".base_model",
         "TinyArith": ".tiny_arith",
         "WarmupRecipe": ".recipe",

@@ -1,16 +1,8 @@
 """The cached tiny-arith base model: built once by the supervised warm-up, reused afterwards.
 
-Layout under ``cache_dir``::
-
-    tiny-arith-<fingerprint>/     an HF directory (config.json, model.safetensors, tokenizer)
-        rlax_warmup.json          marker: the recipe, its fingerprint, warm-up stats
-    .tiny-arith-<fp>.tmp-XXXX/    a build in progress (renamed into place when complete)
-    .tiny-arith-<fp>.lock         serializes concurrent builders
-
-A build happens in a temporary directory that is renamed into place only once complete, so a
-crash never leaves a half-written model at the final path; leftovers of crashed builds are
-removed by the next call.
-"""
+``cache_dir/tiny-arith-<fingerprint>/`` is an HF directory with a ``rlax_warmup.json`` marker
+(recipe, fingerprint, stats). A build runs in a temporary directory renamed into place when
+complete, under a lock file; leftovers of crashed builds are removed by the next call."""
 
 from __future__ import annotations
 

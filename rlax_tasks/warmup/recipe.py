@@ -11,11 +11,12 @@ import hashlib
 import json
 from typing import Any
 
+from rlax_tasks.data.compact import FORMAT_VERSION
 from rlax_tasks.models import ModelConfig
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rewards.tasks import ArithmeticTask
 from rlax_tasks.utils.validation import check_int, check_known, check_number, field_error
-from rlax_tasks.warmup.tiny_arith import DEFAULT_KNOBS, FORMAT_VERSION, TinyArith
+from rlax_tasks.warmup.tiny_arith import DEFAULT_KNOBS, TinyArith
 
 # bump when the warm-up code changes what a recipe produces
 RECIPE_VERSION = 1

@@ -1,11 +1,8 @@
-"""The arithmetic task in a compact format a character-level model reads and writes.
+"""The arithmetic task in the compact format a character-level model reads and writes.
 
-``ArithmeticTask``'s default prompt asks for ``\\boxed{}``, which the char tokenizer cannot
-encode and a tiny model has no use for. Here a problem is the expression then ``=``
-(``"12+34="``) and the answer is the integer then ``<eos>`` (``"46"``). The prompt is encoded
-exactly like every other prompt text in the project (``tokenizer(text)["input_ids"]``, no
-special tokens), so the evaluator, the controller and the workers need no special case.
-Scoring is the task's own verifier (``ArithmeticTask.score``) on the decoded completion.
+The text format is ``rlax_tasks.data.compact`` ("12+34=" then "46<eos>"); prompts are encoded
+like every other prompt text (no special tokens), so the evaluator, the controller and the
+workers need no special case. Scoring is the task's own verifier (``ArithmeticTask.score``).
 """
 
 from __future__ import annotations
@@ -14,11 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_tasks.data.compact import compact_answer, compact_prompt
 from rlax_tasks.rewards.tasks import ArithmeticTask, Problem
-
-# bump when the text format changes: cached base models trained on the old format are rebuilt
-FORMAT_VERSION = 1
-
 
 # the tiny-arith difficulty: a op b with 1-2 digit operands, + and - (answers -98..198)
 DEFAULT_KNOBS: dict[str, Any] = {
@@ -61,20 +55,8 @@ class TinyArith:
         object.__setattr__(self, "task", _as_task(self.task))
 
     # ------------------------------------------------------------------ text format
-    @staticmethod
-    def prompt_text(problem: Problem) -> str:
-        """``"12+34="``: the expression without spaces, then ``=``."""
-        expression = problem.meta.get("expression")
-        if not isinstance(expression, str):
-            raise ValueError(
-                f"problem {problem.id!r} has no meta['expression']: it is not an arithmetic problem"
-            )
-        return expression.replace(" ", "") + "="
-
-    @staticmethod
-    def answer_text(problem: Problem) -> str:
-        """``"46"``: the reference integer (the model then emits <eos>)."""
-        return problem.reference
+    prompt_text = staticmethod(compact_prompt)  # "12+34="
+    answer_text = staticmethod(compact_answer)  # "46"
 
     def problems(self, n: int, seed: int) -> list[Problem]:
         """The first n problems of stream ``seed``, with the compact prompt in ``.prompt``."""

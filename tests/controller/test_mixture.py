@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from rlax_tasks.config import DatasetSpec, FileSource, SyntheticSource
 from rlax_tasks.controller import PromptMixture
+from rlax_tasks.controller.mixture import SyntheticPrompts
+from rlax_tasks.data.compact import compact_prompt
+from rlax_tasks.rewards.tasks import Problem
+from rlax_tasks.warmup import TinyArith
 from tests.controller.fakes import mixture
 
 
@@ -93,3 +98,21 @@ def test_synthetic_source_leaves_out_the_held_out_stream():
     held = {p.prompt for p in make_task("arithmetic", **knobs).generate(20, seed=1)}
     train = {source.get(i)[0] for i in range(len(source))}
     assert len(source) < 300 and not train & held
+
+
+def test_compact_prompts_are_the_warmup_kits_format():
+    """The controller and the warm-up kit render arithmetic through one format: "12+34="."""
+    knobs = {"max_digits": 2, "ops": ["+", "-"]}
+    spec = SyntheticSource("arithmetic", knobs, size=20, seed=3, prompt_format="compact")
+    source = SyntheticPrompts(spec)
+    problems = TinyArith(knobs).problems(20, seed=3)
+    got = [source.get(i) for i in range(20)]
+    assert got == [(p.prompt, p.reference) for p in problems]
+    assert all(re.fullmatch(r"\d+[+-]\d+=", text) for text, _ in got), got[:3]
+    assert [TinyArith.answer_text(p) for p in problems] == [a for _, a in got]
+
+
+def test_the_compact_format_refuses_a_problem_without_an_expression():
+    problem = Problem("copy", "copy/0", "repeat abc", "abc")
+    with pytest.raises(ValueError, match="not an arithmetic problem"):
+        compact_prompt(problem)
