@@ -1,17 +1,8 @@
-"""``lineage.jsonl``: one JSON line per training step (DESIGN §7).
+"""``lineage.jsonl``: one JSON line per training step (DESIGN §7): the version it produced, the
+prompt ids consumed with their rollout versions, the groups dropped and prompts skipped since.
 
-Each record names the step, the version it produced, the prompt ids consumed (batch order), the
-rollout version of each, the groups dropped since the previous step (stale or zero-variance)
-with their ids, and the prompts skipped since then without generating (with the reason).
-Writing is idempotent on resume: a step already in the file is not appended again, and a
-truncated last line (a crash mid-write) is cut off when the file is opened. A committed step
-whose line is missing or was cut (the controller's snapshot says it was trained) is put back in
-step order by ``restore``, rebuilt by ``recovered_record`` from ``rollouts/`` and marked
-``"restored"`` (the groups dropped and prompts skipped before that step are not recoverable:
-its lists of them are empty).
-Locally lines are appended (fsync'd); on gs:// the object is rewritten whole (objects are
-immutable), which is fine for the few KB a step adds.
-"""
+Appending is idempotent on resume and a cut-off last line is dropped on open; ``restore`` puts
+back a committed step's missing line, rebuilt from ``rollouts/`` and marked ``"restored"``."""
 
 from __future__ import annotations
 
@@ -21,6 +12,7 @@ import os
 from typing import Any
 
 from rlax_tasks.controller.buffer import Batch
+from rlax_tasks.controller.rollouts import read_step_batch
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -143,8 +135,6 @@ def recovered_record(
     """The lineage line of committed step ``step`` rebuilt from ``rollouts/`` (the batch it
     trained on), or from ``prompt_ids`` (a snapshot's record of the step) when that file is
     gone; None when neither is there. It says ``"restored"`` from where."""
-    from rlax_tasks.controller.rollouts import read_step_batch
-
     try:
         record = lineage_record(step, read_step_batch(run_dir, step))
         source = "rollouts"

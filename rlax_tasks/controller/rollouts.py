@@ -1,14 +1,8 @@
-"""``rollouts/``: the scored rollouts of every training step as Parquet (DESIGN §7).
+"""``rollouts/step-<step>.parquet``: one row per completion a training step used (DESIGN §7).
 
-One file per step, ``rollouts/step-<step>.parquet``, one row per completion of the groups that
-step trained on: which prompt and group, the weight version that generated it, the prompt and
-completion tokens, the sampler's behaviour log-probs, the verifier's reward (``score``) and
-``verdict`` (e.g. "correct", "wrong_answer", "verifier_error"), the reward the trainer saw (after
-shaping) and the verifier kind and version. Written whole right
-after the trainer applied the step (beside its ``lineage.jsonl`` line); a replayed step rewrites
-the same file, so a crash leaves neither a partial nor a duplicate file. Groups dropped as stale
-or zero-variance are listed in ``lineage.jsonl``, not here.
-"""
+Each row holds the prompt and group, the generating version, tokens, behaviour log-probs, the
+verifier's score and verdict and the shaped reward. Written whole after the trainer applied the
+step; a replayed step rewrites the same file, so a crash leaves no partial or duplicate file."""
 
 from __future__ import annotations
 
@@ -45,7 +39,7 @@ def verifier_version() -> str:
 @functools.cache
 def schema() -> Any:
     """The pyarrow schema of a rollouts file: its columns, in order, with their types."""
-    import pyarrow as pa
+    import pyarrow as pa  # (pyarrow loads on first use, not at start-up)
 
     return pa.schema(
         [
@@ -96,7 +90,7 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
 
 def write_step(run_dir: str, step: int, batch: Batch, verifiers: Mapping[str, str]) -> str:
     """Writes (or rewrites) ``rollouts/step-<step>.parquet``; returns its path."""
-    import pyarrow as pa
+    import pyarrow as pa  # (pyarrow loads on first use, not at start-up)
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
@@ -111,7 +105,7 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
 
     Its ``arrays()`` equal those the trainer received (tokens, float32 log-probs and rewards).
     """
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # (pyarrow loads on first use, not at start-up)
 
     path = step_path(run_dir, step)
     if not storage.exists(path):
@@ -148,7 +142,7 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
 
 def read_rollouts(run_dir: str) -> Any:
     """Every step's rollouts as one pandas DataFrame, in step order (empty when none)."""
-    import pandas as pd
+    import pandas as pd  # (pandas and pyarrow load on first use, not at start-up)
     import pyarrow.parquet as pq
 
     paths = [  # step-<step>.parquet sorts by step; a writer's temp file starts with ".tmp-"

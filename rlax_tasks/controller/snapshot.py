@@ -1,20 +1,8 @@
-"""Controller snapshots (DESIGN §7): written under run_root/<run_id>/snapshots/, committed by a
-pointer.
-
-A snapshot is ``<step>.json`` (plus ``<step>.buffer.parquet`` holding the buffered scored groups
-when there are any); the ``LATEST`` pointer, naming the file and its sha256, is written last with
-``storage.commit_pointer`` (os.replace locally, a generation precondition on GCS). Only what
-``LATEST`` names is loaded while it verifies: a crash between writing a snapshot and committing
-the pointer leaves the previous snapshot in force. A pointer that moved since this store last read
-it means another controller is writing the run, and the write fails instead of overwriting it.
-
-Each snapshot also carries the sha256 of its own body (``sha256``; snapshots written before it
-have none and are checked by their contents alone), so an older one verifies without the pointer.
-When what ``LATEST`` names does not verify (missing, cut short, altered, its buffer file damaged)
-or ``LATEST`` itself is unreadable, the damaged files are set aside (renamed
-``<name>.damaged-<time>``, never deleted; on GCS copied, then removed), the newest older snapshot
-that verifies is loaded, ``LATEST`` is committed to it and a "fallback" notice names what happened.
-"""
+"""Controller snapshots (DESIGN §7): ``snapshots/<step>.json`` (and a buffer Parquet file),
+committed by the ``LATEST`` pointer with its sha256, written last; a pointer moved by another
+controller fails the write. When what ``LATEST`` names does not verify, the damaged files are
+set aside (renamed, never deleted), the newest older snapshot that verifies is loaded and
+committed, and a "fallback" notice says so."""
 
 from __future__ import annotations
 
@@ -103,7 +91,7 @@ _REQUIRED = [f.name for f in dataclasses.fields(Snapshot) if f.name != "pending"
 
 
 def _groups_to_parquet(groups: list[dict[str, Any]]) -> bytes:
-    import pyarrow as pa
+    import pyarrow as pa  # (pyarrow loads on first use, not at start-up)
     import pyarrow.parquet as pq
 
     out = io.BytesIO()
@@ -112,7 +100,7 @@ def _groups_to_parquet(groups: list[dict[str, Any]]) -> bytes:
 
 
 def _groups_from_parquet(data: bytes) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # (pyarrow loads on first use, not at start-up)
 
     return pq.read_table(io.BytesIO(data)).to_pylist()
 
@@ -166,13 +154,9 @@ class SnapshotStore:
         return path
 
     def load_latest(self) -> Snapshot | None:
-        """The newest committed snapshot that verifies, or None when none was committed.
-
-        What ``LATEST`` names is checked against its sha256; when it (or ``LATEST`` itself) does
-        not verify, the damaged files are set aside and the newest older snapshot that verifies
-        is loaded and committed (see the module docstring). ``NoIntactSnapshotError`` when none
-        does.
-        """
+        """The newest committed snapshot that verifies (damaged ones set aside, the newest older
+        one that verifies committed instead), or None when none was committed;
+        ``NoIntactSnapshotError`` when none verifies."""
         data, self._generation = storage.read_versioned(self.pointer)
         if data is None:
             return None
