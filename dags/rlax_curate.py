@@ -5,6 +5,8 @@ from __future__ import annotations
 from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow.run_status import write_status
+from rlax_tasks.run.slices import single_host_slice
 
 DOC = """
 ### rlax_curate
@@ -65,7 +67,7 @@ def rlax_curate():
         if params.get("columns"):
             argv += ["--columns", ",".join(f"{k}={v}" for k, v in params["columns"].items())]
         # the janitor leaves this run's slice alone while the status is fresh
-        rc.write_status(storage.join(rc.default_run_root(), rid), "running", run_id)
+        write_status(storage.join(rc.default_run_root(), rid), "running", run_id)
         for e in params["eval_sets"]:
             argv += ["--eval-set", e]
         if params.get("split_date"):
@@ -74,7 +76,9 @@ def rlax_curate():
 
         # a bad format/columns or slice fails here, naming it, before anything is provisioned
         verifier = get_format(params["format"], params.get("columns") or None).verifier
-        accelerator_type, runtime_version = rc.single_host_slice(params.get("accelerator_type"))
+        accelerator_type, runtime_version = single_host_slice(
+            params.get("accelerator_type"), rc.backend_name()
+        )
         return {
             "slice": rc.slice_name(rid, "curate"),
             "accelerator_type": accelerator_type,

@@ -7,6 +7,7 @@ import logging
 from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow.janitor import orphaned_slices
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def rlax_janitor():
                 {**h.to_dict(), "run_root": root}
                 for h in backend.list_slices({MANAGED_LABEL: "true"})
             ]
-            found = rc.orphaned_slices(slices, grace_s=60.0 * params["grace_minutes"])
+            found = orphaned_slices(slices, grace_s=60.0 * params["grace_minutes"])
             log.info("%s: %d managed slice(s), %d orphaned", root, len(slices), len(found))
             orphans.extend(found)
         return orphans

@@ -7,6 +7,9 @@ import logging
 from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import eval_planning as ev
+from rlax_tasks.airflow.run_status import write_status
+from rlax_tasks.run.slices import single_host_slice
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +40,17 @@ was evaluated. All evaluations share one slice, deleted by a teardown task.
 def rlax_nightly_eval():
     @task
     def plan(params: dict, run_id: str, dag_run=None) -> dict:
-        accelerator_type, runtime_version = rc.single_host_slice(params.get("accelerator_type"))
-        todo = rc.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
+        accelerator_type, runtime_version = single_host_slice(
+            params.get("accelerator_type"), rc.backend_name()
+        )
+        todo = ev.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
         argvs = []
         for item in todo:
-            cfg = rc.load_run_config(item["run_dir"])
-            argvs.append(rc.eval_argv(cfg, item["version"], rc.eval_dataset_file(cfg)))
+            cfg = ev.load_run_config(item["run_dir"])
+            argvs.append(ev.eval_argv(cfg, item["version"], ev.eval_dataset_file(cfg)))
         rid = rc.dag_run_run_id(f"nightly-{run_id}")
         # the janitor leaves this run's slice alone while the status is fresh
-        rc.write_status(f"{rc.default_run_root()}/{rid}", "running", run_id, dag_id=dag_run.dag_id)
+        write_status(f"{rc.default_run_root()}/{rid}", "running", run_id, dag_id=dag_run.dag_id)
         log.info("evaluating %d run(s): %s", len(todo), todo)
         return {
             "runs": todo,
@@ -63,7 +68,7 @@ def rlax_nightly_eval():
 
     @task(trigger_rule="all_done")  # the evaluations that succeeded, whatever the others did
     def record_history(p: dict, run_id: str) -> list[dict]:
-        return rc.record_nightly_history(p["runs"], run_id)
+        return ev.record_nightly_history(p["runs"], run_id)
 
     @task(outlets=[rc.NIGHTLY_EVAL])
     def publish(p: dict, outlet_events=None) -> list[dict]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import eval_planning as ev
+from rlax_tasks.airflow.run_status import write_status
+from rlax_tasks.run.slices import RUNTIME_VERSION_PATTERN
 
 # the evaluations' watchers poll more often than the services' (10 s): an evaluation is short
 # next to training, and the run waits on each (a small model's is done in seconds)
@@ -84,7 +87,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="slice accelerator, e.g. v5litepod-8 (cpu for the local backend)",
         ),
         "runtime_version": Param(
-            None, type=["null", "string"], pattern=rc.RUNTIME_VERSION_PATTERN,
+            None, type=["null", "string"], pattern=RUNTIME_VERSION_PATTERN,
             description="TPU VM runtime version; empty = the accelerator family's default "
             "(cpu needs none)",
         ),
@@ -135,7 +138,7 @@ def rlax_train():
             p = rc.plan_training(dict(params), run_id, dataset, verifier)
         except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
             raise AirflowFailException(str(e)) from None
-        rc.write_status(p["run_dir"], "running", run_id, dag_id=dag_run.dag_id, steps=p["steps"])
+        write_status(p["run_dir"], "running", run_id, dag_id=dag_run.dag_id, steps=p["steps"])
         return p
 
     @task
@@ -155,26 +158,26 @@ def rlax_train():
         from airflow.sdk.exceptions import AirflowFailException
 
         try:
-            return rc.prepare_base_eval(p["run_dir"])
+            return ev.prepare_base_eval(p["run_dir"])
         except rc.PlanError as e:  # no held-out dataset: retrying cannot help
             raise AirflowFailException(str(e)) from None
 
     @task(trigger_rule="none_failed")  # also after a skipped evaluate_base (a cache hit)
     def record_base_eval(base: dict) -> None:
-        rc.record_base_eval(base)
+        ev.record_base_eval(base)
 
     @task
     def eval_argv(p: dict) -> list[str]:
-        cfg = rc.load_run_config(p["run_dir"])
-        version = rc.newest_version(p["run_dir"])
+        cfg = ev.load_run_config(p["run_dir"])
+        version = ev.newest_version(p["run_dir"])
         if version is None:
             raise FileNotFoundError(f"{p['run_dir']}: no committed weights to evaluate")
-        return rc.eval_argv(cfg, version, rc.eval_dataset_file(cfg))
+        return ev.eval_argv(cfg, version, ev.eval_dataset_file(cfg))
 
     @task
     def report(p: dict) -> str:
         """eval/report.md and its plots: held-out pass@k before (v0) and after training."""
-        return rc.write_run_report(p["run_dir"])
+        return ev.write_run_report(p["run_dir"])
 
     @task
     def worker_jobs(p: dict, slices: dict) -> list[dict]:
@@ -194,7 +197,7 @@ def rlax_train():
         states = runs.get(dag_run.run_id, {})
         failed = sorted(k for k, v in states.items() if v in ("failed", "upstream_failed"))
         state = "failed" if failed else "succeeded"
-        rc.write_status(
+        write_status(
             p["run_dir"], state, dag_run.run_id, dag_id=dag_run.dag_id, failed_tasks=failed
         )
         return state

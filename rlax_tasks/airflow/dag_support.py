@@ -1,19 +1,8 @@
-"""What the RLAX DAG files share: defaults, Param schemas, backend settings, slice checks, run
-planning and the operator factories.
+"""What the RLAX DAG files share: Params and their settings, run-config overrides, the plan
+task's XCom shape and the operator factories (``from rlax_tasks.airflow import dag_support as rc``).
 
-The DAG files only wire tasks: ``from rlax_tasks.airflow import dag_support as rc``. Importing
-this module is light (Airflow's scheduler parses the DAGs): heavy imports (the run config, which
-imports JAX) happen inside the functions, which run in tasks, never at DAG parse time.
-
-Environment (all optional):
-- ``RLAX_RUN_ROOT``: default run root of the DAGs' Params (local directory or gs:// URI; "runs").
-- ``RLAX_RUN_ROOTS``: comma-separated run roots the nightly evaluation and the janitor scan
-  (default: RLAX_RUN_ROOT); the dashboard lists the same.
-- ``RLAX_BACKEND``: compute backend, "local" (default) or "cloud_tpu".
-- ``RLAX_BACKEND_SETTINGS``: JSON object of backend settings (e.g. {"project": ..., "zone": ...}).
-- ``RLAX_RETRY_DELAY_S``: first retry delay of every task (default 60; doubles per retry).
-- ``RLAX_SIBLING_GRACE_S``: how long a job of a run may stay down before the other jobs'
-  watchers give way to its task (default 600; see rlax_tasks.airflow.triggers).
+The scheduler imports this module when it parses the DAGs: the run config (and JAX behind it)
+loads inside ``plan_training``, which runs in a task. Environment settings: docs/ (Airflow).
 """
 
 from __future__ import annotations
@@ -24,11 +13,12 @@ import json
 import logging
 import os
 import re
-import time
 from importlib import resources
 from typing import Any
 
 from airflow.sdk import Asset, Param, dag
+
+from rlax_tasks.run.slices import PlanError, run_slices
 
 log = logging.getLogger(__name__)
 OWNER = "rlax"
@@ -61,13 +51,6 @@ ALGORITHMS = (
 DATA_FORMATS = ("rlax", "gsm8k", "math", "dapo", "messages", "code", "columns")
 # run ids double as Cloud label values (rlax-run-id) and directory names
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-# TPU VM runtime versions (images), e.g. "v2-alpha-tpuv5-lite", "tpu-ubuntu2204-base"
-RUNTIME_VERSION_PATTERN = r"^[a-z0-9][a-z0-9.-]*$"
-ACTIVE_STATES = ("provisioning", "running")
-
-
-class PlanError(ValueError):
-    """A DAG run's Params do not make a valid run; the message names the Param."""
 
 
 # --------------------------------------------------------------------------- settings
@@ -118,115 +101,6 @@ def dag_run_run_id(dag_run_id: str) -> str:
     return (text or "run")[:63]
 
 
-# --------------------------------------------------------------------------- slice checks
-def check_slice(
-    accelerator_type: str, runtime_version: str | None, trainer_hosts: int, backend: str
-) -> str:
-    """Checks the training slice before anything is provisioned; returns the runtime version to
-    provision it with ("" where none is needed).
-
-    On the cloud_tpu backend ``accelerator_type`` must be a Cloud TPU type
-    (``rlax_tasks.compute.tpu_types``) with as many hosts as the run config's
-    ``trainer.hosts``, and a ``runtime_version`` of None is the default of its family. The local
-    backend runs every job on this machine whatever type is named (as it always has): no type
-    check, no default runtime. A given ``runtime_version`` must look like one, on any backend.
-    PlanError names the Param or config field at fault.
-    """
-    from rlax_tasks.compute import tpu_types
-
-    if backend == "cloud_tpu":
-        try:
-            default = tpu_types.tpu_type(accelerator_type).runtime_version
-        except tpu_types.UnknownAcceleratorError as e:
-            raise PlanError(
-                f"accelerator_type: {e}; the cloud_tpu backend provisions Cloud TPU types only"
-            ) from None
-    if runtime_version is not None and not re.match(RUNTIME_VERSION_PATTERN, runtime_version):
-        raise PlanError(
-            f"runtime_version: {runtime_version!r} is not a TPU runtime version (lowercase "
-            "letters, digits, '.', '-', e.g. 'v2-alpha-tpuv5-lite'); leave it empty (null) for "
-            "the accelerator's default"
-        )
-    if backend != "cloud_tpu":
-        return runtime_version or ""
-    hosts = tpu_types.slice_hosts(accelerator_type)
-    if hosts != trainer_hosts:
-        other = _type_with_hosts(accelerator_type, trainer_hosts)
-        pick = f" or pick a {trainer_hosts}-host type ({other})" if other else ""
-        fix = json.dumps({"trainer.hosts": hosts})
-        raise PlanError(
-            f"accelerator_type: {accelerator_type} has {_hosts(hosts)} but trainer.hosts is "
-            f"{trainer_hosts}: set overrides {fix}{pick}"
-        )
-    return runtime_version or default
-
-
-def _hosts(n: int) -> str:
-    return f"{n} host" if n == 1 else f"{n} hosts"
-
-
-def single_host_slice(accelerator_type: str | None) -> tuple[str, str]:
-    """(accelerator type, runtime version) of the one-host slice a curation or evaluation job
-    runs on: on cloud_tpu a 1-host Cloud TPU type booting its family's default runtime; on the
-    local backend the type as given ("cpu" by default) and no runtime. PlanError names
-    ``accelerator_type``."""
-    from rlax_tasks.compute import tpu_types
-
-    kind = accelerator_type or "cpu"
-    if backend_name() != "cloud_tpu":
-        return kind, ""
-    try:
-        tpu = tpu_types.tpu_type(kind)
-    except tpu_types.UnknownAcceleratorError as e:
-        raise PlanError(
-            f"accelerator_type: {e}; the cloud_tpu backend provisions Cloud TPU types only "
-            "(e.g. v5litepod-1)"
-        ) from None
-    if tpu.hosts != 1:
-        raise PlanError(
-            f"accelerator_type: {kind} has {_hosts(tpu.hosts)} but this job runs on one: pick a "
-            "1-host type (e.g. v5litepod-1, v4-8)"
-        )
-    return kind, tpu.runtime_version
-
-
-def _type_with_hosts(accelerator_type: str, hosts: int) -> str | None:
-    """The largest type of ``accelerator_type``'s family with ``hosts`` hosts (None: none)."""
-    from rlax_tasks.compute import tpu_types
-
-    prefix = accelerator_type.rsplit("-", 1)[0]
-    best = None
-    for n in range(1, 16 * hosts + 1):  # at most 8 chips a host, 2 TensorCores a chip
-        try:
-            if tpu_types.slice_hosts(f"{prefix}-{n}") == hosts:
-                best = f"{prefix}-{n}"
-        except tpu_types.UnknownAcceleratorError:
-            continue
-    return best
-
-
-# --------------------------------------------------------------------------- status
-def write_status(run_dir: str, state: str, dag_run_id: str | None = None, **extra: Any) -> None:
-    """Writes run_dir/status.json (read by the dashboard and the janitor): {"state", "updated",
-    "dag_run_id", ...``extra``}; the DAGs add "dag_id" (the dashboard links the DAG run)."""
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    record = {"state": state, "updated": time.time(), "dag_run_id": dag_run_id, **extra}
-    storage.write_bytes(run_paths(run_dir).status, json.dumps(record).encode())
-
-
-def read_status(run_dir: str) -> dict[str, Any] | None:
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    try:
-        data = json.loads(storage.read_bytes(run_paths(run_dir).status))
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 # --------------------------------------------------------------------------- training plan
 def _overrides(
     params: dict[str, Any],
@@ -256,7 +130,7 @@ def _overrides(
         if params.get("num_workers") not in (None, count):
             raise PlanError(
                 f"num_workers: {params['num_workers']} workers, but {workers.count} "
-                f"worker_slices of {params['worker_accelerator_type']} ({_hosts(workers.hosts)} "
+                f"worker_slices of {params['worker_accelerator_type']} ({workers.hosts} host(s) "
                 f"each) run {count}, one per host: leave num_workers empty or change "
                 "worker_slices"
             )
@@ -270,28 +144,6 @@ def _overrides(
     return out
 
 
-def worker_slice_layout(params: dict[str, Any]) -> Any:
-    """The workers' own slices (``rlax_tasks.run.topology.WorkerSlices``) the Params ask for
-    (``worker_accelerator_type``, ``worker_slices``), or None: the workers run on the trainer
-    slice."""
-    from rlax_tasks.compute import tpu_types
-    from rlax_tasks.run.topology import WorkerSlices
-
-    kind = params.get("worker_accelerator_type")
-    if not kind:
-        return None
-    count = params.get("worker_slices") or 1
-    if not isinstance(count, int) or count < 1:
-        raise PlanError(f"worker_slices: give a number of slices >= 1, got {count!r}")
-    if backend_name() != "cloud_tpu":
-        return WorkerSlices(count, 1)  # a local slice is this machine, one host, whatever type
-    try:
-        hosts = tpu_types.tpu_type(kind).hosts
-    except tpu_types.UnknownAcceleratorError as e:
-        raise PlanError(f"worker_accelerator_type: {e}") from None
-    return WorkerSlices(count, hosts)
-
-
 def done_marker(run_dir: str) -> str:
     """run_dir/DONE: written once the controller reached the run's steps; the service jobs'
     watchers then stop their jobs (on whichever slice instance they run now)."""
@@ -300,150 +152,80 @@ def done_marker(run_dir: str) -> str:
     return run_paths(run_dir).done
 
 
-def check_slice_memory(cfg: Any, params: dict[str, Any]) -> None:
-    """Refuses, in one line naming the Param to change, a run whose model does not fit the
-    chips of its slices (the trainer over every chip of ``accelerator_type``, each worker on a
-    host of ``worker_accelerator_type``), whatever ``placement.accelerator`` says."""
-    from rlax_tasks.run.plan import slice_fit_error, slice_memory_plan
-
-    kind = params.get("accelerator_type") or "cpu"
-    try:
-        plan = slice_memory_plan(cfg, kind, params.get("worker_accelerator_type") or None)
-    except ValueError as e:  # a conflicting placement.accelerator, shapes that cannot be read
-        raise PlanError(str(e).replace("\n", " ")) from None
-    log.info("the run on its slices:\n%s", plan.format(problems=False))
-    error = slice_fit_error(plan, kind)
-    if error:
-        raise PlanError(error)
-
-
-def plan_slices(
-    params: dict[str, Any], run_id: str, trainer_runtime: str, layout: Any = None
-) -> list[dict]:
-    """The slices of a run, the trainer's first: [{"role", "name", "accelerator_type",
-    "runtime_version"}], with ``layout`` (``worker_slice_layout``) worker slices. A worker slice
-    boots the Params' ``runtime_version`` when its type is of
-    the trainer type's family, else its own family's default (cloud_tpu; "" on local)."""
-    from rlax_tasks.compute import tpu_types
-    from rlax_tasks.run.topology import TRAINER_SLICE, worker_slice
-
-    trainer_type = params.get("accelerator_type") or "cpu"
-    slices = [
-        {
-            "role": TRAINER_SLICE,
-            "name": slice_name(run_id, TRAINER_SLICE),
-            "accelerator_type": trainer_type,
-            "runtime_version": trainer_runtime,
-        }
-    ]
-    if layout is None:
-        return slices
-    kind = params["worker_accelerator_type"]
-    runtime = ""
-    if backend_name() == "cloud_tpu":
-        own = tpu_types.tpu_type(kind)
-        same = own.family == tpu_types.tpu_type(trainer_type).family
-        runtime = trainer_runtime if same else own.runtime_version
-    for i in range(layout.count):
-        role = worker_slice(i)
-        slices.append(
-            {
-                "role": role,
-                "name": slice_name(run_id, role),
-                "accelerator_type": kind,
-                "runtime_version": runtime,
-            }
-        )
-    return slices
+def plan_slices(run_id: str, slices: list[tuple[str, str, str]]) -> list[dict]:
+    """The slices of a run as ProvisionSlicesOperator takes them: [{"role", "name",
+    "accelerator_type", "runtime_version"}] (``slices``: ``rlax_tasks.run.slices.run_slices``)."""
+    return [
+        {"role": role, "name": slice_name(run_id, role), "accelerator_type": kind,
+         "runtime_version": runtime}
+        for role, kind, runtime in slices
+    ]  # fmt: skip
 
 
 def plan_training(
     params: dict[str, Any], dag_run_id: str, dataset: str = "", verifier: str = "math"
 ) -> dict[str, Any]:
-    """Validates the Params into a run config, checks its memory plan, writes
-    run_dir/config.yaml, builds the base model if the config asks for it, and returns every
-    job's ``rlax`` command line and environment (JSON-able).
-
-    A plan that does not fit the accelerator named in ``placement`` is refused here, before
-    anything starts (PlanError with the plan's message), and so is a slice the backend cannot
-    provision for it (``check_slice``: Params ``accelerator_type``, ``runtime_version``; the
-    returned ``runtime_version`` is the one to provision with). Each job's environment gives it
-    its own devices (rlax_tasks.run.placement). The services bind their host's address on a free
-    port and publish it under run_dir/services/ (rlax_tasks.services.endpoints): addresses
-    are not known before the slices exist, and change when one is re-provisioned. ``slices``
-    lists the slices
-    to provision (``plan_slices``) and each job names its slice (role) and hosts. ``dataset``
-    (a curated file, e.g.
-    from the rlax_curate Asset) replaces the preset's datasets (``verifier``: "math" or "code",
-    as rlax_curate published it).
-    """
-    from rlax_tasks.config import ConfigChangeError, ConfigError, load_config, save_resolved
-    from rlax_tasks.run.compilation_cache import cache_env
-    from rlax_tasks.run.local_run import ensure_model
-    from rlax_tasks.run.placement import COLOCATED, describe, is_colocated
-    from rlax_tasks.run.plan import memory_plan
-    from rlax_tasks.run.preflight import DatasetError, check_datasets
-    from rlax_tasks.run.topology import Job, plan_topology, write_workers_file
+    """The rlax_train plan task: Params → run config → slices → `rlax run`'s launch steps →
+    every job's command line, environment, slice and hosts as XComs (JSON-able). Refuses, with
+    PlanError naming the Param or field, before anything is written or provisioned. ``dataset``
+    (a curated file from the rlax_curate Asset) replaces the preset's datasets."""
+    # the run config loads JAX-free but heavy: in the task, never when the scheduler parses
+    from rlax_tasks.config import ConfigChangeError, ConfigError, load_config
+    from rlax_tasks.run import launch, slices
+    from rlax_tasks.run.memory_plan import PlanDoesNotFit
+    from rlax_tasks.run.placement import COLOCATED, is_colocated
+    from rlax_tasks.run.preflight import DatasetError
+    from rlax_tasks.run.topology import Job
     from rlax_tasks.rundir import storage
     from rlax_tasks.services.http import run_token
 
+    backend = backend_name()
     run_root = params.get("run_root") or default_run_root()
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
     if not re.match(RUN_ID_PATTERN, run_id):
         raise PlanError(f"run_id: {run_id!r} must be lowercase letters, digits, '_', '-'")
-    layout = worker_slice_layout(params)
+    trainer_type = params.get("accelerator_type") or "cpu"
+    worker_type = params.get("worker_accelerator_type") or None
+    layout = slices.worker_slice_layout(worker_type, params.get("worker_slices"), backend)
     try:
         overrides = _overrides(params, run_root, run_id, dataset, verifier, layout)
         cfg = load_config(params["preset"], overrides)
     except ConfigError as e:
         raise PlanError(f"run config: {e}") from None
-    runtime_version = check_slice(
-        params.get("accelerator_type") or "cpu",
-        params.get("runtime_version"),
-        cfg.trainer.hosts,
-        backend_name(),
+    runtime_version = slices.check_slice(
+        trainer_type, params.get("runtime_version"), cfg.trainer.hosts, backend
     )
-    if backend_name() == "cloud_tpu":
-        check_slice_memory(cfg, params)
+    if backend == "cloud_tpu":
+        slices.check_slice_memory(cfg, trainer_type, worker_type)
     steps = params.get("steps") or cfg.trainer.total_steps
     if not steps:
         raise PlanError("steps: give the number of training steps (the preset has none)")
-    if storage.is_gcs(cfg.run_root) and backend_name() == "local":
+    if storage.is_gcs(cfg.run_root) and backend == "local":
         raise PlanError("run_root: the local backend needs a local run root, not gs://")
-    if cfg.trainer.hosts > 1 and backend_name() == "local":
+    if cfg.trainer.hosts > 1 and backend == "local":
         raise PlanError(
             f"trainer.hosts: the local backend runs one process per job, the trainer spans "
             f"{cfg.trainer.hosts} hosts (simulate it on this machine with `rlax run`, or use a "
             "multi-host backend)"
         )
-    try:
-        memory = memory_plan(cfg, offline=False)
+    try:  # the launch steps of `rlax run`: memory plan, datasets, model, resolved config
+        memory = launch.check_run(cfg)
+    except (PlanDoesNotFit, DatasetError) as e:
+        raise PlanError(str(e)) from None
     except ValueError as e:  # the model's shapes cannot be read
         raise PlanError(f"memory plan: {e}") from None
-    log.info("run %s\n%s\n%s", cfg.run_id, describe(cfg), memory.format())
-    if not memory.fits:
-        raise PlanError(memory.message())
     if not storage.is_gcs(cfg.run_root):
         os.makedirs(cfg.run_dir, exist_ok=True)
-    try:  # a dataset that cannot be read fails the plan, naming the file and row
-        check_datasets(cfg)
-    except DatasetError as e:
-        raise PlanError(str(e)) from None
-    ensure_model(cfg)
     try:  # a resume may not change training unless the trigger allows it
-        config_path = save_resolved(
-            cfg, allow_config_change=bool(params.get("allow_config_change"))
-        )
+        config_path = launch.prepare_run_dir(cfg, bool(params.get("allow_config_change")))
     except ConfigChangeError as e:
         raise PlanError(f"{e} (set the allow_config_change Param to accept it)") from None
     # a run resumed after it completed (more steps) is not complete any more
     storage.delete_prefix(done_marker(cfg.run_dir))
-    # the bearer token of the run's services (DESIGN §6, §13) and its compilation cache, plus
-    # each job's own devices (DESIGN §12): one planner for rlax run and this DAG
-    topology = plan_topology(
-        cfg, int(steps), config_path, None, memory.ps.argv(), run_token(),
-        base_env=cache_env(cfg), worker_slices=layout,
-    )  # fmt: skip
+    # addresses are published under run_dir/services/ (unknown before the slices exist)
+    topology = launch.plan_jobs(
+        cfg, int(steps), config_path, memory, run_token(), worker_slices=layout
+    )
     jobs = {job.name: job for job in topology.jobs}
     if is_colocated(cfg):
         # one job, watched by the controller task (its exit 0 ends the run like the
@@ -453,8 +235,23 @@ def plan_training(
             "ps": Job("ps", [], {}),
             "trainer": Job("trainer", [], {}),
         }
-    else:
-        write_workers_file(cfg, topology)
+    planned = run_slices(trainer_type, runtime_version, worker_type, layout, backend)
+    return _plan_xcoms(
+        cfg, int(steps), config_path, topology, jobs, runtime_version, planned, is_colocated(cfg)
+    )
+
+
+def _plan_xcoms(
+    cfg: Any,
+    steps: int,
+    config_path: str,
+    topology: Any,
+    jobs: dict[str, Any],
+    runtime_version: str,
+    slices: list[tuple[str, str, str]],
+    colocated: bool,
+) -> dict[str, Any]:
+    """The plan task's return value: what the DAG's tasks read as XComs."""
     workers = [jobs[w] for w in topology.workers]
     argv = {
         "ps": jobs["ps"].argv,
@@ -468,12 +265,12 @@ def plan_training(
         "run_root": cfg.run_root,
         "run_dir": cfg.run_dir,
         "config_path": config_path,
-        "steps": int(steps),
+        "steps": steps,
         "num_workers": cfg.workers.count,
         "ps_url": topology.ps_url,  # the PS's service file
         "done_marker": done_marker(cfg.run_dir),
         "runtime_version": runtime_version,
-        "slices": plan_slices(params, cfg.run_id, runtime_version, layout),
+        "slices": plan_slices(cfg.run_id, slices),
         # {job: {"slice": role, "hosts": [...]}}: where each job runs
         "placement": {n: {"slice": j.slice, "hosts": list(j.hosts)} for n, j in jobs.items()},
         "argv": argv,
@@ -483,236 +280,15 @@ def plan_training(
         "envs": envs,
         **{f"env_{name}": envs[name] for name in ("ps", "trainer", "controller")},
         "hosts_trainer": list(jobs["trainer"].hosts),
-        "colocated": is_colocated(cfg),
+        "colocated": colocated,
         # the mapped worker tasks take their command line, environment, slice and hosts together
         "worker_jobs": [
             {"argv": w.argv, "env": w.env, "slice": w.slice, "hosts": list(w.hosts)}
             for w in workers
         ],
         # jobs after the services (the final `rlax eval`): the trainer's devices, free by then
-        "env": envs["controller" if is_colocated(cfg) else "trainer"],
+        "env": envs["controller" if colocated else "trainer"],
     }
-
-
-# --------------------------------------------------------------------------- evaluation
-def eval_dataset_file(cfg: Any) -> str:
-    """A held-out dataset file for ``rlax eval``: the config's eval file, or its synthetic task
-    written once to run_dir/eval/heldout.jsonl in the curated schema."""
-    from rlax_tasks.config import FileSource, SyntheticSource
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    spec = cfg.eval.dataset
-    if spec is None:
-        raise PlanError("eval.dataset: the run config names no held-out dataset")
-    if isinstance(spec.source, FileSource):
-        return spec.source.path
-    assert isinstance(spec.source, SyntheticSource)
-    path = run_paths(cfg.run_dir).heldout
-    if storage.exists(path):
-        return path
-    src = spec.source
-    if src.prompt_format == "compact":
-        from rlax_tasks.warmup import TinyArith
-
-        fmt = TinyArith(dict(src.knobs))
-        problems = fmt.problems(cfg.eval.num_prompts, seed=src.seed)
-        rows = [(p.prompt, fmt.answer_text(p)) for p in problems]
-    else:
-        from rlax_tasks.rewards.tasks import make_task
-
-        problems = make_task(src.task, **dict(src.knobs)).generate(cfg.eval.num_prompts, src.seed)
-        rows = [(p.prompt, p.reference) for p in problems]
-    today = dt.date.today().isoformat()
-    lines = [
-        json.dumps({"prompt": q, "answer": a, "source": spec.name, "date": today}) for q, a in rows
-    ]  # the row schema (format rlax)
-    storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
-    return path
-
-
-def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
-    """`rlax eval` of weight ``version`` mirrored under the run, into run_dir/eval/v<version>/
-    (the directory the dashboard reads pass@k from): the dataset read in its format, prompts
-    rendered by the run's own `prompt` section (its config.yaml), as in training."""
-    return _eval_argv(cfg, dataset, ["--weights-from", f"{cfg.run_dir}@{version}"], version)
-
-
-def base_eval_argv(cfg: Any, dataset: str) -> list[str]:
-    """`rlax eval` of the run's starting weights (the model directory alone) into
-    run_dir/eval/v0/: the same evaluation as ``eval_argv``'s of the final weights."""
-    from rlax_tasks.evaluation.base_eval import BASE_VERSION
-
-    return _eval_argv(cfg, dataset, [], BASE_VERSION)
-
-
-def _eval_argv(cfg: Any, dataset: str, weights: list[str], version: int) -> list[str]:
-    from rlax_tasks.config import FileSource
-    from rlax_tasks.rundir.paths import run_paths
-
-    paths = run_paths(cfg.run_dir)
-    e = cfg.eval
-    source = e.dataset.source if e.dataset is not None else None
-    data_format = []
-    if isinstance(source, FileSource):
-        data_format = ["--format", source.format]
-        if source.columns:
-            data_format += ["--columns", ",".join(f"{k}={v}" for k, v in source.columns.items())]
-    return [
-        "eval", "--model-dir", cfg.model.path, *weights,
-        "--dataset", dataset, "--n", str(e.num_samples), "--k", ",".join(map(str, e.ks)),
-        "--limit", str(e.num_prompts), "--temperature", str(e.temperature),
-        "--max-new-tokens", str(cfg.rollout.max_new_tokens),
-        "--max-len", str(cfg.workers.max_len), "--max-slots", str(cfg.workers.slots),
-        "--dtype", cfg.model.dtype, "--out", paths.eval_dir(version),
-        "--prompt-config", paths.config, *data_format,
-    ]  # fmt: skip
-
-
-def prepare_base_eval(run_dir: str) -> dict[str, Any]:
-    """The base evaluation of the run at ``run_dir`` (``rlax_tasks.evaluation.base_eval``): when
-    the run root caches it, copies it into run_dir/eval/v0 and gives an empty ``argv`` (the
-    evaluate_base job is skipped); else ``argv`` is the `rlax eval` to run. The plan as a dict
-    (for ``record_base_eval``)."""
-    from rlax_tasks.evaluation import base_eval
-
-    cfg = load_run_config(run_dir)
-    plan = base_eval.plan_base_eval(cfg, base_eval_argv(cfg, eval_dataset_file(cfg)))
-    if base_eval.restore(plan):
-        return {**plan.to_dict(), "argv": []}
-    log.info("base evaluation %s not cached: evaluating (rlax %s)", plan.fingerprint,
-             " ".join(plan.argv))  # fmt: skip
-    return plan.to_dict()
-
-
-def record_base_eval(plan: dict[str, Any]) -> None:
-    """After the evaluate_base job: caches the run's fresh eval/v0 under its fingerprint (a
-    plan restored from the cache has nothing to record)."""
-    from rlax_tasks.evaluation import base_eval
-
-    if plan["argv"]:
-        base_eval.store(base_eval.BaseEvalPlan.from_dict(plan))
-
-
-def record_nightly_history(runs: list[dict[str, Any]], dag_run_id: str) -> list[dict[str, Any]]:
-    """Appends each evaluated run's new evaluation ({"run_dir", "version"}) to its history
-    (run_dir/eval/history.jsonl); a run whose evaluation failed is logged and left out."""
-    from rlax_tasks.evaluation.history import append_evaluation
-
-    rows = []
-    for item in runs:
-        row = append_evaluation(item["run_dir"], int(item["version"]), dag_run_id)
-        if row is not None:
-            rows.append({"run_dir": item["run_dir"], **row})
-    return rows
-
-
-def newest_version(run_dir: str) -> int | None:
-    """The newest committed weight version mirrored under run_dir/weights (None: none yet)."""
-    from rlax_tasks.paramserver import mirror
-
-    committed, _ = mirror.mirrored_versions(run_dir)
-    return committed[-1] if committed else None
-
-
-def write_run_report(run_dir: str) -> str:
-    """eval/report.md, report.json and the plots of a trained run, as `rlax run` writes them:
-    the held-out scores of the starting weights (eval/v0) against the newest evaluated version;
-    the training time spans the metrics rows (first to last step). Returns report.md's path."""
-    from rlax_tasks.evaluation.history import evaluated_versions, read_overall
-    from rlax_tasks.run.report import write_report
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    paths = run_paths(run_dir)
-    versions = evaluated_versions(run_dir)
-    if not versions or versions[0] != 0 or versions[-1] == 0:
-        raise FileNotFoundError(
-            f"{paths.eval}: the report needs the evaluations of the starting weights (v0) and "
-            f"of a trained version; found {[f'v{v}' for v in versions] or 'none'}"
-        )
-    before, after = read_overall(run_dir, 0), read_overall(run_dir, versions[-1])
-    metrics = [m for m in storage.read_jsonl(paths.metrics) if "time" in m and "step" in m]
-    report = {
-        "before": {"version": 0, **before},
-        "after": {"version": versions[-1], **after},
-        "steps": metrics[-1]["step"] if metrics else versions[-1],
-        "train_seconds": metrics[-1]["time"] - metrics[0]["time"] if metrics else 0.0,
-    }
-    return str(write_report(load_run_config(run_dir), report)["report"])
-
-
-def load_run_config(run_dir: str) -> Any:
-    """The resolved run configuration saved at run_dir/config.yaml."""
-    from rlax_tasks.config import load_config
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    path = run_paths(run_dir).config
-    if not storage.exists(path):
-        raise FileNotFoundError(f"{path} does not exist")
-    return load_config(path)
-
-
-def runs_to_evaluate(roots: list[str], active_within_s: float) -> list[dict[str, Any]]:
-    """Runs under ``roots`` with a committed weight version not evaluated yet and activity
-    (metrics or status) within ``active_within_s``: [{"run_dir", "version"}]."""
-    from rlax_tasks.rundir import storage
-    from rlax_tasks.rundir.paths import run_paths
-
-    out = []
-    now = time.time()
-    for root in roots:
-        for name in storage.list_children(root):
-            run_dir = storage.join(root, name)
-            paths = run_paths(run_dir)
-            if not re.match(RUN_ID_PATTERN, name) or not storage.exists(paths.config):
-                continue
-            status = read_status(run_dir) or {}
-            updated = float(status.get("updated") or 0.0)
-            metrics = paths.metrics
-            if not storage.is_gcs(metrics) and os.path.exists(metrics):
-                updated = max(updated, os.stat(metrics).st_mtime)
-            if now - updated > active_within_s:
-                continue
-            version = newest_version(run_dir)
-            done = paths.eval_results(version)
-            if version is not None and not storage.exists(done):
-                out.append({"run_dir": run_dir, "version": version})
-    return out
-
-
-# --------------------------------------------------------------------------- janitor
-def orphaned_slices(slices: list[dict[str, Any]], grace_s: float) -> list[dict[str, Any]]:
-    """The slices (handle dicts) whose run is not active: no status.json, a state outside
-    ACTIVE_STATES, or no status update within ``grace_s``. A slice records its run root and
-    run id in its spec labels / handle root."""
-    out = []
-    now = time.time()
-    for handle in slices:
-        run_dir = slice_run_dir(handle)
-        status = read_status(run_dir) if run_dir else None
-        active = (
-            status is not None
-            and status.get("state") in ACTIVE_STATES
-            and now - float(status.get("updated") or 0.0) <= grace_s
-        )
-        if not active:
-            out.append(handle)
-    return out
-
-
-def slice_run_dir(handle: dict[str, Any]) -> str | None:
-    """run_root/<run_id> of a slice, from the handle's label and its backend's run root
-    (annotated by the janitor as "run_root"), or None when unknown."""
-    from rlax_tasks.compute import RUN_ID_LABEL
-    from rlax_tasks.rundir import storage
-
-    run_id = (handle.get("spec") or {}).get("labels", {}).get(RUN_ID_LABEL)
-    run_root = handle.get("run_root")
-    if not run_id or not run_root:
-        return None
-    return storage.join(run_root, run_id)
 
 
 # --------------------------------------------------------------------------- DAGs

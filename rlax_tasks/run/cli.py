@@ -57,7 +57,7 @@ def _run_command(args: argparse.Namespace) -> int:
 def _dry_run(cfg: Any, model_config: str | None) -> int:
     """Prints the placement and the memory plan; starts nothing, reads nothing remote.
     A plan that does not fit raises PlanDoesNotFit (exit 2, the message says what to change)."""
-    from rlax_tasks.run.plan import dry_run_text, memory_plan
+    from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
 
     plan = memory_plan(cfg, model_config, offline=True)
     print(dry_run_text(cfg, plan), flush=True)

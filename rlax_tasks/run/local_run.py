@@ -1,16 +1,8 @@
 """`rlax run`: every component as a local process under a supervisor, then a report.
 
-Starts the parameter server, the trainer, the inference workers and the controller (each a
-`rlax` sub-command), restarts any that dies (they all resume from the run's checkpoints,
-snapshots and weight mirror), prints a status line and every new notice (notices.jsonl) while
-the run goes, and ends with held-out pass@k before and after plus plots (rlax_tasks.run.report).
-Running it again with the same run id resumes the run.
-
-Before anything starts: the memory plan and the datasets are checked (rlax_tasks.run.preflight),
-the run lock is taken (rlax_tasks.rundir.lock: a second `rlax run` on a live run is refused),
-and a resume may not change training settings unless allowed (``save_resolved``). The components
-die with it (rlax_tasks.run.supervisor); a component's user error or repeated failure, or a
-fatal notice, stops the run with that component's own message (``ComponentFailed``).
+The launch steps are the DAG's (rlax_tasks.run.launch), under the run lock; the supervisor
+restarts a component that dies (all resume from the run's files), prints status and notices,
+and a fatal notice or repeated failure stops the run with that component's own message.
 """
 
 from __future__ import annotations
@@ -20,30 +12,20 @@ import os
 import time
 from typing import Any
 
-from rlax_tasks.config import RunConfig, save_resolved
-from rlax_tasks.run.compilation_cache import cache_env, enable_in_process
-from rlax_tasks.run.placement import describe, is_colocated
-from rlax_tasks.run.preflight import check_datasets
+from rlax_tasks.config import RunConfig
+from rlax_tasks.run import launch
+from rlax_tasks.run.compilation_cache import enable_in_process
+from rlax_tasks.run.placement import is_colocated
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
+from rlax_tasks.run.report import HeldOutEvaluator, MirroredWeights, write_report
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
-from rlax_tasks.run.topology import free_ports, plan_topology, write_workers_file
+from rlax_tasks.run.topology import free_ports
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.http import run_token
 
 log = logging.getLogger(__name__)
-
-
-def ensure_model(cfg: RunConfig) -> None:
-    """Builds the base model by the supervised warm-up when the config asks for it."""
-    if not cfg.model.warmup_if_missing:
-        return
-    from rlax_tasks.warmup import ensure_base_model
-
-    # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
-    parent, name = os.path.split(os.path.abspath(cfg.model.path))
-    ensure_base_model(parent, name=name)
 
 
 def run_local(
@@ -70,37 +52,26 @@ def run_local(
             f"placement.hosts: rlax run starts every job on this machine, the placement spans "
             f"{cfg.placement.hosts} hosts (run it with the rlax_train DAG on a multi-host backend)"
         )
-    from rlax_tasks.run.plan import memory_plan
-
-    plan = memory_plan(cfg, offline=False)
-    plan.check()  # refused before anything starts (PlanDoesNotFit names the job and the fix)
-    check_datasets(cfg)  # DatasetError names the file and the row
-    log.info("%s", describe(cfg))
+    plan = launch.check_run(cfg)  # refused before anything starts, naming what to change
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     with run_lock.acquire(run_dir) as lock, stop_on_signals() as signals:
         done = trained_step(run_dir)
         if done >= steps:
             return {"run_dir": run_dir, "steps": steps, "already_at": done}
-        ensure_model(cfg)
-        config_path = save_resolved(cfg, allow_config_change)
+        config_path = launch.prepare_run_dir(cfg, allow_config_change)
         report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
         enable_in_process(cfg)
         evaluator = None
         if evaluate:
-            from rlax_tasks.run.report import HeldOutEvaluator
-
             evaluator = HeldOutEvaluator(cfg)
             report["before"] = evaluator.evaluate()
         token = run_token()
         # every job's environment names this lock's holder: the controller finds the lock held
         # for it (run_lock.for_job)
-        topology = plan_topology(
-            cfg, steps, config_path, free_ports(cfg), plan.ps.argv(), token,
-            base_env={**cache_env(cfg), **run_lock.holder_env(lock)},
-        )  # fmt: skip
-        if not is_colocated(cfg):
-            write_workers_file(cfg, topology)
+        topology = launch.plan_jobs(
+            cfg, steps, config_path, plan, token, free_ports(cfg), run_lock.holder_env(lock)
+        )
         ps_url = topology.ps_url
         sup = Supervisor(run_paths(run_dir).logs)
         sup.progress = lambda: trained_step(run_dir)  # a failure repeated without a step trained
@@ -141,10 +112,9 @@ def run_local(
             report["train_seconds"] = time.monotonic() - t0
             report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
             if evaluator is not None and is_colocated(cfg):  # its PS ended with it
-                from rlax_tasks.run.report import MirroredWeights
-
                 report["after"] = evaluator.evaluate(MirroredWeights(run_dir, evaluator.policy))
             elif evaluator is not None:
+                # the client loads JAX: only a run that evaluates needs it
                 from rlax_tasks.paramserver import ParameterServerClient
 
                 client = ParameterServerClient(ps_url, token=token)
@@ -157,8 +127,6 @@ def run_local(
             signals.stopping()  # a second Ctrl-C must not cut the stopping short
             sup.stop()
         if evaluator is not None:
-            from rlax_tasks.run.report import write_report
-
             report.update(write_report(cfg, report))
     return report
 

@@ -1,5 +1,5 @@
-"""rlax_train's slice checks (``dag_support.check_slice``): what the plan task refuses before
-anything is provisioned, and the runtime version it provisions with."""
+"""rlax_train's plan task: the slice checks (``rlax_tasks.run.slices``) it runs before anything
+is provisioned, the runtime version it provisions with, and the plan's XComs."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import os
 import pytest
 
 from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import eval_planning
 from rlax_tasks.compute import tpu_types
+from rlax_tasks.run import slices
 
 
 def _refusal(*args) -> str:
     with pytest.raises(rc.PlanError) as info:
-        rc.check_slice(*args)
+        slices.check_slice(*args)
     message = str(info.value)
     assert "\n" not in message  # one line, for the task log and the UI
     return message
@@ -31,9 +33,9 @@ def _refusal(*args) -> str:
     ],
 )
 def test_cloud_tpu_defaults_the_runtime_of_the_accelerator_family(accelerator_type, hosts, runtime):
-    assert rc.check_slice(accelerator_type, None, hosts, "cloud_tpu") == runtime
+    assert slices.check_slice(accelerator_type, None, hosts, "cloud_tpu") == runtime
     assert runtime == tpu_types.default_runtime_version(accelerator_type)
-    given = rc.check_slice(accelerator_type, "tpu-vm-v4-base.2", hosts, "cloud_tpu")
+    given = slices.check_slice(accelerator_type, "tpu-vm-v4-base.2", hosts, "cloud_tpu")
     assert given == "tpu-vm-v4-base.2"  # a given runtime version is used as is
 
 
@@ -75,10 +77,10 @@ def test_trainer_hosts_must_match_the_hosts_of_the_type():
 def test_local_backend_keeps_ignoring_the_accelerator_type():
     """As before the checks: the local backend runs every job on this machine whatever type is
     named, so neither the type nor trainer.hosts is checked, and no runtime is defaulted."""
-    assert rc.check_slice("cpu", None, 1, "local") == ""
-    assert rc.check_slice("v4-16", None, 1, "local") == ""
-    assert rc.check_slice("not-a-tpu", None, 3, "local") == ""
-    assert rc.check_slice("cpu", "v2-alpha-tpuv5", 1, "local") == "v2-alpha-tpuv5"
+    assert slices.check_slice("cpu", None, 1, "local") == ""
+    assert slices.check_slice("v4-16", None, 1, "local") == ""
+    assert slices.check_slice("not-a-tpu", None, 3, "local") == ""
+    assert slices.check_slice("cpu", "v2-alpha-tpuv5", 1, "local") == "v2-alpha-tpuv5"
 
 
 def tiny_params(tmp_path, run_id: str, steps: int = 2, **extra) -> dict:
@@ -199,15 +201,15 @@ def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
-def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu(monkeypatch):
-    assert rc.single_host_slice(None) == ("cpu", "")  # the local backend, as before
-    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
-    assert rc.single_host_slice("v5litepod-1") == ("v5litepod-1", "v2-alpha-tpuv5-lite")
-    assert rc.single_host_slice("v4-8") == ("v4-8", "tpu-ubuntu2204-base")
+def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu():
+    assert slices.single_host_slice(None, "local") == ("cpu", "")  # the local backend, as before
+    v5e = slices.single_host_slice("v5litepod-1", "cloud_tpu")
+    assert v5e == ("v5litepod-1", "v2-alpha-tpuv5-lite")
+    assert slices.single_host_slice("v4-8", "cloud_tpu") == ("v4-8", "tpu-ubuntu2204-base")
     with pytest.raises(rc.PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
-        rc.single_host_slice("cpu")
+        slices.single_host_slice("cpu", "cloud_tpu")
     with pytest.raises(rc.PlanError, match="^accelerator_type: v4-16 has 2 hosts but this job"):
-        rc.single_host_slice("v4-16")
+        slices.single_host_slice("v4-16", "cloud_tpu")
 
 
 def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
@@ -247,13 +249,13 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
     paths = run_paths(run_dir)
     write_results(run_dir, 6, 0.5)
     with pytest.raises(FileNotFoundError, match=r"starting weights \(v0\).*found \['v6'\]"):
-        rc.write_run_report(run_dir)
+        eval_planning.write_run_report(run_dir)
     write_results(run_dir, 0, 0.25)
     write_results(run_dir, 3, 0.4)  # an earlier evaluation: the newest is "after"
     with open(paths.metrics, "w") as f:
         for step, t in ((1, 100.0), (6, 142.5)):
             f.write(json.dumps({"step": step, "time": t, "reward_mean": 0.5}) + "\n")
-    assert rc.write_run_report(run_dir) == paths.report_md
+    assert eval_planning.write_run_report(run_dir) == paths.report_md
     with open(paths.report_md) as f:
         text = f.read()
     assert "Training: 6 steps in 42 s." in text  # 142.5 - 100.0, rounded

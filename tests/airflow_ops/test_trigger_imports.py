@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rlax_tasks.airflow import JobStateTrigger, SliceReadyTrigger
 
 
@@ -24,9 +26,19 @@ def test_trigger_module_imports_no_heavy_modules():
     assert _loaded_by("rlax_tasks.airflow.triggers", heavy) == []
 
 
-def test_dag_support_module_imports_no_heavy_modules():
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlax_tasks.airflow.dag_support",
+        "rlax_tasks.airflow.eval_planning",
+        "rlax_tasks.airflow.janitor",
+        "rlax_tasks.airflow.run_status",
+        "rlax_tasks.run.slices",
+    ],
+)
+def test_modules_the_dag_files_import_load_no_heavy_modules(module):
     heavy = ("jax", "flax", "rlax_tasks.config", "google.cloud.tpu_v2", "rlax_tasks.models")
-    assert _loaded_by("rlax_tasks.airflow.dag_support", heavy) == []
+    assert _loaded_by(module, heavy) == []
 
 
 def test_triggers_serialize_to_their_own_class_path():

@@ -357,7 +357,7 @@ def seed_base_eval(run_root: str, model_path: str) -> str:
     tests/airflow_ops/test_airflow_train_cli.py): rlax_train copies it into eval/v0 and skips
     evaluate_base.
     Returns the cache entry's directory."""
-    from rlax_tasks.airflow import dag_support as rc
+    from rlax_tasks.airflow import eval_planning as rc
     from rlax_tasks.config import load_config
     from rlax_tasks.evaluation.base_eval import plan_base_eval
     from rlax_tasks.rundir.paths import run_paths

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import eval_planning as rc
 from rlax_tasks.config import DatasetSpec, FileSource, load_config, save_resolved
 from rlax_tasks.evaluation.base_eval import evaluate_base
 from rlax_tasks.rundir.paths import run_paths

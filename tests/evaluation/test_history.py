@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import eval_planning as rc
 from rlax_tasks.evaluation.history import append_evaluation, read_history
 from rlax_tasks.rundir.paths import run_paths
 

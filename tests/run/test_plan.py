@@ -1,4 +1,4 @@
-"""The memory plan (rlax_tasks/run/plan.py): numbers for a small model computed by hand,
+"""The memory plan (rlax_tasks/run/memory_plan.py): numbers for a small model computed by hand,
 `rlax run --dry-run` on the real presets (no network), and a plan that cannot fit refused by
 `rlax run` and by the DAG's plan before anything starts."""
 
@@ -10,7 +10,8 @@ import pytest
 
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
-from rlax_tasks.run.plan import PlanDoesNotFit, memory_plan, ps_retention, resolve_model
+from rlax_tasks.run.memory_plan import PlanDoesNotFit, memory_plan, ps_retention
+from rlax_tasks.run.model_shapes import resolve_model
 from rlax_tasks.rundir import storage
 
 MiB, GiB = 2**20, 2**30
@@ -136,7 +137,7 @@ def test_parameter_server_keeps_what_fits_its_budget(small_model):
     # 250000 B holds one version: the PS would refuse it, and the plan does not fit
     tight = memory_plan(small_config(small_model, **{"placement.host_memory": 1_000_000}))
     assert tight.ps.keep_versions == 2 and not tight.fits
-    assert "ps needs 0.4 MiB of host RAM for the newest version and a push" in tight.message()
+    assert "ps needs 418.2 KiB of host RAM for the newest version and a push" in tight.message()
     assert "set placement.host_memory" in tight.message()
 
 
@@ -151,7 +152,7 @@ def test_a_job_that_does_not_fit_names_itself_and_the_fix(small_model, monkeypat
         plan.check()
     text = str(info.value)
     assert text.startswith("the memory plan does not fit:\n- trainer needs 2.3 MiB per device")
-    assert "but has 0.9 MiB (0.9 of h100-80gb's 1.0 MiB)" in text
+    assert "but has 921.6 KiB (0.9 of h100-80gb's 1.0 MiB)" in text
     assert "placement.trainer" in text and "trainer.micro_batch_size" in text
     assert "trainer.remat: full" in text and "worker" not in text.replace("workers.max_len", "")
 
@@ -213,7 +214,7 @@ def test_a_plan_that_cannot_fit_exits_2_before_anything_starts(tmp_path, capsys,
     assert "verdict: DOES NOT FIT" in captured.out
     err = captured.err
     assert "the memory plan does not fit" in err and "Traceback" not in err
-    assert "trainer needs 1133.1 GiB per device" in err and "but has 35.8 GiB" in err
+    assert "trainer needs 1.1 TiB per device" in err and "but has 35.8 GiB" in err
     assert "0.45 of h100-80gb" in err  # the trainer and the worker share GPU 0
     assert "trainer.micro_batch_size" in err and "workers.slots" in err
     # without --dry-run `rlax run` refuses it too, before it writes or starts anything
@@ -232,5 +233,5 @@ def test_the_dag_plan_refuses_it_too(tmp_path, no_network):
     }  # fmt: skip
     with pytest.raises(rc.PlanError, match="the memory plan does not fit") as info:
         rc.plan_training(params, "manual__qwq")
-    assert "trainer needs 1133.1 GiB per device" in str(info.value)
+    assert "trainer needs 1.1 TiB per device" in str(info.value)
     assert not (tmp_path / "runs").exists()

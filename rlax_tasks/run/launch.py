@@ -1,0 +1,78 @@
+"""The launch steps `rlax run` and the rlax_train DAG share, in the order both take them.
+
+``check_run`` (memory plan and datasets, before anything starts), ``prepare_run_dir`` (base
+model, resolved config), ``plan_jobs`` (every job's command line, environment and addresses).
+Each launcher adds only its own: `rlax run` its lock and supervisor, the DAG its Params and slices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from rlax_tasks.config import RunConfig, save_resolved
+from rlax_tasks.run.compilation_cache import cache_env
+from rlax_tasks.run.memory_plan import MemoryPlan, memory_plan
+from rlax_tasks.run.placement import describe, is_colocated
+from rlax_tasks.run.preflight import check_datasets
+from rlax_tasks.run.topology import (
+    Ports,
+    Topology,
+    WorkerSlices,
+    plan_topology,
+    write_workers_file,
+)
+
+log = logging.getLogger(__name__)
+
+
+def check_run(cfg: RunConfig) -> MemoryPlan:
+    """The memory plan (logged with the placement) and the datasets, before anything starts.
+
+    PlanDoesNotFit names the job and what to change, DatasetError the file and row, ValueError
+    model.path when the model's shapes cannot be read.
+    """
+    plan = memory_plan(cfg, offline=False)
+    log.info("run %s\n%s\n%s", cfg.run_id, describe(cfg), plan.format(problems=False))
+    plan.check()
+    check_datasets(cfg)
+    return plan
+
+
+def ensure_model(cfg: RunConfig) -> None:
+    """Builds the base model by the supervised warm-up when the config asks for it."""
+    if not cfg.model.warmup_if_missing:
+        return
+    from rlax_tasks.warmup import ensure_base_model  # loads JAX: only when a model is built
+
+    # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
+    parent, name = os.path.split(os.path.abspath(cfg.model.path))
+    ensure_base_model(parent, name=name)
+
+
+def prepare_run_dir(cfg: RunConfig, allow_config_change: bool) -> str:
+    """Builds the base model if asked and saves the resolved config (ConfigChangeError: a resume
+    that changes training without ``allow_config_change``); returns config.yaml's path."""
+    ensure_model(cfg)
+    return save_resolved(cfg, allow_config_change)
+
+
+def plan_jobs(
+    cfg: RunConfig,
+    steps: int,
+    config_path: str,
+    plan: MemoryPlan,
+    token: str,
+    ports: Ports | None = None,
+    env: dict[str, str] | None = None,
+    worker_slices: WorkerSlices | None = None,
+) -> Topology:
+    """Every job of the run (``plan_topology``; ``ports=None``: published addresses) with the
+    compilation cache and ``env`` in each environment; writes workers.json for the controller."""
+    topology = plan_topology(
+        cfg, steps, config_path, ports, plan.ps.argv(), token,
+        base_env={**cache_env(cfg), **(env or {})}, worker_slices=worker_slices,
+    )  # fmt: skip
+    if not is_colocated(cfg):
+        write_workers_file(cfg, topology)
+    return topology
