@@ -456,8 +456,8 @@ class PlacementSettings:
             MODES,
             PLATFORMS,
             TPU_CHIP_BOUNDS,
-            parse_bytes,
         )
+        from rlax_tasks.utils.byte_sizes import parse_bytes
 
         if self.mode is not None:
             _check_str(self, "mode", MODES)

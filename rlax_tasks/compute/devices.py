@@ -1,8 +1,8 @@
-"""Devices and the run's layout on them: platforms, placement modes, accelerator models, sizes in
-bytes and mesh shapes (DESIGN §12).
+"""Devices and the run's layout on them: platforms, placement modes, accelerator models and
+mesh shapes (DESIGN §12).
 
 The run configuration validates its ``placement`` section against these names
-(rlax_tasks/config.py) and the launchers turn it into each job's environment
+(rlax_tasks/config/placement.py) and the launchers turn it into each job's environment
 (rlax_tasks/run/placement.py, which re-exports them). Importable without JAX.
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Sequence
-from typing import Any
+
+from rlax_tasks.utils.byte_sizes import GiB, MiB
 
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 MODES = ("disaggregated", "colocated")
-MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,27 +45,6 @@ ACCELERATORS: dict[str, Accelerator] = {
 # chips of one process on a TPU host → TPU_CHIPS_PER_PROCESS_BOUNDS (x,y,z): a box of the host's
 # chip grid (2x2 on v4/v5p hosts, 2x4 on v5e/v6e hosts)
 TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": TiB,
-}  # fmt: skip
-
-
-def parse_bytes(value: Any) -> int:
-    """Bytes from an integer or a size such as "64GiB", "1.5TiB", "500GB" (ValueError if not)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = _SIZE_RE.match(value) if isinstance(value, str) else None
-    if m is None:
-        raise ValueError(f"must be a size in bytes such as 64GiB, 1.5TiB or 500GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
-
-
-def format_bytes(n: float) -> str:
-    """A size in GiB with 1 decimal (MiB below 1 GiB)."""
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def host_memory() -> int:

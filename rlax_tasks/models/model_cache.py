@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from rlax_tasks.rundir import storage
+from rlax_tasks.utils.byte_sizes import format_bytes
 from rlax_tasks.utils.progress_meter import ProgressMeter
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def _sync(
         sum(o.size for o in todo),
         logger=log,
         every_s=settings.progress_every_s,
-        format_count=_size,
+        format_count=format_bytes,
     )
     marker_lock = threading.Lock()
 
@@ -243,10 +244,6 @@ def _sync(
     jobs = [_FileJob(obj, target, progress, done) for obj in todo]
     _run_jobs(jobs, settings)
     progress.finish(f"-> {target}")
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 class _RangeWriter:

@@ -109,6 +109,7 @@ from rlax_tasks.services.http import (
     check_wait_s,
     service_token,
 )
+from rlax_tasks.utils.byte_sizes import parse_bytes_arg
 from rlax_tasks.utils.validation import check_int, check_number, field_error
 
 log = logging.getLogger(__name__)
@@ -773,7 +774,7 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-versions", type=int, default=2)
     p.add_argument(
         "--keep-bytes",
-        type=parse_size,
+        type=parse_bytes_arg,
         default=None,
         metavar="SIZE",
         help="most weight bytes held in RAM (versions + pushes in flight), e.g. 64GiB, 500MB or "
@@ -820,33 +821,6 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
         return serve_forever(config, publish_to=args.publish)
 
     p.set_defaults(func=run)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    **{f"{p}b": 1000**i for i, p in enumerate("kmgtp", start=1)},
-    **{f"{p}ib": 1024**i for i, p in enumerate("kmgtp", start=1)},
-}
-
-
-def parse_size(text: str) -> int:
-    """``'64GiB'`` -> 68719476736, ``'500MB'`` -> 500000000, ``'1024'`` -> 1024 (bytes, >= 1).
-
-    Units: B, kB/MB/GB/TB/PB (powers of 1000) and KiB/MiB/GiB/TiB/PiB (powers of 1024), any case.
-    """
-    m = _SIZE.match(text)
-    factor = _UNITS.get(m.group(2).lower()) if m else None
-    if factor is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: give bytes as an integer or with a unit, e.g. 64GiB, "
-            "500MB, 1073741824 (units: B, kB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB)"
-        )
-    size = int(float(m.group(1)) * factor) if "." in m.group(1) else int(m.group(1)) * factor
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least 1 byte")
-    return size
 
 
 def serve_forever(config: ServerConfig, publish_to: str | None = None) -> int:

@@ -51,6 +51,7 @@ from rlax_tasks.paramserver.wire import (
     end_frame,
     version_digest,
 )
+from rlax_tasks.utils.byte_sizes import exact_bytes
 
 log = logging.getLogger(__name__)
 
@@ -177,18 +178,6 @@ class Assembly:
     streaming: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     weights: WeightVersion | None = None  # once committed
     error: tuple[type[Exception], str] | None = None  # once abandoned: what every part gets
-
-
-def format_bytes(n: int) -> str:
-    """``68719476736`` -> ``'68719476736 bytes (64.0 GiB)'``: exact, and readable."""
-    if n < 1024:
-        return f"{n} bytes"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            break
-    return f"{n} bytes ({value:.1f} {unit})"
 
 
 class VersionStore:
@@ -717,8 +706,8 @@ class VersionStore:
         limit = self.keep_bytes
         if nbytes > limit:
             raise VersionTooLargeError(
-                f"version {version} is {format_bytes(nbytes)}, more than keep_bytes="
-                f"{format_bytes(limit)}: it can never be held; raise --keep-bytes"
+                f"version {version} is {exact_bytes(nbytes)}, more than keep_bytes="
+                f"{exact_bytes(limit)}: it can never be held; raise --keep-bytes"
             )
         earlier = [v for v in (*self._pushing, *self._waiting) if v < version]
         if self._latest is None or earlier:
@@ -726,9 +715,9 @@ class VersionStore:
         newest = self._versions[self._latest].manifest.nbytes
         if nbytes + newest > limit:
             raise VersionTooLargeError(
-                f"version {version} is {format_bytes(nbytes)} and the newest version "
-                f"{self._latest} ({format_bytes(newest)}) stays in memory until version "
-                f"{version} is committed: {nbytes} + {newest} > keep_bytes={format_bytes(limit)}; "
+                f"version {version} is {exact_bytes(nbytes)} and the newest version "
+                f"{self._latest} ({exact_bytes(newest)}) stays in memory until version "
+                f"{version} is committed: {nbytes} + {newest} > keep_bytes={exact_bytes(limit)}; "
                 "keep_bytes must hold two versions"
             )
 
@@ -756,8 +745,8 @@ class VersionStore:
             if s.acked is None or (self._latest is not None and s.acked < self._latest)
         ]
         text = (
-            f"version {version} waits for room: needs {format_bytes(nbytes)}, keep_bytes="
-            f"{format_bytes(self.keep_bytes)}; held: versions [{held}] = "
+            f"version {version} waits for room: needs {exact_bytes(nbytes)}, keep_bytes="
+            f"{exact_bytes(self.keep_bytes)}; held: versions [{held}] = "
             f"{self._held_bytes_locked()} bytes, pushes in flight [{pushes}]"
         )
         if holders and self._versions:

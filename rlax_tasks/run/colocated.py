@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_tasks.utils.byte_sizes import parse_bytes_arg
+
 log = logging.getLogger(__name__)
 
 WORKER_ID = "worker-0"  # the sampler, as the controller's snapshots and lineage name it
@@ -374,7 +376,6 @@ def storage_stopped(run_dir: str, error: OSError) -> ValueError:
 
 def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax colocated`."""
-    from rlax_tasks.paramserver.server import parse_size
     from rlax_tasks.services.endpoints import add_address_args
 
     p = sub.add_parser(
@@ -385,6 +386,6 @@ def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
     add_address_args(p)  # the parameter server's
     p.add_argument("--keep-versions", type=int, default=2)
-    p.add_argument("--keep-bytes", type=parse_size, default=None, metavar="SIZE")
+    p.add_argument("--keep-bytes", type=parse_bytes_arg, default=None, metavar="SIZE")
     p.add_argument("--status-every-s", type=float, default=10.0)
     p.set_defaults(func=_colocated_command)

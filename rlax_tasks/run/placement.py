@@ -2,7 +2,7 @@
 
 ``job_envs(cfg)`` is the one place both launchers (``rlax run``, the rlax_train DAG's ``plan``)
 take each job's device variables from; the run config's ``placement`` section (validated in
-rlax_tasks/config.py, ``PlacementSettings``) says which devices each job gets:
+rlax_tasks/config/placement.py, ``PlacementSettings``) says which devices each job gets:
 
 - ``gpu``: ``CUDA_VISIBLE_DEVICES`` = the job's GPUs and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` =
   ``memory_fraction``, else ``GPU_MEMORY_TOTAL`` (0.9) split evenly between the processes that
@@ -31,11 +31,10 @@ from rlax_tasks.compute.devices import (  # re-exported: the launchers' names fo
     PLATFORMS,
     TPU_CHIP_BOUNDS,
     Accelerator,
-    format_bytes,
     host_memory,
-    parse_bytes,
     resolve_mesh,
 )
+from rlax_tasks.utils.byte_sizes import format_bytes
 
 # jobs that never need an accelerator
 CPU_JOBS = ("ps", "controller", "verifier")
@@ -246,7 +245,6 @@ __all__ = [
     "Accelerator",
     "describe",
     "describe_devices",
-    "format_bytes",
     "gpu_memory_fraction",
     "host_memory",
     "is_colocated",
@@ -255,6 +253,5 @@ __all__ = [
     "job_envs",
     "job_mesh",
     "job_names",
-    "parse_bytes",
     "resolve_mesh",
 ]

@@ -21,8 +21,8 @@ def test_download_logs_bytes_done_rate_and_eta(gcs_bucket, tmp_path, caplog):
             path, str(tmp_path), workers=1, chunk_bytes=CHUNK, progress_every_s=0.0
         )
     prefix = re.escape(f"model cache {path}: ")
-    percents = [
-        int(p) for p in re.findall(rf"{prefix}\S+ MB/1\.0 MB \((\d+)%\) \S+ MB/s eta", caplog.text)
-    ]
+    size = r"[\d.]+ (?:B|[KMG]iB)"  # rlax_tasks.utils.byte_sizes.format_bytes
+    line = rf"{prefix}{size}/1\.0 MiB \((\d+)%\) {size}/s eta"
+    percents = [int(p) for p in re.findall(line, caplog.text)]
     assert len(percents) >= 4 and percents == sorted(percents) and percents[-1] == 100
-    assert re.search(rf"{prefix}1\.0 MB/1\.0 MB done in \S+ \(\S+ MB/s\) -> {local}", caplog.text)
+    assert re.search(rf"{prefix}1\.0 MiB/1\.0 MiB done in \S+ \({size}/s\) -> {local}", caplog.text)

@@ -16,8 +16,8 @@ import pytest
 from rlax_tasks.cli import build_parser
 from rlax_tasks.paramserver import ParameterServerError
 from rlax_tasks.paramserver.client import PushTimeoutError
-from rlax_tasks.paramserver.server import parse_size
 from rlax_tasks.paramserver.wire import ArraySpec, Manifest
+from rlax_tasks.utils.byte_sizes import parse_bytes
 from tests.compute.helpers import wait_for
 from tests.paramserver.helpers import TOKEN, start_server_process
 
@@ -186,7 +186,7 @@ def test_a_push_stream_without_room_gets_503_before_its_blocks_are_read(make_ser
 )  # fmt: skip
 def test_cli_parses_sizes(text, size):
     args = build_parser().parse_args(["ps", "serve", "--keep-bytes", text])
-    assert args.keep_bytes == size == parse_size(text)
+    assert args.keep_bytes == size == parse_bytes(text)
     assert build_parser().parse_args(["ps", "serve"]).keep_bytes is None
 
 
