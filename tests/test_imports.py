@@ -24,6 +24,13 @@ HEAVY = ("jax", "flax", "optax", "orbax")
 # imported by the scheduler, the triggerer, the DAG files and the controller's process
 LIGHT_MODULES = (
     "rlax_tasks.config",
+    "rlax_tasks.config.checks",
+    "rlax_tasks.config.datasets",
+    "rlax_tasks.config.sections",
+    "rlax_tasks.config.placement",
+    "rlax_tasks.config.schema",
+    "rlax_tasks.config.loading",
+    "rlax_tasks.config.resume",
     "rlax_tasks.controller",
     "rlax_tasks.airflow",
     "rlax_tasks.data",
@@ -34,6 +41,7 @@ LIGHT_MODULES = (
     "rlax_tasks.services.http",
     "rlax_tasks.services.protocol",
     "rlax_tasks.utils.validation",
+    "rlax_tasks.utils.byte_sizes",
 )
 LAZY_PACKAGES = tuple(
     f"rlax_tasks.{p}"
@@ -160,7 +168,7 @@ def test_a_colocated_run_imports_no_web_framework_and_no_dataframe_library() -> 
 
 # --------------------------------------------------------------------------- package graph
 # Nodes are rlax_tasks' sub-packages (rlax_tasks.X.* → "X") and its top-level modules
-# (rlax_tasks/config.py → "config"). Every import counts: module-level, inside functions (a lazy
+# (rlax_tasks/cli.py → "cli"). Every import counts: module-level, inside functions (a lazy
 # import still couples the layers) and under TYPE_CHECKING, and so do the modules a package's
 # lazy export table names (rlax_tasks.utils.lazy_exports).
 

@@ -1,0 +1,220 @@
+"""The run configuration's sections: model, objective, staleness, rollout, workers, evaluation.
+
+One frozen dataclass per section, each validated in ``__post_init__`` (errors name the field);
+``trainer_from`` reads the trainer section into the trainer's own ``TrainerConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rlax_tasks.algorithms.config import FIELD_NAMES as OBJECTIVE_FIELDS
+from rlax_tasks.algorithms.config import PRESETS as OBJECTIVE_PRESETS
+from rlax_tasks.algorithms.config import ObjectiveConfig, ObjectiveConfigError, preset_config
+from rlax_tasks.config.checks import (
+    ConfigError,
+    build,
+    check_bool,
+    check_float,
+    check_int,
+    check_mesh_shape,
+    check_str,
+    field_named,
+    set_field,
+)
+from rlax_tasks.config.datasets import DatasetSpec
+from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
+from rlax_tasks.utils import validation
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The base policy: an HF-format directory (local or gs://) and its precision (DESIGN §12).
+
+    ``dtype`` is the compute dtype and what workers hold (and the parameter server carries);
+    ``param_dtype`` is the trainer's master weights and optimizer state.
+    """
+
+    path: str
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    # build the base model with the project's short supervised warm-up when ``path`` is missing
+    warmup_if_missing: bool = False
+
+    def __post_init__(self) -> None:
+        check_str(self, "path")
+        check_str(self, "dtype", DTYPES)
+        check_str(self, "param_dtype", DTYPES)
+        check_bool(self, "warmup_if_missing")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSettings:
+    """An objective preset of DESIGN §4 plus field overrides (validated by ``preset_config``)."""
+
+    preset: str = "grpo"
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preset, str) or self.preset not in OBJECTIVE_PRESETS:
+            raise ConfigError(
+                "preset",
+                f"unknown objective preset {self.preset!r}"
+                f"{validation.did_you_mean(self.preset, OBJECTIVE_PRESETS)}; "
+                f"valid: {', '.join(OBJECTIVE_PRESETS)}",
+            )
+        if not isinstance(self.overrides, Mapping):
+            raise ConfigError(
+                "overrides", f"must be a mapping of objective fields, got {self.overrides!r}"
+            )
+        validation.check_known(
+            self.overrides,
+            OBJECTIVE_FIELDS,
+            lambda key, detail: ConfigError(f"overrides.{key}", detail),
+            "objective field",
+        )
+        set_field(self, "overrides", dict(self.overrides))
+        try:
+            self.objective_config()
+        except ObjectiveConfigError as e:
+            field = field_named(str(e), OBJECTIVE_FIELDS)
+            raise ConfigError(f"overrides.{field}" if field else "overrides", str(e)) from None
+
+    def objective_config(self) -> ObjectiveConfig:
+        """The validated objective configuration (what ``make_objective`` would build)."""
+        return preset_config(self.preset, **self.overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessSettings:
+    """DESIGN §3: workers reload when ≥ j versions behind; rollouts train only if v − u ≤ k."""
+
+    reload_every: int = 1
+    max_staleness: int | None = 1
+
+    def __post_init__(self) -> None:
+        check_int(self, "reload_every", low=1)
+        check_int(self, "max_staleness", optional=True)
+        k, j = self.max_staleness, self.reload_every
+        if k is not None and k < j:
+            raise ConfigError(
+                "max_staleness",
+                f"must be >= reload_every ({j}), got {k}: rollouts of a worker that reloads "
+                f"every {j} version(s) are up to {j} version(s) old when they train, and k < j "
+                f"would drop them (null = unbounded)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """G completions per prompt, sampling settings, prompts (groups) per training step."""
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # groups in flight + buffered at most; null = prompts_per_step × (reload_every + 1), or
+    # prompts_per_step for lockstep on-policy (j = k = 1)
+    max_outstanding_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int(self, "group_size", low=1)
+        check_int(self, "prompts_per_step", low=1)
+        check_int(self, "max_new_tokens", low=1)
+        check_float(self, "temperature", low=0.0)
+        check_float(self, "top_p", low=0.0, high=1.0, open_low=True)
+        check_int(self, "top_k", low=0)
+        check_int(self, "max_outstanding_groups", low=1, optional=True)
+        if (
+            self.max_outstanding_groups is not None
+            and self.max_outstanding_groups < self.prompts_per_step
+        ):
+            raise ConfigError(
+                "max_outstanding_groups",
+                f"must be >= prompts_per_step ({self.prompts_per_step}) or a batch can never "
+                f"fill, got {self.max_outstanding_groups}",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """The inference fleet: how many workers, sampler slots and sequence length per worker."""
+
+    # null: 1 in a colocated run (its one sampler), else one per device list of
+    # placement.workers (on each host), else 2
+    count: int | None = None
+    slots: int = 32
+    max_len: int = 512
+    # groups the controller keeps in flight per worker; null = max(1, slots // group_size)
+    groups_per_worker: int | None = None
+    # a worker with work in flight and no result for this long is treated as dead
+    timeout_s: float = 300.0
+    # each worker's mesh over its own devices (data, fsdp, tensor); one entry may be -1 for
+    # "the remaining devices": [1, 1, -1] = tensor parallel over every device the worker sees
+    mesh_shape: tuple[int, int, int] = (1, 1, -1)
+
+    def __post_init__(self) -> None:
+        check_mesh_shape(self, "mesh_shape")
+        check_int(self, "count", low=1, optional=True)
+        check_int(self, "slots", low=1)
+        check_int(self, "max_len", low=2)
+        check_int(self, "groups_per_worker", low=1, optional=True)
+        check_float(self, "timeout_s", low=0.0, open_low=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Held-out evaluation: pass@k over ``num_prompts`` prompts with ``num_samples`` each."""
+
+    dataset: DatasetSpec | None = None
+    num_prompts: int = 200
+    num_samples: int = 8
+    ks: tuple[int, ...] = (1, 8)
+    temperature: float = 1.0
+    # evaluate every N training steps besides before and after the run (0 = only those two)
+    every_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, Mapping):
+            set_field(self, "dataset", build(DatasetSpec, self.dataset, "dataset"))
+        if self.dataset is not None and not isinstance(self.dataset, DatasetSpec):
+            raise ConfigError("dataset", f"must be a dataset spec or null, got {self.dataset!r}")
+        check_int(self, "num_prompts", low=1)
+        check_int(self, "num_samples", low=1)
+        if not isinstance(self.ks, list | tuple) or not self.ks:
+            raise ConfigError("ks", f"must be a non-empty list of integers, got {self.ks!r}")
+        set_field(self, "ks", tuple(self.ks))
+        for k in self.ks:
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_samples:
+                raise ConfigError(
+                    "ks",
+                    f"each k must be an integer in [1, num_samples={self.num_samples}], got {k!r}",
+                )
+        check_float(self, "temperature", low=0.0)
+        check_int(self, "every_steps", low=0)
+
+
+def trainer_from(raw: Any) -> TrainerConfig:
+    """The trainer section as a ``TrainerConfig``; its errors name the field."""
+    if isinstance(raw, TrainerConfig):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError("", f"must be a mapping of trainer settings, got {raw!r}")
+    known = [f.name for f in dataclasses.fields(TrainerConfig)]
+    validation.check_known(raw, known, ConfigError)
+    values = dict(raw)
+    for name in ("learning_rate", "adam_eps", "weight_decay", "max_grad_norm"):
+        if isinstance(values.get(name), str):  # YAML 1.1 reads 1e-4 as text
+            values[name] = validation.check_number(name, values[name], ConfigError, from_text=True)
+    try:
+        return TrainerConfig.from_dict(values)
+    except TrainerConfigError as e:
+        field = field_named(str(e), known)
+        rest = str(e)[len(field) :]
+        raise ConfigError(field, rest.strip() if rest.startswith(" must") else str(e)) from None
