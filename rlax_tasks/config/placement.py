@@ -28,7 +28,7 @@ from rlax_tasks.config.checks import (
 )
 from rlax_tasks.utils.byte_sizes import parse_bytes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for hints only: schema.py imports this module
     from rlax_tasks.config.schema import RunConfig
 
 
