@@ -1,12 +1,8 @@
 """The rollout buffer: scored, version-tagged groups waiting for a training batch (DESIGN §3).
 
-``add`` drops zero-variance groups when dynamic sampling is on (DESIGN §4); ``take(v)`` forms the
-batch of the trainer step that produces version v from groups with v − u ≤ k, freshest first
-(ties: the earlier-drawn prompt first), and drops the groups that became too old. Every drop is
-counted and kept (prompt id, version) until the next batch, whose lineage record lists it, and so
-is every prompt the controller ``skip``-ped before generating (too long for the workers, not
-encodable): DESIGN §11, a row the run cannot use never ends it and is never lost silently.
-"""
+``take(v)`` forms the batch producing version v from groups with v − u ≤ k, freshest first, and
+drops those too old; zero-variance groups drop on ``add`` under dynamic sampling (DESIGN §4).
+Every drop and every ``skip``-ped prompt is kept until the next batch's lineage record lists it."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks.algorithms import filter_groups
-from rlax_tasks.controller.staleness import within_staleness
+from rlax_tasks.rollout.staleness import within_staleness
 
 # verdicts of a verifier that failed (the completion scores 0, the run goes on)
 VERIFIER_FAILURES = ("verifier_error", "verifier_timeout", "checker_error")
@@ -250,16 +246,10 @@ class RolloutBuffer:
         self.counts[reason] += 1
 
     def take(self, version: int, pending_seqs: Iterable[int] = ()) -> Batch | None:
-        """The batch for the trainer step producing ``version``: exactly ``prompts_per_step``
-        groups with version − u ≤ k, freshest first, then in draw order; None (nothing taken)
-        when too few.
-
-        ``pending_seqs`` are the draw numbers of prompts not back yet (queued, generating,
-        unscored). A batch that would skip one of them waits for it: which prompts train then
-        depends on the draws alone, never on which worker answered first (so a lockstep run
-        trains the same prompts, restarts or not). Groups too old for ``version`` can never
-        train again (versions only grow) and are dropped now, even when no batch forms.
-        """
+        """The batch for the trainer step producing ``version``: ``prompts_per_step`` groups with
+        version − u ≤ k, freshest first, then in draw order; None when too few. A batch that would
+        skip one of ``pending_seqs`` (prompts not back yet) waits for it, so which prompts train
+        depends on the draws alone. Groups too old for ``version`` are dropped now."""
         fresh = []
         for g in self._groups:
             if within_staleness(g.version, version, self.max_staleness):

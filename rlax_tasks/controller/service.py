@@ -1,13 +1,8 @@
 """`rlax controller`: the Controller wired to real components over HTTP.
 
-Workers come from a JSON file ``{"worker-0": "http://127.0.0.1:PORT", ...}`` (or, on slices, each
-worker's service file, rlax_tasks.services.endpoints) that the launcher rewrites when a worker
-(re)starts, so workers can join, leave or move; the trainer is a
-``TrainerClient`` (idempotent numbered steps); rewards come from the synthetic task's own scorer,
-the math verifier or the code judge (``rlax_tasks.rewards.scoring``), per dataset. Every call to
-the trainer and the workers carries the run's token (``RLAX_PS_TOKEN``, rlax_tasks.services.http):
-`rlax controller` refuses to start without it (exit 2).
-"""
+Workers come from a JSON file (or slices' service files) the launcher rewrites as they come and
+go; the trainer is a ``TrainerClient``; rewards come from the task's scorer, the math verifier
+or the code judge. Every call carries the run's token (``RLAX_PS_TOKEN``); none: exit 2."""
 
 from __future__ import annotations
 
@@ -20,18 +15,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks.controller.controller import (
-    Controller,
-    ControllerSettings,
-    ScorerError,
-    WorkerError,
-)
+from rlax_tasks.config import load_config
+from rlax_tasks.controller.controller import Controller
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
+from rlax_tasks.controller.ports import ScorerError, WorkerError
+from rlax_tasks.controller.settings import ControllerSettings
+from rlax_tasks.data.prompts import PromptRenderer
+from rlax_tasks.models.model_cache import local_model_dir
 from rlax_tasks.process.garbage_collection import (
     collect_if_due,
     defer_full_collections,
     freeze_startup,
 )
+from rlax_tasks.rewards.sandbox import SandboxError
+from rlax_tasks.rewards.scoring import score_completions
+from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.rollout.service import WorkerClient
 from rlax_tasks.rundir import lock as run_lock
@@ -109,10 +107,6 @@ class RewardScorer:
         self.max_parallel = max_parallel
 
     def score(self, prompts: Sequence[Prompt], results: Sequence[GroupResult]) -> list[list[Any]]:
-        from rlax_tasks.rewards.sandbox import SandboxError
-        from rlax_tasks.rewards.scoring import score_completions
-        from rlax_tasks.rewards.tasks import Problem
-
         out: list[list[Any] | None] = [None] * len(prompts)
         verify_rows = []
         for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
@@ -149,7 +143,7 @@ def build_controller(
 ) -> Controller:
     """A Controller for run config ``cfg`` wired to the trainer and the worker fleet over HTTP,
     calling them with ``token`` (None: ``RLAX_PS_TOKEN``)."""
-    from rlax_tasks.trainer.service import TrainerClient
+    from rlax_tasks.trainer.service import TrainerClient  # (loads JAX: not in a colocated run)
 
     pool = HttpWorkerPool(workers_file, token=token)
     return make_controller(cfg, pool, TrainerClient(trainer_url, token))
@@ -159,9 +153,6 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
     """A Controller for run config ``cfg`` with its workers and trainer (a ``WorkerPool`` and a
     ``TrainStep``: over HTTP, or in this process in a colocated run); prompts render through
     ``cfg.prompt`` with the model's tokenizer (DESIGN §11), rewards from ``RewardScorer``."""
-    from rlax_tasks.data.prompts import PromptRenderer
-    from rlax_tasks.models.model_cache import local_model_dir
-
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
     # the controller only tokenizes: a gs:// model.path is fetched without its weights
     model_dir = local_model_dir(cfg.model.path, weights=False)
@@ -185,8 +176,6 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
 
 
 def _controller_command(args: argparse.Namespace) -> int:
-    from rlax_tasks.config import load_config
-
     defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     token = service_token()  # the trainer and the workers refuse calls without it
     cfg = load_config(args.config)

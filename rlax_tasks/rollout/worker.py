@@ -28,6 +28,7 @@ from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exporte
     Request,
 )
 from rlax_tasks.rollout.sampler import Sampler
+from rlax_tasks.rollout.staleness import should_reload
 from rlax_tasks.utils.validation import check_int, field_error
 
 log = logging.getLogger(__name__)
@@ -315,8 +316,8 @@ class InferenceWorker:
         except (TimeoutError, ConnectionError) as e:  # the PS may be restarting: keep going
             log.warning("cannot reach the weight source (%s); generating with v%s", e, self.version)
             return
-        if latest is None or self.version is None or latest - self.version < self.reload_every:
-            return
+        if self.version is None or not should_reload(self.version, latest, self.reload_every):
+            return  # (start() loads the first version)
         self._reload(min_version=self.version + self.reload_every)
 
     def _reload(self, min_version: int | None) -> None:

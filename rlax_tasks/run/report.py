@@ -105,7 +105,7 @@ class HeldOutEvaluator:
         ``version`` when given)."""
         import time
 
-        from rlax_tasks.controller.controller import reward_and_verdict
+        from rlax_tasks.controller.scoring import reward_and_verdict
         from rlax_tasks.evaluation import mean_pass_at_k
         from rlax_tasks.rollout.worker import GroupResult
 

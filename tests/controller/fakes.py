@@ -18,10 +18,10 @@ from rlax_tasks.controller import (
     MixtureComponent,
     PromptMixture,
     TrainerBehindError,
-    should_reload,
 )
 from rlax_tasks.rewards.scoring import SampleScore
 from rlax_tasks.rollout.requests import Completion, GroupResult, Request, SamplingParams
+from rlax_tasks.rollout.staleness import should_reload
 
 UNENCODABLE = "<unencodable>"  # ``encode`` refuses a prompt containing this
 

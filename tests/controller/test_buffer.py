@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlax_tasks.controller import RolloutBuffer, ScoredGroup, should_reload, within_staleness
+from rlax_tasks.controller import RolloutBuffer, ScoredGroup
+from rlax_tasks.rollout.staleness import should_reload, within_staleness
 
 
 def group(pid: str, version: int, seq: int, scores=(0.0, 1.0)) -> ScoredGroup:

@@ -7,7 +7,7 @@ train, lineage and rollouts times in it are the previous step's.
 
 from __future__ import annotations
 
-from rlax_tasks.controller.controller import PHASES
+from rlax_tasks.controller.phases import PHASES
 from tests.controller.fakes import FakeScorer, World, controller
 
 STEPS = 5
@@ -69,7 +69,7 @@ def test_every_step_carries_non_negative_phase_times(tmp_path):
     # the counts are still there beside the times
     assert all("prompts_skipped" in row and "verifier_errors" in row for row in stats)
     # this process's totals: every step's train call, the last one's too
-    assert c.phase_totals["train"] == STEPS * TRAIN_S
+    assert c.phases.totals["train"] == STEPS * TRAIN_S
 
 
 def test_a_slow_trainer_shows_in_the_train_phase_of_the_next_step(tmp_path):

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from rlax_tasks.controller import SnapshotError, SnapshotStore, read_lineage
-from rlax_tasks.controller.controller import reward_and_verdict
+from rlax_tasks.controller.scoring import reward_and_verdict
 from rlax_tasks.controller.snapshot import NoIntactSnapshotError
 from rlax_tasks.rewards.scoring import SampleScore
 from rlax_tasks.rundir import notices, storage
