@@ -17,9 +17,11 @@ import yaml
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
 from rlax_tasks.controller import read_rollouts
-from rlax_tasks.controller.mixture import FilePrompts
+from rlax_tasks.controller.mixture import FilePrompts, Prompt, PromptMixture
+from rlax_tasks.controller.service import RewardScorer
 from rlax_tasks.data import load_dataset
 from rlax_tasks.rewards.scoring import score_completions
+from rlax_tasks.rollout.requests import Completion, GroupResult, Request
 from rlax_tasks.rollout.sampler import Sampler
 from rlax_tasks.run.local_run import run_local
 from tests.data.layouts import write_code_apps, write_gsm8k
@@ -138,6 +140,28 @@ def _verifier_saw_decoded_text(cfg) -> None:
     assert [s[0].verdict for s in scores] == rollouts["verdict"].tolist()
 
 
+def _scripted_verdicts(cfg, texts: list[str]) -> list[str]:
+    """The verdicts the run's scorer (the controller's ``RewardScorer`` over the run's datasets)
+    gives ``texts`` as completions of the file's first row: each encoded with the run's tokenizer,
+    ended by its EOS, decoded as a worker decodes. Random-model output is all ``no_answer``; a
+    run's scoring path must also tell a right answer from a wrong one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    spec = cfg.datasets[0]
+    rows = FilePrompts(spec.source)
+    prompt = Prompt(f"{spec.name}/0", 0, spec.name, 0, 0, rows.prompts[0], rows.references[0],
+                    spec.verifier)  # fmt: skip
+    ids = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+    completions = [Completion(Request((1,)), t, [0.0] * len(t), "eos") for t in ids]
+    decoded = [tokenizer.decode(t, skip_special_tokens=True) for t in ids]
+    assert decoded == texts
+    result = GroupResult(prompt.id, 0, (1,), completions, decoded, 0.0)
+    mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
+    (scores,) = RewardScorer(mixture).score([prompt], [result])
+    return [s.verdict for s in scores]
+
+
 @pytest.mark.slow
 def test_rlax_run_on_a_gsm8k_file_with_the_chat_template(tmp_path, chat_model_dir, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
@@ -150,6 +174,9 @@ def test_rlax_run_on_a_gsm8k_file_with_the_chat_template(tmp_path, chat_model_di
     verdicts = set(read_rollouts(cfg.run_dir)["verdict"])
     assert verdicts <= {"correct", "incorrect", "no_answer"}, verdicts
     _verifier_saw_decoded_text(cfg)
+    assert fx.rows[0]["answer"] == "72"  # Natalia's clips
+    scripted = ["48/2 = 24 in May, 48 + 24 = 72 in all: \\boxed{72}", "So \\boxed{71}.", "No idea."]
+    assert _scripted_verdicts(cfg, scripted) == ["correct", "incorrect", "no_answer"]
     _same_tokens_everywhere(cfg, out, tmp_path, monkeypatch)
 
 
@@ -172,4 +199,7 @@ def test_rlax_run_on_a_code_file_with_the_chat_template(tmp_path, chat_model_dir
         "output_limit", "verifier_error",
     }  # fmt: skip
     _verifier_saw_decoded_text(cfg)
+    program = "```python\na, b = map(int, input().split())\nprint(a {} b)\n```"
+    scripted = [program.format("+"), program.format("-"), "```python\nprint(\n```"]
+    assert _scripted_verdicts(cfg, scripted) == ["pass", "wrong_answer", "compile_error"]
     _same_tokens_everywhere(cfg, out, tmp_path, monkeypatch)
