@@ -1,16 +1,8 @@
-"""Package names that load their module on first use (PEP 562), so that importing a package, or a
-light module inside it, never loads JAX, Flax, Optax, Orbax or pandas behind the caller's back.
+"""Package names that load their module on first use (PEP 562), so that importing a package
+never loads JAX, Flax, Optax, Orbax or pandas behind the caller's back.
 
-A package ``__init__`` says which module defines each public name:
-
-    __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-        "Sampler": ".sampler",                       # relative to the package
-        "Rejected": "rlax_tasks.data.readers",       # or absolute
-    })
-
-``from pkg import Sampler`` then imports ``pkg.sampler`` at that moment, and ``dir(pkg)`` and
-``pkg.__all__`` list every exported name.
-"""
+``__all__, __getattr__, __dir__ = lazy_exports(__name__, {"Sampler": ".sampler", ...})`` in a
+package ``__init__``; a module path is relative to the package or absolute."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """A periodic status line for long work: ``what: 120/200 rows (60%) 3.2/s eta 25s``.
 
-Logged (never a carriage-return bar: these jobs write to log files and Airflow task logs) at
-INFO on the caller's logger, at most one line every ``every_s`` seconds while the work goes,
-plus one final line (``what: 200/200 rows done in 62s (3.2/s)``). A total that is not known
-shows the count, rate and elapsed time instead of a percentage and ETA. The default interval
-is ``$RLAX_PROGRESS_EVERY_S`` (seconds), else 5; 0 logs every update. JAX-free.
-"""
+Logged at INFO on the caller's logger (never a carriage-return bar: these jobs write to log
+files), at most once every ``every_s`` seconds (``$RLAX_PROGRESS_EVERY_S``, else 5; 0 logs
+every update), plus one final line. JAX-free."""
 
 from __future__ import annotations
 
@@ -75,11 +72,9 @@ def _field(value: object) -> str:
 class ProgressMeter:
     """Counts work done towards ``total`` (None: unknown) and logs a status line now and then.
 
-    ``update(n, **fields)`` adds ``n`` and logs when ``every_s`` has passed since the last line
-    (``fields``, e.g. ``loss=0.41``, are appended as ``loss 0.41``); ``finish(**fields)`` logs the
-    final line once. As a context manager it finishes on exit (``stopped at ...`` after an
-    error). ``format_count`` renders counts and rates (e.g. bytes as ``12.0 MB``). Thread-safe.
-    """
+    ``update(n, **fields)`` logs once ``every_s`` has passed since the last line, fields appended
+    (``loss 0.41``); ``finish`` logs the final line once (``stopped at ...`` when a ``with`` block
+    raised). ``format_count`` renders counts and rates (``12.0 MB``). Thread-safe."""
 
     def __init__(
         self,

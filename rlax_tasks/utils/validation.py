@@ -1,11 +1,8 @@
 """Field checks shared by every configuration class (JAX-free): one wording, the caller's error.
 
-Each check takes ``error``, a callable (field, detail) -> exception, and raises what it returns,
-so every class keeps its own error type. A class whose error is built from (field, message),
-like ``rlax_tasks.config.ConfigError``, passes the class; a one-argument error class passes
-``field_error(TheError)``, whose message reads "<field> <detail>", e.g.
-``warmup_steps must be >= 0, got -1``.
-"""
+Each check takes ``error``, a callable (field, detail) -> exception, and raises what it returns;
+an error class built from (field, message) passes itself, a one-argument one passes
+``field_error(TheError)`` ("<field> <detail>", e.g. ``warmup_steps must be >= 0, got -1``)."""
 
 from __future__ import annotations
 
