@@ -1,20 +1,8 @@
 """Python's full garbage collections, at moments a long-running process chooses.
 
-Once JAX, Flax, the model and its compiled programs are loaded, a run's process holds some 300k
-Python objects, and CPython's cyclic collector walks every one of them in a full (generation-2)
-collection, which it starts by itself whenever the long-lived objects grew by a quarter. On 2 CPU
-cores each took 0.07-0.22 s: a stalled training step several times per 150 steps of the tiny
-preset, and ~0.5 s of each process's start-up (the heap grows fastest while importing).
-
-A long-running command (``rlax colocated``, ``trainer``, ``worker``, ``controller``) calls
-``defer_full_collections`` first: the young generations stay with the automatic collector, the
-full collections become the process's own. ``freeze_startup``, once started, moves every object
-alive then (modules, the model, compiled programs: they live as long as the process) to the
-permanent generation, which no collection walks again. ``collect_if_due``, at the loops' step
-boundaries, runs a full collection of what was made since, at most every ``every_s`` seconds, so
-cyclic garbage is still freed. A library user's process is untouched: nothing here runs unless
-called, and ``collect_if_due`` does nothing before ``defer_full_collections``.
-"""
+A run holds many long-lived objects; an automatic full collection walks them all and stalls a
+step. ``defer_full_collections`` takes full collections over, ``freeze_startup`` exempts what
+start-up loaded, ``collect_if_due`` runs one at step boundaries. Nothing runs unless called."""
 
 from __future__ import annotations
 

@@ -1,34 +1,8 @@
 """glibc malloc settings for a long-running process that computes with XLA on the host CPU.
 
-XLA:CPU allocates each execution's temporary buffer with ``malloc`` on one of its pool threads:
-75 MB for the tiny preset's train step. glibc serves a block that large from a fresh ``mmap``
-(a pool thread's arena holds at most 64 MB) and unmaps it when freed, so every execution
-page-faults the whole buffer in again: 18k minor faults and ~30 ms of system time per train step
-on 2 CPU cores, beside ~28 ms of work. ``keep_freed_memory`` routes every thread to the main
-heap, serves large blocks from it and keeps the freed memory there, so the next execution
-reuses the same pages (the step: 0.039-0.047 s -> 0.028-0.030 s).
-
-Freed memory is never trimmed (``NEVER_TRIM``): glibc gives back the whole free top of the heap
-once it exceeds the trim threshold, and a threshold (an ``int``, at most 2 GiB) below a step's
-temporary gives all of it back after every execution. The 30M benchmark model's train step
-(32 x 144 tokens, a 32k vocabulary) allocates 3 GB: with a 1 GiB threshold every step
-page-faulted it in again (770k faults, 2 s of kernel time per step on 2 cores: 6.8 s a step;
-never trimmed, 5.6 s). The process keeps its peak heap, which each step reaches anyway.
-
-A long-running command (``rlax colocated``, ``trainer``, ``worker``) calls
-``tune_if_host_compute`` first, before JAX starts its threads (an arena is picked at a thread's
-first allocation). Processes on an accelerator keep glibc's defaults: their XLA buffers live in
-device memory, and many host threads would then share one heap lock.
-
-The heap is also backed by transparent huge pages (``with_huge_pages``): XLA:CPU's buffers span
-tens of thousands of 4 KiB pages. In alternating runs on 2 cores the tiny preset's train step
-took 29.8-32.8 ms on 4 KiB pages against 26.1-29.9 ms on 2 MiB ones (a colocated step 68.7-77.6
-against 61.9-69.3 ms; a train step compiled in the same process 38.0-40.2 against 30.5-33.9 ms),
-at the same resident size. glibc asks for them only when its ``glibc.malloc.hugetlb`` tunable
-is set, and reads it once, at process start: so the launchers (``rlax run``'s supervisor, the
-job runner) set it in the environment of the processes they start. A command started by hand
-runs on 4 KiB pages unless its environment sets it (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``).
-"""
+XLA:CPU mallocs a large temporary each execution; by default glibc maps and unmaps it, faulting
+it in every step. Call ``tune_if_host_compute`` before JAX starts its threads. glibc reads its
+huge-page tunable once at start, so launchers set it for their children (``with_huge_pages``)."""
 
 from __future__ import annotations
 
@@ -94,9 +68,10 @@ def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def keep_freed_memory(trim_threshold: int = NEVER_TRIM) -> bool:
-    """One heap for every thread, large blocks from it (no per-allocation ``mmap``), freed
-    memory kept for reuse (up to ``trim_threshold`` bytes at the top of the heap; ``NEVER_TRIM``:
-    all of it). False (nothing changed) without glibc."""
+    """One heap for every thread, large blocks from it (no per-allocation ``mmap``), freed memory
+    kept for reuse (up to ``trim_threshold`` bytes at the top of the heap; ``NEVER_TRIM``: all of
+    it, as a lower threshold gives a step's whole temporary back each step). False (nothing
+    changed) without glibc."""
     if trim_threshold != NEVER_TRIM and not 0 <= trim_threshold < 2**31:
         # mallopt takes a C int: a larger value would wrap around (16 GiB reads as 0)
         raise ValueError(
@@ -114,7 +89,8 @@ def keep_freed_memory(trim_threshold: int = NEVER_TRIM) -> bool:
 
 def tune_if_host_compute() -> bool:
     """``keep_freed_memory`` when this process computes on the CPU (``computes_on_host``);
-    returns whether it was applied."""
+    returns whether it was applied. Accelerator processes keep glibc's defaults: their buffers
+    live in device memory, and one heap would make many host threads share one lock."""
     if not computes_on_host():
         return False
     applied = keep_freed_memory()
