@@ -1,20 +1,18 @@
 """`rlax trainer`: one trainer process built from the run configuration (the disaggregated
-layout's trainer; run/colocated.py builds the colocated one).
-
-It loads the run config, joins the trainer's process group, loads the policy and objective, and
-serves ``rlax_tasks.trainer.service.TrainerService`` to the controller, behind the run's token
-(``RLAX_PS_TOKEN``: without it the command exits 2 before loading anything) and a body limit sized
-from the run's batch (prompts_per_step × group_size rows of workers.max_len). It lives here, in the
-composition root, because the run configuration (rlax_tasks/config.py) itself builds on the
-trainer's settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back.
+layout's trainer; run/colocated.py builds the colocated one), serving
+``rlax_tasks.trainer.service.TrainerService`` to the controller behind the run's token.
+It lives in the composition root because the run configuration builds on the trainer's
+settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import signal
+from collections.abc import Callable, Iterator
 
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
@@ -30,9 +28,11 @@ def _trainer_command(args: argparse.Namespace) -> int:
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
     token = service_token()
+    # after the two calls above, and for this command only (cli imports this module): JAX
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
     from rlax_tasks.models import load_pretrained
+    from rlax_tasks.paramserver import ParameterServerClient
     from rlax_tasks.trainer.http_app import create_app  # FastAPI: not for every rlax command
     from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
     from rlax_tasks.trainer.trainer import Trainer
@@ -51,11 +51,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     trainer = Trainer(
         policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every), run_dir
     )
-    ps = None
-    if args.ps_url:
-        from rlax_tasks.paramserver import ParameterServerClient
-
-        ps = ParameterServerClient(args.ps_url, token)
+    ps = ParameterServerClient(args.ps_url, token) if args.ps_url else None
     channel = CommandChannel() if group is not None else None
     service = TrainerService(trainer, ps, channel=channel).start()
     freeze_startup()
@@ -67,13 +63,31 @@ def _trainer_command(args: argparse.Namespace) -> int:
         return 0
     sock, url = listen(bind_host(args.host), args.port)
     announce(url, args.publish)  # first-line contract
-    try:
-        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        limit = batch_body_limit(rows, cfg.workers.max_len)
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    limit = batch_body_limit(rows, cfg.workers.max_len)
+    with _sigterm_after(service.stop):
         serve_app(create_app(service, token, max_body_bytes=limit), sock)
-    finally:
-        service.stop()
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_after(cleanup: Callable[[], None]) -> Iterator[None]:
+    """Runs ``cleanup`` (the final checkpoint) when the block ends, and only then lets a
+    SIGTERM received meanwhile end the process. uvicorn raises the signal that stopped it again
+    once it shut down: SIGTERM's default action then killed the trainer before its checkpoint.
+    The process still ends by SIGTERM, as its backend expects of a stopped job."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    finally:
+        try:
+            cleanup()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if received:
+                log.info("SIGTERM: the trainer has stopped")
+                signal.raise_signal(signal.SIGTERM)
 
 
 def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
