@@ -1,27 +1,8 @@
 """The run lock: one live run per run directory (DESIGN §13), at ``run_paths(run_dir).lock``.
 
-A second `rlax run` on a run that is alive is refused (``RunLocked``: which run, held by which
-pid on which host since when, what to do); a lock left by a run that died is taken over, and
-said so in the log.
-
-- Local run root: ``fcntl.flock`` on ``run.lock``, which also holds the holder's pid, host and
-  start time for the message. The kernel releases it when the holder dies, even by kill -9.
-- ``gs://`` run root: a lease object ``{holder, pid, host, started, expires}`` written with
-  generation preconditions (``storage.commit_pointer``), renewed every ``ttl_s / 3`` by a
-  background thread, and taken over once past ``expires`` (its holder stopped renewing: it died).
-  Expiry compares the holder's wall clock with the reader's: keep ``ttl_s`` well above the
-  clock skew between hosts. ``check()`` raises when the lease was lost.
-
-    with acquire(run_dir) as lock:
-        ...
-        lock.check()
-
-The job that decides for a run (the controller; a colocated run's one process) takes the lock
-itself (``for_job``), so a run started by the rlax_train DAG or by hand is locked as `rlax run`'s
-is; under `rlax run`, whose lock covers the processes it starts, it names that lock's holder in
-``HOLDER_ENV`` and holds none of its own. On a ``gs://`` root a job waits up to ``JOB_WAIT_S`` for
-a lease to run out: a job restarted after its host was preempted finds the dead one's lease.
-"""
+A second `rlax run` on a live run gets ``RunLocked`` (who holds it, what to do); a dead run's
+lock is taken over. Locally an ``fcntl.flock`` (freed by the kernel when the holder dies); on
+``gs://`` a renewed lease (``Lease``). Use ``with acquire(run_dir) as lock: ... lock.check()``."""
 
 from __future__ import annotations
 
@@ -156,8 +137,9 @@ class FileLock:
 
 
 class Lease:
-    """A lease object (gs://, or any path ``storage.commit_pointer`` serves) renewed in the
-    background; see the module docstring."""
+    """A lease object (gs://, or any path ``storage.commit_pointer`` serves), renewed every
+    ``ttl_s / 3`` in the background and taken over once past ``expires``. Expiry compares the
+    holder's wall clock with the reader's: keep ``ttl_s`` well above the skew between hosts."""
 
     def __init__(
         self, run_dir: str, ttl_s: float = DEFAULT_TTL_S, renew_every_s: float | None = None
@@ -300,9 +282,9 @@ class InheritedLock:
 
 def for_job(run_dir: str) -> FileLock | Lease | InheritedLock:
     """The lock of the job that decides for ``run_dir`` (the controller, a colocated run): the
-    lock of the `rlax run` that started it (``HOLDER_ENV`` names its holder), else its own,
-    taken as ``acquire`` does, waiting up to ``JOB_WAIT_S`` for a gs:// lease to run out.
-    RunLocked names the live run that holds it."""
+    lock of the `rlax run` that started it (``HOLDER_ENV`` names its holder), else its own, taken
+    as ``acquire`` does, waiting up to ``JOB_WAIT_S`` for a gs:// lease to run out (a job restarted
+    after preemption finds the dead one's). RunLocked names the live run that holds it."""
     inherited = os.environ.get(HOLDER_ENV)
     wait_s = JOB_WAIT_S if storage.is_gcs(run_dir) and not inherited else 0.0
     try:

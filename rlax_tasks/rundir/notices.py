@@ -1,17 +1,8 @@
-"""Notices: the few things a component must tell the person watching the run.
+"""Notices: what a component must tell the person watching the run, whose log nobody reads.
 
-A component (trainer, controller, colocated job) runs under a supervisor with its output in a
-log file nobody watches. What a person must read (a damaged snapshot set aside and the older one
-used, a checkpoint that cannot be written, a fatal error and what to do about it) is posted here
-as one JSON line in ``run_dir/notices.jsonl``; ``rlax run`` and ``rlax airflow train`` print new
-notices in the terminal as they appear, once each.
-
-    post(run_dir, "fallback", "snapshots/12.json does not verify: set aside, using 10.json")
-    notices, offset = read_since(run_dir, offset)
-
-Kinds: "fallback" (recovered from older state), "warning", "fatal" (the run cannot go on; the
-message says what to do). JAX-free; a notice that cannot be written is logged, never raised.
-"""
+One JSON line per notice in ``run_dir/notices.jsonl`` (``post``); ``rlax run`` and ``rlax
+airflow train`` print new ones once each (``read_since``). Kinds: "fallback", "warning",
+"fatal" (the message says what to do). JAX-free; a failed write is logged, never raised."""
 
 from __future__ import annotations
 

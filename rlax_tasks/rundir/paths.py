@@ -1,13 +1,8 @@
 """The file names of one run directory (DESIGN §7): the one module that spells them.
 
-``run_paths(run_dir)`` gives every fixed file and folder of ``run_root/<run_id>/`` (a local path
-or a ``gs://`` URI, joined with ``storage.join``); everything else imports it. JAX-free, so the
-Airflow plugin, the DAGs and the trainer all use it::
-
-    paths = run_paths(cfg.run_dir)
-    storage.write_bytes(paths.status, ...)          # <run_dir>/status.json
-    paths.eval_results(3)                           # <run_dir>/eval/v3/results.json
-"""
+``run_paths(run_dir)`` gives every fixed file and folder of ``run_root/<run_id>/`` (a local
+path or a ``gs://`` URI), e.g. ``paths.status``, ``paths.eval_results(3)``; everything else
+imports it. JAX-free, so the Airflow plugin, the DAGs and the trainer all use it."""
 
 from __future__ import annotations
 

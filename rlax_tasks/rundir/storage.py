@@ -1,21 +1,8 @@
-"""One object-store abstraction for the whole project: a local directory or ``gs://bucket/prefix``.
+"""One object store for the whole project: a local directory or ``gs://bucket/prefix``.
 
-Every component that writes durable state (the parameter-server mirror, checkpoints, controller
-snapshots, reports) goes through these functions, so the same code runs on a laptop (local disk)
-and on Cloud TPU (GCS). GCS goes through the real ``google-cloud-storage`` client; setting
-``STORAGE_EMULATOR_HOST`` (e.g. ``http://127.0.0.1:9023``) points it at a local emulator with
-anonymous credentials, which is how the tests run it.
-
-Paths are strings; ``join`` builds them. Objects are flat byte strings; "directories" are prefixes.
-``commit_pointer`` is the one atomic compare-and-swap write (write temp + ``os.replace`` locally, a
-generation precondition on GCS): snapshots and mirrors publish through it or through a marker
-object written last.
-
-Orbax checkpoints reach GCS through two other clients: gcsfs (fsspec, for Orbax's paths) and
-TensorStore (for the arrays). ``configure_gcs_clients`` points both at the endpoint this module
-uses (the emulator when ``STORAGE_EMULATOR_HOST`` is set); ``_client`` calls it, and so does every
-component that hands a gs:// path to Orbax.
-"""
+Every component that writes durable state goes through it, so the same code runs on a laptop
+and on Cloud TPU; ``STORAGE_EMULATOR_HOST`` points GCS at an emulator (the tests). Paths are
+strings (``join``); ``commit_pointer`` is the one atomic compare-and-swap write."""
 
 from __future__ import annotations
 
@@ -70,11 +57,11 @@ def _split_gcs(path: str) -> tuple[str, str]:
 @functools.cache
 def _client():  # noqa: ANN202 - google.cloud.storage.Client, imported lazily
     """The process-wide GCS client (honours STORAGE_EMULATOR_HOST; anonymous on the emulator)."""
-    from google.cloud import storage as gcs
+    from google.cloud import storage as gcs  # lazy: gs:// paths only
 
     configure_gcs_clients()
     if os.environ.get("STORAGE_EMULATOR_HOST"):
-        from google.auth.credentials import AnonymousCredentials
+        from google.auth.credentials import AnonymousCredentials  # lazy: gs:// paths only
 
         project = os.environ.get("GOOGLE_CLOUD_PROJECT", "rlax-local")
         return gcs.Client(project=project, credentials=AnonymousCredentials())
@@ -96,18 +83,11 @@ _set_by_us: dict[str, str] = {}  # environment variables configure_gcs_clients s
 
 
 def configure_gcs_clients() -> None:
-    """Points the GCS clients Orbax uses at this module's endpoint; idempotent and cheap.
+    """Points the GCS clients Orbax uses (gcsfs, TensorStore) at this module's endpoint; idempotent.
 
-    Always: gcsfs lists without its directory cache (TensorStore, other hosts and other processes
-    write checkpoints behind its back, and Orbax finds steps by listing). With
-    ``STORAGE_EMULATOR_HOST``: TensorStore's ``TENSORSTORE_GCS_HTTP_URL`` is set to it (with a
-    dummy token, so no credential lookup runs), and gcsfs goes there anonymously through its
-    plain ``GCSFileSystem`` (its default subclass asks the Storage Control API, which an emulator
-    lacks, for the bucket's layout). A variable the user set is never overridden; what this
-    function set is removed again when the emulator variable goes away. etils caches its gcsfs
-    instance per process: configure before Orbax touches the first gs:// path (``_client`` and
-    ``Checkpointer`` do).
-    """
+    gcsfs lists without its directory cache (others write checkpoints behind its back); with
+    ``STORAGE_EMULATOR_HOST`` both go to the emulator anonymously. A variable the user set is kept.
+    Call it before Orbax touches the first gs:// path: etils caches its gcsfs per process."""
     with _configure_lock:
         host = os.environ.get("STORAGE_EMULATOR_HOST") or None
         if host and "://" not in host:
@@ -127,7 +107,7 @@ def configure_gcs_clients() -> None:
 
 def _configure_fsspec(emulated: bool) -> None:
     try:
-        import fsspec
+        import fsspec  # lazy: only Orbax on gs:// needs it
         import fsspec.config
     except ImportError:  # no gcsfs/fsspec installed: Orbax cannot reach gs:// anyway
         return
@@ -137,6 +117,7 @@ def _configure_fsspec(emulated: bool) -> None:
         if emulated and protocol not in _fsspec_before_emulator:
             try:
                 default = fsspec.get_filesystem_class(protocol)
+                # the plain class: its default subclass needs an API emulators lack
                 from gcsfs.core import GCSFileSystem
             except ImportError:
                 continue
@@ -160,7 +141,7 @@ _fsspec_before_emulator: dict[str, tuple[type, str | None]] = {}
 def read_bytes(path: str) -> bytes:
     """The content of one object; FileNotFoundError when it does not exist."""
     if is_gcs(path):
-        from google.api_core.exceptions import NotFound
+        from google.api_core.exceptions import NotFound  # lazy: gs:// paths only
 
         try:
             return _blob(path).download_as_bytes()
@@ -257,7 +238,7 @@ def _info_of_file(path: str) -> ObjectInfo:
 def stat(path: str) -> ObjectInfo | None:
     """The metadata of the object at ``path``; None when there is none (or it is a directory)."""
     if is_gcs(path):
-        from google.api_core.exceptions import NotFound
+        from google.api_core.exceptions import NotFound  # lazy: gs:// paths only
 
         bucket, _ = _split_gcs(path)
         blob = _blob(path)
@@ -384,6 +365,7 @@ def download_range(
     if end <= start:
         return
     if is_gcs(path):
+        # lazy: gs:// paths only
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
         try:
@@ -433,6 +415,7 @@ def read_into(fh: BinaryIO, out: memoryview) -> None:
 def read_versioned(path: str) -> tuple[bytes | None, int]:
     """(content, generation) of a pointer object; (None, 0) when it does not exist."""
     if is_gcs(path):
+        # lazy: gs:// paths only
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
         blob = _blob(path)
@@ -458,13 +441,11 @@ def read_versioned(path: str) -> tuple[bytes | None, int]:
 def commit_pointer(path: str, data: bytes, if_generation_match: int | None = None) -> int:
     """Atomically replaces a small pointer object; returns its new generation.
 
-    With ``if_generation_match`` (0 = "must not exist yet", else the generation ``read_versioned``
-    returned) the write happens only if nobody changed the object since; otherwise
-    PreconditionFailedError. GCS enforces this server-side (``if_generation_match``); locally a
-    lock file serialises writers and the generation is derived from the file's inode and mtime.
-    """
+    With ``if_generation_match`` (0: must not exist yet; else what ``read_versioned`` returned)
+    the write happens only if nobody changed the object since, else PreconditionFailedError
+    (server-side on GCS; locally a lock file serialises writers)."""
     if is_gcs(path):
-        from google.api_core.exceptions import PreconditionFailed
+        from google.api_core.exceptions import PreconditionFailed  # lazy: gs:// paths only
 
         blob = _blob(path)
         try:
