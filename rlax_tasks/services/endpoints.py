@@ -1,18 +1,8 @@
 """Where a service is reached: a fixed URL, or the address the service published in the run root.
 
-On one machine the launcher (``rlax run``) picks the ports and hands every client a URL. On
-slices it cannot know the addresses before the slices exist, and a slice re-provisioned after a
-preemption comes back with new ones (DESIGN §10). So there a service binds its host's address
-(``RLAX_HOST_ADDRESS``, which the node agent sets) on a free port and, with ``--publish PATH``,
-writes where it listens to ``<run_dir>/services/<job>.json``; its clients are given that PATH in
-place of a URL and read it again every few seconds, so a service that moved is found again::
-
-    publish(service_file(run_dir, "ps"), "http://10.0.0.7:41234")      # the service, once bound
-    ps = Endpoint(service_file(run_dir, "ps"))                          # a client
-    host, port = ps.host_port()   # NotPublishedError (a ConnectionError: retried) until then
-
-Importable without JAX.
-"""
+On slices addresses are unknown before they exist and change after a preemption (DESIGN §10),
+so a service writes where it listens to ``<run_dir>/services/<job>.json`` (``publish``), and an
+``Endpoint`` given that file reads it again every few seconds. JAX-free."""
 
 from __future__ import annotations
 

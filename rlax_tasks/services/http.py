@@ -1,24 +1,8 @@
 """HTTP plumbing every RLAX service shares: the run's bearer token (DESIGN §13), a FastAPI app
-guarded by it and by a body-size limit, bounded long-polls, served on a socket from
-``rlax_tasks.services.endpoints.listen``, and ``JsonClient`` (an ``Endpoint``, the token, a
-timeout per call, retries with exponential back-off).
+guarded by it and a body-size limit, bounded long-polls, and ``JsonClient`` with retries.
 
-    token = service_token()                          # RLAX_PS_TOKEN, or ValueError (exit 2)
-    check_bearer(request_headers.get("Authorization"), token)  # AuthError: 401 / 403
-    app = authorized_app("RLAX trainer", token, max_body_bytes=n)  # every request guarded
-    wait_s = check_wait_s(raw)                       # finite, in [0, MAX_WAIT_S]; ValueError
-    client = JsonClient(url_or_service_file, token, timeout_s=10.0, retries=3)
-    client.call("POST", "/v1/reset", {})             # decoded JSON reply
-
-One token per run: every service of a run (parameter server, trainer, workers, verifier) and
-every client of them reads the same variable, ``RLAX_PS_TOKEN`` (the name DESIGN §6 gave the
-parameter server's token, kept for the whole run). ``rlax run`` and the rlax_train DAG generate it
-(``run_token``: the user's own when exported) and pass it to every job in its environment, never
-on a command line; a service started without it refuses to start (``service_token``).
-
-Importable without JAX; FastAPI, Starlette and uvicorn are imported only by the functions that
-build or serve an app (the parameter server and the clients use none of them).
-"""
+One token per run, ``RLAX_PS_TOKEN``, passed in the environment, never on a command line; a
+service started without it refuses to start. JAX-free: FastAPI loads only where an app is built."""
 
 from __future__ import annotations
 
@@ -141,6 +125,7 @@ class RequestGuard:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # lazy: only a served app loads the web framework (light clients)
         from starlette.datastructures import Headers
         from starlette.exceptions import HTTPException
 
@@ -182,6 +167,7 @@ async def _refuse(
 ) -> None:
     """Answers ``{"detail": message}`` with ``status`` (as FastAPI's errors read), closing the
     connection: the body the client may still be sending is never read."""
+    # lazy: only a served app loads the web framework (light clients)
     from starlette.responses import JSONResponse
 
     reply = JSONResponse({"detail": message}, status, {**(headers or {}), "Connection": "close"})
@@ -194,6 +180,7 @@ def authorized_app(
     """A FastAPI application whose every request needs ``token`` as its bearer token and has a
     body of at most ``max_body_bytes`` (``RequestGuard``); no API docs routes (they would be
     served to anyone). ValueError without a token: a service never runs open."""
+    # lazy: only a served app loads the web framework (light clients)
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
 
@@ -211,6 +198,7 @@ def authorized_app(
 async def _invalid_request(request: Any, exc: Any) -> Any:
     """422 naming each invalid field and why, without echoing its value (a NaN or infinite
     number would not even encode as JSON: FastAPI's own answer fails with a 500)."""
+    # lazy: only a served app loads the web framework (light clients)
     from starlette.responses import JSONResponse
 
     errors = [
@@ -231,6 +219,7 @@ def serve_app(
     """Serves an ASGI ``app`` with uvicorn on ``sock`` (from ``endpoints.listen``) until it is
     stopped (SIGINT / SIGTERM, or ``until`` set: the service can no longer do its work);
     requests still running ``graceful_s`` after that are cancelled (None: waited for)."""
+    # lazy: only a served app loads the web framework (light clients)
     import uvicorn
 
     uv_config = uvicorn.Config(
@@ -285,16 +274,11 @@ def _as_is(error: Exception, what: str) -> Exception:
 
 
 class JsonClient:
-    """JSON requests to one service: at its ``Endpoint`` (a URL, or the service file it publishes
-    its URL to), with its bearer token and a timeout per call.
+    """JSON requests to one service at its ``Endpoint`` (a URL, or the service file it publishes).
 
-    A request that gets no reply (``TRANSPORT_ERRORS``; a service file with no address yet), or
-    a reply whose status ``retry_status`` calls transient, is sent again after ``backoff_s``
-    (doubling up to ``max_backoff_s``), up to ``retries`` more times (None: no limit) and until
-    ``give_up_after_s`` (None: no limit); then ``unreachable(error, what)`` is raised (default:
-    the error itself). ``call`` raises ``refused(reply, what)`` for a status >= 300 (default:
-    ``HttpStatusError``). Thread-safe: each request opens its own connection.
-    """
+    A request with no reply or a ``retry_status`` reply is sent again with doubling ``backoff_s``,
+    up to ``retries`` / ``give_up_after_s`` (None: no limit), then ``unreachable(error, what)`` is
+    raised; a status >= 300 raises ``refused(reply, what)``. Thread-safe."""
 
     def __init__(
         self,

@@ -1,10 +1,8 @@
 """Errors that cross the wire between the controller and the trainer: defined once, here.
 
-The trainer service raises them and answers HTTP 409; its client raises ``TrainerBehindError``
-again on the controller's side, which replays the steps the trainer lost. ``StepReplayedError``
-is the client's: the trainer answered as a replay a step the client itself had not sent before.
-Importable without JAX, FastAPI or either package (neither imports the other for these).
-"""
+The trainer raises them as HTTP 409; its client raises ``TrainerBehindError`` again for the
+controller, which replays the lost steps. ``StepReplayedError``: a step answered as a replay
+that the client had not sent. Importable without JAX, FastAPI or either package."""
 
 from __future__ import annotations
 
