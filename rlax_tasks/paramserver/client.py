@@ -1,43 +1,8 @@
 """``ParameterServerClient``: push weights (trainer) and pull them (workers) over HTTP.
 
-Push streams every array block by block straight from the trainer's memory: a sharded
-``jax.Array`` goes out one addressable shard at a time (replicas once), never gathered on one
-device; each block's CRC32C is computed here, once, and travels to every worker. Pull reads each
-block straight from the socket into its place in a preallocated host array (``readinto`` the
-region's memory when it is contiguous there, as it is for every block a push plans; a staging
-buffer otherwise), checks its CRC32C over that memory as soon as it is in (a corrupted version
-fails at its first bad block and is pulled again), then (with ``shardings`` or a ``like``
-template) places the array into its target sharding and frees the host buffer. So each side
-holds at most one copy of the weights plus one chunk (plus, when placing onto devices, the host
-buffer of the array being placed), and every byte crosses user space once per receiver.
-
-    c = ParameterServerClient(url, token=..., worker_id="worker-0")
-    c.push(7, policy.params)                                    # trainer
-    version, named = c.pull(min_version=7)                      # {name: np.ndarray}
-    version, params = c.pull(like=policy.params)   # nnx.State, placed like the template
-    policy = policy.with_params(params); c.ack(version)
-
-Every call has timeouts (connect and each socket read/write: ``timeout_s``; a pull waits at most
-``timeout_s`` for a new version unless told otherwise), so a dead server never hangs the caller.
-A push first reserves room on the server; when the server's ``keep_bytes`` is full of versions
-workers still hold, it waits (at most ``push_wait_s`` in all, then PushTimeoutError) for them to
-acknowledge newer ones.
-
-Multi-host trainers (several processes joined by ``jax.distributed``): every host calls the same
-``c.push(version, params)`` with the same global arrays. When a leaf is a ``jax.Array`` that spans
-hosts (not fully addressable), each host's push is one *part* of the version -- part
-``jax.process_index()`` of ``jax.process_count()``, in the ``X-RLAX-Push-Part`` /
-``X-RLAX-Push-Parts`` headers of its reserve and PUT -- holding the blocks of its addressable
-shards whose ``replica_id`` is 0 (replica ids are global, so exactly one host sends each region;
-host-local leaves, which must then be equal on every host, are sent by process 0). Every part
-carries the manifest of the whole version. Each host's push returns once the server has every
-part and made the version visible, exactly like a single-host push; when a host's part never
-comes the push fails after the server's ``assembly_timeout_s`` (PushAssemblyTimeoutError, naming
-the version and the parts that arrived); the wait for the reply is bounded by that timeout (from
-the reserve reply) plus ``timeout_s``. A single-process push sends no part headers. A push the
-server refuses before reading all of it (the version is stale, a part's manifest differs) raises
-with the server's reason, not as a broken connection.
-"""
+Both sides stream block by block (``push_plan`` reads a push's blocks from the device shards,
+``receive`` checks a pull's blocks into host arrays, ``placement`` puts those onto devices): each
+holds one copy of the weights plus a chunk. Every call has timeouts: a dead server hangs none."""
 
 from __future__ import annotations
 
@@ -49,13 +14,25 @@ import os
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterable
 from typing import Any
 
-import jax
 import numpy as np
 
 from rlax_tasks.paramserver import shared_memory as shm
-from rlax_tasks.paramserver.naming import flatten_named, unflatten_named
+from rlax_tasks.paramserver.errors import (
+    AuthenticationError,
+    CorruptedWeightsError,
+    ParameterServerError,
+    PullTimeoutError,
+    PushAssemblyTimeoutError,
+    PushTimeoutError,
+    ServerUnavailableError,
+)
+from rlax_tasks.paramserver.naming import flatten_named
+from rlax_tasks.paramserver.placement import Placement
+from rlax_tasks.paramserver.push_plan import PlannedBlock, plan_leaf, push_part
+from rlax_tasks.paramserver.receive import Fill, check_out_alone, receive_blocks
 from rlax_tasks.paramserver.server import (
     PART_HEADER,
     PARTS_HEADER,
@@ -67,20 +44,16 @@ from rlax_tasks.paramserver.store import VersionConflictError
 from rlax_tasks.paramserver.wire import (
     DEFAULT_CHUNK_BYTES,
     END_FRAME_SIZE,
-    ArraySpec,
     BlockHeader,
     ChecksumError,
     Manifest,
     WireError,
-    as_bytes,
     block_header_size,
     crc32c,
     end_frame,
     read_block_header,
     read_end,
     read_manifest,
-    resolve_dtype,
-    split_blocks,
     version_digest,
 )
 from rlax_tasks.rundir.storage import read_into
@@ -92,36 +65,6 @@ log = logging.getLogger(__name__)
 
 _RESERVE_POLL_S = 30.0  # longest one reserve request may be held (a stalled server: no hang)
 _ASSEMBLY_TIMEOUT_S = 600.0  # the server's default, if its reserve reply does not say
-
-
-class ParameterServerError(RuntimeError):
-    """The parameter server refused or failed a request."""
-
-
-class AuthenticationError(ParameterServerError):
-    """401 (no token sent) or 403 (wrong token)."""
-
-
-class ServerUnavailableError(ParameterServerError, ConnectionError):
-    """The server could not be reached (or died mid-transfer) after the retries."""
-
-
-class CorruptedWeightsError(ParameterServerError):
-    """A pulled version kept failing verification (a block's CRC32C, a malformed or
-    inconsistent stream) after the retries."""
-
-
-class PullTimeoutError(ParameterServerError, TimeoutError):
-    """No version >= min_version appeared within the timeout."""
-
-
-class PushTimeoutError(ParameterServerError, TimeoutError):
-    """The server had no room for a pushed version within ``push_wait_s`` (workers held it)."""
-
-
-class PushAssemblyTimeoutError(PushTimeoutError):
-    """A multi-host push: not every host's part reached the server within its
-    ``assembly_timeout_s`` (HTTP 408); the partial version was discarded."""
 
 
 class ParameterServerClient:
@@ -141,9 +84,8 @@ class ParameterServerClient:
     ) -> None:
         """``shared_memory``: on the server's host, pulls copy a version out of the server's
         shared memory instead of receiving it over TCP (same checks; TCP when it is not
-        possible). ``hash_threads`` is accepted and ignored: CRC32C runs inline at about memcpy
-        speed (a thread pool measured no faster; google_crc32c holds the GIL for numpy
-        buffers)."""
+        possible). ``hash_threads`` is accepted and ignored: CRC32C runs inline (a thread pool
+        was no faster: google_crc32c holds the GIL for numpy buffers)."""
         del hash_threads
         # a URL, or the service file the PS publishes its address to (followed when it moves)
         self._endpoint = Endpoint(url)
@@ -227,26 +169,18 @@ class ParameterServerClient:
 
     # ------------------------------------------------------------------ push
     def push(self, version: int, params: Any) -> None:
-        """Sends a complete version; returns once the server made it visible.
-
-        ``params``: any pytree of arrays (an nnx.State, nested dicts, ``{name: array}``); names
-        are the dotted pytree paths. VersionConflictError unless ``version`` is newer than the
-        server's latest. When the server's ``keep_bytes`` has no room yet, waits up to
-        ``push_wait_s`` for workers to acknowledge newer versions (PushTimeoutError after);
-        a version that can never fit is a ParameterServerError (HTTP 413) at once.
-
-        On a multi-host trainer (leaves are global ``jax.Array``s spanning hosts) every host
-        calls this with the same version and arrays: each sends the blocks of its own shards as
-        one part, and every host's call returns once all parts are in and the version is
-        visible (PushAssemblyTimeoutError when some host's part does not come in time).
-        """
+        """Sends ``params`` (any pytree of arrays, named by dotted paths) as ``version``, newer
+        than the server's latest; returns once it is visible. Waits up to ``push_wait_s`` for
+        room in ``keep_bytes`` (PushTimeoutError). On a multi-host trainer every host calls it
+        with the same arrays and sends its shards as one part (``push_plan``); all return once
+        every part is in (PushAssemblyTimeoutError when one does not come in time)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         named = flatten_named(params)
-        part = _push_part(named.values())
+        part = push_part(named.values())
         specs, plan = [], []
         for index, (name, leaf) in enumerate(named.items()):
-            spec, blocks = _plan_leaf(index, name, leaf, self.chunk_bytes, part)
+            spec, blocks = plan_leaf(index, name, leaf, self.chunk_bytes, part)
             specs.append(spec)
             plan.extend(blocks)
         manifest = Manifest(version, tuple(specs), len(plan))
@@ -282,7 +216,7 @@ class ParameterServerClient:
     def _push_once(
         self,
         manifest: Manifest,
-        plan: list[_PlannedBlock],
+        plan: list[PlannedBlock],
         length: int,
         digests: list[bytes],
         part: tuple[int, int] | None = None,
@@ -312,7 +246,7 @@ class ParameterServerClient:
         self,
         conn: http.client.HTTPConnection,
         manifest: Manifest,
-        plan: list[_PlannedBlock],
+        plan: list[PlannedBlock],
         length: int,
         digests: list[bytes],
         part: tuple[int, int] | None,
@@ -399,19 +333,12 @@ class ParameterServerClient:
         timeout_s: float | None = None,
         out: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, Any]:
-        """(version, params) of the newest version, waiting until it is >= ``min_version``.
-
-        Returns ``{name: np.ndarray}`` by default. ``shardings``: one ``jax.sharding.Sharding``
-        for every array, or a dict / pytree of shardings by name: arrays are placed there (as
-        ``jax.Array``). ``like``: a template pytree (e.g. ``Policy.params``): the result has its
-        structure, and arrays go where the template's leaves live unless ``shardings`` says
-        otherwise. ``out``: host arrays by name (an earlier pull's result, without ``shardings``
-        or ``like``) to receive into instead of new ones -- no fresh pages per version; their
-        contents are undefined if the pull fails. Waits at most ``timeout_s`` (default: the
-        client's) for a new version (PullTimeoutError); a corrupted block makes it pull again,
-        up to ``retries`` times (then CorruptedWeightsError).
-        """
-        _check_out_alone(out, shardings, like)
+        """(version, params) of the newest version once it is >= ``min_version``, waiting at
+        most ``timeout_s`` (PullTimeoutError): ``{name: np.ndarray}``, or placed by ``shardings``
+        / a ``like`` template (``placement``). ``out``: an earlier pull's host arrays to receive
+        into (contents undefined if it fails). A corrupted block pulls again, up to ``retries``
+        times (CorruptedWeightsError)."""
+        check_out_alone(out, shardings, like)
         wait_total = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_total
         failures = 0
@@ -452,7 +379,7 @@ class ParameterServerClient:
         out: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, Any]:
         """A specific version (ParameterServerError if the server no longer holds it)."""
-        _check_out_alone(out, shardings, like)
+        check_out_alone(out, shardings, like)
         path = f"/v1/versions/{int(version)}"
         attempt = 0
         while True:
@@ -528,9 +455,9 @@ class ParameterServerClient:
 
                 yield header, fill
 
-        version, params, headers = _place_blocks(manifest, blocks(), shardings, like, out)
+        params, headers = _receive_version(manifest, blocks(), shardings, like, out)
         read_end(resp, manifest, headers)
-        return version, params
+        return manifest.version, params
 
     def _receive_shared(
         self, descriptor: dict, shardings: Any, like: Any, out: Any
@@ -557,13 +484,13 @@ class ParameterServerClient:
 
                     yield header, fill
 
-            version, params, headers = _place_blocks(manifest, blocks(), shardings, like, out)
+            params, headers = _receive_version(manifest, blocks(), shardings, like, out)
         if digest != version_digest(manifest, headers):
             raise WireError(
                 f"version {manifest.version}: the descriptor's digest does not match its manifest "
                 "and block headers"
             )
-        return version, params
+        return manifest.version, params
 
     # ------------------------------------------------------------------ plumbing
     def _require_worker(self) -> str:
@@ -644,136 +571,18 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-# --------------------------------------------------------------------------- push planning
-def _place_blocks(
-    manifest: Manifest, blocks: Any, shardings: Any, like: Any, out: Any
-) -> tuple[int, Any, list[BlockHeader]]:
-    """Fills host arrays from ``blocks`` -- (header, fill) pairs in stream order, ``fill(view)``
-    writing the block's bytes into ``view`` and returning their CRC32C -- checking each block
-    as it lands, then places them (``shardings`` / ``like``). Returns (version, params, headers)."""
-    template = flatten_named(like) if like is not None else None
-    targets = _target_shardings(manifest, shardings, template)
-    buffers = _check_out(manifest, out) if out is not None else {}
-    arrays: dict[str, Any] = {}
-    headers: list[BlockHeader] = []
-    scratch = np.empty(0, np.uint8)
-    current, host, covered = -1, None, 0
-
-    def host_array(spec: ArraySpec) -> np.ndarray:
-        if spec.name in buffers:
-            return buffers[spec.name]
-        return np.empty(spec.shape, resolve_dtype(spec.dtype))
-
-    def finish() -> None:
-        spec = manifest.arrays[current]
-        if covered != spec.nbytes:
-            raise WireError(f"array {spec.name!r}: blocks cover {covered} of {spec.nbytes}")
-        sharding = targets.get(spec.name)
-        arrays[spec.name] = host if sharding is None else jax.device_put(host, sharding)
-
-    for block_no, (header, fill) in enumerate(blocks):
-        if header.array != current:
-            if header.array < current or manifest.arrays[header.array].name in arrays:
-                raise WireError("blocks of an array are not contiguous in the stream")
-            if current >= 0:
-                finish()
-            current, covered = header.array, 0
-            host = host_array(manifest.arrays[current])
-        dest = host[header.region + (Ellipsis,)]
-        staged = not dest.flags.c_contiguous
-        if staged:  # a region not contiguous in the array: through a staging buffer
-            if scratch.size < header.nbytes:
-                scratch = np.empty(header.nbytes, np.uint8)
-            view = memoryview(scratch[: header.nbytes])
-        else:  # straight into its place
-            view = memoryview(dest.reshape(-1).view(np.uint8))
-        got = fill(view)
-        if got != header.crc32c:
-            raise ChecksumError(
-                f"version {manifest.version}: block {block_no} of array "
-                f"{manifest.arrays[current].name!r} fails its CRC32C (computed {got:#010x}, "
-                f"sent {header.crc32c:#010x})"
-            )
-        if staged:
-            np.copyto(dest, scratch[: header.nbytes].view(dest.dtype).reshape(header.shape))
-        covered += header.nbytes
-        headers.append(header)
-    if current >= 0:
-        finish()
-    for spec in manifest.arrays:  # empty arrays have no blocks
-        if spec.name not in arrays:
-            if spec.nbytes:
-                raise WireError(f"array {spec.name!r} received no blocks")
-            empty = host_array(spec)
-            sharding = targets.get(spec.name)
-            arrays[spec.name] = empty if sharding is None else jax.device_put(empty, sharding)
-    ordered = {spec.name: arrays[spec.name] for spec in manifest.arrays}
-    if like is not None:
-        return manifest.version, unflatten_named(like, ordered), headers
-    return manifest.version, ordered, headers
-
-
-def _check_out_alone(out: Any, shardings: Any, like: Any) -> None:
-    """``out`` is for host arrays only: placed arrays may alias their host buffers (on CPU), and
-    the next pull into ``out`` would then change a version still in use."""
-    if out is not None and (shardings is not None or like is not None):
-        raise ValueError("out= receives into host arrays: pass it without shardings= or like=")
-
-
-def _check_out(manifest: Manifest, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``out`` checked against the version: the same names, each a writable C-contiguous numpy
-    array of the array's shape and dtype (ValueError naming the first that is not)."""
-    if not isinstance(out, dict):
-        raise ValueError(f"out must be a dict of numpy arrays by name, got {type(out).__name__}")
-    names = [a.name for a in manifest.arrays]
-    missing, extra = sorted(set(names) - set(out)), sorted(set(out) - set(names))
-    if missing or extra:
-        raise ValueError(
-            f"out does not match version {manifest.version}: missing {missing[:5]}, "
-            f"not in the version {extra[:5]}"
-        )
-    for spec in manifest.arrays:
-        buf = out[spec.name]
-        dtype = resolve_dtype(spec.dtype)
-        ok = (
-            isinstance(buf, np.ndarray)
-            and tuple(buf.shape) == spec.shape
-            and buf.dtype == dtype
-            and buf.flags.c_contiguous
-            and buf.flags.writeable
-        )
-        if not ok:
-            got = type(buf).__name__
-            if isinstance(buf, np.ndarray):
-                got = f"{buf.dtype}{list(buf.shape)}"
-            raise ValueError(
-                f"out[{spec.name!r}] is {got}; version {manifest.version} needs a writable "
-                f"C-contiguous {dtype}{list(spec.shape)} numpy array"
-            )
-    return out
-
-
-class _PlannedBlock:
-    """One block to send: its place in the global array and how to get its bytes."""
-
-    __slots__ = ("array", "start", "stop", "nbytes", "fetch")
-
-    def __init__(self, array: int, start: tuple, stop: tuple, nbytes: int, fetch: Any) -> None:
-        self.array, self.start, self.stop, self.nbytes, self.fetch = (
-            array,
-            start,
-            stop,
-            nbytes,
-            fetch,
-        )
-
-
-def _push_part(leaves: Any) -> tuple[int, int] | None:
-    """(this process's index, process count) when some leaf is a jax.Array spanning hosts: the
-    push is then one part of a multi-host version; None for a whole version."""
-    if any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable for leaf in leaves):
-        return jax.process_index(), jax.process_count()
-    return None
+def _receive_version(
+    manifest: Manifest,
+    blocks: Iterable[tuple[BlockHeader, Fill]],
+    shardings: Any,
+    like: Any,
+    out: Any,
+) -> tuple[Any, list[BlockHeader]]:
+    """A version's blocks received and placed (``shardings`` / ``like``, checked against its
+    manifest before any block is read): (params, block headers)."""
+    placement = Placement(manifest, shardings, like)
+    arrays, headers = receive_blocks(manifest, blocks, placement.place, out)
+    return placement.result(arrays), headers
 
 
 def _assembly_timeout(reply: dict) -> float:
@@ -782,105 +591,3 @@ def _assembly_timeout(reply: dict) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         return _ASSEMBLY_TIMEOUT_S
     return float(value)
-
-
-def _plan_leaf(
-    index: int, name: str, leaf: Any, chunk_bytes: int, part: tuple[int, int] | None = None
-) -> tuple[ArraySpec, list[_PlannedBlock]]:
-    """The spec of one array and its blocks: per unique addressable shard for a jax.Array.
-
-    In a part of a multi-host push (``part``), a global array contributes the blocks of this
-    host's shards with replica_id 0 (exactly one host holds each region's replica 0), and a
-    host-local leaf (numpy, or a fully addressable jax.Array) is sent by part 0 only."""
-    if isinstance(leaf, jax.Array):
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-        local = leaf.is_fully_addressable
-        shards = []
-        for shard in leaf.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            offset = tuple(
-                s.indices(d)[0] if isinstance(s, slice) else int(s)
-                for s, d in zip(shard.index, shape, strict=True)
-            )
-            shards.append((offset, shard.data))
-    else:
-        host = np.asarray(leaf)
-        shape, dtype, local = tuple(host.shape), host.dtype, True
-        shards = [((0,) * host.ndim, host)]
-    if part is not None and local and part[0] != 0:
-        shards = []  # the same on every host: part 0 sends it
-    spec = ArraySpec(name, dtype.name if dtype.name != "void" else str(dtype), shape)
-    if resolve_dtype(spec.dtype) != dtype:
-        raise ValueError(f"array {name!r} has dtype {dtype} that cannot travel by name")
-    blocks = []
-    for offset, data in shards:
-        local_shape = tuple(data.shape)
-        source = _host_source(data)
-        for start, stop in split_blocks(local_shape, dtype.itemsize, chunk_bytes):
-            region = tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
-            nbytes = (
-                int(np.prod([b - a for a, b in zip(start, stop, strict=True)])) * dtype.itemsize
-            )
-            blocks.append(
-                _PlannedBlock(
-                    index,
-                    tuple(o + a for o, a in zip(offset, start, strict=True)),
-                    tuple(o + b for o, b in zip(offset, stop, strict=True)),
-                    nbytes,
-                    _fetcher(source, region),
-                )
-            )
-    return spec, blocks
-
-
-def _host_source(data: Any) -> Any:
-    """A numpy view of a host-resident shard (zero-copy on CPU); the device array otherwise."""
-    if isinstance(data, np.ndarray):
-        return data
-    if all(d.platform == "cpu" for d in data.devices()):
-        return np.asarray(data)
-    return data  # accelerator memory: each block is copied to the host when it is sent
-
-
-def _fetcher(source: Any, region: tuple[slice, ...]) -> Any:
-    def fetch() -> memoryview:
-        return as_bytes(np.asarray(source[region + (Ellipsis,)]))
-
-    return fetch
-
-
-def _target_shardings(
-    manifest: Manifest, shardings: Any, template: dict[str, Any] | None
-) -> dict[str, Any]:
-    """{name: Sharding or None} for the arrays of a pulled version (validated against them)."""
-    specs = {a.name: a for a in manifest.arrays}
-    out: dict[str, Any] = {}
-    if template is not None:
-        missing = sorted(set(template) - set(specs))
-        extra = sorted(set(specs) - set(template))
-        if missing or extra:
-            raise ValueError(
-                f"version {manifest.version} does not match the template: "
-                f"template-only {missing[:5]}, version-only {extra[:5]}"
-            )
-        for name, leaf in template.items():
-            spec = specs[name]
-            if tuple(leaf.shape) != spec.shape or np.dtype(leaf.dtype) != resolve_dtype(spec.dtype):
-                raise ValueError(
-                    f"array {name!r}: version {manifest.version} has "
-                    f"{spec.dtype}{list(spec.shape)}, "
-                    f"the template {np.dtype(leaf.dtype)}{list(leaf.shape)}"
-                )
-            if isinstance(leaf, jax.Array):
-                out[name] = leaf.sharding
-    if shardings is None:
-        return out
-    if isinstance(shardings, jax.sharding.Sharding):
-        return {name: shardings for name in specs}
-    named = flatten_named(shardings)
-    unknown = sorted(set(named) - set(specs))
-    if unknown:
-        raise ValueError(f"shardings name arrays the version lacks: {unknown[:5]}")
-    out.update(named)
-    return out

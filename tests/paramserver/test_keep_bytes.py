@@ -15,7 +15,7 @@ import pytest
 
 from rlax_tasks.cli import build_parser
 from rlax_tasks.paramserver import ParameterServerError
-from rlax_tasks.paramserver.client import PushTimeoutError
+from rlax_tasks.paramserver.errors import PushTimeoutError
 from rlax_tasks.paramserver.wire import ArraySpec, Manifest
 from rlax_tasks.utils.byte_sizes import parse_bytes
 from tests.compute.helpers import wait_for
