@@ -1,9 +1,13 @@
 """A colocated run (trainer, sampler, parameter server and controller in one process): kill -9 of
 the process at a random step, then the same command again, ends with the lineage and the weights
-of an uninterrupted run; `rlax run` runs it as one job and reports before/after from its mirror."""
+of an uninterrupted run; the uninterrupted run, its newest snapshot and checkpoint then damaged,
+falls back to the newest ones that verify; `rlax run` runs it as one job and reports before/after
+from its mirror."""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 import random
 import signal
@@ -14,9 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from rlax_tasks.config import ConfigError, load_config, save_resolved
+from rlax_tasks.config import ConfigError, RunConfig, load_config, save_resolved
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
+from rlax_tasks.models import load_pretrained
 from rlax_tasks.run.local_run import run_local
+from rlax_tasks.rundir import notices
 from tests.run.test_local_run import read_jsonl, small_config
 
 STEPS = 6
@@ -32,9 +38,9 @@ COLOCATED = {
 }
 
 
-def _command(config_path: str) -> list[str]:
+def _command(config_path: str, steps: int) -> list[str]:
     return [sys.executable, "-m", "rlax_tasks.cli", "colocated", "--config", config_path,
-            "--steps", str(STEPS)]  # fmt: skip
+            "--steps", str(steps)]  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -48,12 +54,14 @@ def _steps_done(run_dir: str) -> int:
     return max((r["step"] for r in read_jsonl(path)), default=0)
 
 
-def _run(config_path: str, log_path: str, kill_after: int | None = None) -> int | None:
+def _run(
+    config_path: str, log_path: str, kill_after: int | None = None, steps: int = STEPS
+) -> int | None:
     """Runs the command; with ``kill_after`` kills it (-9) once that step is in the metrics and
     returns the step it had reached, else waits for exit 0."""
     cfg = load_config(config_path)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(_command(config_path), stdout=log, stderr=log, env=_env())
+        proc = subprocess.Popen(_command(config_path, steps), stdout=log, stderr=log, env=_env())
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
             if kill_after is not None and _steps_done(cfg.run_dir) >= kill_after:
@@ -68,21 +76,42 @@ def _run(config_path: str, log_path: str, kill_after: int | None = None) -> int 
     return None
 
 
-@pytest.mark.slow
-def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(tmp_path):
-    root = tmp_path / "shared"  # one run_root: the second run reuses the compilation cache
-    whole = small_config(root, run_id="whole", **COLOCATED)
-    killed = small_config(root, run_id="killed", **COLOCATED)
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """An uninterrupted run and one killed (-9) after step ``at`` then resumed, in one run root
+    (the second process reuses the compilation cache)."""
+
+    root: str
+    whole: RunConfig
+    whole_path: str  # its config.yaml, the command's --config
+    killed: RunConfig
+    at: int
+    reached: int | None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    tmp = tmp_path_factory.mktemp("colocated")
+    whole = small_config(tmp / "shared", run_id="whole", **COLOCATED)
+    killed = small_config(tmp / "shared", run_id="killed", **COLOCATED)
     at = random.Random().randint(1, STEPS - 1)  # a different step every time, logged on failure
     print(f"kill -9 after step {at}")
 
-    _run(save_resolved(whole), str(tmp_path / "whole.log"))
+    whole_path = save_resolved(whole)
+    _run(whole_path, os.path.join(tmp, "whole.log"))
     path = save_resolved(killed)
-    reached = _run(path, str(tmp_path / "killed.log"), kill_after=at)
-    assert reached is not None and reached < STEPS, f"killed at step {reached}"
-    _run(path, str(tmp_path / "killed.log"))  # the same command again
+    reached = _run(path, os.path.join(tmp, "killed.log"), kill_after=at)
+    if reached is not None and reached < STEPS:
+        _run(path, os.path.join(tmp, "killed.log"))  # the same command again
+    return Runs(str(tmp), whole, whole_path, killed, at, reached)
 
-    log = open(tmp_path / "killed.log").read()
+
+@pytest.mark.slow
+def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(runs):
+    whole, killed = runs.whole, runs.killed
+    assert runs.reached is not None and runs.reached < STEPS, f"killed at step {runs.reached}"
+
+    log = open(os.path.join(runs.root, "killed.log")).read()
     assert log.count("controller restored step") == 1, log[-3000:]
     lineage = read_jsonl(os.path.join(killed.run_dir, "lineage.jsonl"))
     reference = read_jsonl(os.path.join(whole.run_dir, "lineage.jsonl"))
@@ -97,11 +126,41 @@ def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(tmp_path)
     assert a_whole.keys() == a_killed.keys()
     for name in a_whole:
         np.testing.assert_allclose(a_killed[name], a_whole[name], atol=1e-6, err_msg=name)
-    base = small_config(root, run_id="base", **COLOCATED)
-    from rlax_tasks.models import load_pretrained
-
-    start = dict(load_pretrained(base.model.path).named_params())
+    start = dict(load_pretrained(whole.model.path).named_params())
     assert any(not np.allclose(a_whole[n], np.asarray(start[n])) for n in a_whole), "no training"
+
+
+def _cut_short(path: str) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_snapshot_and_checkpoint_fall_back_and_every_step_trains_once(runs):
+    """The uninterrupted run goes on (after the test above has compared it): its newest snapshot
+    and checkpoint (step 6) cut short, the same command with more steps sets both aside
+    (renamed, not deleted), falls back to step 4's and trains every step exactly once."""
+    run_dir = runs.whole.run_dir  # checkpoints every 2 steps
+    _cut_short(os.path.join(run_dir, "snapshots", f"{STEPS}.json"))  # what LATEST names
+    state = os.path.join(run_dir, "checkpoints", str(STEPS), "state", "d", "*")
+    _cut_short(sorted(glob.glob(state))[0])
+
+    # the same command, more steps
+    _run(runs.whole_path, os.path.join(runs.root, "damaged.log"), steps=STEPS + 2)
+    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    assert [r["step"] for r in lineage] == list(range(1, STEPS + 3))  # each once, contiguous
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 3))
+    # set aside, not deleted: the damaged bytes are still there under the new names
+    (snapshot,) = glob.glob(os.path.join(run_dir, "snapshots", f"{STEPS}.json.damaged-*"))
+    (checkpoint,) = glob.glob(os.path.join(run_dir, "checkpoints", f"{STEPS}.damaged-*"))
+    assert os.path.getsize(snapshot) > 0 and glob.glob(os.path.join(checkpoint, "state", "d", "*"))
+    fallbacks = [n for n in notices.read_since(run_dir)[0] if n.kind == "fallback"]
+    assert sorted(n.source for n in fallbacks) == ["controller", "trainer"]
+    restored = f"restored the newest intact one, step {STEPS - 2}"
+    assert restored in " ".join(n.message for n in fallbacks), fallbacks
 
 
 @pytest.mark.slow
