@@ -1,15 +1,7 @@
-"""Attention by platform: cuDNN's fused kernel on GPU, Pallas splash attention on TPU, blocked
-XLA attention on CPU — one causal self-attention contract, several kernels.
-
-Every kernel computes the same thing: grouped-query attention where a query attends to the valid
-keys whose position is not after its own (positions, not indices, define causality, so left
-padding works). Self-attention also takes sequences packed into one row: ``valid`` then holds
-int segment ids (0 on padding) instead of bools, and a query sees only keys of its own segment.
-The fused kernels never materialize the [T, S] score matrices; the blocked one keeps them small
-per query block. ``attend`` (plain XLA) is the reference; ``attend_cache`` is the same
-computation over the KV cache's layout, what decode uses: one query per slot.
-
-``RLAX_ATTENTION`` (blocked, xla, cudnn, splash) overrides the choice, e.g. to rule a kernel out.
+"""Causal grouped-query attention, one contract and a kernel per platform: cuDNN on GPU, Pallas
+splash on TPU, blocked XLA on CPU. Causality is by position (left padding works); ``valid`` may
+hold segment ids of packed sequences. ``attend`` is the reference, ``attend_cache`` the same over
+the KV cache's layout (decode). ``RLAX_ATTENTION`` (blocked, xla, cudnn, splash) forces a kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +12,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from rlax_tasks.models.sharding import BATCH, fit_spec
 
 IMPLEMENTATIONS = ("blocked", "xla", "cudnn", "splash")
 ATTENTION_ENV = "RLAX_ATTENTION"
@@ -37,11 +31,9 @@ def key_mask(
     k_valid: jax.Array,
     q_valid: jax.Array | None = None,
 ) -> jax.Array:
-    """[B, T, S] bool: which keys each query sees, valid and not after it (by position): the
-    one causality rule every kernel here applies.
-
-    Packed sequences: ``k_valid`` and ``q_valid`` int segment ids (0 on padding); a query sees
-    the keys of its own segment not after it. Padding sees padding, so no row is all masked.
+    """[B, T, S] bool: the keys each query sees, valid and not after it by position (the one
+    causality rule of every kernel). Packed sequences: ``k_valid``/``q_valid`` are segment ids (0
+    on padding) and a query sees only its own segment; padding sees padding, so no row is empty.
     """
     causal = k_positions[:, None, :] <= q_positions[:, :, None]
     if is_packed(k_valid):
@@ -65,11 +57,9 @@ def attend(
     k_valid: jax.Array,
     q_valid: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped-query attention with a position-based causal mask (the reference).
-
-    q [B,T,H,hd]; k, v [B,S,KV,hd]; a query attends to valid keys whose position is not after its
-    own. Positions (not indices) define causality, so left padding and a KV cache use one code path.
-    Segment ids in ``k_valid`` and ``q_valid``: packed sequences (``key_mask``).
+    """Grouped-query attention with a position-based causal mask (the reference): q [B,T,H,hd];
+    k, v [B,S,KV,hd]. Positions, not indices, define causality, so left padding and a KV cache
+    share one path; segment ids in ``k_valid``/``q_valid`` mean packed sequences (``key_mask``).
     """
     b, t, h, hd = q.shape
     kv = k.shape[2]
@@ -98,7 +88,7 @@ def attend_cache(
     g = h // kv
     operand = _dot_operand_dtype(dtype)
     # a kv head's t tokens x g query heads as the rows of one matmul ([B, KV, t*g, hd]): with t
-    # a dimension of its own (as einsum writes it), XLA:CPU chose transposed-operand dots
+    # a dimension of its own, XLA:CPU chose transposed-operand dots
     rows = q.reshape(b, t, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, hd)
     scores = jnp.einsum(
         "bkmd,bkds->bkms",
@@ -135,12 +125,9 @@ def blocked_causal_attend(
     valid: jax.Array,
     block: int = ATTENTION_BLOCK,
 ) -> jax.Array:
-    """``attend`` over a sequence's own keys, by query blocks that skip the keys after the block.
-
-    Exact when positions do not decrease along the sequence (true for any padding laid out by
-    ``positions_from_mask``) or along each packed segment: key j > query i is then masked
-    anyway. Halves the score work and keeps each block's float32 scores small (2x faster
-    prefill attention on CPU).
+    """``attend`` over a sequence's own keys, by query blocks that skip the keys after the block:
+    half the score work, and each block's float32 scores stay small. Exact when positions do not
+    decrease along the sequence (any padding from ``positions_from_mask``) or each packed segment.
     """
     t = q.shape[1]
     if t <= block:
@@ -184,6 +171,7 @@ def dot_product_causal_attend(
 
 @functools.cache
 def _splash_kernel(group: int, length: int, interpret: bool):  # noqa: ANN202
+    # lazy: the Pallas TPU kernels load only where splash attention runs
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -213,14 +201,11 @@ def splash_causal_attend(
     valid: jax.Array,
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas splash attention (TPU): causal by index, padding as its own segment (packed
-    sequences: their segment ids).
-
-    Equals ``attend`` for valid queries when positions do not decrease along the sequence or
-    each packed segment (as ``blocked_causal_attend`` assumes). Each kv head's query group runs
-    as one multi-query kernel; ``interpret`` runs the kernel in the Pallas interpreter (any
-    platform, for tests).
+    """Pallas splash attention (TPU): causal by index, padding as its own segment. Equals
+    ``attend`` for valid queries under ``blocked_causal_attend``'s assumption; each kv head's
+    query group runs as one multi-query kernel. ``interpret``: the Pallas interpreter (tests).
     """
+    # lazy: the Pallas TPU kernels load only where splash attention runs
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, t, h, hd = q.shape
@@ -286,8 +271,6 @@ def causal_self_attend(
 def _per_shard(kernel, q, k, v, positions, valid):  # noqa: ANN001, ANN202
     """A Pallas kernel under the active mesh, run per shard with shard_map (XLA cannot partition
     a custom kernel): batch over data/fsdp, heads over tensor where they divide."""
-    from rlax_tasks.models.sharding import BATCH, fit_spec
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(q, k, v, positions, valid)

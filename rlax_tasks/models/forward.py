@@ -74,12 +74,10 @@ def token_logprobs(
     segment_ids: jax.Array | None = None,
     keep_logits_bytes: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), never holding the full [B, T, V] logits
-    unless they fit ``keep_logits_bytes`` (see ``chunked_logprobs``).
-
-    With ``with_entropy`` also returns the entropy of the predictive distribution at t-1 -> t.
-    ``segment_ids`` [B, T]: sequences packed into rows (``model_inputs``); a segment's first
-    token then gets a meaningless value (predicted from the previous segment's last state).
+    """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), holding the full [B, T, V] logits only if
+    they fit ``keep_logits_bytes`` (``chunked_logprobs``); ``with_entropy`` adds the predictive
+    entropy. ``segment_ids`` [B, T]: packed sequences (``model_inputs``); a segment's first token
+    then gets a meaningless value (predicted from the previous segment's last state).
     """
     model = nnx.merge(graphdef, params)
     ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
@@ -104,18 +102,11 @@ def chunked_logprobs(
     *,
     keep_logits_bytes: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V].
-
-    Positions are processed at most ``chunk_size`` at a time, each chunk saving only its
-    log-sum-exp for the backward, so forward and backward hold at most [B, chunk_size, V] logits.
-    When the float32 [B, T, V] logits fit ``keep_logits_bytes``, each chunk saves its logits for
-    the backward instead (all of them held between forward and backward), which then skips
-    recomputing them: one [B·T, D] x [D, V] product less, 18% of a train step of the 30M
-    benchmark model (32 x 160 tokens, a 32k vocabulary: 655 MB of logits) on 2 CPU cores.
-    The chunks are of equal size, the fewest that fit: 159 positions by 128 run as 2 x 80, not
-    2 x 128 (the vocabulary projection is a large part of the step, and padding positions cost as
-    much as real ones).
-    """
+    """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V],
+    at most ``chunk_size`` positions at a time (equal chunks, the fewest that fit: padding costs
+    as much as real positions). Each chunk saves only its log-sum-exp for the backward; if the
+    float32 [B, T, V] logits fit ``keep_logits_bytes``, it saves its logits instead, so the
+    backward skips one [B·T, D] x [D, V] product."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     b, t, d = hidden.shape
@@ -160,9 +151,8 @@ def _chunk_logprobs(
     h: jax.Array, unembedding: jax.Array, targets: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """One chunk's (log-probs, entropy). Its backward recomputes the logits once and forms
-    their cotangent in one pass from the saved log-sum-exp; autodiff under ``jax.checkpoint``
-    re-ran the forward's reductions and scattered the gather's cotangent into a zero [B, C, V]
-    ([32, 159] positions x 32000 tokens, forward and backward on 2 CPU cores: 4.2 s -> 2.8 s)."""
+    their cotangent in one pass from the saved log-sum-exp, where autodiff under
+    ``jax.checkpoint`` re-runs the forward's reductions and scatters into a zero [B, C, V]."""
     lp, entropy, _ = _chunk_stats(h, unembedding, targets)
     return lp, entropy
 
@@ -220,9 +210,8 @@ def _chunk_grads(
     g_lp, g_entropy = cotangents
     probs = jnp.exp(lg - lse[..., None])
     # d logp / d lg = onehot - p;  d entropy / d lg = -p * (lg - E_p[lg]), E_p[lg] = lse - H.
-    # A cotangent nobody sent is a symbolic zero: the train step only reports the entropy, and
-    # its term would cost a pass over the [B, C, V] logits for nothing (5% of the chunk's
-    # forward and backward at the 30M benchmark's 32k vocabulary)
+    # a cotangent nobody sent is a symbolic zero (the train step only reports the entropy):
+    # skipping its term saves a pass over the [B, C, V] logits
     g_lg = jnp.zeros_like(lg)
     if not isinstance(g_lp, SymbolicZero):
         is_target = jnp.arange(lg.shape[-1], dtype=targets.dtype) == targets[..., None]
@@ -257,19 +246,11 @@ def extend_cache(
     unembedding: jax.Array | None = None,
     layers: Sequence[nnx.State] | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs new tokens [B, T] against ``cache`` (written at offsets ``start`` [B]).
-
-    Returns float32 logits [B, T, V] and the updated cache; prefill and decode are both this call.
-    ``fresh``: an empty cache of exactly T entries at offset 0 (attention is self-attention).
-    ``window`` (static): attention reads only the cache's first ``window`` entries.
-    ``logits_at`` [B]: only the logits of token ``logits_at[b]`` of each row, [B, 1, V] (a
-    prefill needs its last prompt token's alone; the [B, T, V] product of the others would
-    cost as much as the rest of the model at a 32k vocabulary, and T·V floats of memory).
-    ``unembedding`` [D, V]: the output projection to use instead of the model's (the same
-    values in a layout the caller keeps, e.g. a tied embedding held transposed).
-    ``layers``: each decoder layer's weights held unstacked (``Transformer.unstack_layers``),
-    used instead of the stacked ones in ``params``.
-    """
+    """Prefill or decode: new tokens [B, T] against ``cache`` written at offsets ``start`` [B];
+    (float32 logits [B, T, V], cache). ``fresh``: an empty cache of exactly T entries at 0;
+    ``window`` (static): read only the first ``window`` entries; ``logits_at`` [B]: only that
+    token's logits, [B, 1, V] (a prefill's last prompt token); ``unembedding`` [D, V] and
+    ``layers`` (``Transformer.unstack_layers``): the same weights in the caller's layout."""
     model = nnx.merge(graphdef, params)
     hidden, cache = model.hidden_states_cached(
         jnp.asarray(input_ids, jnp.int32),

@@ -170,10 +170,8 @@ def read_params(
     place: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None,
 ) -> nnx.State:
     """Fills ``abstract_params`` (shapes from ``nnx.eval_shape``) with the tensors of an HF dir.
-
-    ``place`` puts each host array on devices (e.g. with its sharding); default ``jax.device_put``.
-    Host memory peaks at one parameter (all its layers) at a time. Logs parameters loaded / total
-    every few seconds (a 70B checkpoint takes minutes) and once when done.
+    ``place`` puts each host array on devices (default ``jax.device_put``). Host memory peaks at
+    one parameter (all its layers); progress is logged every few seconds and once when done.
     """
     files = _tensor_files(path)
     np_dtype = NP_DTYPES[dtype]
@@ -296,11 +294,9 @@ def has_tokenizer(path: str) -> bool:
 def param_hf_tensors(
     leaf_path: tuple[str, ...], value: np.ndarray, dtype: str
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array in ``dtype``) of one parameter, layer by layer.
-
-    ``leaf_path`` is the parameter's path in ``nnx.to_pure_dict(params)`` (e.g. ``("layers",
-    "mlp", "down_proj", "kernel")``); ``value`` its array (stacked over layers for ``layers``).
-    Each layer is cast on its own, so the cast never copies the whole stacked parameter.
+    """(HF name, host array in ``dtype``) of one parameter, layer by layer: ``leaf_path`` is its
+    path in ``nnx.to_pure_dict(params)``, ``value`` its array (stacked for ``layers``). Each layer
+    is cast on its own, so the cast never copies the whole stacked parameter.
     """
     np_dtype = NP_DTYPES[dtype]
     if leaf_path[0] == "layers":
@@ -317,10 +313,8 @@ def write_hf_tensors(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> int:
     """Writes (HF name, array) pairs into ``path`` as they come; returns the bytes written.
-
-    Same files as ``write_hf``: one ``model.safetensors`` when everything fits in
-    ``max_shard_bytes``, else ``model-0000i-of-0000n.safetensors`` and the index. Each shard is
-    written once it is full, so host memory peaks at one shard (not the whole model).
+    Same files as ``write_hf`` (one file, or shards of ``max_shard_bytes`` and the index); each
+    shard is written once full, so host memory peaks at one shard, not the whole model.
     """
     os.makedirs(path, exist_ok=True)
     parts: list[tuple[str, list[str]]] = []  # (temporary file, tensor names), in order

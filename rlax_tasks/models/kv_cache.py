@@ -1,15 +1,8 @@
-"""A preallocated key/value cache for incremental decoding, as a pytree of fixed-shape arrays.
+"""A preallocated key/value cache for incremental decoding: a pytree of fixed-shape arrays.
 
-Each batch row (a sampler slot) owns ``max_len`` cache entries. Entries carry their token position
-and a validity bit, so attention needs no notion of "cache length": a row is reset by clearing its
-validity, and right padding inside a prefill bucket is simply invalid until overwritten.
-
-Keys are stored transposed, [.., kv_heads, head_dim, S], and values as [.., kv_heads, S, head_dim]:
-a decode step's two attention products (q . k^T and p . v) then read the cache as plain matmul
-operands. In the activations' [B, S, kv_heads, head_dim] layout XLA:CPU copied each layer's keys
-and values into that order every step: 64 slots of the benchmarks' 30M model spent more time on
-those copies than on the layers' matmuls.
-"""
+Each row (a sampler slot) owns ``max_len`` entries carrying their position and a validity bit, so
+a row resets by clearing validity. Keys are stored [.., kv_heads, head_dim, S] and values
+[.., kv_heads, S, head_dim]: decode's two products read them as matmul operands, without copies."""
 
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""Local copies of Hugging Face model directories kept on GCS (``model.path: gs://...``).
+"""Local copies of HF model directories on GCS (``model.path: gs://...``), in ``$RLAX_MODEL_CACHE``.
 
-``local_model_dir(path)`` returns a local path unchanged. For ``gs://bucket/prefix`` it downloads
-the files an HF model directory needs (config, generation config, safetensors and their index,
-tokenizer and chat-template files; nothing else under the prefix) into
-``$RLAX_MODEL_CACHE/bucket/prefix`` (default ``~/.cache/rlax/models``) and returns that directory.
-
-- Parallel: every file is cut into ranges (``chunk_bytes``) fetched by ``workers`` threads, in file
-  order, so a 65 GB model in 17 shards streams over several connections and files finish one after
-  another (an interruption loses at most the files in flight).
-- Verified: a file is written as ``NAME.partial`` and renamed only once its CRC32C (else MD5) equals
-  the object's metadata. A mismatch fetches the file once more, then is a ``ModelCacheError``.
-- Resumable: ``.rlax-model-cache.json`` records each verified file with its object generation
-  (written after every file). The next call lists the prefix (one request) and fetches only the
-  files whose generation or size changed or that are missing; leftover ``.partial`` files are
-  fetched again; files the prefix no longer holds are removed.
-- Safe across processes: one ``fcntl`` lock per model directory, so ranks, workers or jobs on one
-  host that ask at once download once; the others wait and find it complete.
-- Progress: bytes done / total, MB/s and ETA logged every ``progress_every_s`` seconds (default:
-  ``rlax_tasks.utils.progress_meter``'s, 5), and a final line.
-
-All GCS access goes through ``rlax_tasks.rundir.storage`` (so ``STORAGE_EMULATOR_HOST`` works).
-"""
+Only the files a model needs are fetched, by ranges on parallel threads; each is checksummed
+(CRC32C, else MD5) before its rename, recorded with its generation in ``.rlax-model-cache.json``
+so a later call fetches only what changed, under one ``fcntl`` lock per directory per host."""
 
 from __future__ import annotations
 
@@ -35,6 +17,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+
+import google_crc32c
 
 from rlax_tasks.rundir import storage
 from rlax_tasks.utils.byte_sizes import format_bytes
@@ -104,7 +88,7 @@ def local_model_dir(
     progress_every_s: float | None = None,
 ) -> str:
     """A local HF model directory for ``path``: itself when local, else the verified cache copy
-    of the gs:// directory (see the module docstring). ``weights=False`` fetches only config and
+    of the gs:// directory (``<cache>/bucket/prefix``). ``weights=False`` fetches only config and
     tokenizer files (for processes that only tokenize, like the controller)."""
     if not storage.is_gcs(path):
         return path
@@ -375,8 +359,6 @@ def _verify(file: str, obj: storage.ObjectInfo) -> str | None:
 
 def file_crc32c(file: str, block: int = 8 * 1024 * 1024) -> str:
     """The base64 big-endian CRC32C of a file, as GCS reports it."""
-    import google_crc32c
-
     checksum = google_crc32c.Checksum()
     with open(file, "rb") as fh:
         while data := fh.read(block):

@@ -1,9 +1,8 @@
 """The policy: model config + parameters (+ tokenizer), loaded from and saved to HF format.
 
-``Policy`` is the one object trainer, sampler and evaluation share. Its methods are thin jitted
-wrappers around the pure functions of ``rlax_tasks.models.forward``; the parameters stay an
-``nnx.State`` pytree that optax, Orbax and the parameter server handle directly.
-"""
+The one object trainer, sampler and evaluation share: thin jitted wrappers around
+``rlax_tasks.models.forward``, with parameters an ``nnx.State`` pytree (optax, Orbax and the
+parameter server handle it directly)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from rlax_tasks.models import forward, hf_io
 from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.models.model_cache import local_model_dir
 from rlax_tasks.models.sharding import BATCH, fit_spec, param_shardings, param_spec
+from rlax_tasks.models.tokenizer_loading import load_tokenizer
 from rlax_tasks.models.transformer import Transformer, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -195,19 +196,15 @@ def load_pretrained(
     mesh: Mesh | None = None,
     param_dtype: str | None = None,
 ) -> Policy:
-    """Loads an HF directory (config.json, safetensors or sharded index, tokenizer files).
-
-    ``dtype`` is the compute dtype; parameters are stored in ``param_dtype`` (default: ``dtype``;
-    a trainer passes float32 master weights). A gs:// ``path`` is downloaded once to a local
-    cache first. With ``mesh``, each parameter goes straight to its sharding (never whole on one
-    device).
+    """Loads an HF directory (config.json, safetensors or sharded index, tokenizer files); a
+    gs:// ``path`` goes through the local model cache. ``dtype`` computes, ``param_dtype`` (default
+    ``dtype``; a trainer passes float32 master weights) stores. With ``mesh``, each parameter goes
+    straight to its sharding, never whole on one device.
     """
     resolve_dtype(dtype)
     param_dtype = param_dtype or dtype
     resolve_dtype(param_dtype)
     if path.startswith("gs://"):
-        from rlax_tasks.models.model_cache import local_model_dir
-
         path = local_model_dir(path)
     raw = hf_io.read_hf_config(path)
     config = ModelConfig.from_hf_dict(raw)
@@ -223,8 +220,6 @@ def load_pretrained(
     params = hf_io.read_params(path, jax.tree.map(lambda x: x, abstract), param_dtype, place)
     tokenizer = None
     if hf_io.has_tokenizer(path):
-        from rlax_tasks.models.tokenizer_loading import load_tokenizer
-
         tokenizer = load_tokenizer(path)
     else:
         log.warning("%s has no tokenizer files; policy.tokenizer is None", path)
@@ -240,6 +235,4 @@ def load_pretrained(
         param_dtype,
         path,
     )
-    return Policy(
-        config, graphdef, params, dtype, tokenizer, mesh, extra, generation, param_dtype
-    )
+    return Policy(config, graphdef, params, dtype, tokenizer, mesh, extra, generation, param_dtype)

@@ -1,10 +1,8 @@
 """Sharding of parameters and activations over a (data, fsdp, tensor) device mesh.
 
-Parameters get a PartitionSpec from a name-based rule table (one place for every layout decision,
-as MaxText's logical-axis rules); activations are constrained inside the forward pass whenever a
-mesh is active (``jax.set_mesh``). A mesh axis that does not divide a dimension is dropped for that
-dimension (replicated) rather than failing, so tiny test models run on any mesh.
-"""
+Parameters get a PartitionSpec from one name-based rule table; activations are constrained in the
+forward pass while a mesh is active (``jax.set_mesh``). A mesh axis that does not divide a
+dimension is dropped for it (replicated), so tiny test models run on any mesh."""
 
 from __future__ import annotations
 

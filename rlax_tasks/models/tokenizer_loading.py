@@ -1,14 +1,8 @@
-"""The tokenizer of an HF directory as ``AutoTokenizer`` loads it, without AutoTokenizer's imports.
-
-``from transformers import AutoTokenizer`` imports transformers' configuration code and, where
-torch is installed, torch: 2-3 s on 2 cores in every process that loads a policy (the colocated
-run, the trainer, each worker, the evaluator), before its first step. The class AutoTokenizer
-picks for a directory follows from that directory's config and tokenizer files, so it is
-remembered, keyed by those files' contents and the transformers version, in
-``tokenizer-classes.json`` beside the model cache (``~/.cache/rlax``); a later load imports that
-class alone (~1 s) and calls its ``from_pretrained`` as AutoTokenizer would. A miss, a class
-outside transformers (remote code) or any failure goes through AutoTokenizer.
-"""
+"""The tokenizer of an HF directory as ``AutoTokenizer`` loads it, without AutoTokenizer's imports
+(its configuration code and torch, in every process that loads a policy). The class it picks is
+remembered in ``tokenizer-classes.json`` beside the model cache, keyed by the directory's config
+and tokenizer files and the transformers version; a later load imports that class alone. A miss,
+remote code or any failure goes through AutoTokenizer."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ CLASSES_FILE = "tokenizer-classes.json"
 def load_tokenizer(path: str) -> Any:
     """``AutoTokenizer.from_pretrained(path)`` for a local HF directory, importing only the class
     it picks once that choice is remembered."""
-    import transformers
+    import transformers  # lazy: heavy, and loaded only by processes that tokenize
 
     key = _key(path)
     name = _classes().get(key)
@@ -42,7 +36,7 @@ def load_tokenizer(path: str) -> Any:
             return cls.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - AutoTokenizer decides (and raises) below
             log.debug("remembered tokenizer class %s failed on %s (%s)", name, path, e)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: the imports this module exists to avoid
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     kind = type(tokenizer)
@@ -57,7 +51,7 @@ def classes_path() -> str:
 
 
 def _key(path: str) -> str:
-    import transformers
+    import transformers  # lazy: heavy, and loaded only by processes that tokenize
 
     digest = hashlib.sha256(transformers.__version__.encode())
     for name in KEY_FILES:
