@@ -3,7 +3,7 @@
 Runs the real DAG file with ``dag.test()`` (Airflow's own local runner: every task in this
 process, deferred triggers inline, SQLite metadata under ``AIRFLOW_HOME``), with the local
 compute backend: the same tasks, operators, triggers and retries as on a deployment, no
-scheduler or web server needed. For the UI, run ``airflow standalone`` (see the README).
+scheduler or web server needed. For the UI, run ``airflow standalone`` (docs/operations.md).
 
 The terminal shows what a person needs (``dag_watch``): a line per task transition, the training
 status line, notices, a failed task's last log lines, and at the end a before/after table of
@@ -193,7 +193,7 @@ def _summary(result: dict[str, Any], ks: list[int], run_root: str) -> str:
     rows += [
         ("training time", format_duration(seconds) if seconds is not None else "-", ""),
         ("report", report if os.path.isfile(report) else "-", ""),
-        ("dashboard", "http://localhost:8080/rlax/ (under `airflow standalone`: README)", ""),
+        ("dashboard", "http://localhost:8080/rlax/ (airflow standalone: docs/operations.md)", ""),
         ("tensorboard", f"tensorboard --logdir {run_root}", ""),
     ]
     return "\n".join(f"  {a:<18} {b:<14} {c}".rstrip() for a, b, c in rows)

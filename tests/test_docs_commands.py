@@ -1,0 +1,265 @@
+"""Every shell command in the ```bash blocks of README.md and docs/*.md runs here, in document
+order in a scratch directory per page (beside a link to the repository's .venv, with stand-ins
+for the files a user brings), or is listed in NOT_RUN with the reason it cannot; a command in
+neither table fails the test, so no documented command goes unchecked."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable
+
+import pytest
+
+from tests.conftest import REPO
+from tests.data.chat_model import build_chat_model
+
+DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(f"{REPO}/docs/*.md"))]
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without a trailing shell comment (a ``#`` outside quotes, after a blank)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def doc_commands(doc: str) -> list[str]:
+    """The commands of ``doc``'s bash blocks, in order: continued lines joined, comments cut."""
+    with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+        text = f.read()
+    commands = []
+    for block in BLOCK.findall(text):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [c for c in map(_strip_comment, joined.splitlines()) if c.strip()]
+    return commands
+
+
+def key(command: str) -> str:
+    return " ".join(command.split())
+
+
+# Commands that cannot run on a CI machine, with the reason (and the test that covers the same
+# thing where one does).
+NOT_RUN = {
+    "bash scripts/setup.sh && .venv/bin/rlax airflow train": (
+        "setup.sh installs into this machine (.ci/run runs it, with --test); the main job's "
+        "300 steps run in tests/airflow_ops/test_airflow_train_cli.py (`rlax airflow train "
+        "--steps 8`, its job killed mid-run)"
+    ),
+    "bash scripts/setup.sh --test && .venv/bin/ruff check . && .venv/bin/python -m pytest": (
+        "the whole suite itself: .ci/run runs it verbatim"
+    ),
+    ".venv/bin/ruff check rlax_tasks/run && .venv/bin/ruff format --check rlax_tasks/run": (
+        "the suite's own lint: .ci/run runs `ruff check .`"
+    ),
+    ".venv/bin/python -m pytest -x -q tests/test_imports.py": (
+        "a part of the whole suite, which .ci/run runs"
+    ),
+    ".venv/bin/rlax run --preset tiny-arith --steps 6 --set placement.mode=disaggregated "
+    '--set workers.count=2 --set trainer.hosts=2 --set "placement.trainer=[0,1,2,3]"': (
+        "a long multi-process run: tests/run/test_multihost_run.py runs this configuration "
+        "(6 steps, trainer.hosts 2 on devices 0-3, 2 workers) and kills a trainer host mid-run"
+    ),
+    'docker build -f infra/Dockerfile --build-arg EXTRA_PIP=".[tpu]" -t '
+    "us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG .": (
+        "needs a Docker engine and the network; tests/dags/test_compose.py checks the Dockerfile"
+    ),
+    "docker compose up -d --build": (
+        "needs a Docker engine; tests/dags/test_compose.py validates the compose file"
+    ),
+    ".venv/bin/airflow standalone": (
+        "a server that runs until stopped: tests/dags/test_browser.py starts it "
+        "(tests/dags/standalone.py) and drives its UI"
+    ),
+}
+
+NATALIA = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether?"
+)
+GSM8K_ROWS = [
+    {"question": NATALIA, "answer": "48/2 = 24\n#### 72"},
+    {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"},
+    {"question": "A shop sells 1,000 pens a day. How many in 3 days?", "answer": "#### 3,000"},
+    {"question": "What is 10 - 25?", "answer": "#### -15"},
+    {"question": "no answer here", "answer": "the number is missing"},  # a row to quarantine
+]
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _gsm8k(cwd: str) -> None:
+    _write_jsonl(os.path.join(cwd, "gsm8k", "test.jsonl"), GSM8K_ROWS[:3] + GSM8K_ROWS[4:])
+    _write_jsonl(os.path.join(cwd, "gsm8k", "train.jsonl"), GSM8K_ROWS)
+
+
+def _chat_model(cwd: str) -> None:
+    _gsm8k(cwd)
+    path = os.path.join(cwd, "ckpt", "Qwen2.5-1.5B-Instruct")
+    if not os.path.isdir(path):  # a tiny stand-in with a chat template, as the real one has
+        build_chat_model(path)
+
+
+def _my_config(cwd: str) -> None:
+    """A user's run config (the 1.5B preset on a model the dry run cannot read) and the model's
+    config.json (Qwen2.5-1.5B's public shapes)."""
+    with open(os.path.join(REPO, "rlax_tasks", "presets", "qwen2.5-math-1.5b-grpo.yaml")) as f:
+        text = f.read().replace("gs://rlax-models/Qwen2.5-Math-1.5B", "gs://my-bucket/my-model")
+    with open(os.path.join(cwd, "my.yaml"), "w") as f:
+        f.write(text)
+    shapes = {
+        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
+    _write_jsonl(os.path.join(cwd, "path", "to", "config.json"), [shapes])
+
+
+def _has(*paths: str) -> Callable[[str, str], None]:
+    def check(cwd: str, out: str) -> None:
+        for path in paths:
+            assert glob.glob(os.path.join(cwd, path)), f"{path} missing after the command\n{out}"
+
+    return check
+
+
+def _says(*texts: str) -> Callable[[str, str], None]:
+    def check(cwd: str, out: str) -> None:
+        for text in texts:
+            assert text in out, f"{text!r} not in the output:\n{out}"
+
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How a documented command is run: the files it reads (``given``), a check of what it
+    wrote or printed, a timeout, and ``slow`` for a page whose commands train."""
+
+    check: Callable[[str, str], None] = lambda cwd, out: None
+    given: Callable[[str], None] = lambda cwd: None
+    timeout_s: int = 120
+    slow: bool = False
+
+
+FITS = _says("verdict: fits")
+RUN = {
+    # docs/user-guide.md
+    ".venv/bin/rlax run --steps 4 --no-eval": Run(
+        _has("runs/tiny-arith/checkpoints/4", "runs/tiny-arith/weights/v4"),
+        timeout_s=600,
+        slow=True,
+    ),
+    ".venv/bin/rlax export runs/tiny-arith runs/tiny-arith-hf": Run(
+        _has("runs/tiny-arith-hf/config.json", "runs/tiny-arith-hf/*.safetensors")
+    ),
+    ".venv/bin/rlax export runs/tiny-arith@4 runs/tiny-arith-4 --dtype bfloat16": Run(
+        _has("runs/tiny-arith-4/*.safetensors")
+    ),
+    ".venv/bin/rlax data preview gsm8k/test.jsonl --format gsm8k --model-dir "
+    "ckpt/Qwen2.5-1.5B-Instruct --template chat --instruction 'Please reason step by step, "
+    "and put your final answer within \\boxed{}.' -n 3": Run(
+        _says("Natalia", "<|im_start|>user"), _chat_model
+    ),
+    ".venv/bin/rlax curate gsm8k/train.jsonl --format gsm8k --eval-set gsm8k/test.jsonl "
+    "--out curated/": Run(_has("curated/train.parquet", "curated/quarantine.jsonl"), _gsm8k),
+    ".venv/bin/rlax eval --model-dir ckpt/Qwen2.5-1.5B-Instruct --dataset gsm8k/test.jsonl "
+    "--format gsm8k --template chat --n 4 --k 1,4 --limit 8 --max-new-tokens 32 "
+    "--out evals/gsm8k-test": Run(_has("evals/gsm8k-test/*"), _chat_model),
+    # docs/configuration.md
+    ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo --dry-run": Run(FITS),
+    ".venv/bin/rlax run --preset qwq-32b-code --dry-run": Run(FITS),
+    ".venv/bin/rlax run --config my.yaml --dry-run --model-config path/to/config.json": Run(
+        _says("verdict: fits", "path/to/config.json"), _my_config
+    ),
+    # docs/operations.md
+    "export AIRFLOW_UID=$(id -u)": Run(),
+    "export AIRFLOW_HOME=$PWD/.airflow": Run(),
+    "export AIRFLOW__CORE__DAGS_FOLDER=$PWD/dags AIRFLOW__CORE__PLUGINS_FOLDER=$PWD/plugins": Run(),
+    "export AIRFLOW__CORE__LOAD_EXAMPLES=False "
+    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True": Run(),
+    "export RLAX_RUN_ROOT=$PWD/runs RLAX_RUN_ROOTS=$PWD/runs": Run(),
+    # docs/development.md
+    ".venv/bin/pip freeze --exclude-editable | grep -v '^rlax-tasks' > constraints.txt": Run(
+        lambda cwd, out: _says("jax==", "flax==")(
+            cwd, open(os.path.join(cwd, "constraints.txt")).read()
+        )
+    ),
+}
+# a command that runs twice in a row on its page (a finished run run again) is checked by its
+# second output: it says the run is done and starts nothing
+AGAIN = {".venv/bin/rlax run --steps 4 --no-eval": _says("is already at step 4")}
+
+
+def test_every_documented_command_is_run_or_listed():
+    found = {key(c): doc for doc in DOCS for c in doc_commands(doc)}
+    unchecked = sorted(set(found) - set(RUN) - set(NOT_RUN))
+    assert not unchecked, f"documented commands neither run nor listed in NOT_RUN: {unchecked}"
+    stale = sorted((set(RUN) | set(NOT_RUN)) - set(found))
+    assert not stale, f"listed commands no page documents any more: {stale}"
+    assert not set(RUN) & set(NOT_RUN)
+    assert DOCS[0] == "README.md" and len(DOCS) > 1
+
+
+def test_the_readme_is_a_quickstart():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 150
+    # .ci/run calls the README's test command verbatim
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        assert doc_commands("README.md")[1] in f.read()
+
+
+def _page_params() -> list:
+    params = []
+    for doc in DOCS:
+        runs = [RUN[key(c)] for c in doc_commands(doc) if key(c) in RUN]
+        if runs:
+            marks = [pytest.mark.slow] if any(r.slow for r in runs) else []
+            params.append(pytest.param(doc, marks=marks, id=doc))
+    return params
+
+
+@pytest.mark.parametrize("doc", _page_params())
+def test_documented_commands_run(doc, tmp_path):
+    cwd = str(tmp_path)
+    os.symlink(os.path.join(REPO, ".venv"), os.path.join(cwd, ".venv"))
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PWD": cwd}
+    seen: set[str] = set()
+    for command in doc_commands(doc):
+        run = RUN.get(key(command))
+        if run is None:
+            continue
+        run.given(cwd)
+        shell = f"{command} && env -0 > .env-after" if command.startswith("export ") else command
+        proc = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", shell],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=run.timeout_s,
+        )  # fmt: skip
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{command!r} exited {proc.returncode}:\n{out[-4000:]}"
+        (AGAIN[key(command)] if key(command) in seen else run.check)(cwd, out)
+        seen.add(key(command))
+        if command.startswith("export "):  # later commands of the page see what it exported
+            with open(os.path.join(cwd, ".env-after"), encoding="utf-8") as f:
+                env = dict(v.split("=", 1) for v in f.read().split("\0") if "=" in v)
+            for name in re.findall(r"(\w+)=", command):
+                assert env.get(name), f"{command!r} did not set {name}"
+    assert seen, f"no command of {doc} ran"
