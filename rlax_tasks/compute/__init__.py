@@ -1,30 +1,8 @@
 """Compute backends: where RLAX jobs run (local processes, or Cloud TPU queued resources).
 
-```python
-from rlax_tasks.compute import get_backend, SliceSpec, JobSpec
-backend = get_backend("local", run_root="runs")          # or get_backend("cloud_tpu", ...)
-handle = backend.provision(SliceSpec(name="w0", labels={"rlax-run-id": "r1"}))  # idempotent
-backend.slice_state(handle)            # SliceState: PROVISIONING/READY/PREEMPTED/FAILED/DELETED
-job = backend.start_job(handle, JobSpec(name="trainer", argv=["trainer", ...]))  # `rlax <argv>`
-# on a multi-host slice (cloud_tpu, e.g. v4-16 = 2 hosts): one process group over its hosts
-job = backend.start_job(handle, JobSpec(name="trainer", argv=[...], hosts=(0, 1)))
-backend.job_state(job)                 # JobStatus(state=JobState.RUNNING|SUCCEEDED|FAILED|
-                                       #           PREEMPTED, message, exit_code)
-backend.stop_job(job); backend.teardown(handle)           # teardown is idempotent
-backend.list_slices({"rlax-managed": "true"})             # for the janitor
-```
-Handles are JSON-serialisable (``to_dict``/``from_dict``); every method also accepts the dict.
-A job is PREEMPTED when its slice was taken away, its process was killed (SIGKILL/SIGTERM) or its
-heartbeat stopped for ``JobSpec.heartbeat_timeout_s``; FAILED with exit code 2 is a
-configuration error (``JobStatus.is_config_error``), which retrying cannot fix. A job on several
-hosts (``JobSpec.hosts``) gets ``RLAX_PROCESS_ID``, ``RLAX_NUM_PROCESSES`` and
-``RLAX_COORDINATOR_ADDRESS`` on each (what ``jax.distributed.initialize`` needs; the names are
-``PROCESS_ID_ENV``, ``NUM_PROCESSES_ENV``, ``COORDINATOR_ADDRESS_ENV``); it fails or is
-preempted as soon as one host's process does.
-
-This package imports neither JAX nor the Cloud client at import time (the Airflow triggerer
-imports it).
-"""
+``get_backend(name, **settings)`` gives a ``Backend``: ``provision`` a slice, ``start_job`` /
+``job_state`` / ``stop_job`` on it, ``teardown``. Handles are JSON-serialisable; a job killed or
+silent past its heartbeat timeout is PREEMPTED; exit code 2 is a configuration error. JAX-free."""
 
 from __future__ import annotations
 
@@ -32,6 +10,8 @@ import inspect
 from typing import Any, Protocol, runtime_checkable
 
 from rlax_tasks.compute import types as _types
+from rlax_tasks.compute.cloud_tpu import CloudTpuBackend
+from rlax_tasks.compute.local import LocalBackend
 from rlax_tasks.compute.types import *  # noqa: F403  (the specs, handles, states, env names)
 
 __all__ = [*_types.__all__, "BACKENDS", "Backend", "get_backend"]
@@ -66,12 +46,10 @@ class Backend(Protocol):
 
 def get_backend(name: str = "local", **settings: Any) -> Backend:
     """The backend called ``name`` ("local" or "cloud_tpu") built from its settings."""
-    if name == "local":
-        from rlax_tasks.compute.local import LocalBackend as cls
-    elif name == "cloud_tpu":
-        from rlax_tasks.compute.cloud_tpu import CloudTpuBackend as cls
-    else:
+    classes = {"local": LocalBackend, "cloud_tpu": CloudTpuBackend}
+    if name not in classes:
         raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
+    cls = classes[name]
     known = set(inspect.signature(cls.__init__).parameters) - {"self"}
     unknown = sorted(set(settings) - known)
     if unknown:

@@ -1,28 +1,8 @@
 """The node agent: runs the jobs submitted to a Cloud TPU slice, on every host of it.
 
-``python -m rlax_tasks.compute.agent --slice-root ROOT [--worker K] [--address ADDR]
-[--entrypoint JSON]``
-
-Started on every host of the slice by ``infra/tpu/startup.sh`` (inside the runtime image). It
-first publishes where its host is reached (``ROOT/hosts/K.json``: {"address", "worker",
-"time"}), then polls ``ROOT/jobs/*/spec.json``. A job runs on the hosts listed in its spec
-(``JobSpec.hosts``, default host 0 only): the agent of host K starts it once, if K is one of
-them, through the job runner (``rlax_tasks.compute.runner``, its own process group) as
-``<entrypoint> <argv>`` with the job's environment plus ``RLAX_WORKER_ID`` (K) and
-``RLAX_HOST_ADDRESS`` (this host's address). A job on several hosts is one process group over
-them (as ``jax.distributed`` expects): each host also gets ``RLAX_PROCESS_ID`` (K's index in
-the hosts), ``RLAX_NUM_PROCESSES`` and ``RLAX_COORDINATOR_ADDRESS`` (the first host's published
-address and the job's ``RLAX_COORDINATOR_PORT``, default 8482); the agent waits (bounded,
-``--address-wait``) until the first host has published. Host 0 writes the job's status
-directory itself; host K>0 writes ``<job>/worker-K/`` (``jobstatus.host_status_dir``).
-
-A ``stop`` marker makes the agent SIGTERM the job's group, then SIGKILL it after
-``--stop-grace`` seconds. It does the same when the job's group is broken: another host's
-process of the job exited non-zero (the first host watches the others, the others watch the
-first), or a newer attempt of the job was submitted. A job whose runner was started by an
-earlier life of the agent is never started twice: its heartbeat goes stale and the orchestrator
-retries it.
-"""
+Started on each host by ``infra/tpu/startup.sh``: publishes ``ROOT/hosts/K.json``, then starts
+each job of ``ROOT/jobs/`` meant for host K through the job runner, and stops a job's group when
+asked, when a peer host's process failed, or when superseded. It never starts a job twice."""
 
 from __future__ import annotations
 

@@ -1,36 +1,8 @@
 """The ``cloud_tpu`` backend: Cloud TPU queued resources (spot) through ``google-cloud-tpu``.
 
-A slice is a queued resource holding one TPU node whose metadata carries the startup script
-(``infra/tpu/startup.sh``). The script runs on every host of the node: it pulls the runtime image
-and runs the node agent (``rlax_tasks.compute.agent``) in it; each host's agent watches the
-slice's control directory ``<run_root>/<run_id>/slices/<name>/<instance id>/jobs/`` for job specs
-and runs the ones meant for its host (``JobSpec.hosts``) through the job runner, which heartbeats
-and writes the exit code there (``jobstatus``). So ``start_job`` writes one JSON object, and
-``job_state`` reads objects plus the node state. A job on several hosts is one process group:
-RUNNING while every host's process runs, SUCCEEDED when all exited 0, FAILED/PREEMPTED as soon
-as one host's process failed or was lost (``jobstatus.read_group_status``); ``stop_job`` stops
-it on every host.
-
-API version: the queued-resource API with the Spot tier and the state initiator is GA in
-``tpu_v2``. In google-cloud-tpu 1.28 ``tpu_v2alpha1`` ships only gRPC transports, while the
-brief asks for REST: this backend therefore uses ``google.cloud.tpu_v2`` over REST (the request
-shapes are the same; v2alpha1 would need gRPC).
-
-Preemption: a queued resource SUSPENDING/SUSPENDED (by the service on spot reclaim), a node
-PREEMPTED/TERMINATED (or gone), or a job heartbeat older than its timeout → the job is PREEMPTED.
-A queued resource FAILED (no capacity) makes the slice FAILED: the retry provisions it again.
-
-Settings (``get_backend("cloud_tpu", **settings)``): ``project``, ``zone`` (defaults for specs
-that leave them empty), ``run_root`` (``gs://bucket/prefix``; a local path only for tests with the
-fake API), ``image`` (required: the runtime image the startup script pulls and runs, e.g.
-``us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG``, built from ``infra/Dockerfile`` with the
-``tpu`` extra; with the fake API, an image its registry holds), ``entrypoint`` (the `rlax`
-command inside the image, default ``["rlax"]``), ``api_endpoint`` (e.g.
-``http://127.0.0.1:PORT`` for ``infra/fakes/cloud_tpu.py``: the REST transport accepts an
-http:// scheme in the endpoint),
-``anonymous`` (AnonymousCredentials, for the fake), ``startup_script_path``,
-``operation_timeout_s``, ``agent_poll_s``.
-"""
+A slice is a queued resource whose startup script (``infra/tpu/startup.sh``) runs the node agent
+on every host; ``start_job`` writes a job spec to the slice's control directory and ``job_state``
+reads the job's status files and the node state. ``tpu_v2`` over REST (v2alpha1 is gRPC only)."""
 
 from __future__ import annotations
 
@@ -74,7 +46,11 @@ _NODE_PROVISIONING = {"CREATING", "STARTING", "RESTARTING", "REPAIRING", "REIMAG
 
 
 class CloudTpuBackend:
-    """Slices as Cloud TPU queued resources; jobs dispatched through the slice's control dir."""
+    """Slices as Cloud TPU queued resources; jobs dispatched through the slice's control dir.
+
+    ``image``: the runtime image TPU VMs pull (built from ``infra/Dockerfile`` with the ``tpu``
+    extra); ``run_root``: ``gs://bucket/prefix`` (a local path only with the fake API);
+    ``api_endpoint`` and ``anonymous`` point it at ``infra/fakes/cloud_tpu.py`` (http:// works)."""
 
     name = "cloud_tpu"
 
@@ -112,12 +88,14 @@ class CloudTpuBackend:
     @functools.cached_property
     def client(self):  # noqa: ANN201 - google.cloud.tpu_v2.TpuClient, imported lazily
         """The TPU API client (REST transport)."""
+        # lazy: the Cloud TPU client stays out of the Airflow triggerer
         from google.api_core.client_options import ClientOptions
         from google.cloud import tpu_v2
 
         options = ClientOptions(api_endpoint=self.api_endpoint) if self.api_endpoint else None
         credentials = None
         if self.anonymous:
+            # lazy: the Cloud TPU client stays out of the Airflow triggerer
             from google.auth.credentials import AnonymousCredentials
 
             credentials = AnonymousCredentials()
@@ -142,6 +120,7 @@ class CloudTpuBackend:
     # ------------------------------------------------------------------ slices
     def provision(self, spec: SliceSpec) -> SliceHandle:
         """Creates the queued resource (idempotent by name; a preempted/failed one is replaced)."""
+        # lazy: the Cloud TPU client stays out of the Airflow triggerer
         from google.api_core import exceptions as gexc
 
         if not spec.runtime_version:
@@ -165,6 +144,7 @@ class CloudTpuBackend:
         return self._create(spec, name)
 
     def _create(self, spec: SliceSpec, name: str) -> SliceHandle:
+        # lazy: the Cloud TPU client stays out of the Airflow triggerer
         from google.api_core import exceptions as gexc
         from google.cloud import tpu_v2
 
@@ -239,6 +219,7 @@ class CloudTpuBackend:
         return self._slice_state(SliceHandle.from_dict(handle))[0]
 
     def _slice_state(self, handle: SliceHandle) -> tuple[SliceState, str]:
+        # lazy: the Cloud TPU client stays out of the Airflow triggerer
         from google.api_core import exceptions as gexc
 
         try:
@@ -275,6 +256,7 @@ class CloudTpuBackend:
         self._delete(handle.resource)
 
     def _delete(self, name: str) -> None:
+        # lazy: the Cloud TPU client stays out of the Airflow triggerer
         from google.api_core import exceptions as gexc
         from google.cloud import tpu_v2
 

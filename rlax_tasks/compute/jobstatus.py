@@ -1,21 +1,8 @@
 """The job status directory: the files a job runner writes and how a job's state is read back.
 
-Every job has a status directory (a local path or a gs:// prefix), written only by its runner
-(``rlax_tasks.compute.runner``) and by ``stop_job``:
-
-```
-spec.json     the job spec and the command line (written when the job is submitted)
-runner.json   {"pid", "create_time", "host", "started_at"} of the runner process
-heartbeat     {"time": unix seconds}, rewritten every few seconds while the command runs
-exit.json     {"returncode", "finished_at"}: written once when the command ends
-stop          marker: a stop was requested (the job is not to be retried as preempted)
-stdout.log, stderr.log
-worker-K/     host K's runner.json, heartbeat, exit.json and logs (host K > 0 of a job that runs
-              on several hosts, JobSpec.hosts; host 0 writes the directory itself)
-```
-Because the state is derived from these files alone, any process (an Airflow worker, the
-triggerer, a worker restarted after a crash) can tell how a job is doing.
-"""
+Every job has a status directory (a local path or a gs:// prefix) written only by its runner
+(``rlax_tasks.compute.runner``) and by ``stop_job``; since the state is derived from these files
+alone, any process (an Airflow worker, the triggerer, a restarted worker) can read it."""
 
 from __future__ import annotations
 
@@ -25,14 +12,16 @@ import socket
 import time
 from typing import Any
 
+import psutil
+
 from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE, JobState, JobStatus
 from rlax_tasks.rundir import storage
 
-SPEC = "spec.json"
-RUNNER = "runner.json"
-HEARTBEAT = "heartbeat"
-EXIT = "exit.json"
-STOP = "stop"
+SPEC = "spec.json"  # the job spec and command line, written when the job is submitted
+RUNNER = "runner.json"  # {"pid", "create_time", "host", "started_at"} of the runner process
+HEARTBEAT = "heartbeat"  # {"time": unix seconds}, rewritten every few seconds while it runs
+EXIT = "exit.json"  # {"returncode", "finished_at"}, written once when the command ends
+STOP = "stop"  # marker: a stop was requested (the job is not retried as preempted)
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
 # beside jobs/ in a slice's control directory: one record per host (see host_record_path)
@@ -93,8 +82,6 @@ def _runner_gone(runner: dict[str, Any]) -> bool:
     """Whether the runner recorded in ``runner`` ran on this host and no longer exists."""
     if runner.get("host") != socket.gethostname():
         return False
-    import psutil
-
     try:
         proc = psutil.Process(int(runner["pid"]))
         alive = abs(proc.create_time() - float(runner["create_time"])) < 1.0
@@ -112,11 +99,9 @@ def read_job_status(
 ) -> JobStatus:
     """The state of the job whose runner writes ``status_dir``.
 
-    Finished → classified by exit code (0 ok, 2 configuration error, SIGKILL/SIGTERM preempted).
-    Unfinished → PREEMPTED when its runner vanished (same host) or its heartbeat (or, before the
-    first heartbeat, its submission) is older than ``heartbeat_timeout_s``; else RUNNING.
-    ``stopped``: whether a stop was requested (default: a ``stop`` marker in ``status_dir``).
-    """
+    Finished: by exit code (0 ok, 2 configuration error, SIGKILL/SIGTERM preempted).
+    Unfinished: PREEMPTED when its runner vanished or its heartbeat (else its submission) is older
+    than ``heartbeat_timeout_s``; else RUNNING. ``stopped``: default, the ``stop`` marker exists."""
     return _read_status(status_dir, heartbeat_timeout_s, submitted_at, now, stopped)[0]
 
 
@@ -194,12 +179,9 @@ def read_group_status(
 ) -> JobStatus:
     """The state of a job that runs on ``hosts`` of its slice (one process group).
 
-    SUCCEEDED when every host's process exited 0; RUNNING while none ended abnormally and some
-    still run. As soon as one host ended abnormally the job did: a configuration error (exit
-    code 2) on any host says why, else the first host to end (failed, killed, heartbeat lost):
-    the others' ends are its consequences (the node agents stop a group whose member failed).
-    A single-host job on host 0 is read exactly as ``read_job_status(job_dir)``.
-    """
+    SUCCEEDED when every host exited 0; RUNNING while none ended abnormally. Once one host did,
+    the job did: a configuration error (exit 2) on any host says why, else the first host to end
+    (the others' ends are its consequences). Host 0 alone reads as ``read_job_status``."""
     hosts = tuple(hosts)
     if hosts == (0,):
         return read_job_status(job_dir, heartbeat_timeout_s, submitted_at, now)

@@ -1,16 +1,8 @@
 """The ``local`` backend (the embedded default): slices are directories, jobs local processes.
 
-A slice is ``<run_root>/<run_id>/slices/<name>/`` with a ``slice.json`` (state, instance id,
-spec); it is READY as soon as it exists. A job is a runner process
-(``rlax_tasks.compute.runner``, its own process group) that runs ``<entrypoint> <argv>`` —
-by default ``sys.executable -m rlax_tasks.cli <argv>`` — and writes its status directory
-``<slice>/jobs/<job name>/`` (see ``rlax_tasks.compute.jobstatus``). A finished job's directory
-is moved aside to ``<job name>.<n>`` when a job of the same name starts again (a retry).
-
-Settings (``get_backend("local", **settings)``): ``run_root`` (default "runs"), ``entrypoint``
-(list of strings), ``heartbeat_interval_s`` (default: a quarter of the job's heartbeat timeout,
-at most 5 s), ``stop_grace_s`` (SIGTERM → SIGKILL delay, default 10 s).
-"""
+A slice is ``<run_root>/<run_id>/slices/<name>/``, READY once it exists. A job is a runner
+process (``compute.runner``) running ``<entrypoint> <argv>`` (default: ``python -m rlax_tasks.cli``)
+with its status in ``<slice>/jobs/<job name>/``; a retry moves a finished one aside."""
 
 from __future__ import annotations
 

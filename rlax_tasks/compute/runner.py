@@ -1,13 +1,8 @@
-"""The job runner: a thin wrapper process that runs one command and reports on it.
+"""The job runner: ``python -m rlax_tasks.compute.runner --status-dir DIR -- CMD...``.
 
-``python -m rlax_tasks.compute.runner --status-dir DIR [--heartbeat-interval S] -- CMD...``
-
-It records itself in ``DIR/runner.json``, starts CMD (same process group, so killing the group
-kills both), rewrites ``DIR/heartbeat`` every S seconds while CMD runs, forwards SIGTERM/SIGINT
-to it, and writes ``DIR/exit.json`` with CMD's return code when it ends. DIR may be a gs:// prefix
-(Cloud TPU): logs are then written to a local temporary directory and uploaded when CMD ends.
-See ``rlax_tasks.compute.jobstatus`` for how the state is read back.
-"""
+It records itself in ``DIR/runner.json``, runs CMD in its process group, rewrites the heartbeat
+while CMD runs, forwards SIGTERM/SIGINT, and writes ``DIR/exit.json`` when it ends. On a gs://
+DIR logs go to a local directory, uploaded when CMD ends (``jobstatus`` reads the state back)."""
 
 from __future__ import annotations
 
@@ -22,6 +17,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import psutil
 
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.process.host_malloc import with_huge_pages
@@ -47,8 +44,6 @@ def runner_argv(status_dir: str, command: list[str], heartbeat_interval_s: float
 
 def run_job(status_dir: str, command: list[str], heartbeat_interval_s: float = 5.0) -> int:
     """Runs ``command`` while heartbeating into ``status_dir``; returns its return code."""
-    import psutil
-
     me = psutil.Process()
     jobstatus.write_json(
         storage.join(status_dir, jobstatus.RUNNER),

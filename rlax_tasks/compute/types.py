@@ -1,9 +1,7 @@
 """Specs, handles and states shared by every compute backend.
 
 Specs say what to create (validated on construction: errors name the field); handles say what
-was created. Handles are plain dataclasses with ``to_dict``/``from_dict`` so they travel through
-Airflow XCom and trigger kwargs as JSON.
-"""
+was created, plain dataclasses with ``to_dict``/``from_dict`` for Airflow XCom as JSON."""
 
 from __future__ import annotations
 
@@ -16,10 +14,23 @@ from rlax_tasks.services.endpoints import HOST_ADDRESS_ENV
 
 # what rlax_tasks.compute exports from here
 __all__ = [
-    "CONFIG_ERROR_EXIT_CODE", "COORDINATOR_ADDRESS_ENV", "COORDINATOR_PORT_ENV",
-    "DEFAULT_COORDINATOR_PORT", "HOST_ADDRESS_ENV", "MANAGED_LABEL", "NUM_PROCESSES_ENV",
-    "PROCESS_ID_ENV", "RUN_ID_LABEL", "WORKER_ID_ENV", "JobHandle", "JobSpec", "JobState",
-    "JobStatus", "SliceHandle", "SliceSpec", "SliceState",
+    "CONFIG_ERROR_EXIT_CODE",
+    "COORDINATOR_ADDRESS_ENV",
+    "COORDINATOR_PORT_ENV",
+    "DEFAULT_COORDINATOR_PORT",
+    "HOST_ADDRESS_ENV",
+    "MANAGED_LABEL",
+    "NUM_PROCESSES_ENV",
+    "PROCESS_ID_ENV",
+    "RUN_ID_LABEL",
+    "WORKER_ID_ENV",
+    "JobHandle",
+    "JobSpec",
+    "JobState",
+    "JobStatus",
+    "SliceHandle",
+    "SliceSpec",
+    "SliceState",
 ]
 
 # label carrying the run id: local slices live under <run_root>/<run_id>/slices/<name>/ and the
@@ -154,10 +165,8 @@ def coordinator_port(env: dict[str, str]) -> int:
 class JobSpec:
     """What to run on a slice: ``rlax <argv>`` with extra environment variables.
 
-    ``hosts``: the hosts of the slice the job runs on (indices as in the TPU VM's
-    ``agent-worker-number``). A job on several hosts is one process group: the same command on
-    each, with ``RLAX_PROCESS_ID``/``RLAX_NUM_PROCESSES``/``RLAX_COORDINATOR_ADDRESS`` set.
-    """
+    ``hosts``: the hosts it runs on (the TPU VM's ``agent-worker-number``); on several it is one
+    process group, each given ``RLAX_PROCESS_ID``, ``RLAX_NUM_PROCESSES`` and the coordinator."""
 
     name: str
     argv: list[str]
