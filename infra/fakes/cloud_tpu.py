@@ -1,53 +1,8 @@
 """A local fake of the Cloud TPU v2 REST API subset RLAX uses, for development and tests.
 
-``python -m infra.fakes.cloud_tpu --port 0`` prints its URL (``http://127.0.0.1:PORT``) on the
-first line of stdout and serves until killed. Point the real client at it with
-``client_options={"api_endpoint": URL}``, ``AnonymousCredentials()`` and ``transport="rest"``
-(the REST transport keeps an explicit ``http://`` scheme, so no TLS is needed) — the
-``cloud_tpu`` backend does this with ``api_endpoint=URL, anonymous=True``.
-
-Served (JSON, as the real API; errors as ``{"error": {code, message, status}}``):
-- ``POST   /v2/{parent}/queuedResources?queuedResourceId=ID``  → long-running operation
-- ``GET    /v2/{parent}/queuedResources``                      list
-- ``GET    /v2/{parent}/queuedResources/ID``                   get
-- ``DELETE /v2/{parent}/queuedResources/ID[?force=true]``      → long-running operation
-- ``GET    /v2/{parent}/nodes/ID``                             the node of a queued resource
-- ``GET    /v2/{parent}/operations/OP``                        operation polling
-
-Life of a queued resource: ACCEPTED → (after ``--provision-delay`` s) ACTIVE with its node READY.
-A node has as many hosts as its accelerator type (``rlax_tasks.compute.tpu_types``: v4-16 → 2),
-one ``networkEndpoints`` entry each, with the host's own address: every host of every node
-creation gets a loopback address of its own (127.X.Y.<host+1>, never 127.0.0.1), and a node
-created again (after a preemption or deletion) gets new ones, as a re-created TPU VM gets a new
-internal IP (``tpu_vm.allocate_host_addresses``). An unknown type is refused (400). When the node
-becomes READY every host runs the node's ``startup-script`` metadata — the real
-``infra/tpu/startup.sh`` — with bash, its own metadata server (served here, below) and
-stand-ins for docker, tini and gcloud (``infra/fakes/tpu_vm.py``, ``infra/fakes/docker_cli.py``):
-so the script pulls the image and runs the node agent "in" it exactly as on a TPU VM, and a
-script or image that would not work there does not work here. ``--no-agents`` runs no scripts.
-
-The registry of the docker stand-in holds the images given with ``--image`` (repeatable) or
-registered through ``POST /fake/images``; pulling any other image fails ("manifest unknown"), so
-a test points the backend's ``image`` setting at a registered name. Host files (the script's
-log, the containers' logs) go under ``--log-dir`` (default: a temporary directory).
-
-Metadata server (per node and host, as ``http://metadata.google.internal/computeMetadata/v1``;
-``Metadata-Flavor: Google`` required, else 403):
-- ``GET /fake/metadata/{node name}/hosts/{K}/computeMetadata/v1/instance/attributes/{key}``:
-  the node's metadata, plus ``agent-worker-number`` (K) and ``accelerator-type``;
-- ``.../computeMetadata/v1/instance/network-interfaces/0/ip``: the host's address, its
-  ``networkEndpoints`` entry (what startup.sh passes to the agent as ``--address``).
-
-Control endpoints (not part of the real API):
-- ``POST /fake/preempt {"name": ID}``: SIGKILLs every process of every host of the node (startup
-  scripts, containers, agents, jobs) at once, node → PREEMPTED, queued resource → SUSPENDED by
-  SERVICE, as a spot reclaim does. Deleting a queued resource kills them too.
-- ``POST /fake/fail-capacity {"name": ID}``: queued resource → FAILED by SERVICE.
-- ``POST /fake/images {"image": IMAGE}``: the registry holds IMAGE from now on.
-- ``GET  /fake/state``: every queued resource and node state; ``hosts``: per node, each host's
-  address, startup script, containers and live pids; ``agents``: per node, the pids of its live
-  containers (nodes without any are left out).
-"""
+``python -m infra.fakes.cloud_tpu --port 0`` prints its URL, then serves queued resources,
+nodes and operations; READY nodes run the real ``startup.sh`` on fake hosts (``tpu_vm.py``).
+``/fake/*`` control endpoints preempt, fail capacity, register images and dump the state."""
 
 from __future__ import annotations
 

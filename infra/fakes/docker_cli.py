@@ -1,37 +1,8 @@
 """A stand-in for the ``docker`` CLI on a fake TPU VM host (see ``infra/fakes/cloud_tpu.py``).
 
-It does what ``infra/tpu/startup.sh`` asks of docker, the way docker does it, so that a script
-that would fail on a real TPU VM fails here too:
-
-- ``docker pull IMAGE``: succeeds for the images the fake registry holds (the JSON list in
-  ``$RLAX_FAKE_REGISTRY``, or ``$RLAX_FAKE_DOCKER_IMAGES``, comma-separated); anything else
-  exits 1 with docker's "manifest unknown".
-- ``docker run -d --name N [--restart P] [--net host] [--privileged] [--ulimit ..]
-  [--shm-size ..] [-v ..] [-e K[=V] ...] [--entrypoint EP] IMAGE [ARGS...]``: the command is
-  resolved exactly as docker does from the image's ENTRYPOINT and CMD: no ``--entrypoint`` →
-  ENTRYPOINT + ARGS (+ CMD when there are no ARGS); ``--entrypoint EP`` → EP + ARGS. Every
-  image of the fake registry is "built" from ``infra/Dockerfile``'s ``runtime`` stage
-  (``$RLAX_FAKE_DOCKERFILE``, ``$RLAX_FAKE_DOCKER_STAGE``): its ENTRYPOINT, CMD and ENV are
-  parsed from it, never hard-coded, so the stand-in breaks when the Dockerfile and the startup
-  script disagree. The "container" is a supervisor process (its own session) that runs the
-  command with the image's ENV and the ``-e`` variables; when the command exits, every process
-  left in the container is killed (a container's processes die with it) and, under
-  ``--restart=on-failure[:N]`` (or ``always``/``unless-stopped``), the command starts again
-  after docker's doubling delay (from 0.1 s, capped at 5 s here).
-- ``docker rm -f NAME``, ``docker inspect NAME`` (Path, Args, State, RestartCount, Config),
-  ``docker logs NAME``, ``docker ps``.
-
-Differences from a real container (the stand-in has no namespaces or image filesystem): the
-command runs on this machine, in the repository (the image's WORKDIR holds the same package),
-with the docker client's environment under the image's ENV and ``-e`` (so a test's
-``STORAGE_EMULATOR_HOST`` reaches the agent); ``python`` and ``rlax`` resolve to the
-virtualenv's through ``infra/fakes/bin``. ``--net``, ``--privileged``, ``--ulimit``,
-``--shm-size`` and ``-v`` are accepted and have no effect. Every process of a container carries
-``RLAX_FAKE_CONTAINER=<id>`` in its environment: that is how ``rm -f`` (and the fake, on
-preemption) finds them all, as a cgroup would.
-
-State (per fake host): ``$RLAX_FAKE_DOCKER_STATE/containers/<name>.json`` and ``<name>.log``.
-"""
+``pull``, ``run -d``, ``rm -f``, ``inspect``, ``logs``, ``ps`` as ``infra/tpu/startup.sh`` uses
+them; the command comes from ``infra/Dockerfile``'s ENTRYPOINT/CMD (never hard-coded), so a script
+that would fail on a TPU VM fails here. A "container" is a process tree marked by an env var."""
 
 from __future__ import annotations
 
@@ -50,6 +21,8 @@ import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
+
+import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONTAINER_VAR = "RLAX_FAKE_CONTAINER"
@@ -246,8 +219,6 @@ def _load(name: str) -> dict[str, Any] | None:
 
 def alive(pid: int | None) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
-    import psutil
-
     if not pid:
         return False
     try:
@@ -258,8 +229,6 @@ def alive(pid: int | None) -> bool:
 
 def marked_pids(var: str, values: Iterable[str]) -> list[int]:
     """Live processes whose environment has ``var`` set to one of ``values``."""
-    import psutil
-
     values = set(values)
     out = []
     for proc in psutil.process_iter():

@@ -1,33 +1,8 @@
 """The hosts of a fake TPU node: each runs the node's real startup script, as a TPU VM does.
 
-When the fake Cloud TPU API (``infra/fakes/cloud_tpu.py``) makes a node READY it starts one
-``FakeTpuVm`` per host of the node's accelerator type. A host runs the ``startup-script``
-metadata (the real ``infra/tpu/startup.sh`` the backend sent) with ``bash``, as root's startup
-service does, with:
-
-- ``RLAX_METADATA_URL``: this host's metadata server, served by the fake (the node's metadata
-  attributes, ``agent-worker-number`` = the host's index, ``instance/network-interfaces/0/ip`` =
-  the host's own address; ``Metadata-Flavor: Google`` required);
-- ``infra/fakes/bin`` first on ``PATH``: stand-ins for ``docker`` (``docker_cli.py``, with this
-  host's own container state), ``tini``, ``gcloud``, and ``python``/``rlax`` resolving to the
-  virtualenv's (as inside the image); ``curl`` and ``bash`` are the real ones;
-- ``RLAX_FAKE_HOST=<node>/hosts/<K>/<boot id>`` in the environment, inherited by everything the
-  host starts (the script, docker's "containers", the agent, its jobs): a preemption or deletion
-  SIGKILLs every process so marked, all hosts at once, as a spot reclaim does.
-
-Addresses: as every TPU VM has its own internal IP, every host of every node creation has its own
-loopback address (``allocate_host_addresses``: 127.X.Y.<host+1>, never 127.0.0.1; Linux routes
-all of 127.0.0.0/8 to the loopback interface, so any of them can be bound and connected to with no
-setup), and a node created again after a preemption or deletion gets new ones. The same address is
-the node's ``networkEndpoints[K].ipAddress``, host K's metadata
-``instance/network-interfaces/0/ip``, the ``--address`` startup.sh gives the agent (published at
-``<slice root>/hosts/<K>.json``, ``RLAX_HOST_ADDRESS`` of its jobs) and ``address`` in
-``state()``. Nothing isolates the hosts' network namespaces: a process may still bind another
-host's address or 0.0.0.0, and a port bound on the wildcard address is taken for every host.
-
-Files: ``<state dir>/startup-script``, ``startup.log`` (the script's output) and ``docker/``
-(the stand-in's containers, with their logs).
-"""
+A host runs the ``startup-script`` metadata with bash, its own metadata server, stand-ins for
+docker/tini/gcloud first on ``PATH`` and its own loopback address; every process it starts is
+marked (``RLAX_FAKE_HOST``) so a preemption SIGKILLs them all. Network namespaces are shared."""
 
 from __future__ import annotations
 
@@ -57,15 +32,9 @@ _BLOCKS = 254 * 256  # 127.1.0.0/24 .. 127.254.255.0/24
 def allocate_host_addresses(n_hosts: int) -> list[str]:
     """New loopback addresses for the ``n_hosts`` hosts of one node creation, in host order.
 
-    Each call takes fresh /24 blocks of 127.0.0.0/8 from a process-wide counter, so an address
-    is unique within the process (across nodes, re-creations of a node, and fakes sharing the
-    process): block B is 127.<1 + B // 256>.<B % 256>.0/24 and host K of a call is
-    127.X.Y.<K + 1> in its first block (a node of more than 254 hosts goes on in the next
-    blocks): the first node created gets 127.1.0.1, 127.1.0.2, ..., the next 127.1.1.1, ...
-    The last octet is never 0 or 255, and 127.0.x.x (the fake API's own 127.0.0.1; 127.0.1.1,
-    Debian's hostname entry) is never used. The counter wraps after 65,024 blocks, far more node
-    creations than a fake lives through.
-    """
+    Each call takes fresh /24 blocks of 127.0.0.0/8 from a process-wide counter (host K:
+    127.X.Y.<K + 1>), so an address is unique in the process; 127.0.x.x and octets 0 and 255 are
+    never used. The counter wraps after 65,024 blocks."""
     global _next_block
     if n_hosts < 1:
         raise ValueError(f"a node has at least one host, got {n_hosts}")
