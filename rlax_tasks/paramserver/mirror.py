@@ -1,17 +1,8 @@
 """Durable mirror of weight versions: ``run_root/weights/v<version>/`` (local dir or gs://).
 
-Each mirrored version holds ``blocks.bin`` (the wire stream of the version, block CRC32Cs and
-version digest included), then ``COMMIT`` written last: a version without ``COMMIT`` is
-incomplete and ignored (and removed at the next start). A version assembled from several trainer
-hosts' parts is mirrored like any other: its stream is the assembled one (blocks grouped by
-array); ``COMMIT`` also records each part's digest. Mirroring runs on a background thread so a
-push never waits for storage; if versions arrive faster than storage takes them, only the newest
-pending one is written. A restarted server loads the newest committed version, verifying every
-block's CRC32C and the version digest. Mirrors written before wire format 2 (blocks with a
-sha256, ``RXB1``) are still read: each block is checked against its sha256, then given its
-CRC32C, so the version is served in the current format (with a digest of the current kind; the
-parts' digests of such a version are not kept).
-"""
+Each version holds ``blocks.bin`` (its wire stream) then ``COMMIT``, written last: a version
+without it is ignored and removed at the next start. Mirroring runs on a background thread
+(only the newest pending version is written); a restarted server loads the newest committed one."""
 
 from __future__ import annotations
 

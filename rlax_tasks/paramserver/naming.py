@@ -1,22 +1,18 @@
 """Weight names: a pytree of arrays <-> a flat dict keyed by its dotted pytree paths.
 
-The names are those of ``Policy.named_params()`` ("layers.self_attn.q_proj.kernel"): for an
-``nnx.State`` each Variable is one entry, for dicts/lists/dataclass pytrees the path keys are
-joined with ".". A flat ``{name: array}`` dict is its own flattening, so it can be pushed as is.
-"""
+The names are those of ``Policy.named_params()`` ("layers.self_attn.q_proj.kernel"): one entry
+per ``nnx.Variable``, other path keys joined with "."; a flat ``{name: array}`` dict is its own
+flattening, so it can be pushed as is."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+from flax import nnx
 
 
 def _is_variable(x: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
     return isinstance(x, nnx.Variable)
 
 

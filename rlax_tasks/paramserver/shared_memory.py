@@ -1,27 +1,8 @@
-"""Versions in shared memory: a worker on the server's host copies a version out of the server's
-memory (one memcpy per byte, each block's CRC32C still checked) instead of receiving it over TCP.
-
-The server receives every pushed stream into a *segment*: an anonymous shared-memory file
-(``memfd``) it owns, so it vanishes with the process (kill -9 leaves nothing behind in /dev/shm).
-A pull from the same host (same kernel boot, pid and mount namespaces: ``host_identity``) is
-answered with a descriptor -- the manifest, every block header, where each block lies, and each
-segment's ``/proc/<pid>/fd/<n>`` path, inode and stamp -- instead of the bytes. The client keeps
-the segments it opened mapped between pulls (``SegmentReader``): a recycled segment is the same
-file, so steady-state pulls map nothing new.
-
-Segments are recycled: a segment of a garbage-collected version takes a later push, which saves
-faulting in fresh pages per version (about 0.7 s per GiB here, more than the copy itself). The
-reader's guarantees against that:
-- it holds a shared ``flock`` on the segment while it reads; the server recycles a segment only
-  under an exclusive ``flock`` (so never one being read), and only once no thread of its own
-  (a TCP pull being served, the durable mirror) still reads it (``pins``);
-- the segment's first page carries a stamp (a random nonce, set when its stream is complete and
-  cleared before it is reused): the reader checks it against the descriptor's under its lock, so
-  a version recycled before the reader came raises ``SegmentGoneError`` (pull again), never
-  another version's bytes;
-- every block's CRC32C and the version digest over the manifest and block headers are checked as
-  on the TCP path.
-"""
+"""Versions in shared memory: a same-host worker copies a version out of the server's memory
+(each block's CRC32C checked) instead of receiving it over TCP; pushes land in ``memfd``
+segments that vanish with the process. Segments are recycled (faulting in fresh pages costs
+more than the copy): a reader holds a shared flock and checks the stamp page, so a recycled
+segment raises ``SegmentGoneError`` (pull again), never another version's bytes."""
 
 from __future__ import annotations
 
@@ -207,11 +188,10 @@ class SegmentPool:
 
 
 class SegmentReader:
-    """A same-host client's view of the server's segments, kept open and mapped between pulls:
-    a recycled segment is the same file, so a pull maps nothing new. Each read holds shared
-    locks on its segments (the server recycles only under an exclusive one) and checks their
-    stamps first. Segments the server no longer has open (``live``) are let go at the next
-    read; at most ``keep`` stay open."""
+    """A same-host client's view of the server's segments, kept mapped between pulls (a recycled
+    segment is the same file, so a pull maps nothing new). Each read holds shared locks on its
+    segments and checks their stamps first; segments the server no longer has open (``live``) are
+    let go at the next read, and at most ``keep`` stay open."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep

@@ -1,43 +1,8 @@
-"""Wire format of one weight version: a manifest, chunks ("blocks") of named arrays, an end frame.
+"""Wire format of one weight version: a manifest, blocks of named arrays, an end frame.
 
-The same byte stream is the body of a push (trainer -> server), of a pull (server -> worker) and
-the content of the durable mirror, so the CRC32C of every block is computed once, at the trainer,
-and verified by every receiver (end to end) -- the checksum Cloud Storage itself uses, computed
-by ``google-crc32c`` with the CPU's CRC instructions at about memcpy speed (sha256 cost ~7x that):
-
-    manifest frame  "RXM1" u64 len   JSON {"format": 2, "version", "arrays": [{name, dtype, shape}],
-                                           "num_blocks"}
-    block frame     "RXB2" u32 array u32 ndim u64 nbytes u32 crc32c  u64 start[ndim] u64 stop[ndim]
-                    then ``nbytes`` raw bytes: the C-ordered region start:stop of that array
-    end frame       "RXE2" u64 num_blocks  sha256[32] digest (``version_digest``)
-
-``crc32c`` is the CRC32C (Castagnoli) of the block's ``nbytes`` payload bytes. The version digest
-is sha256 over the manifest's arrays (names, dtypes, shapes) and every block header in stream
-order (array, region, size and CRC32C): it catches a damaged header or manifest that the
-per-block CRCs cannot see (a region moved, a CRC field altered), and is the content's fingerprint
-(``/v1/latest``, a retried push deciding whether its earlier attempt committed, the mirror's
-``COMMIT``; the same weights blocked the same way give the same digest in any version). It hashes
-a few dozen bytes per block, so it costs nothing next to the blocks. Integrity is the checksums'
-job; authenticity is the bearer token's (and the network's): a CRC is no defence against someone
-who may rewrite the stream.
-
-The manifest frame keeps its magic ``RXM1`` in every format and names the format in its JSON, so
-a receiver that speaks another format says so ("unsupported wire format 2"). Format 1 (blocks
-"RXB1" with a sha256[32] instead of the crc32c, end "RXE1" with sha256 over the block hashes) is
-no longer sent; mirrors written in it are still read (``read_block_header_v1``, ``read_end_v1``):
-every block is checked against its sha256, then re-checksummed with CRC32C.
-
-A block is a rectangular region of the global array that is contiguous in its source shard
-(fixed leading indices, a range on one axis, full trailing axes), so a sharded jax.Array is sent
-shard by shard without ever being gathered, and a receiver writes each block straight into its
-place. All lengths are known before the first byte is sent (Content-Length, no chunked encoding).
-
-A version's blocks tile every array exactly (``check_coverage``): no two regions overlap and
-together they cover it. On a multi-host trainer each host sends a stream of the same shape holding
-only its own shards' blocks (a *part*, with the manifest of the whole version but its own
-``num_blocks`` and digest); the server serves the assembled version as one stream, blocks grouped
-by array.
-"""
+One byte stream is a push's body, a pull's and the mirror's content: each block's CRC32C is
+computed once at the trainer and checked by every receiver. Blocks are regions contiguous in a
+source shard, tiling every array exactly (``check_coverage``); a multi-host trainer sends parts."""
 
 from __future__ import annotations
 
@@ -50,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import google_crc32c
+import ml_dtypes
 import numpy as np
 
 from rlax_tasks.rundir.storage import read_into
@@ -60,10 +26,17 @@ DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_BLOCK_BYTES = 256 * 1024 * 1024
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
+# manifest: "RXM1" u64 len, then JSON {"format", "version", "arrays": [{name, dtype, shape}],
+# "num_blocks"} (the magic stays RXM1 in every format, so a receiver names the format it lacks)
 _MANIFEST = struct.Struct("!4sQ")
+# block: "RXB2" u32 array u32 ndim u64 nbytes u32 crc32c, u64 start[ndim] u64 stop[ndim], then
+# nbytes raw bytes: the C-ordered region start:stop of that array (contiguous in its source shard)
 _BLOCK = struct.Struct("!4sIIQI")
+# end: "RXE2" u64 num_blocks, sha256[32] version digest (version_digest)
 _END = struct.Struct("!4sQ32s")
 _MANIFEST_MAGIC, _BLOCK_MAGIC, _END_MAGIC = b"RXM1", b"RXB2", b"RXE2"
+# format 1, still read from old mirrors: a sha256 per block in place of its CRC32C, an end frame
+# with sha256 over the block hashes; each block is checked, then given its CRC32C
 _BLOCK_V1 = struct.Struct("!4sIIQ32s")
 _END_V1 = struct.Struct("!4sQ32s")
 _BLOCK_MAGIC_V1, _END_MAGIC_V1 = b"RXB1", b"RXE1"
@@ -80,10 +53,9 @@ class ChecksumError(WireError):
 def crc32c(data: memoryview | bytes | np.ndarray) -> int:
     """CRC32C of a contiguous buffer, read where it lies (no copy).
 
-    ``google_crc32c.value`` refuses memoryviews and bytearrays but takes numpy arrays, so a
-    memoryview is handed over as a zero-copy uint8 array. (It holds the GIL except for ``bytes``
-    of 1 MiB or more, so a thread pool would not overlap it with receiving: call it inline.)
-    """
+    ``google_crc32c.value`` refuses memoryviews but takes numpy arrays: a memoryview goes over as a
+    zero-copy uint8 array. It holds the GIL below 1 MiB ``bytes``: a thread pool would not overlap
+    it with receiving, so call it inline."""
     if isinstance(data, memoryview | bytearray):
         data = np.frombuffer(data, np.uint8)
     return google_crc32c.value(data)
@@ -99,8 +71,6 @@ def resolve_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes
-
         kind = getattr(ml_dtypes, name, None)
         if kind is None:
             raise WireError(f"unknown dtype {name!r}") from None
@@ -218,7 +188,9 @@ END_FRAME_SIZE = _END.size
 
 def version_digest(manifest: Manifest, headers: Iterable[BlockHeader]) -> bytes:
     """sha256 over the manifest's arrays and every block header (region, size, CRC32C) in stream
-    order: one fingerprint of a whole version's content (or of one host's part of it)."""
+    order: the fingerprint of a version's content (or one host's part), the same for the same
+    weights blocked the same way in any version. It catches a damaged header or manifest the
+    per-block CRCs cannot see. Integrity only: authenticity is the bearer token's."""
     h = hashlib.sha256(_arrays_identity(manifest))
     for header in headers:
         h.update(header.encode())
