@@ -17,10 +17,9 @@ FinishReason = Literal["eos", "stop", "length"]
 class SamplingParams:
     """Per-request generation settings; ``validate`` names the bad field.
 
-    temperature 0 means greedy. ``top_k`` 0 and ``top_p`` 1.0 switch those filters off. The stop
-    set is the model's EOS ids (unless ``ignore_eos``) plus ``stop_token_ids``; the first stop
-    token or stop string ends the completion and is kept in it.
-    """
+    temperature 0 means greedy; ``top_k`` 0 and ``top_p`` 1.0 switch those filters off. The stop set
+    is the model's EOS ids (unless ``ignore_eos``) plus ``stop_token_ids``; the first stop token or
+    stop string ends the completion and is kept in it."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -95,10 +94,8 @@ class Completion:
 def prompt_seeds(seed: int, count: int) -> list[int]:
     """One seed per prompt, derived from ``seed`` and the prompt's index.
 
-    A seed is per request (the same seed draws the same random numbers whatever shares the
-    batch), so prompts given one shared seed would share their random streams: an evaluation
-    over many prompts needs a seed per prompt for its samples to be independent.
-    """
+    A seed is per request, so prompts given one shared seed would share their random streams: an
+    evaluation over many prompts needs a seed per prompt for its samples to be independent."""
     return [zlib.crc32(f"{int(seed)}:{i}".encode()) & 0x7FFFFFFF for i in range(count)]
 
 

@@ -1,9 +1,8 @@
 """Token sampling from logits with per-row temperature, top-k and top-p, and its log-probabilities.
 
 Pure and jittable: every knob is a per-row array, so one compiled program serves a batch of slots
-whose requests asked for different settings. Randomness comes from one key per row, so a row's
-draw never depends on which other rows share the batch.
-"""
+whose requests asked for different settings. One key per row: a row's draw never depends on
+which other rows share the batch."""
 
 from __future__ import annotations
 
@@ -19,14 +18,8 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     """Sets logits outside each row's top-k / top-p (nucleus) set to -inf.
 
     logits [B, V] float32; top_k [B] int (0 = off); top_p [B] float (1.0 = off). Ties at the
-    threshold are all kept. The most likely token always survives.
-
-    The k-th largest logit and the nucleus' smallest (the smallest logit whose strictly larger
-    tokens hold less than top_p of the mass) are each found by bisection over the logits' 2^32
-    orderable bit patterns: 32 rounds of a count and a masked sum over the row, exact, instead
-    of sorting the vocabulary (a sort of 16 rows of a 32k vocabulary took 96 ms on CPU, six
-    times the rest of the decode step).
-    """
+    threshold are all kept; the most likely token always survives. Both thresholds are found
+    exactly by bisection over the logits' 2^32 orderable bit patterns: no vocabulary sort."""
     vocab = logits.shape[-1]
     keys = _order_keys(logits)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -71,12 +64,9 @@ def sample_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row; returns (tokens [B] int32, log-probs [B] float32).
 
-    Rows with temperature <= 0 are greedy. The log-prob is that of the drawn token under the
-    distribution it was drawn from: softmax(logits / temperature) restricted to the top-k/top-p
-    set; for greedy rows, the model's own distribution softmax(logits). ``filtering`` and
-    ``sampling`` are static: False skips the vocabulary sort when no row uses top-k/top-p, and
-    the draw when every row is greedy.
-    """
+    Rows with temperature <= 0 are greedy. The log-prob is the drawn token's under the distribution
+    it was drawn from (the model's own for greedy rows). ``filtering`` and ``sampling`` are static:
+    False skips the top-k/top-p filter when no row uses it, the draw when every row is greedy."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     if not sampling:  # every row is greedy: no draw at all
@@ -107,12 +97,9 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 def _greedy(logits: jax.Array, block: int = DRAW_BLOCK // 2) -> tuple[jax.Array, jax.Array]:
     """(``greedy_tokens``, each row's maximum [B]).
 
-    Found in two levels, as ``inverse_cdf_draw`` draws: the maximum of each ``block``-token
-    block, then the first block holding the row's maximum, then the first index holding it
-    within that block. XLA:CPU runs ``argmax``'s paired value-index reduction unvectorised, and
-    a first-index reduction over the whole row (where(logits == max, iota, V)) cost 1.5 ms for
-    64 rows of a 32k vocabulary at every decode step, against 0.35 ms for these.
-    """
+    Found in two levels, as ``inverse_cdf_draw`` draws: each ``block``'s maximum, then the first
+    block holding the row's maximum, then the first index in it. XLA:CPU runs ``argmax``'s paired
+    value-index reduction unvectorised; a whole-row first-index reduction costs far more."""
     rows, vocab = logits.shape
     block = min(block, vocab)
     blocks = -(-vocab // block)
@@ -124,7 +111,7 @@ def _greedy(logits: jax.Array, block: int = DRAW_BLOCK // 2) -> tuple[jax.Array,
     j = jnp.argmax(holds, axis=-1)  # the first block holding the maximum
     within = jnp.take_along_axis(padded, j[:, None, None], axis=1)[:, 0]  # [B, block]
     index = j * block + jnp.argmax(within == best[:, None], axis=-1)
-    # a row of NaNs has no maximum: its last token, as before
+    # a row of NaNs has no maximum: its last token
     index = jnp.where(jnp.any(holds, axis=-1), index, vocab - 1)
     return index.astype(jnp.int32), best
 
@@ -132,12 +119,9 @@ def _greedy(logits: jax.Array, block: int = DRAW_BLOCK // 2) -> tuple[jax.Array,
 def inverse_cdf_draw(keys: jax.Array, logits: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
     """One exact draw per row from softmax(logits) by inverting its CDF with one uniform.
 
-    One random number per row instead of a Gumbel per vocabulary entry (that costs more than the
-    decode step itself on CPU for a 32k vocabulary). The CDF is inverted in two levels: the
-    running sums of ``block``-token blocks find the block, then that block's own running sum the
-    token, so no cumulative sum runs over the whole vocabulary (1.3 ms for 16 rows of 32k tokens
-    on CPU; a long serial scan on TPU). Entries at -inf have probability 0 and are never drawn.
-    """
+    One random number per row, not a Gumbel per vocabulary entry (dearer than a decode step on CPU).
+    The CDF is inverted in two levels (block sums find the block, its running sum the token): no
+    cumulative sum over the vocabulary (a long serial scan on TPU). -inf is never drawn."""
     rows, vocab = logits.shape
     block = min(block, vocab)
     blocks = -(-vocab // block)

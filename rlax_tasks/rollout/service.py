@@ -1,19 +1,8 @@
 """`rlax worker`: the inference worker as an HTTP service for the controller, plus its client.
 
-Endpoints (JSON): POST /v1/groups {"groups": [GroupRequest...]} queues work; GET /v1/results
-?wait_s=&max_groups= long-polls finished groups (each tagged with its weight version); POST
-/v1/reset drops all work (a restarted controller re-issues its in-flight prompts); GET /v1/status.
-Binds 127.0.0.1 unless told otherwise. Every call needs the run's token (``RLAX_PS_TOKEN``,
-rlax_tasks.services.http; the worker refuses to start without it) as ``Authorization: Bearer
-<token>`` (missing → 401, wrong → 403). The first stdout line is the URL.
-
-Bounds (DESIGN §13): a body over ``MAX_BODY_BYTES`` is refused (413) before it is read; a
-submission holds at most ``MAX_GROUPS`` groups of at most ``MAX_GROUP_SIZE`` completions each
-(``MAX_SAMPLES`` in all), each prompt within the sampler's ``max_len`` (400 naming the field);
-``wait_s`` lies in [0, ``MAX_WAIT_S``] (422). A long-poll waits on the event loop, not in a
-thread, so open polls never starve the other routes, and a SIGTERM ends it within
-``GRACEFUL_S``.
-"""
+POST /v1/groups queues work; GET /v1/results long-polls finished groups (on the event loop, so
+open polls never starve other routes); POST /v1/reset drops all work; GET /v1/status. Every call
+needs the run's bearer token; bodies and submissions are bounded (``MAX_*``, DESIGN §13)."""
 
 from __future__ import annotations
 
@@ -22,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +76,7 @@ def check_groups(raw: Any) -> list[GroupRequest]:
 
 def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     """The FastAPI application around a started ``InferenceWorker``; every call needs ``token``."""
-    from fastapi import HTTPException  # here: a colocated run imports this module, serves nothing
+    from fastapi import HTTPException  # lazy: a colocated run imports this module, serves nothing
 
     app = authorized_app("RLAX inference worker", token, max_body_bytes=max_body_bytes)
 
@@ -186,8 +176,6 @@ def _register(source: Any, url: str, wait_s: float) -> None:
     """Registers with the PS (DESIGN §6 GC rule), waiting while it is down (it may be
     restarting); a refused token, or a PS URL unreachable for ``wait_s``, is a configuration
     error (a service file that names no reachable PS yet is not: the job is retried)."""
-    import time
-
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -224,6 +212,7 @@ def parse_mesh_shape(text: str) -> tuple[int, int, int]:
 def worker_mesh(mesh_shape: str) -> Any:
     """The worker's (data, fsdp, tensor) mesh over this process's devices; None for one device
     (weights and cache then simply live on it)."""
+    # lazy: `rlax` and the controller import this module; only a worker loads JAX
     import jax
 
     from rlax_tasks.models import make_mesh
@@ -241,6 +230,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     token = service_token()  # before anything slow: no token, no worker (exit 2)
+    # lazy: `rlax` and the controller import this module; only a worker loads JAX
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
     from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
@@ -249,7 +239,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     policy = load_pretrained(args.model_dir, dtype=args.dtype, mesh=mesh)
     sampler = Sampler(policy, args.max_slots, args.max_len, decode_chunk=args.decode_chunk)
     if args.ps_url:
-        from rlax_tasks.paramserver import ParameterServerClient
+        from rlax_tasks.paramserver import ParameterServerClient  # lazy: JAX, as above
 
         source: Any = ParameterServerClient(args.ps_url, token, worker_id=args.worker_id)
         _register(source, args.ps_url, args.ps_wait_s)
