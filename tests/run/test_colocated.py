@@ -1,8 +1,8 @@
 """A colocated run (trainer, sampler, parameter server and controller in one process): kill -9 of
 the process at a random step, then the same command again, ends with the lineage and the weights
 of an uninterrupted run; the uninterrupted run, its newest snapshot and checkpoint then damaged,
-falls back to the newest ones that verify; `rlax run` runs it as one job and reports before/after
-from its mirror."""
+falls back to the newest ones that verify (`rlax run` of a colocated run with its report:
+tests/run/test_supervisor_ownership.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import pytest
 from rlax_tasks.config import ConfigError, RunConfig, load_config, save_resolved
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.models import load_pretrained
-from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import notices
 from tests.run.test_local_run import read_jsonl, small_config
 
@@ -161,18 +160,6 @@ def test_a_damaged_newest_snapshot_and_checkpoint_fall_back_and_every_step_train
     assert sorted(n.source for n in fallbacks) == ["controller", "trainer"]
     restored = f"restored the newest intact one, step {STEPS - 2}"
     assert restored in " ".join(n.message for n in fallbacks), fallbacks
-
-
-@pytest.mark.slow
-def test_rlax_run_runs_a_colocated_run_as_one_job_with_a_report(tmp_path, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "")
-    cfg = small_config(tmp_path, **{**COLOCATED, "eval.every_steps": 2, "eval.num_prompts": 8})
-    report = run_local(cfg, steps=4)
-    assert set(report["restarts"]) == {"colocated"}
-    assert report["after"]["version"] == 4 and "pass@1" in report["before"]
-    progress = read_jsonl(os.path.join(cfg.run_dir, "eval", "progress.jsonl"))
-    assert [r["step"] for r in progress][:1] == [0] and progress[-1]["version"] == 4
-    assert not os.path.exists(os.path.join(cfg.run_dir, "workers.json"))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 tiny preset (one colocated job) and of a disaggregated topology: kill -9 or SIGTERM of `rlax run`
 leaves no process behind (every descendant's PID collected before the kill), a second `rlax run`
 on a live run is refused, and after a kill -9 the same command takes the run over and resumes
-it. One finished 2-step run is shared by the module."""
+it. One finished 4-step run, started in this process with its evaluation, is shared by the
+module: its report is checked first, then the tests below go on from it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import psutil
 import pytest
 
 from rlax_tasks.cli import main
+from rlax_tasks.config import load_config
+from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
 from tests.compute.helpers import wait_for
@@ -106,16 +109,41 @@ def _none_left(procs: list[psutil.Process]) -> None:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Run:
+def reported(tmp_path_factory) -> tuple[Run, dict]:
+    """The run's first 4 steps through ``run_local`` (`rlax run` in this process), with the
+    settings of ``Run.argv`` and an evaluation every 2 steps; the run and its report."""
     from tests.tiny_model import save_char_model
 
     root = str(tmp_path_factory.mktemp("owned"))
     save_char_model(os.path.join(root, "model"))
     run = Run(root, os.path.join(root, "model"))
-    proc = run.start("--steps", "2")
-    assert proc.wait(timeout=600) == 0, run.output()[1][-3000:]
-    assert run.step() == 2
-    return run
+    cfg = load_config("tiny-arith", {
+        "run_root": os.path.join(root, "runs"), "run_id": run.run_id,
+        "model.path": run.model, "model.warmup_if_missing": False,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "workers.slots": 16,
+        "trainer.warmup_steps": 0, "eval.every_steps": 2, "eval.num_prompts": 8,
+    })  # fmt: skip
+    assert cfg.run_dir == run.run_dir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", "")  # the tests' 8 host devices would slow the job down
+        report = run_local(cfg, steps=4)
+    assert run.step() == 4
+    return run, report
+
+
+@pytest.fixture(scope="module")
+def finished(reported) -> Run:
+    return reported[0]
+
+
+def test_rlax_run_runs_a_colocated_run_as_one_job_with_a_report(reported):
+    run, report = reported
+    assert set(report["restarts"]) == {"colocated"}
+    assert report["after"]["version"] == 4 and "pass@1" in report["before"]
+    with open(os.path.join(run.run_dir, "eval", "progress.jsonl")) as f:
+        progress = [json.loads(line) for line in f if line.strip()]
+    assert [r["step"] for r in progress][:1] == [0] and progress[-1]["version"] == 4
+    assert not os.path.exists(os.path.join(run.run_dir, "workers.json"))
 
 
 def test_sigterm_stops_every_component_and_releases_the_run(finished):
