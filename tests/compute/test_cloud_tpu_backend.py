@@ -26,10 +26,12 @@ pytestmark = pytest.mark.slow
 SPEC = tpu_slice_spec("w0", "v5litepod-8", "v2-alpha-tpuv5-lite")
 
 
-@pytest.fixture
-def tpu(tmp_path):
-    """(backend, fake URL) with the run root on the GCS emulator."""
-    with gcs_emulator() as bucket, fake_cloud_tpu(str(tmp_path / "fake-logs")) as url:
+@pytest.fixture(scope="module")
+def tpu(tmp_path_factory):
+    """(backend, fake URL) with the run root on the GCS emulator, shared by the module: each
+    test tears down the slices it provisioned."""
+    logs = tmp_path_factory.mktemp("fake-logs")
+    with gcs_emulator() as bucket, fake_cloud_tpu(str(logs)) as url:
         settings = fake_backend_settings(url, run_root=f"{bucket}/runs", entrypoint=ENTRYPOINT)
         backend = get_backend("cloud_tpu", **settings)
         yield backend, url

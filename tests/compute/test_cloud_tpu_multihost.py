@@ -1,6 +1,7 @@
 """A 2-host slice (v4-16) through the cloud_tpu backend (real google-cloud-tpu REST client)
 against the fake API: every host runs the real infra/tpu/startup.sh, which pulls the image and
-runs the node agent through the docker stand-in; jobs run on the hosts their spec names."""
+runs the node agent through the docker stand-in; jobs run on the hosts their spec names. One
+slice is provisioned for the module; the last test preempts it and provisions it again."""
 
 import os
 import signal
@@ -29,9 +30,10 @@ SPEC = tpu_slice_spec("t0", "v4-16", "tpu-ubuntu2204-base")
 NODE = "projects/proj/locations/us-central2-b/nodes/t0"
 
 
-@pytest.fixture
-def tpu(tmp_path):
+@pytest.fixture(scope="module")
+def tpu(tmp_path_factory):
     """(backend, fake URL, handle of a READY v4-16 slice whose 2 agents have published)."""
+    tmp_path = tmp_path_factory.mktemp("multihost")
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
         settings = fake_backend_settings(
             url, run_root=str(tmp_path / "control"), entrypoint=ENTRYPOINT
