@@ -1,12 +1,8 @@
 """Outcome advantages (Adv slot of DESIGN §4): one value per sequence from rewards and groups.
 
-Groups are given by integer ``group_ids`` [B] (any values; rows of a group need not be
-contiguous). Statistics use segment sums over at most B groups. Rows that are not ``valid``
-(padding rows with an empty completion mask) are left out of every statistic and get 0.
-A group of size 1 has no baseline: its mean is its own reward and its std (ddof=1) is
-defined as 0, so grpo, dr_grpo and rloo all give it advantage 0. Every mode is an entry of
-``OUTCOME``, a function (rewards, group_ids, valid, eps) -> advantages [B].
-"""
+Groups are integer ``group_ids`` [B] (rows need not be contiguous); rows not ``valid`` (empty
+completion) are out of every statistic and get 0. A group of one has no baseline (std ddof=1 is
+0), so grpo, dr_grpo and rloo give it 0. ``OUTCOME``: (rewards, group_ids, valid, eps) -> [B]."""
 
 from __future__ import annotations
 

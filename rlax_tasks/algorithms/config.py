@@ -1,9 +1,8 @@
 """Objective configuration: one validated frozen dataclass and the algorithm presets as data.
 
-A preset is a named set of overrides of ``ObjectiveConfig``'s defaults; user overrides are
-applied on top with ``dataclasses.replace`` and every field is validated in ``__post_init__``,
-so an unknown name or a bad value raises ``ObjectiveConfigError`` (a ValueError) naming it.
-"""
+A preset is a named set of overrides of ``ObjectiveConfig``'s defaults; user overrides go on top
+(``dataclasses.replace``) and ``__post_init__`` validates every field, so an unknown name or a bad
+value raises ``ObjectiveConfigError`` (a ValueError) naming it."""
 
 from __future__ import annotations
 

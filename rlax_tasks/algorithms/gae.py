@@ -1,12 +1,8 @@
 """GAE advantages and the clipped value loss for PPO with a value head (Adv slot "gae").
 
-Conventions (token arrays aligned like ``models.forward.token_logprobs``): ``values[b, t]`` is
-V of the state *before* completion token t is emitted (the value head read at position t−1,
-the same shift as the log-probs). The outcome reward R_b is the reward of the last completion
-token of row b, every other completion token gets 0, and the state after the last completion
-token is terminal (value 0). Tokens outside the mask are skipped: the recursion runs over the
-completion tokens of each row in order, so masked gaps (e.g. tool outputs) are bridged.
-"""
+``values[b, t]``: V of the state before completion token t (the log-probs' shift). R_b goes to
+the last completion token, 0 to the others, and the state after it is terminal. The recursion
+runs over each row's completion tokens in order, bridging masked gaps (e.g. tool outputs)."""
 
 from __future__ import annotations
 

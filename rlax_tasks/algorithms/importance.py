@@ -1,10 +1,8 @@
 """Importance weights (IS slot of DESIGN §4) as lookup tables, always stop-gradient.
 
-Truncated IS (TIS) corrects for the sampler/trainer mismatch and staleness with the ratio of
-the trainer's old policy to the behaviour (sampler) policy (``BEHAVIOR_IS``); CISPO clips the
-current/old ratio (``RATIO_IS``). Each entry returns (weight, where it clipped or truncated as
-0/1) [B, T]. Log-ratios are capped before ``exp`` so huge mismatches never overflow.
-"""
+``BEHAVIOR_IS``: truncated IS by old/behaviour (sampler) policy, for mismatch and staleness;
+``RATIO_IS``: CISPO's clipped current/old ratio. Each returns (weight, clipped or truncated 0/1)
+[B, T]; log-ratios are capped before ``exp`` so huge mismatches never overflow."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The valid names of each slot of the DESIGN §4 objective, JAX-free.
 
-Every tuple is the key list of a lookup table of small JAX functions (named in the comment);
-``config.py`` validates against these tuples so a configuration loads without importing JAX, and
-each table module calls ``check_table`` on import, so a table and its names never drift apart.
-Adding a component: one function, one entry in its table, its name here.
-"""
+Each tuple is the key list of a table of small JAX functions: ``config.py`` validates against
+them without JAX, and each table module calls ``check_table`` on import so the two never drift.
+Adding a component: one function, one entry in its table, its name here."""
 
 from __future__ import annotations
 

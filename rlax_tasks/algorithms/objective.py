@@ -1,32 +1,8 @@
-"""The composable RL objective of DESIGN §4 and ``make_objective`` (presets + overrides).
-
-    J = Σ_b Σ_t m·sg[Agg·IS]·(sg[Adv]·GradTerm1 + GradTerm2),   loss = −J,   r = exp(logp − old)
-
-``Objective.loss`` is a pure function of (logp, batch): jit it, grad it; gradients flow through
-``logp`` only (every other input is stop-gradient). The gradient is exactly that of J; the
-loss VALUE of a clipped term (``ppo_clip``, ``gspo``) is the standard clipped surrogate
-−min(A·r, A·clip(r)) (with ``clip_ratio_c``: capped at −A·c for A < 0, verl's dual clip), as
-verl and TRL report it: clipped tokens add a stop-gradient constant.
-Each slot is a lookup table of small functions (aggregation.AGG, advantages.OUTCOME,
-importance.RATIO_IS / BEHAVIOR_IS, policy_terms.POLICY_TERMS / KL_TERMS), named in names.py.
-
-Batch keys (token arrays [B, T] aligned like ``models.forward.token_logprobs``):
-  required  "old_logprobs", "mask" (1 on completion tokens), "rewards" [B], "group_ids" [B] int
-  optional  "behavior_logprobs" (needed by behavior_is), "ref_logprobs" (needed when β > 0),
-            "values" (needed by adv="gae"),
-            "advantages" [B] or [B, T]: precomputed ``Objective.advantages`` of the full batch,
-            "num_sequences", "num_tokens": the full batch's counts for Agg,
-            the last three so a micro-batch's loss is its exact share of the full-batch loss.
-Rows whose mask is all zero are padding: not counted in B and out of every statistic.
-
-Metrics (float32 scalars, over completion tokens): loss, policy_loss, kl_loss; clip_frac
-(tokens whose PPO/GSPO mask is 0, or whose CISPO ratio is outside the clip range);
-dual_clip_frac (tokens with A < 0 and r > clip_ratio_c: capped by the dual clip);
-ratio_mean/max; is_weight_mean/max/p95 (the whole IS product) and is_truncated_frac (TIS at
-the cap); adv_mean/std/min/max; kl (k3 estimate, when ref_logprobs is given); num_tokens,
-num_sequences. The PPO value loss is separate (``value_loss``): the trainer adds it with its
-own coefficient.
-"""
+"""The composable RL objective of DESIGN §4 and ``make_objective`` (presets + overrides):
+J = Σ_b Σ_t m·sg[Agg·IS]·(sg[Adv]·GradTerm1 + GradTerm2), loss = −J, r = exp(logp − old).
+Gradients flow through ``logp`` only and are exactly J's; a clipped term's loss VALUE is the
+clipped surrogate verl and TRL report (dual clip included). Each slot is a lookup table named in
+``names.py``; the PPO value loss is separate (``value_loss``): the trainer weighs it."""
 
 from __future__ import annotations
 
@@ -105,7 +81,10 @@ class Objective:
 
     # ---------------------------------------------------------------- policy loss
     def loss(self, logp: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
-        """(−J, metrics) for per-token log-probs ``logp`` [B, T] of the current policy."""
+        """(−J, metrics) for the current policy's log-probs ``logp`` [B, T]. ``batch``:
+        "old_logprobs", "mask" [B, T] (1 on completion tokens; all-zero rows are padding),
+        "rewards" [B], int "group_ids" [B]; as configured "behavior_logprobs", "ref_logprobs",
+        "values"; "advantages", "num_sequences", "num_tokens" of the full batch: exact shares."""
         c = self.config
         logp = jnp.asarray(logp).astype(jnp.float32)
         if logp.ndim != 2:
@@ -209,11 +188,9 @@ class Objective:
 
     # ---------------------------------------------------------------- value loss
     def value_loss(self, values: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
-        """Clipped value loss of value-head outputs ``values`` [B, T] against GAE returns.
-
-        Returns use the rollout-time values ``batch["values"]`` (stop-gradient), which are also
-        the clipping anchor; aggregated with the config's Agg weights.
-        """
+        """Clipped value loss of value-head outputs ``values`` [B, T] against GAE returns, both
+        from the rollout-time ``batch["values"]`` (stop-gradient; also the clipping anchor),
+        aggregated with the config's Agg weights."""
         c = self.config
         values = jnp.asarray(values).astype(jnp.float32)
         shape = tuple(values.shape)
@@ -262,9 +239,6 @@ def _advantages(c: ObjectiveConfig, batch: Batch) -> Array:
 
 
 def make_objective(name: str, **overrides: Any) -> Objective:
-    """The objective of preset ``name`` (grpo, dapo, ...) with field ``overrides``.
-
-    Unknown preset or field, or an invalid value, raises ``ObjectiveConfigError`` (ValueError)
-    naming it and listing the valid ones.
-    """
+    """The objective of preset ``name`` (grpo, dapo, ...) with field ``overrides``; an unknown
+    preset or field, or an invalid value, raises ``ObjectiveConfigError`` naming it."""
     return Objective(name=name, config=preset_config(name, **overrides))

@@ -1,12 +1,8 @@
-"""Gradient terms of DESIGN §4 as lookup tables: GradTerm1 (``POLICY_TERMS``, multiplied by the
-advantage) and GradTerm2 (``KL_TERMS``, KL to a reference policy).
-
-Each entry returns per-token values [B, T] whose gradient with respect to ``logp`` is the
-DESIGN §4 one; masks and clipping decisions are stop-gradient. A clipped term's VALUE is the
-standard clipped surrogate (what verl and TRL report): where the mask zeroes the gradient, a
-stop-gradient constant (the clipped ratio, or the dual-clip bound) stands in for the ratio.
-Adding a term: one function below, one entry in its table, its name in ``names.py``.
-"""
+"""Gradient terms of DESIGN §4 as lookup tables: GradTerm1 (``POLICY_TERMS``, times the advantage)
+and GradTerm2 (``KL_TERMS``, KL to a reference policy). Each returns per-token values [B, T] with
+the DESIGN §4 gradient in ``logp``; masks and clip decisions are stop-gradient, and a clipped
+term's VALUE is the clipped surrogate verl and TRL report (a constant where the gradient is 0).
+Adding a term: one function, one entry in its table, its name in ``names.py``."""
 
 from __future__ import annotations
 
