@@ -1,10 +1,7 @@
 """Airflow integration: operators (provision, run `rlax` jobs, teardown) and their triggers.
 
-``from rlax_tasks.airflow import ProvisionSliceOperator, RlaxJobOperator, TeardownSliceOperator``
-(see ``operators`` for behaviour and error classes) and ``JobStateTrigger``,
-``SliceReadyTrigger`` (see ``triggers``). Names are resolved lazily so that the triggerer, which
-imports ``rlax_tasks.airflow.triggers``, never loads the operator module.
-"""
+Names resolve lazily (``operators``, ``triggers``), so the triggerer, which imports
+``rlax_tasks.airflow.triggers``, never loads the operator module."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """What a person sees of an `rlax airflow train` run while it goes: one line per task
 transition, the training status line, new notices, and the end of a failed task's log.
 
-``DagRunWatcher`` is a thread beside ``dag.test()`` (which runs the tasks and their triggers in
-the main thread). Every ``poll_s`` it reads the task states (``metadata_task_states``: the
-Airflow metadata database), the run's files for the status line
-(``rlax_tasks.run.progress.status_line``) and notices.jsonl, and, for a failed task, the end of
-its lines in the Airflow log file. It never writes anything but its lines to ``out``.
-"""
+``DagRunWatcher`` is a thread beside ``dag.test()``: every ``poll_s`` it reads the task states
+from Airflow's metadata database and the run's files. It writes nothing but its lines."""
 
 from __future__ import annotations
 
@@ -46,10 +42,8 @@ TaskStates = Callable[[], dict[str, str]]
 class DagRunWatcher(threading.Thread):
     """Prints the progress of one DAG run to ``out`` (see the module docstring).
 
-    ``task_states``: returns {task id (``id[i]`` when mapped): state}; ``steps``: the run's
-    total training steps; ``airflow_log``: the file holding the task logs (None: no tails,
-    e.g. with ``-v`` where the logs are on the terminal already).
-    """
+    ``task_states``: returns {task id (``id[i]`` when mapped): state}; ``steps``: the run's total
+    training steps; ``airflow_log``: the file of the task logs (None: no tails)."""
 
     def __init__(
         self,
@@ -218,6 +212,7 @@ def _size(path: str | None) -> int:
 def metadata_task_states(dag_id: str) -> TaskStates:
     """Task states of the newest run of ``dag_id`` created after this call, read from the
     Airflow metadata database (a short session per call, from any thread)."""
+    # lazy: Airflow reads its settings when imported; `rlax airflow train` makes them first
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session

@@ -1,15 +1,8 @@
 """`rlax airflow train`: the rlax_train DAG run through Airflow on this machine.
 
-Runs the real DAG file with ``dag.test()`` (Airflow's own local runner: every task in this
-process, deferred triggers inline, SQLite metadata under ``AIRFLOW_HOME``), with the local
-compute backend: the same tasks, operators, triggers and retries as on a deployment, no
-scheduler or web server needed. For the UI, run ``airflow standalone`` (docs/operations.md).
-
-The terminal shows what a person needs (``dag_watch``): a line per task transition, the training
-status line, notices, a failed task's last log lines, and at the end a before/after table of
-held-out pass@k. Airflow's own logs, the task logs and warnings go to the run's
-``logs/airflow.log`` (``rlax -v`` keeps them on the terminal).
-"""
+Runs the real DAG file with ``dag.test()`` (every task in this process, triggers inline, SQLite
+metadata under ``AIRFLOW_HOME``) on the local backend; the terminal shows ``dag_watch``'s lines
+and a before/after pass@k table, Airflow's own logs go to the run's ``logs/airflow.log``."""
 
 from __future__ import annotations
 
@@ -21,6 +14,10 @@ import os
 import sys
 from typing import Any, TextIO
 
+import yaml
+
+from rlax_tasks.airflow.dag_watch import DagRunWatcher, metadata_task_states
+from rlax_tasks.config import load_config
 from rlax_tasks.evaluation.history import evaluated_versions, read_overall
 from rlax_tasks.run.progress import format_duration
 from rlax_tasks.rundir.paths import run_paths
@@ -61,22 +58,18 @@ def run_train_dag(
     out: TextIO | None = None,
     airflow_log: str | None = None,
 ) -> dict[str, Any]:
-    """Runs rlax_train with Params ``conf``; returns {"state", "tasks", "run_dir", "eval",
-    "before", "training_seconds"} ("eval"/"before": the newest and the v0 evaluation, when
-    present).
-
-    ``out``: where task transitions, the training status line and notices are printed while it
-    runs (None: nowhere); ``airflow_log``: the file Airflow's logs go to (for a failed task's
-    last lines)."""
+    """Runs rlax_train with Params ``conf``; returns {"state", "tasks", "run_dir", "eval", "before",
+    "training_seconds"} ("eval"/"before": the newest and the v0 evaluation, when present).
+    ``out``: where progress lines are printed while it runs (None: nowhere); ``airflow_log``: the
+    file Airflow's logs go to (for a failed task's last lines)."""
     _check_dags_folder(dags_folder)
     if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != airflow_home:
         log.warning("Airflow was imported before its settings were made; they may not apply")
     _setup_env(airflow_home, dags_folder, run_root)
     os.makedirs(airflow_home, exist_ok=True)
+    # lazy: Airflow reads its settings when imported, so only after _setup_env
     from airflow.dag_processing.dagbag import DagBag
     from airflow.utils import db
-
-    from rlax_tasks.airflow.dag_watch import DagRunWatcher, metadata_task_states
 
     log.info("Airflow metadata database under %s", airflow_home)
     db.initdb()  # creates or upgrades the SQLite database; a no-op when current
@@ -120,15 +113,10 @@ def run_train_dag(
 
 
 class _QuietTerminal:
-    """Sends everything Python writes (Airflow's logs and task logs, warnings, third-party
-    messages) to ``path`` while it is active; the command writes its own lines to the terminal
-    stream it kept.
-
-    Python-level: ``sys.stdout``/``sys.stderr`` are replaced (Airflow configures its handlers and
-    structlog at import, after this, so they write to the file), and every logging handler
-    already writing to the terminal is pointed at the file. Subprocesses (the run's jobs) have
-    log files of their own.
-    """
+    """Sends everything Python writes (Airflow's logs and task logs, warnings) to ``path`` while
+    active; the command keeps the terminal stream for its own lines. ``sys.stdout``/``sys.stderr``
+    are replaced before Airflow configures its handlers, and handlers already on the terminal are
+    pointed at the file. Subprocesses (the run's jobs) have log files of their own."""
 
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -200,10 +188,6 @@ def _summary(result: dict[str, Any], ks: list[int], run_root: str) -> str:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    import yaml
-
-    from rlax_tasks.config import load_config
-
     overrides: dict[str, Any] = {}
     for item in args.set or []:
         key, sep, value = item.partition("=")

@@ -1,32 +1,8 @@
 """Airflow operators that provision slices, run `rlax` jobs on them, and tear them down.
 
-```python
-slice_ = ProvisionSliceOperator(task_id="provision", backend="local", backend_settings={...},
-                                name="rlax-r1-main", accelerator_type="cpu", labels={...})
-job = RlaxJobOperator(task_id="trainer", backend="local", backend_settings={...},
-                      slice_handle=slice_.output, argv=["trainer", ...], env={...})
-done = TeardownSliceOperator(task_id="teardown", backend="local", backend_settings={...},
-                             slice_handle=slice_.output)       # trigger_rule="all_done"
-```
-- ``ProvisionSliceOperator`` returns the slice handle dict (XCom). While the slice is
-  PROVISIONING it defers to ``SliceReadyTrigger`` (``deferrable=True``) or polls.
-- ``RlaxJobOperator`` starts ``rlax <argv>`` on the slice and defers to ``JobStateTrigger``; it
-  returns ``{"job": <job handle>, "exit_code": 0, "message"}`` when the job SUCCEEDED. A job
-  that was PREEMPTED (slice reclaimed, process killed, heartbeat missing) raises
-  ``JobPreemptedError`` and any other failure ``JobFailedError`` (both retryable
-  ``AirflowException``s); a configuration error (`rlax` exit code 2) raises
-  ``AirflowFailException`` (no retries). On a retry, a slice that is no longer usable is
-  provisioned again from the spec in its handle (``backend.provision`` is idempotent by name,
-  so jobs sharing a slice re-provision it once), and the job starts again: RLAX components
-  resume from the newest checkpoint and controller snapshot by themselves.
-- ``ProvisionSlicesOperator`` provisions a run's slices at once (a trainer slice and worker
-  slices) and returns ``{role: handle, "all": [handles]}`` once all are READY.
-- ``TeardownSliceOperator`` deletes the slice, or each of a list of slices (idempotent; a
-  missing handle is a no-op).
-
-Backends are named (``"local"`` or ``"cloud_tpu"``) with JSON settings, so operators and
-triggers rebuild them anywhere (see ``rlax_tasks.compute.get_backend``).
-"""
+Backends are named (``"local"``, ``"cloud_tpu"``) with JSON settings, so tasks and triggers
+rebuild them anywhere (``rlax_tasks.compute.get_backend``). A retry re-provisions a lost slice
+(idempotent by name) and starts the job again: RLAX components resume by themselves."""
 
 from __future__ import annotations
 
@@ -324,16 +300,11 @@ def start_jobs(
 
 
 class RlaxJobOperator(_BackendOperator):
-    """Runs ``rlax <argv>`` on a slice until it ends; see the module docstring for outcomes.
+    """Runs ``rlax <argv>`` on a slice until it ends; returns ``{"job", "exit_code", "message"}``.
 
-    With ``started_jobs`` (the output of ``start_jobs``) the job may already run: on the first
-    try its state is taken as is (a job that already failed is reported, not restarted), and
-    the watch also ends when the ``done_when`` job (the run's controller) has succeeded or the
-    ``done_marker`` object exists (the run's DONE, which also holds after a re-provisioned slice
-    gave the controller a new handle) — the operator then stops its own job — or when another
-    started job stays down for
-    ``sibling_grace_s`` (the task reschedules itself and uses no retry; see ``JobStateTrigger``).
-    """
+    PREEMPTED raises ``JobPreemptedError``, other failures ``JobFailedError`` (retryable), exit 2
+    ``AirflowFailException``. With ``started_jobs`` the job may already run (taken as is on the
+    first try); the watch also ends on ``done_when``, ``done_marker`` or a lost sibling."""
 
     template_fields = (
         "slice_handle", "argv", "env", "job_name", "run_root", "started_jobs", "hosts",

@@ -1,22 +1,8 @@
 """Deferrable-operator triggers: poll a job's or a slice's state from the Airflow triggerer.
 
-Both triggers rebuild the backend from ``(backend_name, backend_settings)`` inside ``run()`` and
-call its blocking methods in a thread (``asyncio.to_thread``), so one triggerer process watches
-many jobs. This module imports only Airflow's trigger base and ``rlax_tasks.compute`` (no JAX,
-no cloud client at import time), as the triggerer requires.
-
-Event payloads (JSON):
-- ``JobStateTrigger``: ``{"state": "SUCCEEDED"|"FAILED"|"PREEMPTED"|"ERROR"|"DONE"|
-  "SIBLING_LOST", "message", "exit_code", "job": <job handle dict>}``. ERROR: the state could
-  not be read ``max_consecutive_errors`` times in a row (the operator retries). DONE: the job
-  named by ``done_when`` (the run's controller) has SUCCEEDED, so this service is no longer
-  needed. SIBLING_LOST: another job of the run (``siblings``) has not been RUNNING for
-  ``sibling_grace_s`` — its own task should have restarted it by then; this watcher gives way
-  (Airflow's ``dag.test()`` runs deferred triggers one at a time, inline, so a watcher that
-  kept waiting there would keep the dead job's task from ever running).
-- ``SliceReadyTrigger``: ``{"state": "READY"|"PREEMPTED"|"FAILED"|"DELETED"|"ERROR", "message",
-  "slice": <slice handle dict>}``.
-"""
+Both rebuild the backend from ``(backend_name, backend_settings)`` in ``run()`` and call its
+blocking methods in a thread, so one triggerer watches many jobs. Events are JSON: ``{"state",
+"message", "exit_code", "job"}`` or ``{"state", "message", "slice"}``. No JAX, no cloud client."""
 
 from __future__ import annotations
 
@@ -29,6 +15,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from rlax_tasks.compute import JobState, SliceState, get_backend
+from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 60.0
@@ -92,11 +79,10 @@ class _PollingTrigger(BaseTrigger):
 
 
 class JobStateTrigger(_PollingTrigger):
-    """Fires once the job is no longer RUNNING (succeeded, failed, or preempted), once the run
-    is complete — the ``done_marker`` object exists (checked first: whoever writes it may stop
-    this job next) or the ``done_when`` job has succeeded — or once a sibling job has been down
-    past the grace time. The marker survives re-provisioned slices, whose jobs have new
-    handles; ``done_when`` and ``siblings`` are the handles started with the run."""
+    """Fires once the job is no longer RUNNING, once the run is complete (DONE: the ``done_marker``
+    object exists, checked first, or the ``done_when`` job succeeded), or once a sibling job was
+    down past ``sibling_grace_s`` (SIBLING_LOST: ``dag.test()`` runs triggers one at a time, so a
+    watcher that kept waiting would block the dead job's task); ERROR after repeated failures."""
 
     def __init__(
         self,
@@ -133,8 +119,6 @@ class JobStateTrigger(_PollingTrigger):
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         if self.done_marker is not None:
-            from rlax_tasks.rundir import storage
-
             if storage.exists(self.done_marker):
                 return self._event("DONE", f"{self.done_marker} exists: the run is complete")
         status = backend.job_state(self.job_handle)
