@@ -17,14 +17,8 @@ from rlax_tasks.models import Policy, load_pretrained
 from rlax_tasks.models.reference_decode import greedy_decode
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
-from rlax_tasks.rollout.sampler import (
-    _fold_in_rows,
-    admission_rows,
-    admission_sizes,
-    decode_window,
-    prompt_bucket,
-    request_keys,
-)
+from rlax_tasks.rollout.kernels import fold_in_rows, request_keys
+from rlax_tasks.rollout.shapes import admission_rows, admission_sizes, decode_window, prompt_bucket
 from tests.models.hf_models import tiny_hf_model
 from tests.rollout.prefill_rows import record_prefill_rows
 from tests.tiny_model import tiny_model_config
@@ -168,10 +162,10 @@ def test_request_keys_are_fold_in_of_the_seed_key_and_sample_index():
     np.testing.assert_array_equal(request_keys(seeds, indices), np.stack(expected))
     assert request_keys([], []).shape == (0, 2)
     # admissions of any size compile once per power of two, not once per size
-    before = _fold_in_rows._cache_size()
+    before = fold_in_rows._cache_size()
     for n in range(1, 33):
         assert request_keys(list(range(n)), [1] * n).shape == (n, 2)
-    assert _fold_in_rows._cache_size() - before <= 6
+    assert fold_in_rows._cache_size() - before <= 6
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(sampler, prompts):
@@ -340,9 +334,9 @@ sampler = Sampler(policy, max_slots=16, max_len=96, precompile=sys.argv[2] == "o
 short = dict(max_new_tokens=4, temperature=1.0)
 distinct = lambda n: [[5, 6, 7 + i] for i in range(n)]  # (equal prompts share a prefill row)
 sampler.generate(distinct(8), **short)  # 8 rows, window 64: one size so far
-print("after one size:", sum(t.is_alive() for t in sampler._precompiling))
+print("after one size:", sum(t.is_alive() for t in sampler._precompiler.threads))
 sampler.generate(distinct(3), **short)  # 4 rows: two sizes, as a whole-batch start can give
-print("after two sizes:", sum(t.is_alive() for t in sampler._precompiling))
+print("after two sizes:", sum(t.is_alive() for t in sampler._precompiler.threads))
 sampler.generate(distinct(2), **short)  # 2 rows: sizes vary, the others (1, 16) follow
 # a request that will reach 73 cache entries (window 96): one decode chunk, then dropped
 long = SamplingParams(max_new_tokens=70, temperature=1.0, ignore_eos=True)
@@ -406,7 +400,7 @@ sampler = Sampler(policy, max_slots=64, max_len=96)
 sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)
 sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)  # a second size
 sampler.generate([[5, 6, 7]] * 12, max_new_tokens=4, temperature=1.0)  # a third: 32, 64 follow
-print("alive:", any(t.is_alive() for t in sampler._precompiling))
+print("alive:", any(t.is_alive() for t in sampler._precompiler.threads))
 """
 
 

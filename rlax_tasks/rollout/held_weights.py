@@ -1,0 +1,69 @@
+"""Copies of a policy's weights that a sampler keeps in the layouts its decode reads fastest.
+
+Only on a CPU without a mesh, where XLA:CPU's reads of the stacked layers and of a tied embedding
+cost copies at every token; accelerators keep the one copy of their scarcer memory."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+
+from rlax_tasks.models.policy import Policy
+
+_UNEMBEDDING = jax.jit(
+    lambda graphdef, params: nnx.merge(graphdef, params).unembedding(), static_argnums=0
+)
+_UNSTACK_LAYERS = jax.jit(
+    lambda graphdef, params: nnx.merge(graphdef, params).unstack_layers(), static_argnums=0
+)
+
+
+class HeldWeights(NamedTuple):
+    """A sampler's copies of weights (``held_weights``); None where it uses the policy's own."""
+
+    unembedding: jax.Array | None  # [D, V] (``held_unembedding``)
+    layers: tuple[nnx.State, ...] | None  # each decoder layer's own arrays (``held_layers``)
+
+    def delete(self) -> None:
+        """Frees the copies' device buffers (before new weights are placed)."""
+        for a in jax.tree.leaves(tuple(self)):
+            a.delete()
+
+
+def weights_device(policy: Policy) -> jax.Device:
+    """The device a policy's weights are on (one of them when sharded)."""
+    return next(iter(jax.tree.leaves(policy.params)[0].devices()))
+
+
+def _holds_copies(policy: Policy) -> bool:
+    """Whether a sampler keeps decode-layout copies of ``policy``'s weights: on a CPU without a
+    mesh (where they were measured to pay); accelerators keep the one copy."""
+    return policy.mesh is None and weights_device(policy).platform == "cpu"
+
+
+def held_weights(policy: Policy) -> HeldWeights:
+    """The copies a sampler of ``policy`` holds (``HeldWeights``)."""
+    return HeldWeights(held_unembedding(policy), held_layers(policy))
+
+
+def held_layers(policy: Policy) -> tuple[nnx.State, ...] | None:
+    """Each decoder layer's weights as arrays of their own, run one after the other by decode,
+    or None (decode scans the stacked layers). XLA:CPU copies the slices a scan takes of the
+    stacked weights before its matmuls read them, at every token; this costs one more copy of
+    the layer weights and a decode program unrolled over the layers (longer to compile)."""
+    if not _holds_copies(policy):
+        return None
+    with policy._scope():
+        return _UNSTACK_LAYERS(policy.graphdef, policy.params)
+
+
+def held_unembedding(policy: Policy) -> jax.Array | None:
+    """The [D, V] output projection a sampler keeps, or None (the model's): a transposed copy of
+    a tied [V, D] embedding, which XLA:CPU's dot otherwise reads transposed at every token, for
+    V x D more memory. Untied models hold their lm head as [D, V] already."""
+    if not policy.config.tie_word_embeddings or not _holds_copies(policy):
+        return None
+    with policy._scope():
+        return _UNEMBEDDING(policy.graphdef, policy.params)
