@@ -14,7 +14,7 @@ from rlax_tasks.models import CheckpointError, ModelConfigError
 from rlax_tasks.paramserver import add_ps_parser
 from rlax_tasks.rewards.service import add_verify_parser
 from rlax_tasks.rollout.service import add_worker_parser
-from rlax_tasks.run import add_run_parser
+from rlax_tasks.run.cli import add_run_parser
 from rlax_tasks.run.export import add_export_parser
 from rlax_tasks.run.supervisor import ComponentFailed
 from rlax_tasks.run.trainer_process import add_trainer_parser

@@ -1,5 +1,4 @@
-"""`rlax run`: the whole system as local processes under a supervisor, and its report."""
+"""`rlax run`: the whole system as local processes under a supervisor, and its report.
 
-from rlax_tasks.run.cli import add_run_parser
-
-__all__ = ["add_run_parser"]
+The package imports nothing itself: Airflow's light modules import ``run.progress`` without
+the launch path (``run.cli`` registers the commands)."""

@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
+
+import yaml
+
+from rlax_tasks.config import load_config
+from rlax_tasks.controller.service import add_controller_parser
+from rlax_tasks.run.colocated import add_colocated_parser
+from rlax_tasks.run.local_run import run_local
+from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
+from rlax_tasks.run.supervisor import Interrupted
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    import sys
-
-    from rlax_tasks.config import load_config
-    from rlax_tasks.run.local_run import run_local
-    from rlax_tasks.run.supervisor import Interrupted
-
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive number of training steps, got {args.steps}")
     overrides = {}
@@ -25,8 +29,6 @@ def _run_command(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
-        import yaml
-
         overrides[key] = yaml.safe_load(value)
     cfg = load_config(args.config or args.preset, overrides)
     if args.dry_run:
@@ -57,8 +59,6 @@ def _run_command(args: argparse.Namespace) -> int:
 def _dry_run(cfg: Any, model_config: str | None) -> int:
     """Prints the placement and the memory plan; starts nothing, reads nothing remote.
     A plan that does not fit raises PlanDoesNotFit (exit 2, the message says what to change)."""
-    from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
-
     plan = memory_plan(cfg, model_config, offline=True)
     print(dry_run_text(cfg, plan), flush=True)
     plan.check()
@@ -67,9 +67,6 @@ def _dry_run(cfg: Any, model_config: str | None) -> int:
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax run`, `rlax controller` and `rlax colocated`."""
-    from rlax_tasks.controller.service import add_controller_parser
-    from rlax_tasks.run.colocated import add_colocated_parser
-
     p = sub.add_parser("run", help="run the whole RL loop locally (the main job)")
     p.add_argument("--preset", default="tiny-arith", help="a preset name (default tiny-arith)")
     p.add_argument("--config", help="a run config YAML instead of a preset")

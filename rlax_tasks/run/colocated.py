@@ -1,22 +1,8 @@
 """`rlax colocated`: a whole run in one process on one host's devices (placement.mode colocated).
 
-The trainer, a sampler, the parameter server and the controller share the process and the
-trainer's devices (DESIGN §12). The sampler takes each new version straight from the trainer's
-arrays — cast to the compute dtype and placed on the sampler's own shardings, device to device:
-no serialization, no network, no parameter-server round trip.
-
-Everything that makes a run recoverable is the disaggregated layout's own code: the
-``Controller`` (snapshots, lineage, ``rollouts/``, replay), the ``TrainerService`` (idempotent
-numbered steps, checkpoints) and the ``InferenceWorker`` (staleness j and k, version-tagged
-groups). kill -9 of the process and the same command again resume exactly: the trainer restores
-its newest checkpoint and replays the steps after it from ``rollouts/`` up to the controller's
-snapshot before the sampler takes its first weights, then the controller restores its snapshot.
-
-The parameter server is the run's face to the outside (the held-out progress of ``rlax run``,
-``rlax eval``, the rlax_train DAG's evaluation): it receives every ``eval.every_steps``-th
-version and the last one, and mirrors them to ``run_dir/weights`` as in the disaggregated
-layout. Nothing inside the run reads it.
-"""
+Trainer, sampler, parameter server and controller share the process (DESIGN §12); the sampler
+takes each version from the trainer's arrays device to device. Recovery is the disaggregated
+code's own: after kill -9 the same command resumes exactly. Nothing inside reads the PS."""
 
 from __future__ import annotations
 
@@ -32,6 +18,24 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from rlax_tasks.config import load_config
+from rlax_tasks.controller.rollouts import read_step_batch
+from rlax_tasks.controller.service import make_controller
+from rlax_tasks.controller.snapshot import SnapshotStore
+from rlax_tasks.paramserver import ParameterServerClient
+from rlax_tasks.paramserver.client import VersionConflictError
+from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
+from rlax_tasks.process.host_malloc import tune_if_host_compute
+from rlax_tasks.rollout.service import worker_mesh
+from rlax_tasks.run.compilation_cache import enable_in_process
+from rlax_tasks.rundir import lock as run_lock
+from rlax_tasks.rundir import notices
+from rlax_tasks.services.endpoints import add_address_args, bind_host, publish
+from rlax_tasks.services.http import run_token
+from rlax_tasks.trainer.service import TrainerService, step_arrays
 from rlax_tasks.utils.byte_sizes import parse_bytes_arg
 
 log = logging.getLogger(__name__)
@@ -43,11 +47,9 @@ IDLE_S = 0.005  # the longest the driver waits between two rounds of the control
 class TrainerWeights:
     """The sampler's ``WeightSource`` in a colocated run: the trainer's current weights.
 
-    ``pull`` casts them to the compute dtype and places them on the sampler's shardings (always
-    fresh buffers: the trainer's next step donates its own), under the trainer service's lock,
-    so a step never runs while they are read. ``advanced()`` wakes a pull waiting for a newer
-    version than the trainer has.
-    """
+    ``pull`` casts them to the compute dtype onto the sampler's shardings as fresh buffers (the
+    trainer's next step donates its own), under the trainer service's lock, so no step runs while
+    they are read. ``advanced()`` wakes a pull waiting for a newer version."""
 
     fresh_arrays = True  # pulls are new device arrays on the sampler's shardings: donated
 
@@ -69,8 +71,6 @@ class TrainerWeights:
     def pull(self, min_version: int | None = None, *, like: Any = None) -> tuple[int, Any]:
         """(version, weights on the sampler's shardings); waits up to ``wait_s`` for
         ``min_version`` (TimeoutError: the worker keeps generating and asks again)."""
-        import jax
-
         if self.service.trainer.stopped is not None:  # (its weights may be non-finite)
             raise TimeoutError(f"training stopped: {self.service.trainer.stopped}")
         deadline = time.monotonic() + self.wait_s
@@ -92,8 +92,6 @@ class TrainerWeights:
         return version, params
 
     def _fresh(self, a: Any, sharding: Any) -> Any:
-        import jax
-
         b = a.astype(self.dtype) if a.dtype != self.dtype else a
         # a cast made a buffer of its own; the trainer's array itself is copied
         return jax.device_put(b, sharding, may_alias=None if b is not a else False)
@@ -133,10 +131,6 @@ def publish_steps(cfg: Any, steps: int) -> set[int]:
 def catch_up(service: Any, run_dir: str) -> int:
     """Replays the steps between the trainer's checkpoint and the controller's newest snapshot
     from ``rollouts/`` (the sampler then starts at the snapshot's version); returns how many."""
-    from rlax_tasks.controller.rollouts import read_step_batch
-    from rlax_tasks.controller.snapshot import SnapshotStore
-    from rlax_tasks.trainer.service import step_arrays
-
     snap = SnapshotStore(run_dir, keep=None).load_latest()
     target = 0 if snap is None else snap.step
     start = service.step
@@ -154,11 +148,9 @@ def catch_up(service: Any, run_dir: str) -> int:
 def sampler_policy(trainer_policy: Any, mesh_shape: Sequence[int], dtype: str) -> Any:
     """The sampler's policy: the trainer's model in the compute dtype on the sampler's mesh
     (``workers.mesh_shape`` over this process's devices; None for one device)."""
-    import jax
-
+    # lazy: every `rlax` command imports this module; only `rlax colocated` loads the model
     from rlax_tasks.models.policy import cast_params
     from rlax_tasks.models.sharding import param_shardings
-    from rlax_tasks.rollout.service import worker_mesh
 
     mesh = worker_mesh(",".join(str(s) for s in mesh_shape))
     params = cast_params(trainer_policy.params, dtype)
@@ -191,12 +183,11 @@ class ColocatedRun:
     # ------------------------------------------------------------------ start
     def start(self) -> ColocatedRun:
         """Trainer (restored, caught up to the snapshot), parameter server, sampler, controller."""
+        # lazy: every `rlax` command imports this module; only `rlax colocated` loads these
         from rlax_tasks.algorithms import make_objective
-        from rlax_tasks.controller.service import make_controller
         from rlax_tasks.models import load_pretrained
         from rlax_tasks.rollout.sampler import Sampler
         from rlax_tasks.rollout.worker import InferenceWorker
-        from rlax_tasks.trainer.service import TrainerService
         from rlax_tasks.trainer.trainer import Trainer
 
         cfg = self.cfg
@@ -214,8 +205,6 @@ class ColocatedRun:
         self.replayed = catch_up(self.service, cfg.run_dir)
         spolicy = sampler_policy(trainer.policy(), cfg.workers.mesh_shape, cfg.model.dtype)
         sampler = Sampler(spolicy, cfg.workers.slots, cfg.workers.max_len)
-        import jax
-
         shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
         self.weights = TrainerWeights(self.service, shardings, cfg.model.dtype)
         self.worker = InferenceWorker(
@@ -228,11 +217,6 @@ class ColocatedRun:
         return self
 
     def _start_parameter_server(self) -> None:
-        from rlax_tasks.paramserver import ParameterServerClient
-        from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
-        from rlax_tasks.services.endpoints import bind_host
-        from rlax_tasks.services.http import run_token
-
         token = run_token()  # the run's RLAX_PS_TOKEN (or a new one: then only this process has it)
         config = ServerConfig(
             token=token,
@@ -246,8 +230,6 @@ class ColocatedRun:
 
     # ------------------------------------------------------------------ run
     def _train_step(self, batch: Any) -> int:
-        from rlax_tasks.trainer.service import step_arrays
-
         out = self.service.train(batch.version, step_arrays(batch))
         self.weights.advanced()
         version = int(out["version"])
@@ -257,8 +239,7 @@ class ColocatedRun:
 
     def publish(self) -> None:
         """Pushes the trainer's current version to the parameter server (unless it has it)."""
-        from rlax_tasks.models.policy import cast_params
-        from rlax_tasks.paramserver.client import VersionConflictError
+        from rlax_tasks.models.policy import cast_params  # lazy: as in start()
 
         version = self.service.step
         if self.service.trainer.stopped is not None:  # never push what a stop left behind
@@ -282,8 +263,8 @@ class ColocatedRun:
                 lock.check()
             progressed = self.controller.iterate(last_step=steps)
             if not progressed and not self.controller.wait_for_scoring(IDLE_S):
-                # woken by the sampler's next finished group (a lockstep step waits for its
-                # whole batch: a fixed 5 ms sleep here cost ~10% of a tiny-preset step)
+                # woken by the sampler's next finished group: a fixed sleep would delay every
+                # lockstep step, which waits for its whole batch
                 self.worker.wait_for_results(IDLE_S)
             if time.monotonic() - last > status_every_s:
                 last = time.monotonic()
@@ -307,13 +288,6 @@ class ColocatedRun:
 
 
 def _colocated_command(args: argparse.Namespace) -> int:
-    from rlax_tasks.config import load_config
-    from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
-    from rlax_tasks.process.host_malloc import tune_if_host_compute
-    from rlax_tasks.run.compilation_cache import enable_in_process
-    from rlax_tasks.rundir import lock as run_lock
-    from rlax_tasks.services.endpoints import publish
-
     defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     cfg = load_config(args.config)
@@ -361,8 +335,7 @@ STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 def storage_stopped(run_dir: str, error: OSError) -> ValueError:
     """The run stopped because its storage refused a write: posted as a "fatal" notice; a
     ValueError, so that ``rlax`` reports it in one line and exits 2 (do not restart)."""
-    from rlax_tasks.rundir import notices
-    from rlax_tasks.trainer.checkpointing import describe_error
+    from rlax_tasks.trainer.checkpointing import describe_error  # lazy: Orbax, as in start()
 
     where = error.filename or run_dir
     message = (
@@ -376,8 +349,6 @@ def storage_stopped(run_dir: str, error: OSError) -> ValueError:
 
 def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax colocated`."""
-    from rlax_tasks.services.endpoints import add_address_args
-
     p = sub.add_parser(
         "colocated",
         help="a colocated run in this process: trainer, sampler, parameter server, controller",

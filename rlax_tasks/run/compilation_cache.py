@@ -1,10 +1,8 @@
 """JAX's persistent compilation cache, shared by every process of a run.
 
 A component restarted after a preemption (or a later run with the same shapes) loads its
-compiled programs from run_root/jax-cache instead of compiling them again: on 2 CPU cores that
-is most of a worker's or trainer's start-up, on a TPU slice minutes per restart. A
-``JAX_COMPILATION_CACHE_DIR`` set by the user wins over the run's directory.
-"""
+compiled programs from run_root/jax-cache instead of compiling them again: most of its start-up.
+A ``JAX_COMPILATION_CACHE_DIR`` set by the user wins over the run's directory."""
 
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ log = logging.getLogger(__name__)
 
 DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 MIN_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-# JAX's default (1 s) skips most programs of a small model on CPU, which still add up to
-# seconds per process; a cache read is milliseconds
+# JAX's default threshold skips most programs of a small model on CPU, which still add up in
+# every process; a cache read costs far less than a compile
 MIN_COMPILE_SECONDS = "0.1"
 
 
@@ -38,7 +36,7 @@ def enable_in_process(cfg: Any) -> None:
     env = cache_env(cfg)
     if not env:
         return
-    import jax
+    import jax  # lazy: the launchers import this module and stay JAX-free
 
     jax.config.update("jax_compilation_cache_dir", env[DIR_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(env[MIN_SECONDS_ENV]))

@@ -1,19 +1,15 @@
 """Checks a run's datasets before anything starts: `rlax run` and the training DAG's plan task.
 
-``check_datasets(cfg)`` opens every dataset file the configuration names (the training mixture
-and the held-out ``eval.dataset``) with the readers the controller and the evaluator use
-(``rlax_tasks.controller.mixture.FilePrompts`` over ``rlax_tasks.data``) and raises
-``DatasetError`` naming the dataset, the file, the row and what is wrong: a path that does not
-exist, a file that cannot be read, a row that cannot be read at all (broken JSON, bytes that are
-not UTF-8, a CSV record with the wrong number of fields: the file is damaged), a file without a
-usable row, rows without the reference their verifier needs. Rows that read fine but do not fit
-the dataset's format (a GSM8K row without ``####``) are skipped and counted, as in training
-(DESIGN §11; the reader logs them). Synthetic tasks were checked when the config was loaded.
-"""
+``check_datasets(cfg)`` opens every dataset file with the controller's and evaluator's readers
+and raises ``DatasetError`` naming dataset, file, row and fault (missing, unreadable, damaged, no
+usable row, no reference); rows that only misfit the format are skipped and counted (DESIGN §11)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from rlax_tasks.config import FileSource
+from rlax_tasks.controller.mixture import FilePrompts
 
 
 class DatasetError(ValueError):
@@ -34,9 +30,6 @@ def _named(cfg: Any) -> list[tuple[str, Any]]:
 
 def check_dataset(field: str, spec: Any) -> None:
     """Opens one dataset spec's file as training would; DatasetError when it cannot be used."""
-    from rlax_tasks.config import FileSource
-    from rlax_tasks.controller.mixture import FilePrompts
-
     source = spec.source
     if not isinstance(source, FileSource):
         return

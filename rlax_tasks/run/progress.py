@@ -110,13 +110,11 @@ def dropped_stale(run_dir: str) -> int:
 
 
 def status_line(run_dir: str, steps: int, started: float, *, now: float | None = None) -> str:
-    """One line of a run's progress, from its files only: ``step 12/300  reward 0.412  dropped
-    3 stale  weights v12  0.45 steps/s  eta 10m 20s  elapsed 31s``.
+    """One line of a run's progress, from its files only: ``step 12/300  reward 0.412 ...  eta``.
 
-    ``steps``: the run's total; ``started``: ``time.monotonic()`` at launch (for "elapsed");
-    ``now``: the wall clock (default ``time.time()``; metrics rows carry wall-clock "time").
-    The step shown never exceeds ``steps``; the ETA is never negative ("-" while unknown).
-    """
+    ``steps``: the run's total; ``started``: ``time.monotonic()`` at launch; ``now``: the wall clock
+    (metrics rows carry wall-clock "time"). The step never exceeds ``steps``; the ETA is never
+    negative ("-" while unknown)."""
     now = time.time() if now is None else now
     paths = run_paths(run_dir)
     elapsed = format_duration(time.monotonic() - started)
@@ -142,12 +140,10 @@ def status_line(run_dir: str, steps: int, started: float, *, now: float | None =
 
 
 class HeldOutProgress:
-    """Held-out pass@k every ``eval.every_steps`` training steps while the run goes.
+    """Held-out pass@k every ``eval.every_steps`` training steps while the run goes (supervisor).
 
-    Appended to run_dir/eval/progress.jsonl: {"step", "version", "seconds" (wall seconds from
-    this launch until the trainer produced that version, from metrics.jsonl "time"), "pass@k"...,
-    "eval_seconds"}. It runs in the supervisor process; training goes on meanwhile.
-    """
+    Appended to run_dir/eval/progress.jsonl: {"step", "version", "seconds" (wall seconds from this
+    launch until the trainer produced that version), "pass@k"..., "eval_seconds"}."""
 
     def __init__(self, evaluator: Any, run_dir: str, ps_url: str, token: str, t0: float) -> None:
         self.evaluator, self.run_dir, self.t0 = evaluator, run_dir, t0
@@ -184,6 +180,7 @@ class HeldOutProgress:
         step = trained_step(self.run_dir)
         if step < (self.done_step // every + 1) * every:
             return
+        # lazy: Airflow's light dag_watch imports this module; the client loads JAX
         from rlax_tasks.paramserver import ParameterServerClient, ParameterServerError
 
         if self.client is None:

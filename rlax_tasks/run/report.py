@@ -1,21 +1,30 @@
 """The end-of-run report: held-out pass@k before and after, and plots users can read.
 
-Plots (PNG under run_dir/eval/): reward per step (metrics.jsonl), pass@k before/after, rollout
-staleness per step (lineage.jsonl: step version − rollout version), and weight-sync time per
-version (weight_sync.jsonl: the trainer's push seconds).
-"""
+PNGs under run_dir/eval/: reward per step, pass@k before/after, rollout staleness per step
+(step version − rollout version), weight-sync seconds per version."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from rlax_tasks.config import RunConfig
+from rlax_tasks.controller.mixture import MixtureComponent, PromptMixture, make_source
+from rlax_tasks.controller.scoring import reward_and_verdict
+from rlax_tasks.controller.service import RewardScorer
+from rlax_tasks.data.prompts import PromptRenderer
+from rlax_tasks.evaluation import mean_pass_at_k
+from rlax_tasks.evaluation.checkpoints import mirror_arrays, with_named_arrays
+from rlax_tasks.evaluation.generation import encode_prompts
+from rlax_tasks.rollout.requests import GroupResult, per_prompt_params
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
+from rlax_tasks.utils.progress_meter import ProgressMeter
 
 log = logging.getLogger(__name__)
 
@@ -23,18 +32,12 @@ log = logging.getLogger(__name__)
 class HeldOutEvaluator:
     """Held-out pass@k of the run's base model or of weights pulled from the parameter server.
 
-    The first ``eval.num_prompts`` rows of ``eval.dataset`` (a synthetic task or a file in any
-    format), rendered by the run's ``prompt`` section and scored by the training scorer, so the
-    model sees the tokens it sees in training. Prompts too long for ``workers.max_len`` are
-    skipped and counted. Compiles one Sampler and swaps weights into it, so evaluating during a
-    run (eval.every_steps) costs generation only.
-    """
+    The first ``eval.num_prompts`` rows of ``eval.dataset``, rendered and scored as in training
+    (too-long prompts skipped and counted). One compiled Sampler takes each version's weights, so
+    evaluating during a run costs generation only."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from rlax_tasks.controller.mixture import MixtureComponent, PromptMixture, make_source
-        from rlax_tasks.controller.service import RewardScorer
-        from rlax_tasks.data.prompts import PromptRenderer
-        from rlax_tasks.evaluation.generation import encode_prompts
+        # lazy: every `rlax` command imports this module; the model loads only to evaluate
         from rlax_tasks.models import load_pretrained
         from rlax_tasks.rollout import Sampler
 
@@ -79,8 +82,6 @@ class HeldOutEvaluator:
 
     def sample(self, params: Any) -> list[list[Any]]:
         """``eval.num_samples`` completions of every prompt with ``params`` (per-prompt seeds)."""
-        from rlax_tasks.rollout import per_prompt_params
-
         e = self.cfg.eval
         self.sampler.set_params(params)
         settings = per_prompt_params(
@@ -90,8 +91,6 @@ class HeldOutEvaluator:
             temperature=float(e.temperature),
             stop_strings=self.cfg.prompt.stop,
         )
-        from rlax_tasks.utils.progress_meter import ProgressMeter
-
         n = e.num_samples
         meter = ProgressMeter("held-out eval", len(self.prompt_ids) * n, logger=log, unit="samples")
         with meter:
@@ -103,12 +102,6 @@ class HeldOutEvaluator:
     def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:
         """pass@k of the base model (``ps`` None), else of the newest version (at least
         ``version`` when given)."""
-        import time
-
-        from rlax_tasks.controller.scoring import reward_and_verdict
-        from rlax_tasks.evaluation import mean_pass_at_k
-        from rlax_tasks.rollout.worker import GroupResult
-
         if ps is None:
             got, params = 0, self.base_params
         elif version is None:
@@ -156,8 +149,6 @@ class MirroredWeights:
 
     def pull(self, min_version: int | None = None, *, like: Any = None,
              timeout_s: float | None = None) -> tuple[int, Any]:  # fmt: skip
-        from rlax_tasks.evaluation.checkpoints import mirror_arrays, with_named_arrays
-
         version, arrays = mirror_arrays(self.run_dir)
         if min_version is not None and version < min_version:
             raise FileNotFoundError(
@@ -170,12 +161,10 @@ class MirroredWeights:
 def write_report(cfg: RunConfig, report: dict[str, Any]) -> dict[str, Any]:
     """Writes eval/report.json, eval/report.md and the PNG plots under the run directory (local
     or gs://); returns their paths."""
-    import io
-
-    import matplotlib
+    import matplotlib  # lazy: a heavy plotting library, only for the report
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
 
     paths = run_paths(cfg.run_dir)
     out_dir = paths.eval

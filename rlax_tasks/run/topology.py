@@ -1,42 +1,19 @@
 """The run's topology: every job, its command line, environment, addresses and hosts.
 
-One planner for both launchers — ``rlax run`` (local processes under a supervisor) and the
-rlax_train DAG (jobs on slices through a compute backend) — so a job is described once:
-
-    topo = plan_topology(cfg, steps, config_path, free_ports(cfg), ps_args, token)
-    topo.jobs          # [Job(name, argv, env, slice, hosts)], in start order
-    topo.processes()   # [(process name, job, env)]: one per host of a multi-host job
-
-A colocated run (placement.mode) is one job, ``colocated``: trainer, sampler, parameter server
-and controller in one process (rlax_tasks.run.colocated). A disaggregated run is a trainer
-slice (the trainer over ``trainer.hosts`` hosts, the parameter server and the controller beside
-its host 0) and its workers (DESIGN §10): on the trainer slice's host 0, or
-with ``WorkerSlices`` one per host of slices of their own ("workers-0", "workers-1", ...). A job
-on several hosts is one ``jax.distributed`` group: each of its processes gets
-RLAX_COORDINATOR_ADDRESS (host 0's address and the group's port), RLAX_NUM_PROCESSES and
-RLAX_PROCESS_ID (rlax_tasks.trainer.process_group).
-
-Addresses: with ``ports`` (``rlax run``: every job on this machine) the services listen on
-``host`` at those ports and clients get URLs. With ``ports=None`` (slices: addresses unknown
-until the slices exist, and new after a re-provision) every service binds its host's address on a
-free port and publishes it to ``run_dir/services/<job>.json``; clients get those files
-(rlax_tasks.services.endpoints) and the node agent sets the group variables. Importable without JAX.
-
-One token per run (DESIGN §13): ``token`` goes into every job's environment as ``RLAX_PS_TOKEN``
-(never onto a command line); the parameter server, the trainer, the workers and the controller
-all read that one variable (rlax_tasks.services.http), each service refusing to start without it.
-A launcher gets the token from ``service_http.run_token()``: the user's own when exported, else a
-new random one.
-"""
+One planner for ``rlax run`` and the rlax_train DAG, so a job is described once (DESIGN §10):
+with ``ports`` services get URLs, with ``ports=None`` (slices) they publish their address under
+``run_dir/services/``. The run's token goes into every job's environment. JAX-free."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
+from rlax_tasks.run.supervisor import free_port
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.endpoints import service_file
@@ -75,8 +52,6 @@ class Ports:
 
 def free_ports(cfg: Any) -> Ports:
     """Ports free on this machine now for every service of ``cfg`` (the jobs bind them soon)."""
-    from rlax_tasks.run.supervisor import free_port
-
     taken: list[int] = []
     for _ in range(cfg.workers.count + 3):  # distinct: each draw is free only on its own
         taken.append(free_port(taken=taken))
@@ -250,8 +225,6 @@ def workers_file(cfg: Any) -> str:
 
 def write_workers_file(cfg: Any, topology: Topology) -> str:
     """Writes the workers' addresses for the controller; returns the file's path."""
-    import json
-
     path = workers_file(cfg)
     storage.write_bytes(path, json.dumps(topology.workers).encode())
     return path
