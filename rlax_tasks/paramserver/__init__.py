@@ -1,11 +1,8 @@
 """Parameter server: versioned weights in host memory, streamed over HTTP, mirrored durably.
 
 DESIGN §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
-``rlax ps serve``; see ``server`` for the protocol and ``wire`` for the byte format.
-
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+``rlax ps serve``; ``server`` holds the protocol, ``wire`` the byte format. Names load lazily
+(``rlax_tasks.utils.lazy_exports``): importing the package loads none of its heavy modules."""
 
 from __future__ import annotations
 
