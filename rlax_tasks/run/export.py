@@ -1,15 +1,8 @@
-"""`rlax export RUN_DIR[@STEP] OUT_DIR`: a run's trained policy as a Hugging Face directory.
-
-HF in, HF out (DESIGN §12): the policy of a trainer checkpoint (``checkpoints/<step>/``, the
-newest complete one unless ``@STEP`` picks one) is written beside the base model's config.json
-(its extra keys kept), generation_config.json and tokenizer files, loadable by ``transformers``
-and by ``load_pretrained``.
-
-Only the policy's parameters are read from the checkpoint (never the optimizer state, twice the
-weights' size under Adam), one parameter at a time, as host numpy arrays: no Trainer, no mesh,
-none of the devices the run trained on. Safetensors shards are written as they fill, so host
-memory peaks at about one parameter plus one shard. Everything goes into a hidden sibling
-directory first, renamed to OUT_DIR at the end: a failed export leaves nothing at OUT_DIR.
+"""`rlax export RUN_DIR[@STEP] OUT_DIR`: a run's trained policy as a Hugging Face directory
+(DESIGN §12), beside the base model's config, generation config and tokenizer files. Only the
+policy's parameters are read, one at a time as host arrays (no Trainer, no mesh, no optimizer
+state), and shards are written as they fill, so host memory peaks near one parameter plus one
+shard; a hidden sibling directory is renamed to OUT_DIR at the end (a failed export leaves none).
 """
 
 from __future__ import annotations
@@ -27,11 +20,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from etils import epath
 
+from rlax_tasks.config import load_config
 from rlax_tasks.models.config import SUPPORTED_DTYPES
+from rlax_tasks.models.model_cache import local_model_dir
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import CONFIG as RUN_CONFIG
 from rlax_tasks.rundir.paths import run_paths
+
+# Modules that load JAX (hf_io, policy, the trainer's, Orbax, Flax) are imported inside the
+# functions that use them: `rlax` imports this module for its parser, at every command's start.
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def export_checkpoint(
             out_dir,
         )
         with _staging(out_dir, overwrite) as tmp:
-            from rlax_tasks.models import hf_io
+            from rlax_tasks.models import hf_io  # loads JAX: see the imports
 
             hf_io.write_hf_tensors(tmp, _hf_tensors(ckpt, leaves, dtype), max_shard_bytes)
             hf_io.write_hf_config(tmp, config, dtype, _extra_config(raw, config))
@@ -135,8 +134,6 @@ def export_checkpoint(
 # ------------------------------------------------------------------------------ the run
 def _run_config(run_dir: str) -> Any:
     """The run's resolved config (RUN_DIR/config.yaml), with errors naming what is missing."""
-    from rlax_tasks.config import load_config
-
     if not storage.is_gcs(run_dir) and not os.path.isdir(run_dir):
         raise ExportError(f"run directory {run_dir} does not exist (give run_root/<run_id>)")
     path = run_paths(run_dir).config
@@ -167,8 +164,6 @@ def _base_model_dir(cfg: Any, run_dir: str) -> str:
     """A local directory holding the run's base model (``model.path``)."""
     path = cfg.model.path
     if storage.is_gcs(path):
-        from rlax_tasks.models.model_cache import local_model_dir
-
         return local_model_dir(path)
     if os.path.isabs(path) or os.path.isdir(path):
         return path
@@ -180,7 +175,7 @@ def _base_model_dir(cfg: Any, run_dir: str) -> str:
 
 def _base_config(base: str, run_dir: str) -> tuple[Any, dict[str, Any]]:
     """(ModelConfig, raw config.json) of the base model."""
-    from rlax_tasks.models import ModelConfig, hf_io
+    from rlax_tasks.models import ModelConfig, hf_io  # loads JAX: see the imports
 
     try:
         raw = hf_io.read_hf_config(base)
@@ -201,8 +196,7 @@ def _extra_config(raw: dict[str, Any], config: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ checkpoints
 def _checkpoint_steps(ckpt_dir: str) -> tuple[list[int], list[int]]:
     """(complete steps, incomplete steps) under ``ckpt_dir``, ascending; never changes it."""
-    from etils import epath
-
+    # loads JAX: see the imports
     from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
 
     if storage.is_gcs(ckpt_dir):
@@ -243,7 +237,7 @@ class _CheckpointReader:
     """Reads the meta item and single model parameters of one trainer checkpoint step."""
 
     def __init__(self, step_dir: str) -> None:
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # loads JAX: see the imports
 
         from rlax_tasks.trainer.checkpointing import META_ITEM, STATE_ITEM
 
@@ -265,7 +259,7 @@ class _CheckpointReader:
 
     def check_meta(self, step: int) -> None:
         """The step's meta must be the trainer's, of this checkpoint format and step."""
-        from rlax_tasks.trainer.trainer import CHECKPOINT_FORMAT
+        from rlax_tasks.trainer.trainer import CHECKPOINT_FORMAT  # loads JAX: see the imports
 
         args = self._ocp.args.Composite(**{self._meta_item: self._ocp.args.JsonRestore()})
         meta = dict(self._ckptr.restore(self.step_dir, args=args)[self._meta_item])
@@ -279,7 +273,7 @@ class _CheckpointReader:
 
     def model_leaves(self) -> dict[tuple[str, ...], tuple[tuple, tuple[int, ...], np.dtype]]:
         """Parameter path (as in ``nnx.to_pure_dict``) -> (checkpoint key path, shape, dtype)."""
-        from rlax_tasks.trainer.train_step import MODEL, VALUE_HEAD
+        from rlax_tasks.trainer.train_step import MODEL, VALUE_HEAD  # loads JAX: see the imports
 
         params = self._tree.get(PARAMS_KEY) if isinstance(self._tree, dict) else None
         if not isinstance(params, dict) or MODEL not in params:
@@ -327,7 +321,7 @@ def _leaf_metadata(tree: Any, key_path: tuple) -> Any:
 
 def _check_shapes(leaves: dict, config: Any, step: int, base: str) -> None:
     """The checkpoint's parameters must be the base model's, name for name and shape for shape."""
-    from flax import nnx
+    from flax import nnx  # loads JAX: see the imports
 
     from rlax_tasks.models.policy import abstract_model
 
@@ -362,7 +356,7 @@ def _checkpoint_dtype(leaves: dict) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    from rlax_tasks.models.hf_io import NP_DTYPES
+    from rlax_tasks.models.hf_io import NP_DTYPES  # loads JAX: see the imports
 
     return np.dtype(NP_DTYPES[dtype]).itemsize
 
@@ -371,7 +365,7 @@ def _hf_tensors(
     ckpt: _CheckpointReader, leaves: dict, dtype: str
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) of every parameter, read one parameter at a time."""
-    from rlax_tasks.models import hf_io
+    from rlax_tasks.models import hf_io  # loads JAX: see the imports
 
     for i, (path, (key_path, shape, stored)) in enumerate(sorted(leaves.items()), start=1):
         log.info(
@@ -447,7 +441,7 @@ def _replace(tmp: str, out_dir: str, overwrite: bool) -> None:
 def _copy_side_files(base: str, out: str) -> None:
     """Copies the base model's other files (tokenizer, generation_config.json, license...)
     as they are: every top-level file except config.json and weights."""
-    from rlax_tasks.models import hf_io
+    from rlax_tasks.models import hf_io  # loads JAX: see the imports
 
     copied = []
     for name in sorted(os.listdir(base)):
@@ -468,7 +462,7 @@ def _copy_side_files(base: str, out: str) -> None:
 
 # ------------------------------------------------------------------------------ command line
 def _export_command(args: argparse.Namespace) -> int:
-    import jax
+    import jax  # see the imports
 
     # the export only reads arrays on the host: never take accelerators a trainer may hold
     jax.config.update("jax_platforms", "cpu")

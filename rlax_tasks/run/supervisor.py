@@ -1,23 +1,8 @@
-"""A small process supervisor: starts `rlax` components, restarts the ones that die, owns them.
-
-Each component runs as ``python -m rlax_tasks.cli <argv>`` in its own process group, with
-``RLAX_JOB_NAME=<name>`` in its environment and its output appended to ``<log_dir>/<name>.log``.
-Ports are chosen once and reused on restart, so the other components reach a restarted one at
-the same address.
-
-The children die with the supervisor (DESIGN §13): on Linux each child asks the kernel for
-SIGKILL when the thread that started it dies (``PR_SET_PDEATHSIG``, set by a small launcher
-that then execs the component; so use a Supervisor from one long-lived thread, `rlax run`'s
-main thread), which covers a ``kill -9`` of `rlax run`;
-``stop()`` ends every child's process group on the normal exit path, and ``stop_on_signals``
-turns SIGTERM/SIGINT/SIGHUP into that exit path. Their own children die with them too: the
-verifier pool's workers set their own parent-death signal, the code sandbox runs bwrap with
-``--die-with-parent``, and whatever else stays in a child's process group is killed by ``stop``.
-
-A component that exits with code 2 (an `rlax` user error), or that fails twice in a row with
-the same last error line and no progress in between, raises ``ComponentFailed`` with that line
-and its log's path: restarting will not help. A kill by a signal (a chaos test, the OOM killer)
-and a transient error (a connection refused while a service is still starting) are restarted.
+"""A small process supervisor: starts `rlax` components (each in its own process group, its
+output in ``<log_dir>/<name>.log``, on ports kept across restarts), restarts the ones that die,
+and owns them (DESIGN §13): they die with it (a parent-death signal covers a ``kill -9``;
+``stop`` and ``stop_on_signals`` the normal exit). A user error (exit 2) or the same failure
+twice without progress raises ``ComponentFailed``; a signal kill or a transient error restarts.
 """
 
 from __future__ import annotations
@@ -28,6 +13,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,15 +79,10 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1", taken: Sequence[int] = ()) -> int:
-    """A port free now that no outgoing connection will take before a component listens on it
-    (it binds it a moment later), and not one of ``taken``.
-
-    Drawn below the kernel's ephemeral range: a port the kernel handed out for ``bind(0)`` goes
-    back to the pool outgoing connections draw from, and a run's own connections (its workers
-    pulling weights, the controller polling them) took such a port before its worker listened
-    ("cannot listen on 127.0.0.1:38491: Address already in use"). Falls back to ``bind(0)``
-    when the range leaves no room below it.
-    """
+    """A port free now, not one of ``taken``, that no outgoing connection will take before a
+    component listens on it: drawn below the kernel's ephemeral range, since a run's own
+    connections took ``bind(0)``'s ports before its worker listened ("Address already in use").
+    Falls back to ``bind(0)`` when the range leaves no room below it."""
     first, _ = ephemeral_range()
     if first - LOWEST_PORT >= 1000:
         rng = random.SystemRandom()
@@ -145,7 +126,9 @@ class Component:
 
 
 # Runs argv[2:] with SIGKILL as its parent-death signal (kept across exec): set here, in the
-# child, because a preexec_fn would make the parent fork() with its threads (JAX's) running
+# child, because a preexec_fn would make the parent fork() with its threads (JAX's) running.
+# The signal comes when the parent's starting thread dies: use a Supervisor from one
+# long-lived thread (`rlax run`'s main thread).
 _LAUNCHER = """
 import ctypes, os, signal, sys
 if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
@@ -160,8 +143,6 @@ def _owned(command: list[str]) -> list[str]:
     """``command`` started so that it dies with this process (Linux; elsewhere as it is)."""
     if not sys.platform.startswith("linux"):
         return command
-    import shutil
-
     program = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
     return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), program, *command[1:]]
 

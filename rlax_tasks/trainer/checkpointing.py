@@ -1,27 +1,8 @@
-"""Orbax checkpoints of the trainer: <dir>/<step>/{state, meta}, async, only intact ones restored.
-
-``state`` is the array pytree (parameters, optimizer state, RNG key data), saved with Orbax's
-StandardSave (sharded arrays are written per shard and restored straight to their shardings);
-``meta`` is a JSON dict (step, data cursor supplied by the caller, trainer config).
-
-A step directory counts as complete only when Orbax finalized it AND it carries Orbax's
-``_CHECKPOINT_METADATA`` with a commit timestamp AND both items' metadata files AND every file
-of its manifest with the size recorded there. The manifest (``rlax_manifest.json``: the size of
-every file under the items, which Orbax's metadata does not name) is written by the primary host
-once every host finished writing and before Orbax commits the directory, so it is part of the
-commit; checkpoints written before it existed have none and are checked by reading them.
-
-On a local disk Orbax writes into ``<step>.orbax-checkpoint-tmp*`` and renames at the end; on GCS
-it writes a ``commit_success.txt`` last. What an interrupted save leaves (never finalized) is
-removed when the checkpointer opens the directory. A finalized checkpoint that does not verify,
-or whose arrays cannot be read (a missing or truncated file), is damaged: it is set aside as
-``<step>.damaged-<time>`` (renamed, never deleted; on GCS copied and removed) and the newest
-older one is used (``Checkpointer.set_aside`` says which; the trainer posts the notice).
-
-A save that cannot be written (a full disk, no permission) is counted, not raised: the next
-checkpoint interval tries again, and ``failures`` says how many saves in a row failed; after
-``MAX_FAILED_CHECKPOINTS`` the trainer stops (a constant here: the run configuration has no field
-for it).
+"""Orbax checkpoints of the trainer: <dir>/<step>/{state, meta}, written async, restored only
+when intact. Complete = finalized by Orbax, with its commit metadata, both items' metadata and
+every file of ``rlax_manifest.json`` at its recorded size; a finalized one that does not verify
+is set aside as ``<step>.damaged-<time>`` (never deleted) and the newest older one is used. A
+save that cannot be written is counted, not raised (``MAX_FAILED_CHECKPOINTS``: the trainer stops).
 """
 
 from __future__ import annotations

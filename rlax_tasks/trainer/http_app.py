@@ -1,9 +1,7 @@
-"""The trainer's HTTP application (``create_app``; the protocol: rlax_tasks/trainer/service.py).
-
-Its own module so that FastAPI (~0.25 s of imports on 2 cores) loads only in the process that
-serves the trainer (rlax_tasks/run/trainer_process.py), not in a colocated run, which calls its
-``TrainerService`` directly. No ``from __future__ import annotations`` here: FastAPI reads the
-endpoint's ``Request`` annotation as the class itself.
+"""The trainer's HTTP application (``create_app``; the protocol: rlax_tasks/trainer/service.py),
+in its own module so that FastAPI loads only in the process that serves the trainer, not in a
+colocated run. No ``from __future__ import annotations`` here: FastAPI reads the endpoint's
+``Request`` annotation as the class itself.
 """
 
 from typing import Any

@@ -1,13 +1,7 @@
 """Per-step metrics as JSON lines: ``metrics.jsonl``, one object per step with a "step" key.
-
-A local file is appended to and flushed at every step. A GCS object cannot be appended to: the
-writer keeps the file's bytes in memory and a background thread rewrites the whole object at most
-every ``flush_every_s`` seconds when rows were added; ``flush``/``close`` (and interpreter exit, and
-garbage collection of the writer) write the last rows. A step therefore costs no request; readers
-(the dashboard) see complete rows, at most ``flush_every_s`` late.
-
-The same numbers go to TensorBoard events under the run's ``tb/`` (and to W&B when configured):
-see ``rlax_tasks.trainer.scalar_export``.
+A local file is appended to and flushed at every step; a GCS object, which cannot be appended
+to, is rewritten whole by a background thread at most every ``flush_every_s`` (and at close),
+so a step costs no request. The same numbers go to TensorBoard (and W&B): ``scalar_export``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Sequence packing: a training batch's sequences laid end to end in fewer, fuller rows.
-
-RL batches are mostly padding when completion lengths vary: tiny-arith's 256 rows are 16 wide
-and hold 8 to 9 tokens each, and math completions vary tenfold. The train step's work grows
-with rows x width, padding included, so packing the sequences into fewer rows of the batch's
-width (``MIN_ROW_WIDTH`` at least; each sequence its own attention segment, positions
-restarting at 0) cuts it in proportion. The model runs on the packed rows; ``token_index``
-gathers its per-token outputs back into the [B, T] layout that the objective, the masks and the
-metrics keep reading, so every algorithm is unchanged.
+"""Sequence packing: a training batch's sequences laid end to end in fewer, fuller rows. RL
+batches are mostly padding when completion lengths vary, and the step's work grows with rows x
+width; each sequence keeps its own attention segment and positions, and ``token_index`` gathers
+the outputs back to [B, T], so the objective, masks and metrics are unchanged.
 """
 
 from __future__ import annotations
@@ -33,13 +28,10 @@ MIN_ROW_WIDTH = 32
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """The packed rows of a [B, T] batch and the map back.
-
-    ``input_ids`` and ``segment_ids`` are [R, L] int32 (segment ids 1, 2, ... along a row, 0 on
-    padding). ``token_index`` [B, T] int32: the index in the flattened [R * L] packed outputs of
-    token (b, t), or R * L (a slot the train step holds at 0) where there is no value to read:
-    padding, and each sequence's first token (nothing before it predicts it).
-    """
+    """The packed rows of a [B, T] batch and the map back: ``input_ids`` and ``segment_ids``
+    [R, L] int32 (segments 1, 2, ... along a row, 0 on padding); ``token_index`` [B, T] int32,
+    the index of token (b, t) in the flattened [R * L] outputs, or R * L (a slot held at 0) where
+    there is nothing to read: padding, and each sequence's first token (nothing predicts it)."""
 
     input_ids: np.ndarray
     segment_ids: np.ndarray
@@ -63,13 +55,10 @@ def row_multiple(batch_size: int, width: int, packed_width: int, divisor: int = 
 
 
 def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Best-fit decreasing bin packing of sequence lengths into rows of ``width`` tokens.
-
-    Returns (row, offset, segment) per sequence and the number of rows; longest first, each
-    into the fullest row it still fits (ties: the oldest row), so the result is deterministic.
-    A row's sequences are numbered 1, 2, ... along it (their segment ids). Zero-length
-    sequences take no space (row 0, offset 0, segment 0).
-    """
+    """Best-fit decreasing bin packing of sequence lengths into rows of ``width`` tokens:
+    (row, offset, segment) per sequence and the number of rows. Longest first, each into the
+    fullest row it still fits (ties: the oldest row), so the result is deterministic; segments
+    are numbered 1, 2, ... along a row; zero-length sequences take no space (row 0, offset 0, 0)."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and lengths.max() > width:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit width {width}")

@@ -1,26 +1,22 @@
-"""The trainer's process group: one ``jax.distributed`` job over every host of its slice.
-
-A multi-host trainer (``trainer.hosts`` > 1, DESIGN §10) is H processes running the same
-program, each on its host's devices; the mesh spans all of them. Host 0 serves the controller and
-decides; the others follow it through a ``CommandChannel``: every piece of device work (a step,
-a push, a checkpoint, the stop) is sent by host 0 and executed by every host in the same order,
-as multi-controller JAX requires.
-
-Settings come from the environment the launcher sets (``rlax run``, the node agent):
-``RLAX_COORDINATOR_ADDRESS`` (host 0's ``address:port``), ``RLAX_NUM_PROCESSES`` and
-``RLAX_PROCESS_ID``. Without them, ``trainer.hosts`` > 1 lets JAX find the cluster itself (Cloud
-TPU VMs, SLURM, ...). On CPU — the multi-host simulation here: several processes with forced
-host devices — collectives go through gloo.
+"""The trainer's process group: one ``jax.distributed`` job over every host of its slice (DESIGN
+§10). Host 0 serves and decides; the others follow it through a ``CommandChannel``, doing every
+piece of device work in the same order, as multi-controller JAX requires. Settings come from
+``RLAX_COORDINATOR_ADDRESS``, ``RLAX_NUM_PROCESSES`` and ``RLAX_PROCESS_ID`` (else JAX finds
+the cluster itself); on CPU, the multi-host simulation, collectives go through gloo.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any
+
+import jax
+from jax._src import distributed
 
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
@@ -77,8 +73,6 @@ class ProcessGroup:
 
     def initialize(self) -> None:
         """Joins the group (blocks until every process has joined)."""
-        import jax
-
         platforms = os.environ.get("JAX_PLATFORMS", "")
         if platforms == "cpu" or (not platforms and _only_cpu()):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -102,8 +96,6 @@ class ProcessGroup:
 
 
 def _only_cpu() -> bool:
-    import importlib.util
-
     return not any(importlib.util.find_spec(m) for m in ("libtpu", "jax_cuda12_plugin"))
 
 
@@ -126,9 +118,6 @@ class CommandChannel:
     """
 
     def __init__(self, poll_s: float = 60.0) -> None:
-        import jax
-        from jax._src import distributed
-
         self.client = distributed.global_state.client
         if self.client is None:
             raise RuntimeError("CommandChannel needs jax.distributed.initialize() first")

@@ -1,26 +1,8 @@
-"""The run's scalars for TensorBoard (DESIGN §7: events under ``tb/``) and, when the user
-configured it, Weights & Biases: the same numbers as metrics.jsonl, in the viewers people use.
-
-- ``tb/train/``: every numeric field of each metrics.jsonl row at its step (``StepScalars``,
-  driven by ``MetricsWriter``), and each step's rollout staleness and dropped groups from
-  lineage.jsonl ("staleness/mean", "staleness/max", "dropped/stale", "dropped/zero_variance";
-  the controller appends a step's lineage after the step, so step s is exported with step s+1).
-- ``tb/eval/``: held-out pass@k while training and the final evaluation (``log_scalars``).
-
-``tensorboard --logdir runs/`` shows them. Events are TFRecord framed here (length, data, each
-with its masked CRC32C: TensorBoard's ``RecordWriter`` format; importing that writer imports
-all of ``tensorboard.summary``, 0.4-0.8 s on 2 cores, which a run paid between its first and
-second step), one flushed record per step, so they are readable while the run goes. A step replayed
-after a restart is skipped, as in metrics.jsonl; a restarted writer first records a session
-restart at the next step, so that TensorBoard drops whatever a killed writer left beyond
-metrics.jsonl. Events are written for local run directories only: a ``gs://`` run directory
-gets none (one log line; its metrics.jsonl holds every value, and W&B still gets them).
-
-W&B: when ``WANDB_PROJECT`` is set (W&B's own variable; ``WANDB_ENTITY``, ``WANDB_MODE``,
-``WANDB_DIR`` apply as usual) and ``wandb`` is installed, the training scalars go to the W&B run
-whose id is the RLAX run id (resumed on restart) and the evaluations to ``<run id>-eval``, both
-in the group of the run id. Otherwise ``wandb`` is never imported. A viewer that fails is logged
-and dropped, never a reason for training to stop.
+"""The run's scalars for TensorBoard (``tb/train``, ``tb/eval``: DESIGN §7) and, when
+``WANDB_PROJECT`` is set and ``wandb`` installed, Weights & Biases: the numbers of metrics.jsonl
+and lineage.jsonl in the viewers people use. Events are TFRecord-framed here (importing
+TensorBoard's writer loads all of ``tensorboard.summary``), one flushed record per step, local
+run directories only; a viewer that fails is logged and dropped, never a reason to stop training.
 """
 
 from __future__ import annotations

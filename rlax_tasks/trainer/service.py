@@ -1,35 +1,8 @@
-"""`rlax trainer`: the trainer as a passive service of the controller, pushing to the PS.
-
-Protocol (DESIGN §2, §7): the controller POSTs the batch of step s (an .npz body) to
-``/v1/steps/<s>``. The service applies it only when it is at step s − 1 and pushes version s to
-the parameter server before answering. A step it already applied is answered as a replay without
-being applied again — that is what makes the controller's write-ahead snapshot exact after any
-crash. Version numbers are step numbers (version 0 = the base weights).
-
-The trainer checkpoints every ``trainer.checkpoint_every`` steps (Orbax, in the background),
-and once more on a clean stop. Restarted from the checkpoint of step c, the service answers a
-later step with 409 and ``trainer_step`` = c; the controller then sends steps c+1... again from
-its rollouts (``TrainerBehindError``), which apply once onto the restored state. A step is thus
-never applied twice to the same weights, and a big model is not written out at every step.
-
-On start it restores the newest complete checkpoint and makes sure the parameter server holds
-its version (a PS restarted from an older mirror gets it again); a background thread keeps
-checking that. Binds 127.0.0.1. Every call needs the run's token (``RLAX_PS_TOKEN``,
-rlax_tasks.services.http; the trainer refuses to start without it): a stranger cannot post a step.
-A body over the service's limit (sized from the run's batch, ``batch_body_limit``) is refused
-(413) before it is read, and so is a batch whose arrays would unpack to more; step numbers are
-integers >= 1 (422).
-
-A step answered as a replay is normal only when the controller sends a step it had sent before
-(it restarted after the trainer applied it, or a retry after a lost answer). ``TrainerClient``
-accepts a replay of its own retry; any other replay it raises as ``StepReplayedError`` for the
-controller to judge against its snapshot and lineage.
-
-With ``trainer.hosts`` > 1 the same command runs on every host of the trainer's slice, joined by
-``jax.distributed`` (rlax_tasks.trainer.process_group): host 0 serves and sends the group's
-device work through a ``CommandChannel``; the other hosts follow it and serve nothing.
-The command that builds it from the run configuration: rlax_tasks/run/trainer_process.py; its
-HTTP application: rlax_tasks/trainer/http_app.py (FastAPI loads only where the trainer serves).
+"""The trainer as a passive service of the controller (DESIGN §2, §7): step s's batch, POSTed to
+``/v1/steps/<s>``, is applied only at step s − 1 and version s pushed before the answer; a step
+already applied is answered as a replay, which keeps the controller's snapshot exact after any
+crash. Checkpoints every ``trainer.checkpoint_every`` steps and on a clean stop; restarted behind,
+it answers 409 with ``trainer_step`` and the controller sends the missing steps again.
 """
 
 from __future__ import annotations
@@ -68,17 +41,11 @@ STAT_PREFIX = "stat_"
 
 
 class TrainerService:
-    """Wraps a ``Trainer``: idempotent steps by number, push per step, PS re-push.
-
-    Versions are pushed in the policy's compute dtype (``model.dtype``: what workers hold), not
-    in the trainer's master dtype (DESIGN §6).
-
-    On a multi-host trainer (``channel`` given) every process runs a TrainerService: host 0
-    serves the controller, decides (step order, replays, re-pushes) and sends each piece of
-    device work — a step with its batch, a push, the final checkpoint — through the channel;
-    the other hosts run ``follow()``, doing the same work in the same order. Each host pushes
-    its own shards; the parameter server commits the version once every host's are in.
-    """
+    """Wraps a ``Trainer``: idempotent steps by number, a push per step in the compute dtype
+    (what workers hold, DESIGN §6), a re-push when the PS lacks the version. Multi-host
+    (``channel`` given): host 0 serves and decides, and sends each piece of device work (a step,
+    a push, the final checkpoint) through the channel; the others ``follow()`` in the same order,
+    each pushing its own shards."""
 
     def __init__(
         self,
@@ -175,6 +142,7 @@ class TrainerService:
 
     def _published_params(self) -> Any:
         """The current weights as the parameter server carries them: in the compute dtype."""
+        # loads JAX: `rlax` imports this module (through run/trainer_process.py) at its start
         from rlax_tasks.models.policy import cast_params
 
         policy = self.trainer.policy()

@@ -1,25 +1,8 @@
-"""The pure, jittable train step: old-policy prefill, RL objective, micro-batched gradients, AdamW.
-
-One step, for a batch of B sequences split into micro-batches of ``micro_batch_size``:
-
-1. prefill: per-token log-probs (and entropy, and values for PPO) of the batch under the current
-   parameters, micro-batch by micro-batch, without gradients. These are the old-policy log-probs
-   of DESIGN §5 (never the sampler's).
-2. the objective on the WHOLE batch (group advantages and token normalisers need every sequence):
-   its gradient with respect to the per-token log-probs (and values), ``g[b, t]``. At the current
-   parameters the current log-probs equal the prefill's, so ``g`` is the exact cotangent.
-3. backward: for each micro-batch (``lax.scan``), the gradient of ``sum(g * logp(params))`` — the
-   chain rule through the model — accumulated over micro-batches. This is exactly the gradient of
-   the full-batch loss whatever the micro-batch size, so accumulation needs no loss re-weighting.
-4. clip_by_global_norm + AdamW (``optax``), parameters and optimizer state updated in place
-   (their buffers are donated).
-5. the non-finite check (``NONFINITE``): one int32 saying whether the loss, the gradient norm or
-   any updated weight is NaN or infinite, so that the trainer never keeps such an update.
-
-With packed sequences (``PACKED_KEYS``, see ``packing``) the model runs on the packed rows
-instead of the [B, T] ones, and its per-token outputs are gathered back to [B, T] for step 2.
-
-FLOPs per step: prefill 2·N per token, forward+backward 6·N per token (N = parameters).
+"""The pure, jittable train step: a no-gradient prefill gives the old-policy log-probs (DESIGN
+§5); the objective on the whole batch gives their cotangent ``g``; the backward of
+``sum(g * logp(params))`` per micro-batch (``lax.scan``) accumulates the exact full-batch
+gradient; then clip + AdamW on donated buffers, and one ``NONFINITE`` flag so that the trainer
+never keeps a NaN or infinite update. Packed rows (``PACKED_KEYS``) are gathered back to [B, T].
 """
 
 from __future__ import annotations

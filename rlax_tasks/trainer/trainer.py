@@ -1,19 +1,8 @@
-"""The Trainer: sharded train state, the jitted step, metrics and Orbax checkpoints in one object.
-
-    trainer = Trainer(policy, make_objective("grpo"), TrainerConfig(...), run_dir)
-    trainer.restore_latest()                 # resume (returns the saved data cursor) or None
-    metrics = trainer.step(batch)            # numpy batch from the controller
-    trainer.save(data_cursor={...})          # async Orbax checkpoint run_dir/checkpoints/<step>/
-    trainer.policy()                         # a Policy with the current weights (push / evaluate)
-
-No network code: the controller moves batches in and weights out.
-
-Training stops (``TrainingStoppedError``, a "fatal" notice saying what to do) when a step makes
-the loss, the gradient norm or any weight non-finite (that update is never checkpointed, nor
-returned to be pushed) or when ``MAX_FAILED_CHECKPOINTS`` checkpoints in a row could not be
-written. Raised in the main thread, ``rlax`` exits 2 with it (do not restart); in a service's
-request thread, where an exception would only become an HTTP error and the controller would
-send the step again, the trainer ends the process with exit code 2 itself.
+"""The Trainer: sharded train state, the jitted step, metrics and Orbax checkpoints in one
+object, with no network code (the controller moves batches in and weights out). Training stops
+for good (``TrainingStoppedError``, a "fatal" notice) when a step makes a value non-finite or
+``MAX_FAILED_CHECKPOINTS`` checkpoints in a row fail: ``rlax`` exits 2 (do not restart), from a
+request thread by ending the process itself (an exception would only become an HTTP error).
 """
 
 from __future__ import annotations
@@ -119,8 +108,8 @@ def fresh_copy(tree: Any, shardings: Any) -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _copier(treedef: Any, shardings: tuple) -> Callable[[Any], Any]:
-    """The jitted copy onto these shardings, made once. A new jit per call was traced and
-    compiled at every checkpoint: 27 ms per copy of the tiny-arith train state, now 2.5 ms."""
+    """The jitted copy onto these shardings, made once: a new jit per call was traced and
+    compiled again at every checkpoint."""
     out = jax.tree.unflatten(treedef, shardings)
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=out)
 
@@ -135,17 +124,11 @@ def place_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 class Trainer:
-    """Trains ``policy`` with ``objective`` (rlax_tasks.algorithms) under ``config``.
-
-    The policy's parameters are copied onto the mesh at construction (the caller's arrays are
-    never donated); run_dir is run_root/<run_id> (checkpoints/ and metrics.jsonl go there).
-    When the objective has a KL term, the policy given here is the frozen reference: pass the
-    base model also when resuming (``restore_latest`` then loads the trained weights).
-    One optimizer update per ``step`` (the PPO clip only matters across updates, so its clip
-    fraction is ~0 here). On a multi-host mesh (``jax.distributed``) every process constructs the
-    Trainer and calls the same methods in the same order with the same batch; each places and
-    checkpoints only its own shards, and only process 0 writes metrics.
-    """
+    """Trains a copy of ``policy`` with ``objective`` under ``config``; checkpoints and
+    metrics.jsonl go to ``run_dir`` (run_root/<run_id>). With a KL term the policy given is the
+    frozen reference: pass the base model also when resuming. One optimizer update per ``step``.
+    On a multi-host mesh every process makes the same calls with the same batch; each places and
+    checkpoints its own shards, and process 0 writes the metrics."""
 
     def __init__(
         self,
@@ -163,8 +146,7 @@ class Trainer:
         self._graphdef = policy.graphdef
         self._template = dataclasses.replace(policy, params=None, mesh=self.mesh)
         # the lr metric of each step, as one compiled call: the schedule's eager jnp ops
-        # compiled op by op at the first step (0.25 s against 0.035 s on 2 CPU cores), then
-        # cost 0.4 ms a step against 0.01 ms
+        # compiled op by op at the first step, then dispatched op by op at every step
         self._schedule = jax.jit(learning_rate_schedule(config))
         self._optimizer = make_optimizer(config)
         self._rng = jax.random.key(config.seed)
@@ -216,8 +198,8 @@ class Trainer:
             << 20,
             value_loss_coef=config.value_loss_coef,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
-            # one-pass step over several host devices (8 forced devices: a rendezvous timeout in
-            # both runs tried; passes with that scheduler off): simulated meshes keep the prefill
+            # one-pass step over several host devices (a rendezvous timeout; passes with that
+            # scheduler off): simulated meshes keep the prefill
             one_forward_pass=not (
                 self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
             ),
@@ -609,13 +591,9 @@ class Trainer:
 
 def bucketed_width(width: int, bucket: int) -> int:
     """``width`` rounded up to a power of two up to ``bucket``; above it, to a multiple of an
-    eighth of the power of two below it (129..144 -> 144, 300 -> 320, 1100 -> 1152).
-
-    Bounds the number of distinct shapes (compilations) to about log2(bucket) + 8 per doubling
-    past it, while wasting at most half of a small batch and an eighth of a long one. (Multiples
-    of ``bucket`` padded the 30M benchmark's 134-token sequences to 256: twice the step's work;
-    quarters padded them to 160, and its train step took 8.9 s against 7.2 s at 144.)
-    """
+    eighth of the power of two below it (129..144 -> 144, 300 -> 320, 1100 -> 1152): about
+    log2(bucket) + 8 shapes (compilations) per doubling, wasting at most half of a small batch
+    and an eighth of a long one (multiples of ``bucket`` could double a step's work)."""
     if width <= bucket:
         return max(1, 1 << (width - 1).bit_length())
     step = max(1, (1 << ((width - 1).bit_length() - 1)) // 8)
