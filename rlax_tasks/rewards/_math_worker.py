@@ -18,7 +18,7 @@ _MAX_ANSWER_CHARS = 2000
 
 def init() -> None:
     """Import math-verify (slow: sympy, antlr) once per worker and silence its warnings."""
-    import math_verify  # noqa: F401
+    import math_verify  # noqa: F401 - lazy: heavy (sympy, antlr), for worker processes only
 
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -27,6 +27,7 @@ def init() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _configs() -> tuple[Any, Any]:
+    # lazy: heavy, worker processes only
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     boxed = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -35,7 +36,7 @@ def _configs() -> tuple[Any, Any]:
 
 
 def _parse(text: str, config: list) -> list:
-    from math_verify import parse
+    from math_verify import parse  # lazy: heavy, worker processes only
 
     return parse(text, extraction_config=config, parsing_timeout=None)
 
@@ -73,7 +74,7 @@ def _normalize(text: str) -> str:
 
 def compare(reference: str, answer: str) -> bool:
     """True if the extracted answer is mathematically equivalent to the reference."""
-    from math_verify import verify
+    from math_verify import verify  # lazy: heavy, worker processes only
 
     if _normalize(reference) == _normalize(answer):
         return True

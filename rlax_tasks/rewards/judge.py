@@ -1,15 +1,8 @@
-"""Judging programs against test cases in two rounds, as in the RLAX paper.
-
-Round 1 runs every (program, input) pair in the sandbox; round 2 checks every output, by exact
-or whitespace-token comparison or with a checker program. Reward is 1 only if all tests pass.
-
-Call-based submissions (`fn_name` set, Python only) run a driver that imports the source as a
-module (an `if __name__ == "__main__":` block does not run), reads the JSON argument list from
-stdin, calls `fn_name` (a top-level function, else a method of `Solution()`) and prints the
-JSON return value after a marker; the value is compared with the
-test's expected JSON value (floats within 1e-6; a one-element expected list also accepts its
-element, as APPS's harness does).
-"""
+"""Judging programs against test cases in two rounds, as in the RLAX paper: round 1 runs every
+(program, input) pair in the sandbox, round 2 checks every output (exact, whitespace tokens, or a
+checker program); reward 1 only if all pass. Call-based submissions (``fn_name``, Python) import
+the source as a module, call ``fn_name`` (else ``Solution().fn_name``) on stdin's JSON arguments
+and compare the JSON result (floats within 1e-6; ``[x]`` expected also accepts ``x``, as APPS)."""
 
 from __future__ import annotations
 

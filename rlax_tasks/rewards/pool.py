@@ -1,15 +1,17 @@
 """A pool of worker processes with a hard wall-clock timeout per call.
 
-A call that overruns is answered "timeout" and its worker is SIGKILLed and replaced; a worker
-that crashes is answered "error" and replaced. No signals or alarms are used in the caller, so
-the pool is safe to use from any number of threads.
-"""
+An overrunning call is answered "timeout" and its worker SIGKILLed and replaced; a crashed worker
+is answered "error" and replaced. The caller uses no signals or alarms, so any number of threads
+may share the pool."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -37,9 +39,6 @@ class CallOutcome:
 def _worker_main(fd: int) -> None:
     """Worker loop: receive the set-up, then run (fn, args) requests until the socket closes."""
     try:  # die with the parent even while stuck in C code
-        import ctypes
-        import signal
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -48,8 +47,6 @@ def _worker_main(fd: int) -> None:
     if os.getppid() != parent_pid:
         return
     if memory_mb:
-        import resource
-
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:

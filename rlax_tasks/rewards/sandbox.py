@@ -1,9 +1,8 @@
 """Sandboxed execution of untrusted programs under bubblewrap (bwrap).
 
-Generated code runs with no network, a read-only view of the system directories only, a
-private size-capped tmp, CPU/wall/memory/process/output limits, and its whole process tree
-(a private PID namespace) killed when the run ends.
-"""
+No network, a read-only view of the system directories only, a private size-capped tmp,
+CPU/wall/memory/process/output limits, and the whole process tree (a private PID namespace)
+killed when the run ends."""
 
 from __future__ import annotations
 

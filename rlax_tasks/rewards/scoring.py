@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlax_tasks.data.code_tests import CodeTests
+from rlax_tasks.rewards import math as math_verifier
 from rlax_tasks.rewards.judge import (
     JudgeResult,
     Submission,
@@ -83,9 +84,8 @@ def score_completions(
                 continue
             code_where.append((r, s))
     if math_pairs:
-        from rlax_tasks.rewards.math import check_batch  # starts verifier processes on first use
-
-        for (r, s), res in zip(math_where, check_batch(math_pairs, max_parallel), strict=True):
+        math_results = math_verifier.check_batch(math_pairs, max_parallel)
+        for (r, s), res in zip(math_where, math_results, strict=True):
             out[r][s] = SampleScore(res.reward, res.verdict, res.extracted)
     if code_subs:
         results = judge_batch(code_subs, max_parallel)

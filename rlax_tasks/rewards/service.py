@@ -1,10 +1,7 @@
-"""`rlax verify serve`: the math and code verifiers as a local HTTP service, plus its client.
-
-Lets verification run on other machines than the inference workers. Binds 127.0.0.1 unless
-told otherwise; with --port 0 the chosen address is printed on the first stdout line. It runs
-code, so every call needs the run's token (``RLAX_PS_TOKEN``, rlax_tasks.services.http; missing
-→ 401, wrong → 403) and the service refuses to start without it (exit 2). A body over
-``--max-body-mb`` is refused (413) before it is read; every field is bounded (422 naming it).
+"""`rlax verify serve`: the math and code verifiers as a local HTTP service, plus its client, so
+verification can run off the inference workers. Binds 127.0.0.1 by default (--port 0 prints the
+address first); it runs code, so it needs the run's token (``RLAX_PS_TOKEN``: missing 401, wrong
+403; unset: exit 2). A body over ``--max-body-mb`` is refused (413), every field bounded (422).
 """
 
 import argparse
@@ -12,10 +9,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
+from rlax_tasks.rewards import judge as judge_mod
+from rlax_tasks.rewards import sandbox
 from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
-from rlax_tasks.rewards.math import MathResult
+from rlax_tasks.rewards.math import VERIFIER_VERSION, MathResult, MathVerifier
 from rlax_tasks.rewards.sandbox import ExecResult
 from rlax_tasks.services.endpoints import announce, listen
 from rlax_tasks.services.http import (
@@ -45,14 +45,9 @@ def create_app(
 ) -> Any:
     """The FastAPI application, every call needing ``token``; verifiers (and their worker
     processes) start with the app."""
-    from contextlib import asynccontextmanager
-
+    # lazy: the CLI imports this module, and FastAPI loads only where the service runs
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
-
-    from rlax_tasks.rewards import judge as judge_mod
-    from rlax_tasks.rewards import sandbox
-    from rlax_tasks.rewards.math import VERIFIER_VERSION, MathVerifier
 
     parallel = max(1, max_parallel or os.cpu_count() or 1)
     sandbox.set_max_concurrency(parallel)
