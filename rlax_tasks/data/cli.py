@@ -1,9 +1,7 @@
 """`rlax data preview` and the dataset / prompt flags that `rlax curate` and `rlax eval` share.
 
-``rlax data preview FILE --format NAME [--model-dir DIR] [-n 3]`` prints the first rows exactly
-as the sampler will see them (rendered text and token count) with their parsed references, and
-the rows that cannot be used with why, so a new dataset is checked in seconds.
-"""
+``rlax data preview FILE --format NAME [--model-dir DIR] [-n 3]`` prints the first rows as the
+sampler will see them (text, token count, parsed references) and the unusable rows with why."""
 
 from __future__ import annotations
 
@@ -13,8 +11,11 @@ import os
 import textwrap
 from typing import Any
 
+import yaml
+
 from rlax_tasks.data.formats import FORMAT_NAMES
-from rlax_tasks.data.prompts import TEMPLATES, PromptSettings, PromptSettingsError
+from rlax_tasks.data.prompts import TEMPLATES, PromptRenderer, PromptSettings, PromptSettingsError
+from rlax_tasks.rundir import storage
 
 
 # --------------------------------------------------------------------------- shared flags
@@ -88,10 +89,6 @@ def prompt_settings(args: argparse.Namespace) -> PromptSettings:
 
 def read_prompt_section(path: str) -> PromptSettings:
     """The ``prompt`` section of a YAML file (defaults when it has none)."""
-    import yaml
-
-    from rlax_tasks.rundir import storage
-
     if not storage.is_gcs(path) and not os.path.isfile(path):
         raise FileNotFoundError(f"--prompt-config {path}: no such file")
     try:
@@ -128,8 +125,7 @@ def _reference(row: Any) -> str:
 
 def preview(args: argparse.Namespace) -> int:
     """Prints the first ``-n`` rows as the sampler will see them, and the rejected rows."""
-    from rlax_tasks.data.dataset import load_dataset
-    from rlax_tasks.data.prompts import PromptRenderer
+    from rlax_tasks.data.dataset import load_dataset  # lazy: pandas, only when a file is read
 
     settings = prompt_settings(args)
     if args.model_dir:

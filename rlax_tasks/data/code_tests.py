@@ -1,16 +1,8 @@
-"""The test suite of a code problem: stdin/stdout or call-based cases, and per-problem limits.
-
-Stored in a row's ``tests`` field as plain data::
-
-    {"cases": [{"input": "1 2\\n", "output": "3\\n", "public": true}, ...],
-     "fn_name": null, "time_limit_s": 2.0, "memory_mb": 256}
-
-A stdin/stdout case gives the program ``input`` on stdin and expects ``output`` on stdout. A
-call-based case (``fn_name`` set) holds the JSON text of the argument list in ``input`` and the
-JSON text of the expected return value in ``output``. ``time_limit_s`` / ``memory_mb`` are the
-problem's own limits (None: the judge's defaults). A bare list of {input, output} objects (the
-older layout) reads as a suite of public cases without limits.
-"""
+"""The test suite of a code problem, stored in a row's ``tests`` field as plain data:
+``{"cases": [{"input": "1 2\\n", "output": "3\\n", "public": true}, ...], "fn_name": null,
+"time_limit_s": 2.0, "memory_mb": 256}``. With ``fn_name`` set, input and output are the JSON texts
+of the argument list and the return value; limits None mean the judge's defaults. A bare list of
+{input, output} objects (the older layout) reads as public cases without limits."""
 
 from __future__ import annotations
 

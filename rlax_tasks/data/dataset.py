@@ -1,10 +1,8 @@
 """Reading a dataset: files -> raw records -> format adapter -> validated rows (DESIGN §11).
 
-``read_dataset`` keeps every input row accounted for: each one is a row of the result or a
-``Rejected`` entry (unreadable, or not fitting the format / schema) naming its file, row, field
-and reason. ``load_dataset`` is what training, evaluation and previews use: the rows, prompts
-normalized, with the rejected ones logged (never dropped silently).
-"""
+``read_dataset`` accounts for every input row: a row of the result or a ``Rejected`` entry naming
+its file, row, field and reason. ``load_dataset`` (training, evaluation, previews) returns the rows,
+prompts normalized, and logs the rejected ones (never dropped silently)."""
 
 from __future__ import annotations
 

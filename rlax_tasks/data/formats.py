@@ -1,22 +1,7 @@
-r"""Format adapters: public dataset layouts mapped to rows of the schema (DESIGN §11).
-
-A format reads one raw record (a dict of the file's columns) and returns the schema fields
-(``prompt``, ``answer``, ``tests``, ``source``, ``date``, ``metadata``), or raises a
-``FieldError`` naming the input column at fault; the record is then quarantined with that
-reason, never dropped silently. Columns a format does not read are kept in ``metadata``.
-
-- ``rlax``: the schema itself (what ``rlax curate`` writes): prompt (or messages), answer,
-  tests, source, date, metadata.
-- ``gsm8k``: question -> prompt; the number after ``####`` in answer -> answer.
-- ``math``: problem -> prompt; the last ``\boxed{...}`` of solution -> answer.
-- ``dapo``: the chat-message prompt; ``reward_model.ground_truth`` -> answer.
-- ``messages``: a chat-message prompt (``messages`` or ``prompt``) with an ``answer`` column.
-- ``code``: a problem statement with test cases in the APPS/TACO (``input_output``),
-  LiveCodeBench (``public_test_cases``/``private_test_cases``) or code_contests
-  (``public_tests``/``private_tests``/``generated_tests``) layouts, with per-problem limits.
-- ``columns``: the user's own mapping of schema fields to columns, e.g.
-  ``{prompt: question, answer: final_answer}``.
-"""
+r"""Format adapters: public dataset layouts mapped to rows of the schema (DESIGN §11), listed in
+``FORMATS`` plus ``columns`` (the user's own field -> column mapping). An adapter reads one raw
+record and returns the schema fields, or raises a ``FieldError`` naming the column at fault: the
+record is then quarantined with that reason, never dropped. Unread columns go to ``metadata``."""
 
 from __future__ import annotations
 
@@ -327,6 +312,9 @@ def _fn_name(record: Record) -> str | None:
 
 
 def _code(record: Record) -> Row:
+    """Test cases in the APPS/TACO (``input_output``), LiveCodeBench (``public_test_cases`` /
+    ``private_test_cases``) or code_contests (``public_tests`` / ``private_tests`` /
+    ``generated_tests``) layouts, with per-problem limits."""
     column = _first(record, CODE_PROMPT_COLUMNS)
     if column is None:
         raise FieldError(

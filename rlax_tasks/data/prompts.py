@@ -1,18 +1,6 @@
-"""Prompt rendering (DESIGN §11): one ``prompt`` section turns every row into the tokens the
-sampler sees, in training, held-out evaluation, ``rlax eval``, the pass-rate filter and the DAGs.
-
-- ``template: chat`` renders the tokenizer's chat template with the generation prompt; the
-  rendered text is tokenized without adding special tokens again (the template writes them:
-  BOS once, never twice).
-- ``template: raw`` joins the system prompt, the problem and the instruction with blank lines
-  and tokenizes it as plain text (special tokens as the tokenizer adds them to any text, e.g.
-  Llama's BOS; none for Qwen).
-- ``system``: a system message (used when the row has none of its own); ``instruction``:
-  appended to the last user message after a blank line (e.g. "Please reason step by step, and
-  put your final answer within \\boxed{}.").
-- ``stop``: strings that end a completion (besides the model's EOS ids, which include those of
-  ``generation_config.json``).
-"""
+"""Prompt rendering (DESIGN §11): one ``prompt`` section (``PromptSettings``) turns every row into
+the tokens the sampler sees, in training, held-out evaluation, ``rlax eval``, the pass-rate filter
+and the DAGs."""
 
 from __future__ import annotations
 
@@ -20,6 +8,9 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rlax_tasks.models.model_cache import local_model_dir
+from rlax_tasks.models.tokenizer_loading import load_tokenizer
 
 TEMPLATES = ("raw", "chat")
 
@@ -36,7 +27,11 @@ class PromptSettingsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PromptSettings:
-    """The ``prompt`` section of a run configuration (see the module docstring)."""
+    """The ``prompt`` section of a run configuration. ``template``: ``chat`` renders the chat
+    template with the generation prompt (its text then tokenized without special tokens: one BOS),
+    ``raw`` joins system, problem and instruction with blank lines as plain text. ``system``: when
+    the row has none; ``instruction``: appended to the last user message; ``stop``: strings that
+    end a completion besides the model's EOS ids (``generation_config.json``'s included)."""
 
     template: str = "raw"
     system: str | None = None
@@ -95,9 +90,6 @@ class PromptRenderer:
     def for_model(cls, settings: PromptSettings, model_dir: str) -> PromptRenderer:
         """A renderer with the tokenizer of the HF directory ``model_dir`` (local, or gs:// whose
         config and tokenizer files are fetched into the model cache, without the weights)."""
-        from rlax_tasks.models.model_cache import local_model_dir
-        from rlax_tasks.models.tokenizer_loading import load_tokenizer
-
         model_dir = local_model_dir(model_dir, weights=False)
         if not os.path.isdir(model_dir):  # else transformers would look for a hub repo id
             raise FileNotFoundError(f"{model_dir}: no such model directory")

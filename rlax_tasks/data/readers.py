@@ -1,11 +1,7 @@
-"""Reading JSONL, Parquet and CSV into one raw table, without losing a row.
-
-Every record becomes a row of the raw table (values as read, not yet validated) or a
-quarantine entry saying why it could not be read (broken JSON, non-UTF-8 bytes, a CSV record
-with the wrong number of fields). `_file` and `_row` say where each row came from: `_row` is
-the 1-based line for JSONL, the 1-based data record for CSV (header excluded) and the 1-based
-row for Parquet.
-"""
+"""Reading JSONL, Parquet and CSV into one raw table, without losing a row: each record becomes a
+row (values as read, not validated) or a quarantine entry saying why (broken JSON, non-UTF-8, a
+CSV record with the wrong field count). ``_file`` and ``_row`` say where a row came from; ``_row``
+is 1-based: the JSONL line, the CSV data record (header excluded) or the Parquet row."""
 
 from __future__ import annotations
 
@@ -18,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from rlax_tasks.data.files import file_format, read_bytes
 
-if TYPE_CHECKING:  # pandas and pyarrow load when a file is read: every `rlax` command imports
-    import pandas as pd  # this module (through its CLI), most never read a dataset (~0.4 s)
+if TYPE_CHECKING:  # lazy below: pandas and pyarrow load only when a file is read (every `rlax`
+    import pandas as pd  # command imports this module through its CLI)
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +142,7 @@ def _csv_records(path: str, data: bytes) -> tuple[list[dict], list[int], list[Re
 
 
 def _parquet_frame(path: str, data: bytes) -> pd.DataFrame:
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: see the TYPE_CHECKING import
     import pyarrow.parquet as pq
 
     try:
@@ -163,7 +159,7 @@ def _parquet_frame(path: str, data: bytes) -> pd.DataFrame:
 def _object_frame(records: list[dict]) -> pd.DataFrame:
     """Records as object columns, values as parsed: no dtype inference, which would turn the
     integers of a column with a missing value into floats (42 -> 42.0)."""
-    import pandas as pd
+    import pandas as pd  # lazy: see the TYPE_CHECKING import
 
     if not records:
         return pd.DataFrame()
@@ -193,7 +189,7 @@ def read_file(path: str) -> RawTable:
 
 def read_inputs(paths: list[str]) -> RawTable:
     """All rows of several files (columns are the union; absent ones are missing values)."""
-    import pandas as pd
+    import pandas as pd  # lazy: see the TYPE_CHECKING import
 
     tables = [read_file(p) for p in paths]
     frames = [t.frame for t in tables if len(t.frame)]

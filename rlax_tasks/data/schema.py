@@ -1,11 +1,8 @@
-"""The dataset row schema (DESIGN §11) and per-row validation of raw input rows.
-
-A row has: ``prompt`` (text, or chat messages: a list of {role, content} ending with a user
-message), ``answer`` (the reference) and/or ``tests`` (a code test suite,
-``rlax_tasks.data.code_tests``), and optional ``source`` (str), ``date`` (ISO date) and
-``metadata`` (a JSON object; unknown input columns are kept in it). Validation turns each raw row
-into a clean row or a quarantine entry naming every bad field.
-"""
+"""The dataset row schema (DESIGN §11) and per-row validation of raw input rows. A row: ``prompt``
+(text, or chat messages [{role, content}] ending with a user message), ``answer`` and/or ``tests``
+(``rlax_tasks.data.code_tests``), optional ``source`` (str), ``date`` (ISO) and ``metadata`` (a
+JSON object keeping unknown input columns). Validation gives a clean row or a quarantine entry
+naming every bad field."""
 
 from __future__ import annotations
 
@@ -212,7 +209,7 @@ CHECKS: dict[str, Callable[[object], Any]] = {
 def validate(raw: RawTable) -> tuple[pd.DataFrame, list[Rejected]]:
     """Clean rows (schema fields + origin_file/origin_row) and one quarantine entry per
     invalid row naming each bad field and why."""
-    import pandas as pd
+    import pandas as pd  # lazy: as in readers.py
 
     frame = raw.frame
     n = len(frame)
