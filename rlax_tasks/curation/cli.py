@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from rlax_tasks.data.cli import add_format_args, parse_columns
+from rlax_tasks.evaluation.cli import add_generation_args, make_generator
+
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: pandas loads only when `rlax curate` runs (every `rlax` command builds this parser)
     from rlax_tasks.curation.dedup import MinHashConfig
     from rlax_tasks.curation.pipeline import CurationConfig, run_curation
     from rlax_tasks.curation.report import write_outputs
-    from rlax_tasks.data.cli import parse_columns
 
     columns = parse_columns(args.columns)
     config = CurationConfig(
@@ -27,8 +30,6 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--weights-from needs --model-dir (the model's config and tokenizer)")
     generator = None
     if args.model_dir:
-        from rlax_tasks.evaluation.cli import make_generator
-
         if args.k < 1:
             raise ValueError(f"--k must be >= 1 with --model-dir, got {args.k}")
         generator = make_generator(args, args.model_dir, args.weights_from)
@@ -48,9 +49,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_curate_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax curate`."""
-    from rlax_tasks.data.cli import add_format_args
-    from rlax_tasks.evaluation.cli import add_generation_args
-
     p = sub.add_parser("curate", help="curate datasets: validate, dedup, filter, split")
     p.add_argument("inputs", nargs="+", help="JSONL/Parquet/CSV files, directories or gs:// paths")
     add_format_args(p)

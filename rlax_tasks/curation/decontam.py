@@ -1,11 +1,8 @@
 """Decontamination: drop training rows that share a word n-gram with an evaluation set.
 
-Texts are lowercased and split into alphanumeric words; a text shorter than n words counts as
-one n-gram made of all its words, so short evaluation prompts match only identical short
-training prompts (a short evaluation prompt embedded in a long training prompt is missed).
-The index keeps 64-bit hashes of the n-grams in a sorted numpy array (8 bytes per n-gram), so
-a whole test split fits; a hash collision could flag a clean row (odds ~ 2^-64 per pair).
-"""
+Texts are lowercased alphanumeric words; one shorter than n words is one n-gram of all its words,
+so a short evaluation prompt matches only an identical one. The index keeps sorted 64-bit n-gram
+hashes (8 bytes each: a whole test split fits); a collision could flag a clean row (~2^-64)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Exact and near-duplicate detection.
-
-Exact: rows whose dedup keys (casefolded, whitespace-collapsed prompts) are equal. Near:
-MinHash signatures over character shingles, LSH banding to find candidate pairs, and the
-signature agreement (an estimate of the shingle Jaccard similarity) to confirm them; all
-vectorized with numpy, in chunks, so a million rows fit in a few hundred MiB.
-"""
+"""Exact and near-duplicate detection. Exact: equal dedup keys (casefolded, whitespace-collapsed
+prompts). Near: MinHash signatures over character shingles, LSH banding for candidate pairs, and
+signature agreement (an estimate of shingle Jaccard similarity) to confirm them; vectorized with
+numpy, in chunks, so a million rows fit in a few hundred MiB."""
 
 from __future__ import annotations
 
@@ -171,13 +168,10 @@ def near_duplicates(
     config: MinHashConfig | None = None,
     progress: ProgressMeter | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(rep, similarity): for each row the index of the earliest row of its near-duplicate
-    cluster (itself when it is kept) and its estimated Jaccard similarity to that row. Rows
-    join a cluster through confirmed candidate pairs, so a cluster may chain (A~B, B~C).
-
-    Only the LSH band keys of all rows are kept (8 bytes per band per row); the signatures
-    of the few rows in candidate pairs are recomputed to confirm them. ``progress`` counts
-    the rows signed (the long part)."""
+    """(rep, similarity): per row, the earliest row of its near-duplicate cluster (itself when
+    kept) and its estimated Jaccard similarity to it; clusters may chain (A~B, B~C). Only the LSH
+    band keys of all rows are kept, and the signatures of rows in candidate pairs recomputed to
+    confirm them. ``progress`` counts the rows signed (the long part)."""
     config = config or MinHashConfig()
     n = len(texts)
     if n == 0:

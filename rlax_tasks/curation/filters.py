@@ -1,14 +1,8 @@
-"""Row filters: missing reference, non-English statements, interactive problems.
-
-Each filter returns, per row, a reason string when the row should go, else None.
-
-Language heuristic (no language-detection package): a statement is non-English when most of
-its letters are outside the Latin script, or when it has enough words and those words hit
-another language's stopword list more than the English one. Limits: short statements (fewer
-than `min_words` words, e.g. bare formulas) are always kept; Latin-script languages without a
-stopword list here (Turkish, Vietnamese, Indonesian, ...) and English-heavy mixed text pass;
-LaTeX-heavy statements with few prose words are kept.
-"""
+"""Row filters (missing reference, non-English statements, interactive problems): each returns,
+per row, a reason string when the row should go, else None. Non-English, without a language
+package: mostly non-Latin letters, or enough words hitting another language's stopwords more than
+English's. Short statements (< ``min_words``) are kept; Latin-script languages without a list
+here (Turkish, Vietnamese, ...), English-heavy mixed text and LaTeX-heavy statements pass."""
 
 from __future__ import annotations
 
@@ -83,7 +77,7 @@ def _is_latin(ch: str) -> bool:
 
 
 def non_english(text: str, min_words: int = 6, min_latin: float = 0.5) -> str | None:
-    """Reason if `text` looks non-English (see the module docstring for the heuristic)."""
+    """Reason if `text` looks non-English (the module docstring's heuristic)."""
     prose = _LATEX_RE.sub(" ", text) if "\\" in text or "$" in text else text
     if not prose.isascii():
         letters = [ch for ch in prose if ch.isalpha()]

@@ -1,9 +1,7 @@
 """Pass-rate pre-filter: keep prompts the current policy solves sometimes but not always.
 
-k completions per prompt are sampled (any `GenerateFn`, normally the rollout Sampler through
-`rlax_tasks.evaluation.generation.PolicyGenerator`) and scored by the verifiers; the rate
-c/k is recorded for curricula and prompts with rate 0 (too hard) or 1 (too easy) go.
-"""
+k completions per prompt from any ``GenerateFn`` (normally ``PolicyGenerator``) are scored by the
+verifiers; the rate c/k is recorded for curricula, and rate 0 (too hard) or 1 (too easy) goes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The curation pipeline: ingest -> validate -> normalize -> filters -> exact and near dedup
--> time split -> decontamination -> pass-rate filter.
-
-Every input row ends in the train or test split, the quarantine (unreadable or invalid) or the
-removed log (a filter, dedup or decontamination), each with its stage and reason; the counts
-per stage are checked to add up.
-"""
+"""The curation pipeline: ingest -> validate -> normalize -> filters -> exact and near dedup ->
+time split -> decontamination -> pass-rate filter. Every input row ends in the train or test
+split, the quarantine (unreadable or invalid) or the removed log, with its stage and reason; the
+counts per stage are checked to add up."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def _difficulty(frame: pd.DataFrame) -> tuple[str, list[float]] | None:
 
 
 def _histograms(result: CurationResult) -> dict[str, bytes]:
-    import matplotlib
+    import matplotlib  # lazy: heavy, only where plots are drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

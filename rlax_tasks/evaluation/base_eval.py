@@ -1,21 +1,8 @@
-"""The held-out evaluation of a run's starting weights, cached per model, data and settings.
-
-A run's "before" number (``<run>/eval/v0/results.json``, the same `rlax eval` output as the final
-evaluation's ``eval/v<N>``) costs one full evaluation of the base model, the same for every run
-that starts from that model with the same held-out set and evaluation settings. It is computed
-once per run root and kept under ``<run_root>/base-evals/<fingerprint>/`` (``run_paths``); a
-resumed or repeated run copies it instead of evaluating again. The fingerprint covers:
-
-- the `rlax eval` command line's settings (samples, ks, prompts, temperature, max tokens, lengths,
-  dtype, data format...), paths aside;
-- the model directory's identity: each file's name and size with its GCS crc32c (gs://) or its
-  modification time (local), and a digest of ``config.json``;
-- the held-out data: the run config's ``eval.dataset`` spec, plus the file's identity for a
-  file (a synthetic task is its spec: the file `rlax eval` reads is generated from it);
-- the run config's ``prompt`` section (how prompts are rendered).
-
-A changed setting, weight file or dataset file is a new fingerprint: it evaluates again.
-"""
+"""The held-out evaluation of a run's starting weights, computed once per run root and kept under
+``<run_root>/base-evals/<fingerprint>/`` for every run from the same model, data and settings (a
+resumed or repeated run copies it). The fingerprint: the `rlax eval` settings (paths aside), the
+model files' names, sizes and crc32c (gs://) or mtimes with a digest of ``config.json``, the
+``eval.dataset`` spec and file identity, and the ``prompt`` section; any change evaluates again."""
 
 from __future__ import annotations
 
@@ -26,6 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlax_tasks.config import FileSource
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import EVAL_RESULTS, base_eval_dir, run_paths
 
@@ -107,10 +95,8 @@ def model_identity(model_dir: str) -> dict[str, Any]:
 
 
 def fingerprint_inputs(cfg: Any, argv: Sequence[str]) -> dict[str, Any]:
-    """What the base evaluation ``argv`` of run config ``cfg`` depends on (see the module
-    docstring); ValueError for a command line that is not a base `rlax eval`."""
-    from rlax_tasks.config import FileSource
-
+    """What the base evaluation ``argv`` of run config ``cfg`` depends on (the module docstring's
+    fingerprint); ValueError for a command line that is not a base `rlax eval`."""
     flags = _flags(argv)
     settings = {k: v for k, v in sorted(flags.items()) if k not in _PATH_FLAGS}
     plain = cfg.to_dict()

@@ -1,10 +1,7 @@
 """Loading the policy to evaluate: an HF directory, optionally with the weights of a version
-mirrored by the parameter server (`run_root/weights/v<version>/`).
-
-Run checkpoints (Orbax, `run_root/<run_id>/checkpoints/<step>/`) are not read here: `rlax export
-RUN_DIR[@STEP] OUT_DIR` turns one into an HF directory. Other loaders plug in through
-`register_loader` (see `load_policy`), so `rlax eval` picks them up.
-"""
+mirrored by the parameter server (`run_root/weights/v<version>/`). Orbax run checkpoints are not
+read here (`rlax export RUN_DIR[@STEP] OUT_DIR` makes one an HF directory); other loaders plug in
+through `register_loader`, so `rlax eval` picks them up."""
 
 from __future__ import annotations
 
@@ -13,8 +10,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from rlax_tasks.models import load_pretrained
+from rlax_tasks.paramserver import mirror
+from rlax_tasks.paramserver.wire import resolve_dtype
 from rlax_tasks.rundir.paths import CHECKPOINTS
 
 logger = logging.getLogger(__name__)
@@ -67,8 +70,6 @@ def load_policy(path: str, dtype: str = "float32") -> Any:
             f"first with `{_export_command(path)}` (or register a loader with "
             "rlax_tasks.evaluation.register_loader)"
         )
-    from rlax_tasks.models import load_pretrained
-
     return load_pretrained(path, dtype=dtype)
 
 
@@ -76,9 +77,6 @@ def mirror_arrays(run_root: str, version: int | None = None) -> tuple[int, dict[
     """(version, name -> array) of a version mirrored under run_root/weights (the newest
     committed one when `version` is None), every block checked against its CRC32C (its sha256
     in a mirror written before wire format 2) and the version digest."""
-    from rlax_tasks.paramserver import mirror
-    from rlax_tasks.paramserver.wire import resolve_dtype
-
     if version is None:
         weights = mirror.load_latest(run_root)
         if weights is None:
@@ -104,10 +102,6 @@ def mirror_arrays(run_root: str, version: int | None = None) -> tuple[int, dict[
 
 def with_named_arrays(policy: Any, arrays: dict[str, np.ndarray]) -> Any:
     """`policy` with its parameters replaced by arrays named as in `policy.named_params()`."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     pure = nnx.to_pure_dict(policy.params)
     names = {}
     for keypath, leaf in jax.tree_util.tree_leaves_with_path(pure):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from rlax_tasks.data.cli import add_format_args, add_prompt_args, parse_columns, prompt_settings
+
 
 def parse_ks(text: str) -> tuple[int, ...]:
     """ "1,8" -> (1, 8)."""
@@ -19,8 +21,6 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
     """Sampling and prompt-rendering flags shared by `rlax eval` and `rlax curate`."""
-    from rlax_tasks.data.cli import add_prompt_args
-
     p.add_argument(
         "--weights-from",
         default=None,
@@ -39,7 +39,7 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -
 
 def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
     """A PolicyGenerator for the model at `model_dir` with the sampling and prompt flags."""
-    from rlax_tasks.data.cli import prompt_settings
+    # lazy: JAX loads only when a model does (every `rlax` command builds this parser)
     from rlax_tasks.evaluation.checkpoints import load_model
     from rlax_tasks.evaluation.generation import PolicyGenerator
 
@@ -56,7 +56,7 @@ def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str |
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlax_tasks.data.cli import parse_columns
+    # lazy: pandas and JAX load only when `rlax eval` runs
     from rlax_tasks.data.dataset import load_dataset
     from rlax_tasks.evaluation.evaluator import EvalConfig, evaluate
     from rlax_tasks.evaluation.report import write_eval_outputs
@@ -97,8 +97,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `rlax eval`."""
-    from rlax_tasks.data.cli import add_format_args
-
     p = sub.add_parser("eval", help="pass@k / maj@k evaluation of a model on a dataset")
     p.add_argument("--model-dir", required=True, help="HF model directory")
     p.add_argument("--compare", default=None, help="a second HF model directory, side by side")

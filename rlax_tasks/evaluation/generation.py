@@ -64,6 +64,7 @@ def sample_token_ids(
     """n completions (token ids) per tokenized prompt, from `rlax_tasks.rollout.Sampler`
     (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls);
     logs samples done / total every few seconds (`rlax_tasks.utils.progress_meter`)."""
+    # lazy: JAX; curation imports this module for ``GenerateFn`` without sampling
     from rlax_tasks.rollout import Sampler, per_prompt_params
 
     if not prompt_ids:
@@ -132,7 +133,7 @@ class PolicyGenerator:
             i, err = bad[0]
             raise ValueError(f"prompt {i}: {err} ({len(bad)} prompt(s) affected)")
         if self._sampler is None:
-            from rlax_tasks.rollout import Sampler
+            from rlax_tasks.rollout import Sampler  # lazy: JAX, as in sample_token_ids
 
             self._sampler = Sampler(self.policy, max_slots=self.max_slots, max_len=self.max_len)
         tokens = sample_token_ids(

@@ -1,13 +1,7 @@
-"""A run's evaluation history: one row per nightly evaluation in ``<run>/eval/history.jsonl``.
-
-Each ``eval/v<N>/results.json`` holds one evaluation; the history says when each was made, so a
-run's held-out pass@k can be followed night after night (the RLAX dashboard shows it). A row::
-
-    {"date": "2025-06-01", "time": 1748736000.0, "version": 12, "dag_run_id": "scheduled__...",
-     "prompts": 200, "pass@1": 0.41, "pass@8": 0.77, "mean_reward": 0.41, ...}
-
-JAX-free (the Airflow tasks that write it and the dashboard that reads it stay light).
-"""
+"""A run's evaluation history, one row per nightly evaluation in ``<run>/eval/history.jsonl``, so
+held-out pass@k can be followed night after night (the dashboard shows it). A row: {"date",
+"time", "version", "dag_run_id", "prompts", "pass@1", ..., "mean_reward", ...}. JAX-free: the
+Airflow tasks that write it and the dashboard that reads it stay light."""
 
 from __future__ import annotations
 

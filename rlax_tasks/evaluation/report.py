@@ -87,7 +87,7 @@ def summary_markdown(results: list[EvalResult], dataset: str) -> str:
 
 
 def _plots(results: list[EvalResult]) -> dict[str, bytes]:
-    import matplotlib
+    import matplotlib  # lazy: heavy, only where plots are drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
