@@ -1,11 +1,7 @@
-"""The RLAX Airflow plugin: the dashboard app at /rlax and an "RLAX" entry in the UI navigation.
-
-The entry embeds the dashboard (an iframe at /plugin/rlax); its routes need an Airflow session,
-like the rest of the UI, and its pages link each run to its DAG run in the UI
-(/dags/<dag_id>/runs/<run_id>). Run roots come from ``RLAX_RUN_ROOTS`` (comma-separated local
-directories or gs:// URIs, default "runs"); set ``RLAX_DASHBOARD_AUTH=0`` to serve the dashboard
-without Airflow authentication (local development only).
-"""
+"""The RLAX Airflow plugin: the dashboard app at /rlax and an "RLAX" UI entry embedding it (an
+iframe at /plugin/rlax), behind the Airflow session like the rest of the UI. Run roots come from
+``RLAX_RUN_ROOTS`` (comma-separated local directories or gs:// URIs, default "runs");
+``RLAX_DASHBOARD_AUTH=0`` serves it without Airflow authentication (local development only)."""
 
 from __future__ import annotations
 

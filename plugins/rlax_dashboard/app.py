@@ -1,23 +1,8 @@
-"""The RLAX dashboard as a FastAPI app: a runs table, per-run pages and a compare view, mounted by
-the plugin.
-
-Routes (relative to the mount point, /rlax in Airflow):
-- ``GET /`` — HTML table of every run under the configured run roots with its state and its
-  Airflow DAG run; tick runs and press Compare to compare them.
-- ``GET /api/runs`` — the same as JSON.
-- ``GET /runs/{root}/{run_id}/`` — HTML page of one run: held-out numbers before and after
-  training, its four plots, its nightly evaluations (root = index of the run root in the
-  configured list).
-- ``GET /runs/{root}/{run_id}/series`` — the plotted series as JSON.
-- ``GET /runs/{root}/{run_id}/plots/{name}.png`` — one plot (reward, pass_at_k, staleness,
-  weight_sync).
-- ``GET /compare?runs=0/a,0/b[&k=pass@8]`` — two or more runs side by side: before/after, one
-  plot per quantity with one line per run, the configuration keys that differ (``runs`` may
-  repeat; a bare run id is looked up in the run roots in order). ``/api/compare`` gives the same
-  as JSON, ``/compare/plots/{name}.png`` one plot.
-Every link is relative, so the pages work under any mount prefix and reverse proxy; links to
-the Airflow UI's DAG runs (``dags/<dag_id>/runs/<run_id>``) are relative to ``airflow_ui``.
-"""
+"""The RLAX dashboard as a FastAPI app, mounted by the plugin (at /rlax in Airflow): a runs table
+(``/``, ``/api/runs``), per-run pages with before/after numbers, plots and nightly evaluations
+(``/runs/{root}/{run_id}/``; root: index in the configured run roots) and a compare view
+(``/compare?runs=0/a,0/b``). Links are relative, so pages work under any mount prefix and proxy;
+links to the Airflow UI's DAG runs are relative to ``airflow_ui``."""
 
 from __future__ import annotations
 
@@ -72,9 +57,8 @@ img{max-width:100%;border:1px solid #eee}
 """
 
 
-# Links out of the dashboard (to the Airflow UI) have target=_top. In the Airflow UI the
-# dashboard is an iframe sandboxed without allow-top-navigation, so such a link is followed by
-# a link of the (same-origin) top page instead; outside an iframe the browser follows it.
+# Links to the Airflow UI have target=_top; inside the UI's sandboxed iframe (no
+# allow-top-navigation) a same-origin link of the top page follows them instead.
 _SCRIPT = """
 document.addEventListener("click", (event) => {
   const link = event.target.closest("a[target=_top]");
@@ -192,14 +176,12 @@ def create_app(
     airflow_ui: str | None = "..",
 ) -> FastAPI:
     """The dashboard over ``run_roots`` (default: RLAX_RUN_ROOTS, read per request).
-
-    ``require_auth`` protects every route with Airflow's session (the ``_token`` cookie the UI
-    sets, or a bearer token): use it when mounted in the Airflow api-server. ``airflow_ui`` is
-    the Airflow UI's root, relative to the dashboard's (".." where the plugin mounts it at
-    /rlax) or absolute; None: no links to DAG runs.
-    """
+    ``require_auth``: every route needs Airflow's session (``_token`` cookie or bearer token),
+    for the Airflow api-server. ``airflow_ui``: the Airflow UI's root, relative to the
+    dashboard's (".." under /rlax) or absolute; None: no links to DAG runs."""
     dependencies = []
     if require_auth:
+        # lazy: the dashboard also runs without Airflow (local development)
         from airflow.api_fastapi.core_api.security import requires_authenticated
 
         dependencies.append(Depends(requires_authenticated()))

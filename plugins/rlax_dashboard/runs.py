@@ -1,28 +1,8 @@
-"""What the RLAX dashboard knows about runs: found under run roots, read through rundir.storage.
-
-A run is a child ``<run_id>/`` of a run root (local directory or ``gs://bucket/prefix``) holding
-``config.yaml`` or ``metrics.jsonl`` (DESIGN §7). The dashboard reads, and never writes:
-
-- ``metrics.jsonl`` — one JSON object per training step. Keys read: ``step`` (required),
-  ``reward_mean``, ``staleness_mean`` (mean v − u of the rollouts a step trained on),
-  ``weight_sync_s`` (seconds to push/pull a weight version), and any ``pass@<k>`` (held-out
-  pass@k evaluated at that step).
-- fallbacks for runs whose metrics lack those keys: ``lineage.jsonl`` (``step``, ``version``,
-  ``rollout_versions`` → staleness = mean(version − rollout_versions)) and ``weight_sync.jsonl``
-  (``step``, ``push_s``).
-- ``eval/report.json`` (``rlax run``'s before/after pass@k: ``before`` at version 0, ``after``
-  at its ``version`` or the last step), ``eval/progress.jsonl`` (``rlax run``'s pass@k during
-  the run, one row per evaluated ``version``) and ``eval/v<version>/results.json`` (``rlax
-  eval`` outputs of the DAG and the nightly evaluation: ``models[0].overall["pass@k"]``).
-- ``eval/history.jsonl`` (the nightly evaluations, one row each: ``date``, ``version``,
-  ``pass@k``...; rlax_tasks.evaluation.history).
-- ``config.yaml`` (the resolved run configuration: the compare view lists the keys that differ).
-- ``status.json`` ({"state": ..., "updated": unix seconds, "dag_run_id": ..., "dag_id": ...})
-  written by the rlax_train DAG (a record without "dag_id" predates it: rlax_train's); the
-  dashboard links that DAG run in the Airflow UI. Without it the state is inferred: "finished"
-  when eval/report.json exists, "running" when metrics.jsonl changed within
-  ``active_window_s``, "stopped" otherwise, and "pending" before the first step.
-"""
+"""What the RLAX dashboard knows about runs: ``<run_id>/`` children of run roots (local or gs://)
+holding ``config.yaml`` or ``metrics.jsonl`` (DESIGN §7), read through rundir.storage, never
+written. A run's state comes from the rlax_train DAG's ``status.json`` (which links its DAG run),
+else is inferred: "finished" with eval/report.json, "running" when metrics.jsonl changed within
+``active_window_s``, "stopped" otherwise, "pending" before the first step."""
 
 from __future__ import annotations
 
