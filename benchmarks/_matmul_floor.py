@@ -1,20 +1,8 @@
 """The time a model's matrix products alone take for a rollout: a floor under any decode loop.
-
-``rollout.py`` times it beside ours and transformers ``generate``: the prefill's products for
-B x P prompt tokens (the output projection for each row's last token only), then N - 1 decode
-steps of B tokens through every layer's q/k/v/o and gate/up/down products and the output
-projection, on the policy's own weights (each layer's arrays of their own, as the sampler holds
-them). Attention, norms, RoPE, the cache and sampling are left out, so no implementation whose
-products run at XLA:CPU's speed can take less; transformers' time over this floor is the most any
-of them could beat it by.
-
-With ``attention=True`` each decode step also runs attention's two products over the keys and
-values a KV cache holds (queries x keys, then scores x values, per layer): reading the cache is
-the part of a decode step that grows with the batch and the sequence, which the products alone
-leave out. The window of each stretch of ``ATTENTION_STRETCHES`` steps is the entries every row
-holds at the stretch's first step, fewer than its later steps read; there is no softmax, mask or
-cache write, so it is still a floor.
-"""
+The prefill's products for B x P prompt tokens, then N - 1 decode steps through every layer's
+projections and the output head, on the policy's own weights; attention, norms, RoPE, the cache
+and sampling are left out. ``attention=True`` adds attention's two products over the KV cache's
+window (per stretch of ``ATTENTION_STRETCHES`` steps), still without softmax, mask or writes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The benchmarks' one model: the ~30M-parameter Qwen2 shape, as an HF or an RLAX config.
-
-``hf_config`` (transformers' ``Qwen2Config``, for the torch baselines and the saved checkpoints)
-and ``rlax_config`` (``rlax_tasks.models.ModelConfig``) describe the same model; keyword overrides
-change a field (e.g. ``vocab_size``).
-"""
+``hf_config`` (transformers' ``Qwen2Config``, for the torch baselines and saved checkpoints) and
+``rlax_config`` (``rlax_tasks.models.ModelConfig``) describe the same model; keyword overrides
+change a field (e.g. ``vocab_size``)."""
 
 from __future__ import annotations
 

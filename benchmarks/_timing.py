@@ -1,13 +1,8 @@
 """Shared helpers for the benchmarks: wall-clock timing, the matmul FLOP/s ceiling, peak RSS.
-
-Every benchmark times the same way: ``warmup`` untimed calls (compilation, allocator and thread
-pool warm-up), then ``repeats`` timed calls, each one synchronised (``block_until_ready`` on every
-JAX array in the result) before the clock stops; the median is the figure reported.
-
-Every benchmark also records the machine's load before it starts and again at the end
-(``machine_load``), and marks its figure lines ``[CONTENDED: ...]`` (``contended_mark``) when
-other work shared the CPU, so a slow figure from a busy machine is never taken for a real one.
-"""
+Every benchmark times ``warmup`` untimed calls, then ``repeats`` calls each synchronised
+(``block_until_ready``) before the clock stops, and reports the median. It records the machine's
+load before and after (``machine_load``) and marks figures ``[CONTENDED: ...]`` when other work
+shared the CPU, so a figure from a busy machine is never taken for a real one."""
 
 from __future__ import annotations
 
@@ -183,18 +178,10 @@ def machine_load(
     interval_s: float = 1.0,
     settle_s: float = 150.0,
 ) -> dict[str, Any]:
-    """The machine's load around a benchmark: call it with ``when="before"`` first thing, and
-    with ``when="after"`` at the end (another process may have started meanwhile).
-
-    Returns ``{"when", "load_1m", "load_5m", "load_15m", "busy_cores", "cpu_count",
-    "contended"}``: ``os.getloadavg()`` and ``busy_cores(interval_s)`` (other processes' CPUs'
-    worth while this one sleeps; None off Linux). ``contended`` is True when busy_cores > 0.2
-    or, before the run only, the 1-minute load > 0.5 (after a run the load average counts the
-    benchmark's own work, so only busy_cores decides). Before a run, a high load with no other
-    work busy (a process that just ended) is given up to ``settle_s`` to decay first. Logged to
-    ``log`` (a warning when contended). Pass the dicts to ``contended_mark`` to flag figure
-    lines, and put them in the JSON output (``{"machine_load": {"before": ..., "after": ...}}``).
-    """
+    """The load around a benchmark (``when`` "before" first thing, "after" at the end): load
+    averages, ``busy_cores`` (other processes' CPUs while this one sleeps) and ``contended``:
+    busy_cores > 0.2, or before the run a 1-minute load > 0.5 (given ``settle_s`` to decay when
+    nothing else is busy). For ``contended_mark`` and the JSON's ``machine_load``."""
     busy = busy_cores(interval_s)
     load = _loadavg()
     # before a run: a high load average with nothing else busy is a process that just ended
@@ -265,8 +252,7 @@ def _loadavg() -> tuple[float, float, float] | None:
 
 
 def describe_load(load: dict[str, Any] | None) -> str:
-    """``machine_load``'s dict in words: 'load 1.90 (1 min), 1.30 of 2 cores busy with other
-    work (Intel Xeon, AVX-512)'."""
+    """``machine_load``'s dict in words: the load, the cores busy with other work, the CPU."""
     if not load:
         return "load n/a"
     cpu = f" ({load['cpu']})" if load.get("cpu") else ""
@@ -343,14 +329,10 @@ def write_json(path: str | None, results: dict[str, Any], log: logging.Logger) -
 
 
 def run_in_fresh_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, launched=T, **kwargs)`` in a fresh Python process (multiprocessing "spawn"),
-    where ``T`` is ``time.monotonic()`` taken here just before that process starts: a clock from
-    ``T`` counts the interpreter's start and every import, as a user's command pays them.
-
-    ``fn`` must be importable by name (a module-level function) and return something picklable.
-    An exception in ``fn``, or the process dying, is raised here as RuntimeError (with the
-    child's traceback), never a hang.
-    """
+    """``fn(*args, launched=T, **kwargs)`` in a fresh "spawn" process, ``T`` the monotonic time
+    just before it starts, so a clock from ``T`` counts the interpreter's start and imports.
+    ``fn``: a module-level function returning something picklable; its exception or the process
+    dying is raised here as RuntimeError with the child's traceback, never a hang."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")

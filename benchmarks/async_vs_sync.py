@@ -1,30 +1,8 @@
-"""Asynchronous vs on-policy lockstep RL on the tiny-arith preset (`rlax run`), in one run.
-
-Two runs of ``run_local`` (parameter server, trainer, 2 inference workers and the controller as
-separate processes), same seed, same number of steps, each in its own fresh run root:
-
-- lockstep (on-policy): ``staleness.reload_every=1, staleness.max_staleness=1`` (j = k = 1): a
-  worker generates a batch only with the newest weights, so generation and training alternate;
-- asynchronous: ``j=2, k=4`` by default (``--async-j/--async-k``): workers keep generating while
-  the trainer trains and reload only every j versions; rollouts up to k versions old may train.
-
-Reported per mode: seconds per training step (median and mean of the intervals between the
-"time" stamps of consecutive metrics.jsonl rows, and train_seconds / steps, which includes the
-start-up of the processes and JAX compilation), held-out pass@1 / pass@8 before and after (200
-problems never trained on, 8 samples each at temperature 1), and the wall time to a held-out
-pass@1 target (default: base pass@1 + 0.15): the "seconds" of the first eval/progress.jsonl row
-that reaches it, i.e. the time from the start of the run until the trainer produced that weight
-version (held-out pass@k is evaluated every ``--eval-every`` steps while the run goes).
-
-    .venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--eval-every 10] [--gain 0.15]
-        [--target P] [--async-j 2] [--async-k 4] [--json-out FILE]
-
-The machine's load is recorded before and after (``_timing.machine_load``); the header and the
-speed-up lines are marked [CONTENDED] when other work shared the CPU.
-
-About 7 minutes on 2 CPU cores with the defaults (the two runs take turns, never overlap). The
-preset runs 300 steps (its learning-rate schedule spans them); 150 reach the default target.
-"""
+"""Asynchronous vs on-policy lockstep RL on the tiny-arith preset (`rlax run`), in one run:
+lockstep (reload_every = max_staleness = 1) vs async (``--async-j 2 --async-k 4``), same seed and
+steps, each in a fresh run root. Reports seconds per step, held-out pass@1/pass@8 before and
+after, and the wall time to a held-out pass@1 target (base + ``--gain``). Runs take turns, never
+overlap. ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--json-out FILE]``"""
 
 from __future__ import annotations
 
@@ -111,15 +89,10 @@ class StopRun(Exception):
 
 
 class EvalPauses:
-    """Holds a run's processes still (SIGSTOP) while its held-out evaluation runs, and takes
-    those pauses off the run's clock: training is timed without evaluation, as TRL's clock is
-    paused for its whole evaluation. Without it the evaluation (in the supervisor process)
-    competes with training for the same cores, which only ours pays for.
-
-    The weights are pulled before the pause (a colocated run's parameter server is in the
-    stopped process); the pause then lasts until the evaluation is recorded (sampling, decoding,
-    scoring, progress.jsonl and TensorBoard rows). Each pause is recorded as (unix start, end).
-    """
+    """Holds a run's processes still (SIGSTOP) from after the evaluation pulls the weights until
+    it is recorded, and takes those pauses (unix start, end) off the run's clock, as TRL's clock
+    pauses for its evaluation; otherwise the evaluation, in the supervisor, would compete with
+    training for the cores, which only ours pays for."""
 
     def __init__(self) -> None:
         self.supervisor: Any = None  # set by the supervisor hook once the processes run
@@ -214,12 +187,9 @@ def run_ours(
     pause_for_eval: bool = False,
 ) -> dict[str, Any]:
     """One ``run_local`` of the preset in a fresh run root; returns what the benchmark reports.
-
     ``stop_when(progress_rows, seconds_since_start)`` may return a reason to end the run early
-    (checked by the supervisor loop a few times per second); the run then has no "after" eval.
-    ``pause_for_eval``: the run's processes are held still while the held-out evaluation runs,
-    and the figures are on a clock without those pauses (``EvalPauses``).
-    """
+    (then no "after" eval); ``pause_for_eval``: hold the processes still during held-out
+    evaluations and take those pauses off the clock (``EvalPauses``)."""
     from rlax_tasks.config import load_config
     from rlax_tasks.run.local_run import run_local
 

@@ -1,29 +1,8 @@
-"""Curation benchmark: rows/s and peak memory of `rlax curate` on 1M synthetic rows.
-
-What it measures, in one run and side by side:
-
-1. Generates ``--rows`` (default 1,000,000) synthetic math prompts (~150 characters) as 4
-   Parquet files, with 4% case/whitespace duplicates, 4% near duplicates (one word changed),
-   0.5% invalid rows (bad dates), 0.5% French prompts, 0.2% interactive problems, dates over
-   2023-2025, plus an evaluation set of 2,000 prompts (a quarter of them copied from the data).
-2. Runs the whole pipeline (ingest, validate, normalize, filters, exact + MinHash near dedup,
-   time split, 13-gram decontamination, Parquet/JSON/PNG outputs) in a FRESH child process,
-   timing each stage, and reports rows/s and the child's peak RSS against the 4 GiB target.
-3. The near-dedup MinHash (numpy, vectorized over chunks of rows) against a straightforward
-   pure-Python MinHash (per row, per shingle, per hash function: what a loop implementation
-   does without a library) on the same rows with the same hash family; prints the speed ratio
-   and checks both give identical signatures.
-
-The machine's load is recorded before and after (``_timing.machine_load``); the speed lines are
-marked [CONTENDED] when other work shared the CPU.
-
-Run (from the repository root)::
-
-    .venv/bin/python benchmarks/curation.py
-    .venv/bin/python benchmarks/curation.py --rows 200000 --json-out /tmp/curation.json
-
-The default run takes about 2-4 minutes on a 2-core CPU.
-"""
+"""Curation benchmark: rows/s and peak memory of `rlax curate` on ``--rows`` (1M) synthetic rows
+with planted duplicates, near duplicates, invalid, French and interactive rows, and a partly
+copied evaluation set. The pipeline runs in a fresh child process, timed per stage against the
+4 GiB target; the numpy MinHash is compared with a pure-Python one (same signatures, the ratio).
+``.venv/bin/python benchmarks/curation.py [--rows 200000] [--json-out FILE]``"""
 
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
-"""Forward-pass (prefill) benchmark: rlax_tasks JAX policy vs. transformers PyTorch, same weights.
-
-What it measures, in one run and side by side:
-
-1. Builds a ~30M-parameter Qwen2-shaped model with ``transformers`` (random init under
-   ``torch.manual_seed``), saves it to a temporary HF directory and loads those same weights into
-   JAX with ``rlax_tasks.models.load_pretrained`` (and back into PyTorch with ``from_pretrained``).
-   A small parity check (max |logit difference|) confirms both compute the same function.
-2. Prefill throughput (tokens/s) of a full-logits forward pass on a [batch, seq_len] batch:
-   ``policy.logits`` (jitted; compiled in the warm-up call) vs. ``model(...).logits`` under
-   ``torch.inference_mode()`` with torch's default thread count. Both: the same warm-up, then the
-   median of ``--repeats`` synchronised calls (see ``benchmarks/_timing.py``).
-3. Achieved FLOP/s from an analytic FLOP count (2 x matmul parameters x tokens, plus attention
-   scores and values 2 x 2 x B x L x T^2 x H x hd counted over the FULL T x T square, i.e. not
-   halved for causality, plus the LM head 2 x B x T x D x V; embedding lookup, norms, RoPE and
-   softmax are not counted), and its fraction of the machine's practical ceiling: the best FLOP/s
-   of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices (2048 and 4096).
-4. Peak RSS of the process at the end.
-
-The machine's load is recorded before and after (``_timing.machine_load``); the figure lines
-are marked [CONTENDED] when other work shared the CPU.
-
-Run (from the repository root)::
-
-    .venv/bin/python benchmarks/forward.py
-    .venv/bin/python benchmarks/forward.py --batch 8 --seq-len 512 --repeats 5 --dtype bfloat16 \
-        --json-out /tmp/forward.json
-
-The default run takes about 1-3 minutes on a 2-core CPU; no network access is needed.
-"""
+"""Forward-pass (prefill) benchmark: the rlax_tasks JAX policy vs transformers PyTorch on the same
+~30M-parameter weights (a parity check first): tokens/s of full-logits prefill on [batch,
+seq_len], achieved FLOP/s from an analytic count (attention over the full T x T square, the LM
+head; no norms, RoPE or softmax) against the machine's jitted matmul ceiling, and peak RSS.
+``.venv/bin/python benchmarks/forward.py [--batch 8 --seq-len 512 --dtype bfloat16]``"""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""RL steps per second at a real model size: ours vs TRL's ``GRPOTrainer`` on the same
-30M-parameter Qwen2-shaped model, the same batch and the same completion length, in one run.
-
-Called by ``benchmarks/vs_trl.py --model-size 30m`` (also runnable alone). The model: the shape
-of ``benchmarks/forward.py`` (vocab 32000, hidden 384, 8 layers, 6 heads / 2 KV, tied
-embeddings; ~30M parameters), randomly initialised, with the tiny preset's character tokenizer
-widened to 32000 entries (the extra entries are opaque tokens, so every sampled id decodes). Both
-sides: the tiny preset's arithmetic prompts in the same order, ``--prompts`` x ``--group``
-completions of up to ``--new-tokens`` tokens at temperature 1 (a random model rarely draws EOS:
-nearly every completion is full length on both sides), GRPO without KL, one optimizer step per
-batch, float32 on the CPU. Ours: ``rlax run`` colocated (``--layouts`` adds disaggregated beside
-it), no evaluation. The figure is steps per second after the first step (which compiles on our
-side and warms torch's allocator on TRL's): (N - 1) / (t_N - t_1).
-
-    .venv/bin/python benchmarks/rl_throughput.py [--steps 6] [--prompts 8] [--group 4]
-        [--new-tokens 128] [--layouts colocated,disaggregated] [--only ours|trl] [--rounds N]
-"""
+"""RL steps per second at a real model size: ours (`rlax run` colocated; ``--layouts`` adds
+disaggregated) vs TRL's ``GRPOTrainer`` on the same random 30M-parameter Qwen2 model (the tiny
+preset's tokenizer widened to 32000), prompts, batch and completion length, GRPO without KL,
+float32 CPU. Figure: (N - 1) / (t_N - t_1), past the first (compiling) step. Called by
+``vs_trl.py --model-size 30m``; ``.venv/bin/python benchmarks/rl_throughput.py [--steps 6]``"""
 
 from __future__ import annotations
 

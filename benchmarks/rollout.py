@@ -1,30 +1,8 @@
-"""Rollout benchmark: the rlax_tasks Sampler vs transformers ``generate``, and continuous vs static
-batching, in one run on the same ~30M-parameter Qwen2-shaped model (same weights, same prompts).
-
-1. Ours vs transformers: B prompts of P tokens, N new tokens each, greedy, EOS ignored so every
-   row generates exactly N tokens. Ours: ``Sampler(policy, max_slots=B).generate``; theirs:
-   ``model.generate(use_cache=True, do_sample=False)`` (PyTorch CPU, default threads). Both warmed
-   up once (JAX compiles there), then ``--repeats`` rounds of one run each, in turn (a VM's speed
-   drifts: both sides see the same drift); the median of each side's runs; tokens/s = B*N / s.
-   The fraction of rows whose greedy tokens agree is printed as a sanity check. A third side, in
-   the same turns: the model's matrix products alone (``_matmul_floor``), a floor under any
-   decode loop; transformers' time over it bounds the ratio any implementation could reach. A
-   fourth: those products and attention's two products over the KV cache's windows (the cache
-   reads any decode loop makes, which grow with the slots), a tighter floor.
-   Then the same with nucleus sampling (``--sample-temperature`` 0.6, ``--sample-top-p`` 0.95,
-   half as many new tokens; transformers ``do_sample=True``): the throughput ratio only.
-2. Continuous vs static batching on a long-tailed mix: ``--mix-requests`` requests, 7 in 8 asking
-   for ``--short`` new tokens and 1 in 8 for 8x as many, over ``--slots`` slots. Static batching
-   admits a new batch only when every slot is free (the classic baseline); continuous refills a
-   slot as soon as its sequence ends. Same compiled programs, same requests.
-3. Weight swap time (``Sampler.set_params`` with another set of weights of the same shapes), the
-   bfloat16 sampler-vs-forward log-prob |delta| p95 (DESIGN §5), and the peak RSS.
-
-The machine's load is measured before and after (``_timing.machine_load``); the figure lines
-are printed at the end, after it, and marked CONTENDED when other work shared the CPU.
-
-Run: ``.venv/bin/python benchmarks/rollout.py`` (about 3-6 minutes on 2 CPU cores).
-"""
+"""Rollout benchmark on the ~30M-parameter model: the Sampler vs transformers ``generate`` (greedy,
+then nucleus sampling) beside two floors (``_matmul_floor``: the products alone, and with the
+KV-cache attention), in alternating rounds; continuous vs static batching on a long-tailed mix;
+weight swap time, the bfloat16 sampler-vs-forward log-prob |delta| p95 and peak RSS.
+``.venv/bin/python benchmarks/rollout.py [--repeats N]``"""
 
 from __future__ import annotations
 
@@ -182,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
 
     # ------------------------------------------------------------ 1b. nucleus sampling
-    # the settings evaluations use (Qwen's recommended T=0.6, top_p=0.95): the top-p filter
-    # runs at every step on both sides; seeds differ, so only the throughput is compared
+    # Qwen's recommended evaluation settings; seeds differ, so only the throughput is compared
     temperature, top_p = args.sample_temperature, args.sample_top_p
     sample_tokens_n = args.new_tokens // 2
     nucleus = {"temperature": temperature, "top_p": top_p}

@@ -1,34 +1,8 @@
-"""Train-step benchmark: training tokens/s and achieved FLOP/s vs. the machine's matmul FLOP/s.
-
-What it measures, in one run and side by side:
-
-1. The ~30M-parameter Qwen2-shaped model of ``benchmarks/forward.py`` (same MODEL_SHAPE, random
-   init with ``Policy.init``), trained by ``rlax_tasks.trainer.Trainer`` with the ``dapo``
-   objective (no KL term, so no reference prefill) on a random [batch, seq_len] batch without
-   padding, in float32, on a single-device mesh, with ``--micro-batch`` gradient accumulation.
-2. Seconds per ``Trainer.step`` (median of ``--repeats`` after ``--warmup`` calls; a step returns
-   host metrics, so it is synchronised). One step = the old-policy prefill (only with several
-   micro-batches) + objective + forward and backward over every micro-batch + AdamW.
-3. Achieved FLOP/s, counted as ``6 * N * tokens`` per step for forward + backward, plus
-   2·N·tokens for the old-log-prob prefill when the batch is split in micro-batches (one
-   micro-batch shares its forward pass with the old log-probs), with
-   N = ``config.num_parameters()`` (embeddings tied, so the unembedding matmul is counted once
-   and the embedding lookup is not separately; norms are a negligible part of N) and
-   tokens = batch x seq_len. Attention scores/values are NOT in this count; a second figure
-   adds them (3x or 4x the forward FLOPs of benchmarks/forward.py, which counts attention over
-   the full T x T square).
-4. The baseline: the best FLOP/s of ``jax.jit(lambda a, b: a @ b)`` on float32 square matrices
-   (benchmarks/_timing.py); the ratio achieved / baseline is printed.
-
-The machine's load is recorded before and after (``_timing.machine_load``); the figure lines
-are marked [CONTENDED] when other work shared the CPU.
-
-Run (from the repository root)::
-
-    .venv/bin/python benchmarks/train_step.py
-    .venv/bin/python benchmarks/train_step.py --batch 8 --seq-len 256 --micro-batch 4 \
-        --remat none --repeats 3 --json-out /tmp/train_step.json
-"""
+"""Train-step benchmark: ``Trainer.step`` (dapo, float32, single device, ``--micro-batch``
+accumulation) on the ~30M-parameter model: seconds per step, tokens/s and achieved FLOP/s
+(6·N·tokens, plus 2·N·tokens for the old-policy prefill with several micro-batches; a second
+figure adds attention) against the machine's jitted float32 matmul FLOP/s.
+``.venv/bin/python benchmarks/train_step.py [--batch 8 --seq-len 256 --micro-batch 4]``"""
 
 from __future__ import annotations
 

@@ -1,39 +1,8 @@
-"""Verifier throughput: math checks/s, sandboxed code runs/s, and the sandbox's cost per run.
-
-What it measures, in one run and side by side:
-
-1. Math: checks per second of ``MathVerifier.check_batch`` (``rlax_tasks.rewards.math``, what
-   ``rlax_tasks.rewards.scoring.score_completions`` calls for rows with an answer), with its
-   default worker count and cache, on ``--math-rows`` fresh (completion, reference) pairs per
-   timed pass: integer, fraction, radical, pi, polynomial and tuple answers, as RL groups of 4
-   completions per problem (the same answer in another form, a wrong answer, a bare "the answer
-   is", no answer, a long derivation before the box), about 60% correct. Every pair has a
-   known label; the verifier's agreement with the labels is printed beside the rate, and so
-   are its cache hits (the same answer twice in a group is compared once; ``--cache-size 0``
-   turns the cache off). The pool's start (worker processes importing math-verify) is timed
-   apart.
-2. Code: sandbox runs per second of ``judge_batch`` (``rlax_tasks.rewards.judge``, what
-   ``score_completions`` calls for rows with tests) judging ``print(int(input()) + k)`` against
-   ``--tests`` stdin tests each (one bubblewrap sandbox per program x test), ``--code-programs``
-   programs per timed pass, at most ``--parallel`` sandboxes at a time (default: CPU count).
-3. The sandbox's overhead per run: one sandboxed run of that program at a time
-   (``Program.run``: bwrap, the launcher, the program) against a bare
-   ``subprocess.run([sys.executable, "-c", "pass"])`` and against the same program run bare
-   with the sandbox's interpreter, all timed in this run; printed as ratios.
-
-Without bubblewrap the code parts say so and only the bare runs are measured. The machine's
-load is taken before and after (``_timing.machine_load``, while this process sleeps); figure
-lines are marked [CONTENDED] when other work shared the CPU. (The timings' own ``other_cores``
-in the JSON count the verifier's worker processes and sandboxes too: not a contention sign.)
-
-Run (from the repository root)::
-
-    .venv/bin/python benchmarks/verifiers.py
-    .venv/bin/python benchmarks/verifiers.py --math-rows 400 --code-programs 40 --repeats 3 \\
-        --json-out /tmp/verifiers.json
-
-The default run takes about 1-2 minutes on a quiet 2-core CPU.
-"""
+"""Verifier throughput: math checks/s of ``MathVerifier.check_batch`` on labelled RL-like groups
+(agreement and cache hits printed), sandboxed code runs/s of ``judge_batch``, and one sandboxed
+run's cost against a bare ``python -c pass`` and the bare program. Without bubblewrap only the
+bare runs are measured; ``other_cores`` in the JSON counts the verifier's own workers too.
+``.venv/bin/python benchmarks/verifiers.py [--math-rows 400 --code-programs 40]``"""
 
 from __future__ import annotations
 

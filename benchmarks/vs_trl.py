@@ -1,60 +1,8 @@
-"""Ours (`rlax run`, tiny-arith) vs TRL's ``GRPOTrainer`` (PyTorch CPU): wall-clock time to the
-same held-out pass@1 target, in one run on the same machine.
-
-Both sides start from the same base model (the preset's HF directory built by the supervised
-warm-up), train on the same task (compact 1-2 digit +/- arithmetic, the preset's training stream
-minus the held-out problems, drawn in the same order: TRL gets the controller's prompt sequence,
-unshuffled) with the same reward (1.0 when the decoded completion's integer is the answer: the
-task's own scorer) and the same hyper-parameters as far as they map: GRPO (group-normalised
-advantage, PPO clip 0.2, per-sequence token mean, no KL), 32 prompts x 8 completions per step
-and one optimizer step per generated batch, AdamW lr 3e-4 with 10 warm-up steps and cosine decay
-over the preset's trainer.total_steps (300; ``--max-steps`` when larger), grad-norm clip 1.0,
-temperature 1.0, at most 8 new tokens.
-
-- Ours, once per ``--layouts`` entry (default both, side by side): ``run_local`` of the preset
-  colocated (its default: trainer, sampler, parameter server and controller in one process, one
-  sampler of 256 slots) and disaggregated (parameter server, trainer, 2 inference workers of 128
-  slots and controller as separate processes), JAX CPU, with the preset's staleness (j=k=1;
-  ``--reload-every/--max-staleness``).
-- TRL: ``GRPOTrainer`` in a fresh Python process (``transformers.generate`` for the rollouts).
-
-Ours checkpoints as the preset says (every 25 steps, Orbax, on the clock); TRL saves nothing
-(``save_strategy="no"``), as a user's quick TRL run would not.
-
-Held-out pass@1 (200 problems never trained on, 8 samples each at temperature 1) is measured
-every ``--eval-every`` steps, by default with the same evaluator on both sides: the run report's
-``HeldOutEvaluator`` (JAX Sampler, same seeds), for TRL on its weights read back from a
-``save_pretrained`` copy (``--trl-eval torch``: ``transformers.generate`` on the torch model
-instead). The clock excludes evaluation on both sides, but not the hand-over of the weights to
-it: ours pushes every ``--eval-every``-th version to its parameter server, TRL's
-``save_pretrained`` writes the copy (none with ``--trl-eval torch``), each on its side's clock.
-Ours reports when the trainer produced each evaluated version, and its processes are held still
-(SIGSTOP) from the moment the evaluation, in the supervisor process, has pulled the weights
-until it has sampled, scored and recorded them, those pauses taken off its clock
-(``--eval-beside-training``: they run on and compete with it for the CPU, as in a real run); for
-TRL a ``TrainerCallback`` evaluates after the optimizer step with the clock paused. Both clocks
-start before the processes that train are launched, so each side's interpreter start and imports
-count, as a user's command pays them: ours before ``run_local`` starts its processes, TRL's
-before a fresh Python process (``run_trl_fresh``) imports torch, transformers and TRL; the
-benchmark's own set-up there (the preset's config, the prompt list, the evaluator) is off TRL's
-clock. The target (default: base pass@1 + 0.15) is one number for both, from the base model's
-evaluation; two checks of that estimate are printed (torch sampling, and the exact expectation
-P(answer <eos> | prompt)). Each side stops at the first evaluation reaching the target
-(``--no-early-stop``: run on to the caps), at ``--max-steps`` or after ``--max-seconds``.
-``--rounds N`` runs every side N times, ours first in odd rounds and TRL first in even ones, and
-reports each round's ratios and their median: on a cloud VM whose speed drifts, one round's
-ratio on the same machine read 1.53x to 2.27x.
-
-    .venv/bin/python benchmarks/vs_trl.py [--gain 0.15] [--target P] [--eval-every 10]
-        [--max-steps 300] [--max-seconds 900] [--only ours|trl] [--trl-eval rlax|torch]
-        [--layouts colocated,disaggregated] [--compilation-cache DIR] [--eval-beside-training]
-        [--rounds N]
-    .venv/bin/python benchmarks/vs_trl.py --model-size 30m [--steps 6] [--prompts 8]
-        [--group 4] [--new-tokens 128] [--rounds N]  # RL steps/s, 30M model (rl_throughput.py)
-        [--torch-threads N] [--json-out FILE]
-
-Needs TRL: ``bash scripts/setup.sh --bench``.
-"""
+"""Ours (`rlax run`, tiny-arith; colocated and disaggregated) vs TRL's ``GRPOTrainer`` (PyTorch
+CPU): wall-clock time to the same held-out pass@1 target, from the same base model, prompts,
+reward and mapped hyper-parameters, evaluated by the same evaluator with both clocks paused
+(benchmarks/README.md: what each clock counts). ``--rounds N`` alternates the order and reports
+the median ratio; ``--model-size 30m``: rl_throughput.py. Needs ``scripts/setup.sh --bench``."""
 
 from __future__ import annotations
 
@@ -250,12 +198,9 @@ def run_trl(
     off_clock: float = 0.0,
 ) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same model, data, reward and hyper-parameters as the preset.
-
-    ``started``: the ``time.monotonic()`` its clock starts at (``run_trl_fresh``: before this
-    process was launched, so the imports below count); default: now, before the model is loaded.
-    ``off_clock``: seconds of the benchmark's own set-up before the call (the preset's config),
-    taken off the clock like the prompt list and the evaluator built here.
-    """
+    ``started``: the monotonic time its clock starts at (``run_trl_fresh``: before this process
+    was launched, so its imports count; default now). ``off_clock``: seconds of the benchmark's
+    own set-up before the call, taken off the clock like the prompt list and evaluator here."""
     import torch
     import trl
     from datasets import Dataset
@@ -448,7 +393,7 @@ def run_trl_fresh(
     model_dir: str, overrides: dict[str, Any], *, torch_threads: int | None = None, **kw: Any
 ) -> dict[str, Any]:
     """``run_trl`` in a fresh Python process, its clock started before that process is launched:
-    TRL's imports (torch, transformers, TRL: seconds on 2 cores) count, as ours' do in the
+    TRL's imports (torch, transformers, TRL) count, as ours' do in the
     processes ``run_local`` starts; in this process they would already be loaded."""
     return _timing.run_in_fresh_process(_trl_process, model_dir, overrides, torch_threads, kw)
 

@@ -1,33 +1,8 @@
-"""Weight sync through the parameter server vs the memcpy floor, and vs Arrow Flight, in one run.
-
-A trainer (this process) pushes a ``--gib`` GiB version to a parameter server (`rlax ps serve`,
-its own process) while ``--workers`` worker processes wait in ``pull(min_version=v, out=...)``
-(into the arrays of the version they hold). The workers are on the server's host, so they copy
-each version out of the server's shared memory; then the same again with workers that receive it
-over TCP (``shared_memory=False``, as workers on other hosts do). Measured per version: the time
-from the start of the push until every worker holds the version (pulled, every block
-CRC32C-verified, its values checked, in its memory) -- vs the floor: the time this machine needs
-to memcpy the same bytes (1 + workers) times with numpy (one push + one pull per worker),
-measured in the same run. The first two versions allocate the server's segments and the workers'
-arrays (fresh pages: slow on this VM), so the steady state (from version 3 on) is printed too.
-Also: each worker's time to converge on a new version (p50, p99 over versions x workers).
-
-Then the same versions through Arrow Flight (``pyarrow.flight``), for comparison: a minimal
-Flight server process takes each version by ``do_put`` (one record batch per block: array index,
-region, CRC32C, the bytes as a binary column; the manifest in the descriptor, the version digest
-in the last batch's metadata) and checks every block's CRC32C and the digest; ``--workers``
-client processes ``do_get`` it (the server holds the request until the version exists), check
-every block's CRC32C and the digest, and copy the blocks into preallocated arrays. The same
-guarantees as the parameter server's wire format, through gRPC and Arrow IPC instead of the
-hand-written HTTP framing (compared with the TCP variant). The Flight variant lives only here: it
-is a comparison, not a product path.
-
-The machine's load is printed at the start (other processes' busy cores, the load average); when
-other work kept more than 0.2 cores busy the figures are marked CONTENDED.
-
-    .venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--versions 8] [--no-tcp]
-        [--no-flight]
-"""
+"""Weight sync: a ``--gib`` version pushed to `rlax ps serve` until ``--workers`` workers hold it,
+verified (same-host shared memory, then TCP), against the memcpy floor of the same bytes
+(1 + workers times), steady state from version 3; then through a minimal Arrow Flight server
+with the same guarantees, a comparison only (no product path).
+``.venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--no-tcp] [--no-flight]``"""
 
 from __future__ import annotations
 
