@@ -1,8 +1,5 @@
 """RL objectives (DESIGN §4): composable Agg / IS / Adv / GradTerm components, algorithm
-presets (``make_objective``), dynamic sampling and DAPO overlong reward shaping.
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+presets (``make_objective``), dynamic sampling and DAPO overlong reward shaping."""
 
 from __future__ import annotations
 

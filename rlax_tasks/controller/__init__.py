@@ -1,8 +1,5 @@
 """The controller (DESIGN §2, §3, §7): prompt mixture, rollout buffer under the staleness rules,
-snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer.
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Dataset curation: read any supported layout (rlax_tasks.data) with a quarantine, normalize,
 filter, deduplicate (exact + MinHash), split by date, decontaminate, and keep prompts of partial
-pass rate. Names load lazily (``rlax_tasks.utils.lazy_exports``): importing the package loads
-none of its heavy modules."""
+pass rate."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Evaluation: pass@k (unbiased estimator), maj@k, an evaluator over datasets, reports.
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+"""Evaluation: pass@k (unbiased estimator), maj@k, an evaluator over datasets, reports."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Policy model: a Flax transformer for the Llama / Qwen2 / Qwen3 families with HF load/save.
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+"""Policy model: a Flax transformer for the Llama / Qwen2 / Qwen3 families with HF load/save."""
 
 from __future__ import annotations
 

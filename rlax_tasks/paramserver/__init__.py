@@ -1,8 +1,7 @@
 """Parameter server: versioned weights in host memory, streamed over HTTP, mirrored durably.
 
 DESIGN §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
-``rlax ps serve``; ``server`` holds the protocol, ``wire`` the byte format. Names load lazily
-(``rlax_tasks.utils.lazy_exports``): importing the package loads none of its heavy modules."""
+``rlax ps serve``; ``server`` holds the protocol, ``wire`` the byte format."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Rollout generation: the KV-cache sampler with continuous batching, and the inference worker.
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+"""Rollout generation: the KV-cache sampler with continuous batching, and the inference worker."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The trainer: old-policy prefill, RL objective, micro-batched Optax updates over a device mesh,
-Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7).
-
-Names load lazily (``rlax_tasks.utils.lazy_exports``), so importing the package loads none of
-its heavy modules."""
+Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The tiny-arith base model: compact arithmetic format, supervised warm-up, cached HF checkpoint.
 
 The warm-up trains with label smoothing, so the base knows most answers but samples them
-diffusely (pass@k far above pass@1, like a pretrained LLM): the gap a short GRPO run closes.
-Names load lazily (``rlax_tasks.utils.lazy_exports``): importing the package loads no JAX."""
+diffusely (pass@k far above pass@1, like a pretrained LLM): the gap a short GRPO run closes."""
 
 from __future__ import annotations
 
