@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -43,6 +44,18 @@ def _poll_until(sup: Supervisor, done, timeout_s: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+def _controller_failure(tmp_path: pathlib.Path, code: str) -> tuple[Supervisor, str]:
+    """Runs ``code`` as a controller that is never restarted; (supervisor, ComponentFailed text)."""
+    sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
+    sup.add(Component("controller", [], command=_program(code), restart=False))
+    try:
+        with pytest.raises(ComponentFailed) as info:
+            _poll_until(sup, lambda f: False)
+    finally:
+        sup.stop()
+    return sup, str(info.value)
+
+
 # a program that fails on its first ``n`` starts (counted in a file), then exits 0
 COUNTED = """
 import pathlib, sys
@@ -55,15 +68,8 @@ if n < {fails}:
 
 
 def test_a_component_failing_the_same_way_twice_stops_the_run_with_its_error(tmp_path):
-    sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
     code = "raise RuntimeError('snapshots/12.json does not verify (sha256 mismatch)')"
-    sup.add(Component("controller", [], command=_program(code), restart=False))
-    try:
-        with pytest.raises(ComponentFailed) as info:
-            _poll_until(sup, lambda f: False)
-    finally:
-        sup.stop()
-    msg = str(info.value)
+    sup, msg = _controller_failure(tmp_path, code)
     assert "controller failed twice in a row" in msg
     assert "RuntimeError: snapshots/12.json does not verify (sha256 mismatch)" in msg
     assert str(tmp_path / "logs" / "controller.log") in msg
@@ -71,18 +77,12 @@ def test_a_component_failing_the_same_way_twice_stops_the_run_with_its_error(tmp
 
 
 def test_exit_2_stops_at_once_with_the_components_own_error_line(tmp_path):
-    sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
     code = (
         "import sys; print('rlax controller: error: datasets[0]: /data/x.jsonl: no such file', "
         "file=sys.stderr); sys.exit(2)"
     )
-    sup.add(Component("controller", [], command=_program(code), restart=False))
-    try:
-        with pytest.raises(ComponentFailed) as info:
-            _poll_until(sup, lambda f: False)
-    finally:
-        sup.stop()
-    assert str(info.value) == (
+    sup, msg = _controller_failure(tmp_path, code)
+    assert msg == (
         f"controller failed: datasets[0]: /data/x.jsonl: no such file "
         f"(log: {tmp_path / 'logs' / 'controller.log'})"
     )
