@@ -176,7 +176,9 @@ class Checkpointer:
     ) -> None:
         if storage.is_gcs(str(directory)):
             storage.configure_gcs_clients()  # gcsfs and TensorStore: same endpoint as storage
-        self.directory = epath.Path(directory)
+        # Orbax writes through TensorStore, which refuses relative paths (a relative run_root)
+        local = not storage.is_gcs(str(directory))
+        self.directory = epath.Path(directory if not local else os.path.abspath(directory))
         self.async_save = async_save
         self.set_aside: list[SetAside] = []  # damaged checkpoints renamed by this checkpointer
         self.failures = 0  # checkpoints in a row that could not be written

@@ -109,6 +109,19 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
     reopened.close()
 
 
+def test_a_relative_directory_saves_and_restores(tmp_path, monkeypatch):
+    """A relative run_root (``rlax run --run-root runs``) gives a relative checkpoint directory."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = Checkpointer(os.path.join("runs", "r1", "checkpoints"), max_to_keep=2)
+    ckpt.save(1, small_state(1), {"step": 1})
+    ckpt.wait()
+    assert ckpt.complete_steps() == [1]
+    step, state, _ = ckpt.restore_latest(abstract(small_state(0)))
+    ckpt.close()
+    assert step == 1 and (tmp_path / "runs" / "r1" / "checkpoints" / "1").is_dir()
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(small_state(1)["w"]))
+
+
 @pytest.mark.slow
 def test_a_save_killed_midway_is_skipped(tmp_path):
     directory = tmp_path / "checkpoints"
