@@ -2,8 +2,7 @@
 
 ``load_config("tiny-arith", overrides)`` gives a ``RunConfig``; every error is a ``ConfigError``
 naming the dotted field. schema.py holds RunConfig, sections.py and datasets.py its sections,
-placement.py the hardware rules, loading.py presets and YAML, resume.py saving and resumes.
-"""
+placement.py the hardware rules, loading.py presets and YAML, resume.py saving and resumes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The run configuration's error and field checks: every section validates through these.
 
-A ``ConfigError`` (a ValueError) names the dotted field first, e.g. ``staleness.max_staleness:
-must be >= reload_every (1), got 0``; ``build`` makes a section from a mapping, refusing
-unknown keys (with a did-you-mean) and missing ones, and prefixes nested errors with the path.
-"""
+A ``ConfigError`` (a ValueError) names the dotted field first (``staleness.max_staleness: ...``);
+``build`` makes a section from a mapping, refusing unknown keys (with a did-you-mean) and
+missing ones, and prefixes nested errors with the path."""
 
 from __future__ import annotations
 

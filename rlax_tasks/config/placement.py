@@ -2,8 +2,7 @@
 
 ``PlacementSettings`` checks a placement on its own (platforms, accelerators, device lists, TPU
 chip blocks, GPU memory shares); ``resolve_placement`` and ``check_run_placement`` fill in and
-check what depends on the rest of the run (mode, workers.count, trainer hosts, meshes).
-"""
+check what depends on the rest of the run (mode, workers.count, trainer hosts, meshes)."""
 
 from __future__ import annotations
 
@@ -45,15 +44,11 @@ def _device_list(value: Any, name: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementSettings:
-    """Where the jobs run and on which devices (DESIGN §12); rlax_tasks/run/placement.py turns
-    it into each job's environment. ``placement: disaggregated`` is short for {mode: ...}.
+    """Where the jobs run and on which devices (DESIGN §12); run/placement.py sets each job's env.
 
-    ``trainer`` and each list of ``workers`` are device indices on a host (GPUs, TPU chips; on
-    cpu n indices force n host devices); null = every device the host shows (cpu, auto). With
-    ``hosts`` H > 1 the trainer spans H hosts (one jax.distributed job over H × len(trainer)
-    devices) and every host also runs one worker per list (workers.count = H × len(workers));
-    the parameter server and controller run once, on CPU.
-    """
+    ``trainer``, each ``workers`` list: device indices on a host (on cpu n indices force n host
+    devices; null: all it shows). With ``hosts`` H > 1 the trainer is one jax.distributed job over
+    H hosts, each running one worker per list; the PS and controller run once, on CPU."""
 
     # disaggregated: PS, trainer, workers and controller as separate jobs (slices, async j/k);
     # colocated: all of them in one process on the trainer's devices, the sampler reading the

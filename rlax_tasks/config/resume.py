@@ -2,8 +2,7 @@
 
 ``save_resolved`` writes run_root/<run_id>/config.yaml. Over an existing one (a resume) it
 refuses changed training settings (``ConfigChangeError``) unless allowed, and records every
-change with the step it applies after.
-"""
+change with the step it applies after."""
 
 from __future__ import annotations
 
@@ -133,11 +132,9 @@ def _trained_step(run_dir: str) -> int:
 def save_resolved(config: RunConfig, allow_config_change: bool = False) -> str:
     """Writes run_root/<run_id>/config.yaml (local or gs://); returns its path.
 
-    When the run already has a config.yaml (a resume), settings that change training (see
-    ``_CHANGES_TRAINING``) must be unchanged, else ``ConfigChangeError`` (nothing written) unless
-    ``allow_config_change``; every accepted change is appended to config_changes.jsonl with the
-    step it applies after (the run's last trained step).
-    """
+    On a resume, settings that change training (``_CHANGES_TRAINING``) must be unchanged, else
+    ``ConfigChangeError`` (nothing written) unless ``allow_config_change``; accepted changes go
+    to config_changes.jsonl with the step they apply after (the run's last trained step)."""
     paths = run_paths(config.run_dir)
     text = config.to_yaml()
     changes: list[ConfigChange] = []

@@ -2,8 +2,7 @@
 
 ``RunConfig.from_dict`` builds and validates (errors name the dotted field, unknown keys are
 errors); ``to_yaml`` is the resolved form written to run_root/<run_id>/config.yaml, and
-loading it again gives an equal config.
-"""
+loading it again gives an equal config."""
 
 from __future__ import annotations
 
@@ -150,10 +149,9 @@ class RunConfig:
     def objective_overrides(self) -> dict[str, Any]:
         """``algorithm.overrides`` plus what the run pins: Dr. GRPO's constant L_max.
 
-        ``agg="max_length"`` without ``max_length`` would normalise by the width of each batch's
-        token arrays, which changes with padding; the run fixes it to the generation budget
-        ``rollout.max_new_tokens`` (Dr. GRPO's choice) unless the config sets it.
-        """
+        ``agg="max_length"`` without ``max_length`` would normalise by the padded batch width;
+        the run fixes it to ``rollout.max_new_tokens`` (Dr. GRPO's choice) unless the config
+        sets it."""
         overrides = dict(self.algorithm.overrides)
         if (
             self.algorithm.objective_config().agg == "max_length"
