@@ -1,58 +1,8 @@
 """The parameter server: versioned weights over HTTP with streaming bodies, and `rlax ps serve`.
 
-Transport: HTTP/1.1 on the standard library's ThreadingHTTPServer, one thread per connection.
-Bodies are streamed with a known Content-Length straight between sockets and numpy buffers
-(``readinto``/``sendall`` on memoryviews: no copy of a version beyond the one held in memory),
-every socket has a timeout, and a push that stalls or breaks is discarded. Every pushed block's
-CRC32C is checked as soon as its bytes are in (``verify_push``), the end frame's digest always:
-a corrupted push is refused (422) before it can become visible. (gRPC would need
-generated stubs -- no protoc here -- and copies each message into protobuf bytes.)
-
-Routes (all need ``Authorization: Bearer <RLAX_PS_TOKEN>``, the run's token; missing -> 401,
-wrong -> 403; `rlax ps serve` refuses to start without it):
-
-    GET    /v1/status                      versions, workers, mirror state (JSON)
-    GET    /v1/latest                      {"version": newest or null, "digest", "parts"}
-    GET    /v1/pull?min_version=&wait_s=   newest version >= min_version (long poll; 204 if none)
-    GET    /v1/versions/<v>                that version (404 when not held)
-    POST   /v1/versions/<v>/reserve?wait_s=   {"nbytes": n}: room for a push (see below)
-    PUT    /v1/versions/<v>                push (wire stream; 409 unless newer than the latest);
-                                           a part of a multi-host push (see below)
-    POST   /v1/workers/<id>/register | heartbeat | ack {"version": v}
-    DELETE /v1/workers/<id>                deregister
-Requests may carry ``X-RLAX-Worker: <id>``: it registers the worker and counts as a heartbeat.
-
-With ``keep_bytes`` a push first reserves room for its payload: the server holds the reserve
-request up to ``wait_s`` (at most ``max_wait_s``) while workers still hold the older versions,
-then answers 200 (reserved for ``io_timeout_s``: the PUT claims it; the reply also gives the
-server's ``assembly_timeout_s``), 503 + Retry-After (still no room; the message says what is held
-and by which workers: ask again) or 413 (the version can never fit). A PUT without a reservation
-gets room at once or 503 before its body is read. Every PUT also verifies that its blocks tile
-every array exactly (no overlap, no gap), else 400 naming the array.
-
-Multi-host pushes (DESIGN §6): a reserve and a PUT carrying ``X-RLAX-Push-Part: i`` and
-``X-RLAX-Push-Parts: n`` (0 <= i < n) are part i of n of the version: one trainer host's stream
-of the blocks of its own shards, under the manifest of the whole version (global shapes, the same
-on every host; its own ``num_blocks`` and end-frame digest). The parts of a version share one
-reservation of the whole version's bytes. Each part's PUT is answered only when the version is
-decided: 200 to every part once the last part arrived and the blocks of all parts tile every
-array; otherwise the version is abandoned (its blocks discarded) and every part waiting on it gets
-400 (a part's manifest differs from the first part's, the parts disagree on n, or the regions
-overlap or leave a gap: the message names the array), 422 (a corrupted block), 408 (not every
-part arrived within ``assembly_timeout_s`` of the first: the message names the version and the
-parts that arrived) or 409 (a newer version committed meanwhile). A part sent again (a client's
-retry) replaces the earlier copy; a part of a version already committed gets 409. The committed
-version is served like any other, its blocks ordered by (array, part, stream order); its digest is
-over the manifest and their headers in that order (``wire.version_digest``) and ``/v1/latest``
-also lists each part's own digest ("parts").
-``/v1/status`` shows the versions being assembled ("assembling").
-
-Bounds (DESIGN §13): ``wait_s`` must be a finite number in [0, ``MAX_WAIT_S``] (400 naming it; the
-server holds a poll at most ``max_wait_s``), versions and ``min_version`` integers >= 0. A JSON
-body over ``MAX_JSON_BYTES`` is refused (413) before it is read, a chunked body (411) too. A push's
-Content-Length must fit the manifest it starts with (413 otherwise, before any block is read), and
-no block is allocated beyond the bytes the body has left.
-"""
+HTTP/1.1 on the standard library's threading server (gRPC would copy each message to protobuf).
+Bodies stream between sockets and numpy buffers, each block's CRC32C checked on arrival: a bad or
+broken push is refused before it is visible. Routes: above ``_Handler._route`` (token needed)."""
 
 from __future__ import annotations
 
@@ -489,6 +439,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.warning("%s %s from %s aborted: %r", method, url.path, self.client_address, e)
             self.close_connection = True
 
+    # Routes (Authorization: Bearer <token>: missing 401, wrong 403; X-RLAX-Worker: <id> on any
+    # request registers the worker and counts as a heartbeat):
+    #   GET /v1/status, /v1/latest, /v1/pull?min_version=&wait_s= (long poll; 204: none yet)
+    #   GET /v1/versions/<v> (404: not held); PUT /v1/versions/<v>: a push (409 unless newest)
+    #   POST /v1/versions/<v>/reserve?wait_s= {"nbytes": n}: 200 (reserved for io_timeout_s),
+    #     503 + Retry-After (no room yet: ask again) or 413 (can never fit)
+    #   POST /v1/workers/<id>/register | heartbeat | ack {"version": v}; DELETE /v1/workers/<id>
+    # A multi-host push (DESIGN §6) sends X-RLAX-Push-Part/-Parts with its reserve and PUT; each
+    # part is answered once the version is decided: 200, 400 (parts disagree, gap or overlap),
+    # 422 (corrupt block), 408 (parts missing after assembly_timeout_s) or 409 (newer committed).
     def _route(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
         ps = self.ps
         if parts[:1] != ["v1"]:

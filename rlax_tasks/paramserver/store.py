@@ -1,32 +1,8 @@
 """In-memory weight versions and worker bookkeeping of the parameter server (no I/O here).
 
-A version is a list of blocks exactly as the trainer sent them (region + CRC32C + bytes); the
-server never re-lays-out or re-checksums data for a pull. The garbage-collection rule (DESIGN §6):
-keep up to ``keep_versions`` versions and never more than ``keep_bytes`` of array payload; a
-version older than t is deleted only when every registered worker has acknowledged a version >= t
-(workers that deregister or stop sending heartbeats for ``worker_timeout_s`` no longer count).
-The newest version is never deleted.
-
-Bytes: a push reserves room for its payload (``Manifest.nbytes``) before its blocks arrive, so
-versions held plus pushes in flight never exceed ``keep_bytes``. To make room the oldest versions
-no worker needs are deleted; when the rest is still held, the push waits for acknowledgements
-(or deregistrations / timeouts) -- lowest version first -- and proceeds as soon as it fits. A
-version that can never fit (larger than ``keep_bytes``, or too large to sit beside the newest
-version, which stays until a newer one commits) is refused at once (VersionTooLargeError).
-
-Multi-host pushes (DESIGN §6): every trainer host sends one *part* of a version (the blocks of its
-own shards, under the manifest of the whole version). The parts of a version accumulate in an
-``Assembly``: every part's manifest must equal the first part's, all must agree on the number of
-parts, and a part that arrives again (a client's retry) replaces the earlier one. When the last
-part arrives the blocks must tile every array exactly (``wire.check_coverage``); the version then
-commits like any other, its blocks grouped by array (array, part, stream order) and its digest
-over the manifest and their headers in that order. A version one of whose parts fails (a bad
-manifest, a corrupted block, regions that overlap or leave a gap) is abandoned at once; one whose
-parts do not all arrive within ``assembly_timeout_s`` of the first is abandoned then
-(PartsMissingError). Either way its blocks are discarded and every part waiting on it gets the
-error. Its room in ``keep_bytes`` is reserved once per version (the manifest's ``nbytes``), shared
-by its parts.
-"""
+GC (DESIGN §6): at most ``keep_versions`` versions and ``keep_bytes`` (pushes reserve theirs
+first); a version goes only once every live worker acked a newer one, the newest never. A
+multi-host version's parts gather in an ``Assembly``, committed once they tile every array."""
 
 from __future__ import annotations
 
@@ -253,15 +229,11 @@ class VersionStore:
         lease_s: float = 30.0,
         parts: int | None = None,
     ) -> None:
-        """Reserves ``nbytes`` for a push of ``version`` ahead of its stream.
+        """Reserves ``nbytes`` for a push of ``version``, waiting up to ``wait_s`` for room.
 
-        Waits up to ``wait_s`` for room; a stream must claim the reservation with ``begin_push``
-        (or ``begin_part``) within ``lease_s``, or it lapses. NoRoomError if it still does not fit
-        (the message says what is held and by whom), VersionConflictError unless newer than the
-        latest, VersionTooLargeError if it can never fit. ``parts``: the reservation is for one
-        part of a multi-host version; its parts share one reservation, so a part of a version
-        already being assembled has its room at once.
-        """
+        ``begin_push``/``begin_part`` must claim it within ``lease_s``. NoRoomError (no room yet),
+        VersionConflictError (not newer than the latest), VersionTooLargeError (can never fit).
+        With ``parts`` the parts of a multi-host version share one reservation."""
         deadline = time.monotonic() + max(wait_s, 0.0)
         with self._cond:
             self._check_newer_locked(version)
@@ -304,9 +276,7 @@ class VersionStore:
         """Sizes the room of a push being received to its manifest's ``nbytes``.
 
         Within its reservation: at once. Beyond it: waits up to ``wait_s`` for room, then
-        NoRoomError (the message says what is held and by whom); VersionTooLargeError if the
-        version can never fit.
-        """
+        NoRoomError; VersionTooLargeError if the version can never fit."""
         deadline = time.monotonic() + max(wait_s, 0.0)
         with self._cond:
             push = self._pushing.get(version)
@@ -353,11 +323,9 @@ class VersionStore:
     def begin_part(self, version: int, part: int, parts: int) -> Assembly:
         """A stream of part ``part`` of ``parts`` of ``version`` starts; returns its assembly.
 
-        The first part's stream starts the assembly (claiming the version's reservation, if any)
-        and its ``assembly_timeout_s``. VersionConflictError if not newer than the latest or
-        being received as a single-host push; WireError if ``parts`` disagrees with the
-        assembly's (which is then abandoned).
-        """
+        The first part starts the assembly (claiming the reservation) and its timeout.
+        VersionConflictError if not newer than the latest or pushed single-host; WireError
+        (abandoning the assembly) if ``parts`` disagrees with the assembly's."""
         if not 0 <= part < parts:
             raise ValueError(f"part must be in [0, {parts}), got {part}")
         with self._cond:
@@ -422,10 +390,9 @@ class VersionStore:
     ) -> WeightVersion | None:
         """Part ``part`` arrived complete and verified (replacing an earlier copy of it).
 
-        Returns the committed version when it was the last part (None while others are missing);
-        raises the version's error if it was abandoned (or WireError, abandoning it, when the
-        parts' regions overlap or leave a gap), VersionConflictError if it already committed.
-        """
+        Returns the committed version after the last part (None before). Raises the version's
+        error if abandoned, WireError (abandoning it) if the parts' regions overlap or leave a
+        gap, VersionConflictError if it already committed."""
         with self._cond:
             self._raise_if_over_locked(assembly)
             v = assembly.version
