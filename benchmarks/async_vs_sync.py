@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _setup  # noqa: E402, F401  (the repository root on sys.path; JAX on the CPU by default)
 
 from benchmarks._timing import (  # noqa: E402
     contended_mark,

@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _setup  # noqa: E402, F401  (the repository root on sys.path; JAX on the CPU by default)
 
 from benchmarks import _models, _timing  # noqa: E402
 

@@ -7,6 +7,7 @@ with the same guarantees, a comparison only (no product path).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -17,10 +18,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _setup  # noqa: E402, F401  (the repository root on sys.path; JAX on the CPU by default)
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import busy_cores, fmt_si  # noqa: E402
@@ -127,11 +128,24 @@ def _stats(sync_s: list[float], push_s: list[float], converge_s: list[float]) ->
     }
 
 
+def _start_workers(ctx: object, target: object, worker_args: object, n: int) -> list:
+    """``n`` started processes of ``ctx`` running ``target(*worker_args(i))``."""
+    workers = [ctx.Process(target=target, args=worker_args(i)) for i in range(n)]
+    for w in workers:
+        w.start()
+    return workers
+
+
 def _drive(
-    name: str, push: object, args: argparse.Namespace, nbytes: int, results: mp.Queue
+    name: str,
+    push: object,
+    args: argparse.Namespace,
+    nbytes: int,
+    results: mp.Queue,
+    workers: list,
 ) -> dict:
     """Pushes ``args.versions`` versions with ``push(version, params)``; each one's time until
-    every worker reported holding it."""
+    every worker reported holding it. Then waits for the ``workers`` to exit."""
     sync_s, converge_s, push_s = [], [], []
     for v in range(1, args.versions + 1):
         params = make_params(nbytes, args.arrays, v)
@@ -150,6 +164,8 @@ def _drive(
             "moved)"
         )
         del params
+    for w in workers:
+        w.join(timeout=120)
     return _stats(sync_s, push_s, converge_s)
 
 
@@ -172,12 +188,12 @@ def run_http(args: argparse.Namespace, nbytes: int, shared_memory: bool) -> dict
             raise RuntimeError(f"server did not start (first line {url!r})")
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        workers = [
-            ctx.Process(target=_worker, args=(url, f"w{i}", args.versions, results, shared_memory))
-            for i in range(args.workers)
-        ]
-        for w in workers:
-            w.start()
+        workers = _start_workers(
+            ctx,
+            _worker,
+            lambda i: (url, f"w{i}", args.versions, results, shared_memory),
+            args.workers,
+        )
 
         from rlax_tasks.paramserver import ParameterServerClient
 
@@ -186,13 +202,10 @@ def run_http(args: argparse.Namespace, nbytes: int, shared_memory: bool) -> dict
         while len(trainer.status()["workers"]) < args.workers and time.time() < deadline:
             time.sleep(0.1)
         name = "shared memory" if shared_memory else "tcp"
-        stats = _drive(name, trainer.push, args, nbytes, results)
-        for w in workers:
-            w.join(timeout=120)
+        return _drive(name, trainer.push, args, nbytes, results, workers)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return stats
 
 
 # --------------------------------------------------------------------------- Arrow Flight
@@ -248,6 +261,24 @@ def _flight_block(batch: object, manifest: Manifest, block_no: int) -> tuple[Blo
     return header, payload
 
 
+def _flight_chunks(reader: object) -> Iterator[object]:
+    """The chunks of a Flight stream, until it ends."""
+    while True:
+        try:
+            yield reader.read_chunk()
+        except StopIteration:
+            return
+
+
+def _check_version(manifest: Manifest, headers: list[BlockHeader], digest: bytes) -> None:
+    """Raises ``WireError`` unless ``headers`` are all of the version, as its ``digest`` says."""
+    if len(headers) != manifest.num_blocks:
+        raise WireError(f"{len(headers)} blocks for {manifest.num_blocks}")
+    if digest != version_digest(manifest, headers):
+        raise WireError(f"version {manifest.version}: the digest does not match")
+    check_coverage(manifest, headers)
+
+
 def _flight_server(ready: mp.Queue) -> None:
     """A Flight server holding the newest version (keep 1), every put verified like a push."""
     import pyarrow as pa
@@ -262,21 +293,13 @@ def _flight_server(ready: mp.Queue) -> None:
         def do_put(self, context, descriptor, reader, writer) -> None:  # noqa: ANN001
             manifest = Manifest.from_json(json.loads(descriptor.command))
             batches, headers, digest = [], [], b""
-            while True:
-                try:
-                    chunk = reader.read_chunk()
-                except StopIteration:
-                    break
+            for chunk in _flight_chunks(reader):
                 header, _ = _flight_block(chunk.data, manifest, len(headers))
                 headers.append(header)
                 batches.append(chunk.data)
                 if chunk.app_metadata is not None:
                     digest = chunk.app_metadata.to_pybytes()
-            if len(headers) != manifest.num_blocks:
-                raise WireError(f"{len(headers)} blocks for {manifest.num_blocks}")
-            if digest != version_digest(manifest, headers):
-                raise WireError(f"version {manifest.version}: the digest does not match")
-            check_coverage(manifest, headers)
+            _check_version(manifest, headers, digest)
             meta = {"manifest": json.dumps(manifest.to_json()), "digest": digest.hex()}
             table = pa.Table.from_batches(batches, _flight_schema()).replace_schema_metadata(meta)
             with self.cond:
@@ -309,21 +332,13 @@ def _flight_worker(port: int, worker_id: str, versions: int, results: mp.Queue) 
         manifest = Manifest.from_json(json.loads(meta[b"manifest"]))
         held = {a.name: np.empty(a.shape, resolve_dtype(a.dtype)) for a in manifest.arrays}
         headers = []
-        while True:
-            try:
-                chunk = reader.read_chunk()
-            except StopIteration:
-                break
+        for chunk in _flight_chunks(reader):
             header, payload = _flight_block(chunk.data, manifest, len(headers))
             spec = manifest.arrays[header.array]
             dest = held[spec.name][header.region + (Ellipsis,)]
             np.copyto(dest, payload.view(dest.dtype).reshape(header.shape))
             headers.append(header)
-        if len(headers) != manifest.num_blocks:
-            raise WireError(f"{len(headers)} blocks for {manifest.num_blocks}")
-        if bytes.fromhex(meta[b"digest"].decode()) != version_digest(manifest, headers):
-            raise WireError(f"version {manifest.version}: the digest does not match")
-        check_coverage(manifest, headers)
+        _check_version(manifest, headers, bytes.fromhex(meta[b"digest"].decode()))
         done = time.time()
         nbytes = sum(a.nbytes for a in held.values())
         results.put({"worker": worker_id, "version": manifest.version, "done": done,
@@ -370,27 +385,16 @@ def run_flight(args: argparse.Namespace, nbytes: int) -> dict:
     server.start()
     try:
         port = ready.get(timeout=120)
-        workers = [
-            ctx.Process(target=_flight_worker, args=(port, f"f{i}", args.versions, results))
-            for i in range(args.workers)
-        ]
-        for w in workers:
-            w.start()
+        workers = _start_workers(
+            ctx, _flight_worker, lambda i: (port, f"f{i}", args.versions, results), args.workers
+        )
         client = fl.connect(f"grpc://127.0.0.1:{port}")
         time.sleep(2.0)  # the workers import and connect; they then wait in do_get
-        stats = _drive(
-            "flight",
-            lambda v, params: _flight_push(client, v, params, DEFAULT_CHUNK_BYTES),
-            args,
-            nbytes,
-            results,
-        )
-        for w in workers:
-            w.join(timeout=120)
+        push = functools.partial(_flight_push, client, chunk_bytes=DEFAULT_CHUNK_BYTES)
+        return _drive("flight", push, args, nbytes, results, workers)
     finally:
         server.terminate()
         server.join(timeout=30)
-    return stats
 
 
 # --------------------------------------------------------------------------- main
