@@ -182,10 +182,9 @@ class Controller:
     def iterate(self, last_step: int | None = None) -> bool:
         """One round: dispatch, collect, score, and at most one training step.
 
-        ``last_step``: the run's last step (drivers pass it): the prompts of the next step go
-        out as soon as a step is trained, except after that one. Returns whether anything
-        happened (a result arrived or a step was trained).
-        """
+        ``last_step``: the run's last step: the next step's prompts go out as soon as a step is
+        trained, except after that one. Returns whether anything happened (a result arrived or
+        a step was trained)."""
         if not self._started:
             raise RuntimeError("call start() first: it restores a snapshot or starts fresh")
         if self._idle_since is not None:

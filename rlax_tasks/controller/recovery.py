@@ -2,8 +2,7 @@
 
 Functions the controller calls on restart: which prompts go back to which worker, the lineage
 lines to put back, the steps trained after an older snapshot (rolled forward), and the steps a
-trainer restored from an older checkpoint is given again from ``rollouts/``.
-"""
+trainer restored from an older checkpoint is given again from ``rollouts/``."""
 
 from __future__ import annotations
 
