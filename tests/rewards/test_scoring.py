@@ -57,30 +57,37 @@ def test_tests_as_dict_json_string_or_legacy_list_and_call_based_rows():
     assert scores[3][2].detail == "test 0: wrong_answer: expected [6], got 0"
 
 
-def test_a_suite_time_limit_overrides_the_default():
-    sleeper = "import time\ntime.sleep(1.8)\nprint(int(input()) * 2)\n"
-    cases = [{"input": "4", "output": "8"}]
-    scores = score_completions(
-        [None, None],
-        [{"cases": cases, "time_limit_s": 0.5}, {"cases": cases}],
-        [[sleeper], [sleeper]],
-        timeout_s=2.0,
-    )
-    assert scores[0][0].verdict == "timeout" and scores[0][0].reward == 0.0
-    assert scores[1][0].verdict == "pass"
+# a program, its one test case, the suite's own limit, the default limit, and the verdicts
+# (with the suite's limit, with the default)
+LIMITS = {
+    "time": (
+        "import time\ntime.sleep(1.8)\nprint(int(input()) * 2)\n",
+        {"input": "4", "output": "8"},
+        {"time_limit_s": 0.5},
+        {"timeout_s": 2.0},
+        ["timeout", "pass"],
+    ),
+    "memory": (
+        "x = bytearray(150 * 1024 * 1024)\nprint(len(x) // (1024 * 1024))\n",
+        {"input": "", "output": "150"},
+        {"memory_mb": 512},
+        {"memory_mb": 96},
+        ["pass", "memory"],
+    ),
+}
 
 
-def test_a_suite_memory_limit_overrides_the_default():
-    hungry = "x = bytearray(150 * 1024 * 1024)\nprint(len(x) // (1024 * 1024))\n"
-    cases = [{"input": "", "output": "150"}]
+@pytest.mark.parametrize("limit", LIMITS)
+def test_a_suite_limit_overrides_the_default(limit):
+    program, case, suite_limit, default_limit, verdicts = LIMITS[limit]
     scores = score_completions(
         [None, None],
-        [{"cases": cases, "memory_mb": 512}, {"cases": cases}],
-        [[hungry], [hungry]],
-        memory_mb=96,
+        [{"cases": [case], **suite_limit}, {"cases": [case]}],
+        [[program], [program]],
+        **default_limit,
     )
-    assert scores[0][0].verdict == "pass"
-    assert scores[1][0].verdict == "memory" and scores[1][0].reward == 0.0
+    assert [row[0].verdict for row in scores] == verdicts
+    assert [row[0].reward for row in scores] == [float(v == "pass") for v in verdicts]
 
 
 def test_broken_rows_score_verifier_error_and_the_others_are_judged():
