@@ -2,8 +2,7 @@
 
 ``check_run`` (memory plan and datasets, before anything starts), ``prepare_run_dir`` (base
 model, resolved config), ``plan_jobs`` (every job's command line, environment and addresses).
-Each launcher adds only its own: `rlax run` its lock and supervisor, the DAG its Params and slices.
-"""
+Each launcher adds its own: `rlax run` its lock and supervisor, the DAG its Params and slices."""
 
 from __future__ import annotations
 

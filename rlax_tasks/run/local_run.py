@@ -2,8 +2,7 @@
 
 The launch steps are the DAG's (rlax_tasks.run.launch), under the run lock; the supervisor
 restarts a component that dies (all resume from the run's files), prints status and notices,
-and a fatal notice or repeated failure stops the run with that component's own message.
-"""
+and a fatal notice or repeated failure stops the run with that component's own message."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def run_local(
 
     A run already at ``steps`` starts nothing and returns ``{"already_at": step, ...}``. Raises
     ValueError (a user mistake: a bad plan or dataset, a refused settings change), RunLocked,
-    ComponentFailed, or Interrupted (SIGTERM/SIGINT/SIGHUP); every component is stopped first.
-    """
+    ComponentFailed, or Interrupted (SIGTERM/SIGINT/SIGHUP); every component is stopped first."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: give a positive number of training steps, got {steps!r}")
     if "://" in cfg.run_root:

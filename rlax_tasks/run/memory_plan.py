@@ -2,8 +2,7 @@
 
 ``memory_plan(cfg)`` is what ``rlax run --dry-run`` prints and what both launchers check before
 anything starts; ``ps_retention`` gives the parameter server's --keep-versions/--keep-bytes.
-The formulas are in the comment below; rlax_tasks.run.slices runs the plan on Cloud TPU slices.
-"""
+The formulas are in the comment below; rlax_tasks.run.slices runs the plan on Cloud TPU slices."""
 
 from __future__ import annotations
 

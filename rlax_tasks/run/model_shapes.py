@@ -36,11 +36,9 @@ def resolve_model(
 ) -> tuple[Any, str]:
     """(ModelConfig, where its shapes came from) for ``cfg.model.path``.
 
-    In order: ``model_config`` (a config.json or an HF directory), the local model directory,
-    the warm-up recipe (``model.warmup_if_missing`` and not built yet), the shapes of a
-    well-known model named by the path's last component, and (``offline=False``) the
-    config.json of a gs:// model. ValueError naming model.path when none applies.
-    """
+    In order: ``model_config`` (a config.json or HF directory), the local model directory, the
+    warm-up recipe (``model.warmup_if_missing``, not built yet), a well-known model named by the
+    path's last component, then (``offline=False``) a gs:// model's config.json. Else ValueError."""
     # rlax_tasks.models loads JAX: the dry run and the DAG files' imports stay without it
     from rlax_tasks.models.config import ModelConfig, ModelConfigError
     from rlax_tasks.models.hf_io import CheckpointError, read_hf_config

@@ -1,21 +1,8 @@
 """Devices per job (DESIGN §12): the environment that gives each job of a run its own devices.
 
-``job_envs(cfg)`` is the one place both launchers (``rlax run``, the rlax_train DAG's ``plan``)
-take each job's device variables from; the run config's ``placement`` section (validated in
-rlax_tasks/config/placement.py, ``PlacementSettings``) says which devices each job gets:
-
-- ``gpu``: ``CUDA_VISIBLE_DEVICES`` = the job's GPUs and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` =
-  ``memory_fraction``, else ``GPU_MEMORY_TOTAL`` (0.9) split evenly between the processes that
-  share its busiest GPU (JAX would preallocate 75% of a GPU in every process otherwise: two
-  processes on one GPU would fail). No ``JAX_PLATFORMS``: JAX finds the GPUs itself.
-- ``tpu``: the libtpu variables that run several independent processes on one TPU host (below).
-- ``cpu``: ``JAX_PLATFORMS=cpu``; a device list of n entries forces n host devices
-  (``--xla_force_host_platform_device_count``), as the multi-process simulations do (§10).
-- ``auto``: nothing forced; JAX picks whatever the host has.
-
-Jobs without accelerator work (``ps``, ``controller``, ``verifier``) always get
-``JAX_PLATFORMS=cpu`` so they never hold an accelerator. Importable without JAX.
-"""
+``job_envs(cfg)``, used by both launchers, follows the run's ``placement``: on gpu the job's GPUs
+and a memory share, on tpu libtpu's per-process variables, on cpu n forced host devices, on auto
+nothing; ps, controller and verifier always get JAX_PLATFORMS=cpu. Importable without JAX."""
 
 from __future__ import annotations
 
@@ -39,6 +26,7 @@ from rlax_tasks.utils.byte_sizes import format_bytes
 # jobs that never need an accelerator
 CPU_JOBS = ("ps", "controller", "verifier")
 # share of a GPU's memory the processes on it preallocate together when memory_fraction is unset
+# (split evenly: JAX would preallocate 75% in every process, and a second one would fail)
 GPU_MEMORY_TOTAL = 0.9
 # first libtpu port of the processes on a TPU host (libtpu's own default), one per process
 TPU_PORT_BASE = 8476
@@ -106,18 +94,11 @@ def _ids(devices: Sequence[int]) -> str:
 
 
 def _tpu_env(cfg: Any, job: str, devices: Sequence[int]) -> dict[str, str]:
-    """libtpu's variables for several independent processes on one TPU host.
+    """libtpu's variables for several independent processes on one TPU host (Cloud TPU's recipe).
 
-    A TPU chip belongs to one process at a time. libtpu, unless told otherwise, opens every chip
-    of the host as one process of the slice: a second process on the host then fails to open
-    them. Each process is made a single-process "slice" of its own: TPU_VISIBLE_CHIPS lists its
-    chips, TPU_CHIPS_PER_PROCESS_BOUNDS their box in the host's chip grid (x,y,z; the chips must
-    form one, see TPU_CHIP_BOUNDS), TPU_PROCESS_BOUNDS=1,1,1 says the slice is that one process,
-    and TPU_PROCESS_ADDRESSES/TPU_PROCESS_PORT give it a libtpu port of its own (every process
-    would take the default 8476 and the second would not start), CLOUD_TPU_TASK_ID=0 its rank.
-    These are the settings Cloud TPU documents for running several JAX processes on one TPU VM
-    (and that vLLM's multi-process TPU data parallelism uses).
-    """
+    libtpu would open every chip of the host as one process of the slice, so a second process
+    could not start: each becomes a one-process slice of its own chips (a box of the chip grid,
+    see TPU_CHIP_BOUNDS) with a libtpu port of its own (all would take the default otherwise)."""
     slot = 0 if job in ("trainer", COLOCATED) else 1 + int(job.rsplit("-", 1)[1])
     port = TPU_PORT_BASE + slot
     return {

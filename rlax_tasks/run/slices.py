@@ -2,8 +2,7 @@
 
 In launch order: ``worker_slice_layout`` (before the config: it sets workers.count),
 ``check_slice`` (the trainer slice against trainer.hosts), ``run_slices`` (every slice to
-provision), ``check_slice_memory`` (the model on those chips). Errors name the Param to change.
-"""
+provision), ``check_slice_memory`` (the model on those chips). Errors name the Param to change."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def check_slice(
 
     cloud_tpu: a Cloud TPU type with trainer.hosts hosts; None is its family's default runtime.
     local: any type (every job runs on this machine), no default. A given runtime_version must
-    look like one on any backend.
-    """
+    look like one on any backend."""
     if backend == "cloud_tpu":
         try:
             default = tpu_type(accelerator_type).runtime_version
