@@ -124,11 +124,14 @@ class FakeCloudTpu:
                 parent, "create", name, {"@type": _TYPE + "QueuedResource", **qr}
             )
 
-    def get(self, name: str) -> dict:
+    def _lookup(self, table: dict[str, dict], name: str) -> dict:
         with self.lock:
-            if name not in self.qrs:
+            if name not in table:
                 raise ApiError(404, "NOT_FOUND", f"{name} not found")
-            return self.qrs[name]
+            return table[name]
+
+    def get(self, name: str) -> dict:
+        return self._lookup(self.qrs, name)
 
     def list(self, parent: str) -> dict:
         with self.lock:
@@ -151,16 +154,10 @@ class FakeCloudTpu:
             return self._operation(parent, "delete", name, None)
 
     def get_node(self, name: str) -> dict:
-        with self.lock:
-            if name not in self.nodes:
-                raise ApiError(404, "NOT_FOUND", f"{name} not found")
-            return self.nodes[name]
+        return self._lookup(self.nodes, name)
 
     def get_operation(self, name: str) -> dict:
-        with self.lock:
-            if name not in self.ops:
-                raise ApiError(404, "NOT_FOUND", f"{name} not found")
-            return self.ops[name]
+        return self._lookup(self.ops, name)
 
     def metadata(self, node_name: str, host: int, path: str) -> str:
         """The metadata server of host ``host`` of ``node_name``: the value at ``path``."""
