@@ -1,9 +1,8 @@
 """What the RLAX DAG files share: Params and their settings, run-config overrides, the plan
 task's XCom shape and the operator factories (``from rlax_tasks.airflow import dag_support as rc``).
 
-The scheduler imports this module when it parses the DAGs: the run config (and JAX behind it)
-loads inside ``plan_training``, which runs in a task. Environment settings: docs/ (Airflow).
-"""
+The scheduler imports this module when it parses the DAGs: the run config loads inside
+``plan_training``, which runs in a task. Environment settings: docs/ (Airflow)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,18 @@ from typing import Any
 
 from airflow.sdk import Asset, Param, dag
 
+from rlax_tasks.airflow.operators import (
+    ProvisionSliceOperator,
+    ProvisionSlicesOperator,
+    RlaxJobOperator,
+    TeardownSliceOperator,
+    job_name_for,
+    start_jobs,
+)
+from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
 from rlax_tasks.run.slices import PlanError, run_slices
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 OWNER = "rlax"
@@ -147,8 +157,6 @@ def _overrides(
 def done_marker(run_dir: str) -> str:
     """run_dir/DONE: written once the controller reached the run's steps; the service jobs'
     watchers then stop their jobs (on whichever slice instance they run now)."""
-    from rlax_tasks.rundir.paths import run_paths
-
     return run_paths(run_dir).done
 
 
@@ -176,7 +184,6 @@ def plan_training(
     from rlax_tasks.run.placement import COLOCATED, is_colocated
     from rlax_tasks.run.preflight import DatasetError
     from rlax_tasks.run.topology import Job
-    from rlax_tasks.rundir import storage
     from rlax_tasks.services.http import run_token
 
     backend = backend_name()
@@ -345,8 +352,6 @@ def provision(
     """A ProvisionSliceOperator for slice ``name`` of run ``run_id`` (labelled for the janitor);
     ``name``/``run_id``/``runtime_version`` may be templates or XComArgs ("": none, which only
     the local backend accepts)."""
-    from rlax_tasks.airflow import ProvisionSliceOperator
-
     return ProvisionSliceOperator(
         task_id=task_id,
         name=name,
@@ -361,8 +366,6 @@ def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw
     """A ProvisionSlicesOperator for a run's slices (``plan_slices``; an XComArg from plan),
     labelled for the janitor: its output holds each role's handle (``output["trainer"]``) and
     ``output["all"]``."""
-    from rlax_tasks.airflow import ProvisionSlicesOperator
-
     return ProvisionSlicesOperator(
         task_id=task_id, slices=slices, **_managed_slice_args(run_root, run_id), **kw
     )
@@ -370,8 +373,6 @@ def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw
 
 def _managed_slice_args(run_root: str, run_id: Any) -> dict[str, Any]:
     """The backend of ``run_root`` and the labels by which the janitor finds a run's slices."""
-    from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
-
     return {
         "backend": backend_name(),
         "backend_settings": backend_settings(run_root),
@@ -385,8 +386,6 @@ def sibling_grace_s() -> float:
 
 def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = None, **kw):
     """An RlaxJobOperator running ``rlax <argv>`` on ``slice_handle`` (deferrable)."""
-    from rlax_tasks.airflow import RlaxJobOperator
-
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator(
         task_id=task_id,
@@ -401,8 +400,6 @@ def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = No
 
 def teardown(task_id: str, run_root: str, slice_handle: Any, **kw):
     """A TeardownSliceOperator (idempotent) for ``slice_handle``."""
-    from rlax_tasks.airflow import TeardownSliceOperator
-
     return TeardownSliceOperator(
         task_id=task_id,
         backend=backend_name(),
@@ -416,8 +413,6 @@ def mapped_jobs(
     task_id: str, run_root: str, slice_handle: Any, argvs: Any, env: Any = None, **kw: Any
 ):
     """RlaxJobOperator mapped over ``argvs`` (one job per command line) on one slice."""
-    from rlax_tasks.airflow import RlaxJobOperator
-
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator.partial(
         task_id=task_id,
@@ -432,8 +427,6 @@ def mapped_jobs(
 def mapped_jobs_with_env(task_id: str, run_root: str, jobs: Any, **kw: Any):
     """RlaxJobOperator mapped over ``jobs``: [{"argv", "env", "slice_handle", "hosts"}], one
     job each (each worker with its own devices, on its own slice and host)."""
-    from rlax_tasks.airflow import RlaxJobOperator
-
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator.partial(
         task_id=task_id,
@@ -461,8 +454,6 @@ def start_services(plan: dict[str, Any], slices: dict[str, Any]) -> dict[str, An
     """Starts the run's ps, trainer, workers and controller at once, each on its slice and
     hosts (``slices``: {role: handle}), named as their watching tasks name them, each with its
     own environment (devices); returns {job name: job handle}."""
-    from rlax_tasks.airflow import job_name_for, start_jobs
-
     argv, envs, where = plan["argv"], plan["envs"], plan["placement"]
     jobs = {
         "ps": ("ps", argv["ps"]),
@@ -498,8 +489,6 @@ def service_job_handles(slice_handles: Any) -> list[dict[str, Any]]:
 
 
 def _service_jobs(slice_handle: dict[str, Any]) -> list[dict[str, Any]]:
-    from rlax_tasks.rundir import storage
-
     jobs_dir = storage.join(slice_handle["root"], "jobs")
     out = []
     for name in storage.list_children(jobs_dir):

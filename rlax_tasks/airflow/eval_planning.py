@@ -2,8 +2,7 @@
 nightly scan and history, and the run report (eval/report.md) of a trained run.
 
 The DAG files import this module when the scheduler parses them: the run config, the evaluation
-package and the rest load inside the functions, which run in tasks.
-"""
+package and the rest load inside the functions, which run in tasks."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ log = logging.getLogger(__name__)
 def eval_dataset_file(cfg: Any) -> str:
     """A held-out dataset file for ``rlax eval``: the config's eval file, or its synthetic task
     written once to run_dir/eval/heldout.jsonl in the curated schema."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.config import FileSource, SyntheticSource
 
     spec = cfg.eval.dataset
@@ -40,12 +40,14 @@ def eval_dataset_file(cfg: Any) -> str:
         return path
     src = spec.source
     if src.prompt_format == "compact":
+        # lazy: loads in the task, not when the scheduler parses the DAGs
         from rlax_tasks.warmup import TinyArith
 
         fmt = TinyArith(dict(src.knobs))
         problems = fmt.problems(cfg.eval.num_prompts, seed=src.seed)
         rows = [(p.prompt, fmt.answer_text(p)) for p in problems]
     else:
+        # lazy: loads in the task, not when the scheduler parses the DAGs
         from rlax_tasks.rewards.tasks import make_task
 
         problems = make_task(src.task, **dict(src.knobs)).generate(cfg.eval.num_prompts, src.seed)
@@ -68,12 +70,14 @@ def eval_argv(cfg: Any, version: int, dataset: str) -> list[str]:
 def base_eval_argv(cfg: Any, dataset: str) -> list[str]:
     """`rlax eval` of the run's starting weights (the model directory alone) into
     run_dir/eval/v0/: the same evaluation as ``eval_argv``'s of the final weights."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.evaluation.base_eval import BASE_VERSION
 
     return _eval_argv(cfg, dataset, [], BASE_VERSION)
 
 
 def _eval_argv(cfg: Any, dataset: str, weights: list[str], version: int) -> list[str]:
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.config import FileSource
 
     paths = run_paths(cfg.run_dir)
@@ -100,6 +104,7 @@ def prepare_base_eval(run_dir: str) -> dict[str, Any]:
     the run root caches it, copies it into run_dir/eval/v0 and gives an empty ``argv`` (the
     evaluate_base job is skipped); else ``argv`` is the `rlax eval` to run. The plan as a dict
     (for ``record_base_eval``)."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.evaluation import base_eval
 
     cfg = load_run_config(run_dir)
@@ -114,6 +119,7 @@ def prepare_base_eval(run_dir: str) -> dict[str, Any]:
 def record_base_eval(plan: dict[str, Any]) -> None:
     """After the evaluate_base job: caches the run's fresh eval/v0 under its fingerprint (a
     plan restored from the cache has nothing to record)."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.evaluation import base_eval
 
     if plan["argv"]:
@@ -123,6 +129,7 @@ def record_base_eval(plan: dict[str, Any]) -> None:
 def record_nightly_history(runs: list[dict[str, Any]], dag_run_id: str) -> list[dict[str, Any]]:
     """Appends each evaluated run's new evaluation ({"run_dir", "version"}) to its history
     (run_dir/eval/history.jsonl); a run whose evaluation failed is logged and left out."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.evaluation.history import append_evaluation
 
     rows = []
@@ -135,6 +142,7 @@ def record_nightly_history(runs: list[dict[str, Any]], dag_run_id: str) -> list[
 
 def newest_version(run_dir: str) -> int | None:
     """The newest committed weight version mirrored under run_dir/weights (None: none yet)."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.paramserver import mirror
 
     committed, _ = mirror.mirrored_versions(run_dir)
@@ -145,6 +153,7 @@ def write_run_report(run_dir: str) -> str:
     """eval/report.md, report.json and the plots of a trained run, as `rlax run` writes them:
     the held-out scores of the starting weights (eval/v0) against the newest evaluated version;
     the training time spans the metrics rows (first to last step). Returns report.md's path."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.evaluation.history import evaluated_versions, read_overall
     from rlax_tasks.run.report import write_report
 
@@ -168,6 +177,7 @@ def write_run_report(run_dir: str) -> str:
 
 def load_run_config(run_dir: str) -> Any:
     """The resolved run configuration saved at run_dir/config.yaml."""
+    # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.config import load_config
 
     path = run_paths(run_dir).config
