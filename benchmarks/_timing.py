@@ -320,6 +320,13 @@ def fmt_si(x: float, unit: str = "") -> str:
     return f"{x:.2f} {unit}"
 
 
+def print_report(lines: list[str], results: dict[str, Any]) -> None:
+    """Prints a benchmark's report ``lines``, closed by the run's peak RSS and wall time."""
+    rss, wall = results["peak_rss_bytes"] / 2**20, results["wall_s"]
+    lines = [*lines, f"peak RSS: {rss:,.0f} MiB; wall time {wall:.0f}s", ""]
+    print("\n".join(lines), flush=True)
+
+
 def write_json(path: str | None, results: dict[str, Any], log: logging.Logger) -> None:
     """Writes ``results`` as JSON to ``path`` (a benchmark's --json-out), if one was given."""
     if path:

@@ -316,10 +316,8 @@ def print_table(r: dict[str, Any]) -> None:
         " -- above ~0.1 the machine was shared and the figures are low)",
         "",
         f"JAX / torch tokens/s: {r['jax_over_torch_tokens_per_s']:.2f}x{mark}",
-        f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
-        "",
     ]
-    print("\n".join(lines), flush=True)
+    _timing.print_report(lines, r)
 
 
 if __name__ == "__main__":

@@ -182,10 +182,8 @@ def print_table(r: dict[str, Any]) -> None:
         f"ratio achieved / matmul peak: {r['fraction_of_matmul_peak']:.3f} "
         f"({2 * r['forward_passes']}N count), "
         f"{r['fraction_of_matmul_peak_with_attention']:.3f} (with attention){mark}",
-        f"peak RSS: {r['peak_rss_bytes'] / 2**20:,.0f} MiB; wall time {r['wall_s']:.0f}s",
-        "",
     ]
-    print("\n".join(lines), flush=True)
+    _timing.print_report(lines, r)
 
 
 if __name__ == "__main__":
