@@ -1,10 +1,8 @@
 """Devices and the run's layout on them: platforms, placement modes, accelerator models and
 mesh shapes (DESIGN §12).
 
-The run configuration validates its ``placement`` section against these names
-(rlax_tasks/config/placement.py) and the launchers turn it into each job's environment
-(rlax_tasks/run/placement.py, which re-exports them). Importable without JAX.
-"""
+The run configuration validates its ``placement`` against these names and the launchers turn it
+into each job's environment (rlax_tasks/run/placement.py, which re-exports them). No JAX."""
 
 from __future__ import annotations
 

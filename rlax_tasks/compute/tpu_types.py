@@ -1,11 +1,8 @@
 """Cloud TPU accelerator types: chips, hosts and the default runtime of each (no JAX, no client).
 
-``tpu_type("v5litepod-16")`` → ``TpuType(family="v5e", chips=16, hosts=4, chips_per_host=4,
-runtime_version="v2-alpha-tpuv5-lite")``. The accelerator type names follow the Cloud TPU API:
-v4 and v5p count TensorCores (2 per chip), v5e (``v5litepod``) and v6e count chips. One place
-knows these numbers: the DAGs' checks before provisioning, the fake Cloud TPU API (how many hosts
-a node has) and the topology planner (how many trainer processes a slice holds).
-"""
+``tpu_type("v5litepod-16")`` → ``TpuType(family="v5e", chips=16, hosts=4, ...)``. Names follow
+the Cloud TPU API: v4 and v5p count TensorCores (2 per chip), v5e and v6e count chips. The one
+place for these numbers: the DAGs' checks, the fake Cloud TPU API and the topology planner."""
 
 from __future__ import annotations
 
