@@ -2,8 +2,7 @@
 
 A prompt is the arithmetic expression without spaces, then ``=`` (``"12+34="``); the answer is
 the reference integer (``"46"``, the model then emits <eos>). The controller's prompt mixture
-and the warm-up kit both render problems through it, so the two cannot drift apart.
-"""
+and the warm-up kit both render problems through it, so the two cannot drift apart."""
 
 from __future__ import annotations
 
