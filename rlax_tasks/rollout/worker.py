@@ -1,11 +1,8 @@
 """The inference worker: generates groups of G completions per prompt, tagged with a weight version.
 
-It is passive (DESIGN §2): the controller submits prompt groups and collects results. Weights come
-from a ``WeightSource`` — the parameter server client of DESIGN §6, or fixed weights from an HF
-directory. Staleness (DESIGN §3): the worker reloads only when the source is at least
-``reload_every`` versions ahead of what it holds, and then discards the partial rollouts of every
-unfinished group and regenerates them, so every rollout (and every group) comes from one version.
-"""
+Passive (DESIGN §2): the controller submits prompt groups and collects results; weights come from
+a ``WeightSource`` (the PS client or fixed HF weights). It reloads only when the source is
+``reload_every`` versions ahead, regenerating unfinished groups: each group is of one version."""
 
 from __future__ import annotations
 
