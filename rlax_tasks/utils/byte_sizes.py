@@ -2,8 +2,7 @@
 
 Decimal units (kB…PB) are powers of 1000, binary ones (KiB…PiB) powers of 1024, in any case;
 a plain integer is bytes. The run configuration, the parameter server's --keep-bytes and the
-memory plan all read and print sizes here, so one spelling works everywhere.
-"""
+memory plan all read and print sizes here, so one spelling works everywhere."""
 
 from __future__ import annotations
 
