@@ -52,8 +52,7 @@ def ensure_base_model(
 
     ``name`` overrides the directory name (default ``tiny-arith-<fingerprint>``); a directory
     there built by another recipe is rebuilt, one not built by the warm-up at all (a
-    config.json without marker) is an error rather than being overwritten.
-    """
+    config.json without marker) is an error rather than being overwritten."""
     recipe = recipe or WarmupRecipe()
     if "://" in cache_dir:
         raise ValueError(

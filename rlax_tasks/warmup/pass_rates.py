@@ -34,8 +34,7 @@ def evaluate_pass_rates(
 
     Returns {"pass@k": float for k in k_list, "num_prompts", "num_samples", "mean_reward",
     "seconds"}. ``sampler`` (reusing its compiled shapes) is used as is when given; its
-    weights must be the policy's. Each k must lie in [1, n].
-    """
+    weights must be the policy's. Each k must lie in [1, n]."""
     if not problems:
         raise ValueError("evaluate_pass_rates needs at least one problem")
     if n < 1:

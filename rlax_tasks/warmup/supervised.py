@@ -168,9 +168,8 @@ def train_base_policy(
     """Initializes the tiny model and trains it supervised; returns the policy and what it did.
 
     ``on_step(step, loss)`` is called after every step (progress hooks, tests). A status line
-    (steps, steps/s, ETA, mean loss since the previous line) is logged every ``log_every_s``
-    seconds (None: ``rlax_tasks.utils.progress_meter``'s default, 5).
-    """
+    (steps, rate, ETA, mean loss since the previous line) is logged every ``log_every_s``
+    seconds (None: ``rlax_tasks.utils.progress_meter``'s default)."""
     t0 = time.perf_counter()
     tokenizer = char_tokenizer()
     policy = init_policy(recipe, tokenizer)

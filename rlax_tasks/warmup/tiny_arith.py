@@ -2,8 +2,7 @@
 
 The text format is ``rlax_tasks.data.compact`` ("12+34=" then "46<eos>"); prompts are encoded
 like every other prompt text (no special tokens), so the evaluator, the controller and the
-workers need no special case. Scoring is the task's own verifier (``ArithmeticTask.score``).
-"""
+workers need no special case. Scoring is the task's own verifier (``ArithmeticTask.score``)."""
 
 from __future__ import annotations
 
