@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from rlax_tasks.models import Policy, load_pretrained
     from rlax_tasks.rollout import Sampler, SamplingParams
+    from rlax_tasks.rollout.logprob_gaps import forward_logprob_gaps
 
     load_before = _timing.machine_load(log)
     out: dict[str, Any] = {"args": vars(args)}
@@ -253,12 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outs = Sampler(bf16, max_slots=8, max_len=max_len).generate(
             prompts[:8], max_new_tokens=64, temperature=1.0, seed=0
         )
-        deltas = []
-        for p, o in zip(prompts, outs, strict=False):
-            full = np.array(p + o.tokens)[None]
-            fwd = np.asarray(bf16.token_logprobs(full))[0, len(p) :]
-            deltas.append(np.abs(fwd - np.array(o.logprobs)))
-        p95 = float(np.percentile(np.concatenate(deltas), 95))
+        p95 = float(np.percentile(forward_logprob_gaps(bf16, prompts, outs), 95))
         out["bf16_logprob_abs_delta_p95"] = p95
         report(f"[bf16] sampler vs forward log-prob |delta|: p95 {p95:.4f}")
 

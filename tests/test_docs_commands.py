@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from rlax_tasks.run.model_shapes import KNOWN_MODELS
 from tests.conftest import REPO
 from tests.data.chat_model import build_chat_model
 
@@ -123,12 +124,7 @@ def _my_config(cwd: str) -> None:
         text = f.read().replace("gs://rlax-models/Qwen2.5-Math-1.5B", "gs://my-bucket/my-model")
     with open(os.path.join(cwd, "my.yaml"), "w") as f:
         f.write(text)
-    shapes = {
-        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    }  # fmt: skip
+    shapes = KNOWN_MODELS["qwen2.5-math-1.5b"]  # Qwen2.5-Math-1.5B's public config.json
     _write_jsonl(os.path.join(cwd, "path", "to", "config.json"), [shapes])
 
 
