@@ -40,8 +40,7 @@ class TrainerConfig:
 
     The learning rate warms up linearly from 0 over ``warmup_steps`` and then follows a cosine
     from ``learning_rate`` down to ``learning_rate * final_lr_ratio`` at ``total_steps``
-    (``total_steps=None``: constant after warm-up).
-    """
+    (``total_steps=None``: constant after warm-up)."""
 
     # AdamW
     learning_rate: float = 1e-6

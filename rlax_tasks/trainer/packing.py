@@ -14,15 +14,11 @@ import numpy as np
 
 # packed row counts are rounded up to a multiple of 1 / ROW_BUCKETS of the padded batch's tokens
 # (and of what the mesh and the micro-batches need): a run compiles the step for at most about
-# this many row counts per width. Each new count costs a trace and a compile (1-2 s for
-# tiny-arith on 2 cores, minutes for a large model on a TPU slice) against at most 1/8 of the
-# padded tokens of padding rows: tiny-arith's batches need 72 or 80 rows of 32, which 1/16
-# compiled twice and 1/8 rounds to 80 once
+# this many row counts per width; each new count costs a trace and a compile, against at most
+# 1/8 of the padded tokens spent on padding rows
 ROW_BUCKETS = 8
-# the narrowest packed row: narrow batches pack into rows this wide. tiny-arith's sequences
-# (7 to 15 tokens, 16 wide) fill rows of 16 to 70-80% only; its train step, 2 CPU cores:
-# [256, 16] padded 55 ms, packed [76, 32] 38 ms, [36, 64] 41 ms (each query's attention
-# spans the row), [20, 128] 58 ms
+# the narrowest packed row: narrow batches pack into rows this wide (short sequences fill
+# narrower rows poorly, and wider rows cost attention over the whole row; benchmarks/README)
 MIN_ROW_WIDTH = 32
 
 

@@ -2,8 +2,7 @@
 §10). Host 0 serves and decides; the others follow it through a ``CommandChannel``, doing every
 piece of device work in the same order, as multi-controller JAX requires. Settings come from
 ``RLAX_COORDINATOR_ADDRESS``, ``RLAX_NUM_PROCESSES`` and ``RLAX_PROCESS_ID`` (else JAX finds
-the cluster itself); on CPU, the multi-host simulation, collectives go through gloo.
-"""
+the cluster itself); on CPU, the multi-host simulation, collectives go through gloo."""
 
 from __future__ import annotations
 
@@ -114,8 +113,7 @@ class CommandChannel:
 
     Commands travel through the ``jax.distributed`` key-value store (the coordinator's, on host
     0): command n is a JSON header plus a payload in pieces. Each command ends with ``done(n)``,
-    a barrier of the whole group, after which host 0 deletes it: the store holds one command.
-    """
+    a barrier of the whole group, after which host 0 deletes it: the store holds one command."""
 
     def __init__(self, poll_s: float = 60.0) -> None:
         self.client = distributed.global_state.client

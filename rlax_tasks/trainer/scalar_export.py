@@ -2,8 +2,7 @@
 ``WANDB_PROJECT`` is set and ``wandb`` installed, Weights & Biases: the numbers of metrics.jsonl
 and lineage.jsonl in the viewers people use. Events are TFRecord-framed here (importing
 TensorBoard's writer loads all of ``tensorboard.summary``), one flushed record per step, local
-run directories only; a viewer that fails is logged and dropped, never a reason to stop training.
-"""
+run directories only; a viewer that fails is logged and dropped, never a reason to stop training."""
 
 from __future__ import annotations
 
@@ -165,8 +164,7 @@ class StepScalars:
 
     ``last_step``: the newest step already in metrics.jsonl (this writer exports later steps
     only). Files are opened at the first write, so a run that trains nothing leaves none.
-    ``tensorboard=False``: W&B only (a gs:// run directory).
-    """
+    ``tensorboard=False``: W&B only (a gs:// run directory)."""
 
     def __init__(self, run_dir: str, last_step: int = 0, tensorboard: bool = True) -> None:
         self.run_dir, self.last_step, self.tensorboard = run_dir, last_step, tensorboard

@@ -2,8 +2,7 @@
 ``/v1/steps/<s>``, is applied only at step s − 1 and version s pushed before the answer; a step
 already applied is answered as a replay, which keeps the controller's snapshot exact after any
 crash. Checkpoints every ``trainer.checkpoint_every`` steps and on a clean stop; restarted behind,
-it answers 409 with ``trainer_step`` and the controller sends the missing steps again.
-"""
+it answers 409 with ``trainer_step`` and the controller sends the missing steps again."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 §5); the objective on the whole batch gives their cotangent ``g``; the backward of
 ``sum(g * logp(params))`` per micro-batch (``lax.scan``) accumulates the exact full-batch
 gradient; then clip + AdamW on donated buffers, and one ``NONFINITE`` flag so that the trainer
-never keeps a NaN or infinite update. Packed rows (``PACKED_KEYS``) are gathered back to [B, T].
-"""
+never keeps a NaN or infinite update. Packed rows (``PACKED_KEYS``) are gathered back to [B, T]."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 object, with no network code (the controller moves batches in and weights out). Training stops
 for good (``TrainingStoppedError``, a "fatal" notice) when a step makes a value non-finite or
 ``MAX_FAILED_CHECKPOINTS`` checkpoints in a row fail: ``rlax`` exits 2 (do not restart), from a
-request thread by ending the process itself (an exception would only become an HTTP error).
-"""
+request thread by ending the process itself (an exception would only become an HTTP error)."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ def fresh_copy(tree: Any, shardings: Any) -> Any:
 
     The train step donates its parameter buffers, so anything that must outlive a step (the
     caller's policy, the frozen reference, an in-flight checkpoint) needs its own buffers;
-    ``device_put`` may reuse a source buffer for one of the shards.
-    """
+    ``device_put`` may reuse a source buffer for one of the shards."""
     placed = jax.tree.map(place_global, tree, shardings)
     leaves, treedef = jax.tree.flatten(shardings)
     return _copier(treedef, tuple(leaves))(placed)
@@ -257,8 +255,7 @@ class Trainer:
 
         Its arrays are the trainer's own: the next ``step`` donates them, so push / evaluate it
         before stepping again (or copy it). Refused (``TrainingStoppedError``) once training
-        stopped: the weights may be non-finite and are never handed out.
-        """
+        stopped: the weights may be non-finite and are never handed out."""
         if self.stopped is not None:
             raise self.stopped
         return dataclasses.replace(self._template, params=self._params[MODEL])
@@ -462,8 +459,7 @@ class Trainer:
 
         A checkpoint the storage refuses is tried again at the next interval; after
         ``MAX_FAILED_CHECKPOINTS`` in a row training stops (``CheckpointWriteError``). Once
-        training stopped nothing is checkpointed.
-        """
+        training stopped nothing is checkpointed."""
         if self.stopped is not None:
             log.warning("step %d is not checkpointed: training stopped", self.step_count)
             return
