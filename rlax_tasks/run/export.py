@@ -2,8 +2,7 @@
 (DESIGN §12), beside the base model's config, generation config and tokenizer files. Only the
 policy's parameters are read, one at a time as host arrays (no Trainer, no mesh, no optimizer
 state), and shards are written as they fill, so host memory peaks near one parameter plus one
-shard; a hidden sibling directory is renamed to OUT_DIR at the end (a failed export leaves none).
-"""
+shard; a hidden sibling directory is renamed to OUT_DIR at the end (a failed export leaves none)."""
 
 from __future__ import annotations
 

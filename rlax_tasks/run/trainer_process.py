@@ -2,8 +2,7 @@
 layout's trainer; run/colocated.py builds the colocated one), serving
 ``rlax_tasks.trainer.service.TrainerService`` to the controller behind the run's token.
 It lives in the composition root because the run configuration builds on the trainer's
-settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back.
-"""
+settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back."""
 
 from __future__ import annotations
 
