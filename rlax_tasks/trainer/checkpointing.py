@@ -2,8 +2,7 @@
 when intact. Complete = finalized by Orbax, with its commit metadata, both items' metadata and
 every file of ``rlax_manifest.json`` at its recorded size; a finalized one that does not verify
 is set aside as ``<step>.damaged-<time>`` (never deleted) and the newest older one is used. A
-save that cannot be written is counted, not raised (``MAX_FAILED_CHECKPOINTS``: the trainer stops).
-"""
+save that cannot be written is counted, not raised (``MAX_FAILED_CHECKPOINTS``: trainer stops)."""
 
 from __future__ import annotations
 
@@ -263,8 +262,7 @@ class Checkpointer:
 
         Returns once the arrays are copied off the devices (async mode); the write continues in
         the background. The previous save is waited for first. A save the storage refuses is
-        counted in ``failures`` (``last_failure`` says why), not raised.
-        """
+        counted in ``failures`` (``last_failure`` says why), not raised."""
         json.dumps(meta)  # fail here, not in a background thread, on non-JSON data
         self._settle()
         self._pending = step
@@ -360,8 +358,7 @@ class Checkpointer:
 
         A checkpoint whose arrays cannot be read (a file missing or cut short) is set aside and
         the next older one tried (one process only: on a multi-host trainer the hosts could not
-        agree on which to skip, so the error is raised with the checkpoint's name).
-        """
+        agree on which to skip, so the error is raised with the checkpoint's name)."""
         self.wait()
         for step in reversed(self.complete_steps()):
             try:
