@@ -21,6 +21,7 @@ from rlax_tasks.services.http import (
     authorized_app,
     backoff_s,
     check_bearer,
+    send_json,
 )
 from rlax_tasks.services.protocol import StepConflictError, TrainerBehindError
 
@@ -197,12 +198,7 @@ class _Script(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         server.seen.append((self.command, self.path, dict(self.headers), self.rfile.read(length)))
         status, body = server.script[min(len(server.seen) - 1, len(server.script) - 1)]
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, body)
 
     do_GET = do_POST = _answer
 

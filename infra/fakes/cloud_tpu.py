@@ -23,6 +23,7 @@ from typing import Any
 
 from infra.fakes.tpu_vm import FakeTpuVm, allocate_host_addresses, kill_hosts
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
+from rlax_tasks.services.http import send_json
 
 log = logging.getLogger("fake_cloud_tpu")
 
@@ -334,12 +335,7 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _reply(self, code: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, obj)
 
         def _dispatch(self, method: str) -> None:
             url = urllib.parse.urlsplit(self.path)

@@ -57,6 +57,7 @@ from rlax_tasks.services.http import (
     AuthError,
     check_bearer,
     check_wait_s,
+    send_json,
     service_token,
 )
 from rlax_tasks.utils.byte_sizes import parse_bytes_arg
@@ -673,19 +674,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _send_json(
         self, status: int, obj: Any, close: bool = False, headers: dict | None = None
     ) -> None:
-        data = b"" if status == 204 else json.dumps(obj).encode()
-        self.send_response(status)
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        if status != 204:
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        if data:
-            self.wfile.write(data)
+        send_json(self, status, obj, close=close, headers=headers)
 
 
 def _worker_id(raw: str) -> str:

@@ -381,3 +381,22 @@ class JsonClient:
         finally:
             if conn is not None:
                 conn.close()
+
+
+def send_json(
+    handler: Any, status: int, obj: Any, close: bool = False, headers: dict | None = None
+) -> None:
+    """Answers a ``http.server`` request with ``obj`` as JSON (204: no body); one writer for all."""
+    data = b"" if status == 204 else json.dumps(obj).encode()
+    handler.send_response(status)
+    for key, value in (headers or {}).items():
+        handler.send_header(key, value)
+    if status != 204:
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+    if close:
+        handler.send_header("Connection", "close")
+        handler.close_connection = True
+    handler.end_headers()
+    if data:
+        handler.wfile.write(data)
