@@ -242,13 +242,14 @@ class _CheckpointReader:
 
         self._ocp = ocp
         self._state_item, self._meta_item = STATE_ITEM, META_ITEM
-        self.step_dir = step_dir
+        # Orbax reads through TensorStore, which refuses relative paths (a relative run_root)
+        self.step_dir = step_dir if storage.is_gcs(step_dir) else os.path.abspath(step_dir)
         handlers = {
             STATE_ITEM: ocp.PyTreeCheckpointHandler(),
             META_ITEM: ocp.JsonCheckpointHandler(),
         }
         self._ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
-        self._tree = self._ckptr.metadata(step_dir).item_metadata[STATE_ITEM].tree
+        self._tree = self._ckptr.metadata(self.step_dir).item_metadata[STATE_ITEM].tree
 
     def __enter__(self) -> _CheckpointReader:
         return self

@@ -232,6 +232,12 @@ def test_relative_paths_of_the_run_resolve_from_where_it_was_started(
     monkeypatch.chdir(tmp_path)
     result = export_checkpoint(str(launch / "runs" / "rel"), "out")
     assert result.step == STEPS and os.path.exists(tmp_path / "out" / "model.safetensors")
+    # RUN_DIR and its checkpoints relative, as in `rlax export runs/own out` (Orbax refuses those)
+    monkeypatch.chdir(launch)
+    save_resolved(_config("runs", "own", "models/base", "grpo"))
+    shutil.copytree(checkpoints, launch / "runs" / "own" / "checkpoints")
+    result = export_checkpoint(os.path.join("runs", "own"), "out2")
+    assert result.step == STEPS and os.path.exists(launch / "out2" / "model.safetensors")
 
 
 # ------------------------------------------------------------------------------ atomicity
