@@ -3,56 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from rlax_tasks.airflow.local_dag_run import add_airflow_parser
-from rlax_tasks.curation.cli import add_curate_parser
-from rlax_tasks.data.cli import add_data_parser
-from rlax_tasks.evaluation.cli import add_eval_parser
-from rlax_tasks.models import CheckpointError, ModelConfigError
-from rlax_tasks.paramserver import add_ps_parser
-from rlax_tasks.rewards.service import add_verify_parser
-from rlax_tasks.rollout.service import add_worker_parser
-from rlax_tasks.run.cli import add_run_parser
-from rlax_tasks.run.export import add_export_parser
 from rlax_tasks.run.supervisor import ComponentFailed
-from rlax_tasks.run.trainer_process import add_trainer_parser
 from rlax_tasks.rundir.lock import RunLocked
 
-# reported as one line, exit 2, never a traceback: user mistakes, a run directory held by a live
-# run, and a run component's own error (rlax run: the component and its log)
-USER_ERRORS = (
-    CheckpointError,
-    ModelConfigError,
-    ValueError,
-    FileNotFoundError,
-    RunLocked,
-    ComponentFailed,
-)
+# reported as one line, exit 2, never a traceback: user mistakes (the models' CheckpointError and
+# ModelConfigError are ValueErrors), a run directory held by a live run, and a run component's
+# own error (rlax run: the component and its log)
+USER_ERRORS = (ValueError, FileNotFoundError, RunLocked, ComponentFailed)
+
+# command: (module, the function that registers it). A command's module is imported only when
+# that command runs, so the JAX-free services (ps, worker, controller, verify) start without JAX.
+COMMANDS = {
+    "verify": ("rlax_tasks.rewards.service", "add_verify_parser"),
+    "curate": ("rlax_tasks.curation.cli", "add_curate_parser"),
+    "data": ("rlax_tasks.data.cli", "add_data_parser"),
+    "eval": ("rlax_tasks.evaluation.cli", "add_eval_parser"),
+    "ps": ("rlax_tasks.paramserver.server", "add_ps_parser"),
+    "worker": ("rlax_tasks.rollout.service", "add_worker_parser"),
+    "trainer": ("rlax_tasks.run.trainer_process", "add_trainer_parser"),
+    "run": ("rlax_tasks.run.cli", "add_run_parser"),
+    "controller": ("rlax_tasks.controller.service", "add_controller_parser"),
+    "colocated": ("rlax_tasks.run.colocated", "add_colocated_parser"),
+    "export": ("rlax_tasks.run.export", "add_export_parser"),
+    "airflow": ("rlax_tasks.airflow.local_dag_run", "add_airflow_parser"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every sub-command registered."""
+def _command_of(argv: list[str]) -> str | None:
+    """The sub-command named in ``argv`` (its first positional argument), if it is one."""
+    positional = next((a for a in argv if not a.startswith("-")), None)
+    return positional if positional in COMMANDS else None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser with the sub-command named in ``argv`` registered, or every one
+    (for `rlax --help`, a mistyped command, or no ``argv``)."""
     parser = argparse.ArgumentParser(prog="rlax", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_verify_parser(sub)
-    add_curate_parser(sub)
-    add_data_parser(sub)
-    add_eval_parser(sub)
-    add_ps_parser(sub)
-    add_worker_parser(sub)
-    add_trainer_parser(sub)
-    add_run_parser(sub)
-    add_export_parser(sub)
-    add_airflow_parser(sub)
+    command = _command_of(argv) if argv is not None else None
+    for name, (module, register) in COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), register)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rlax` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

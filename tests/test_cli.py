@@ -41,3 +41,26 @@ def test_rlax_run_steps_must_be_positive(steps, tmp_path, capsys):
         == f"rlax run: error: --steps must be a positive number of training steps, got {steps}\n"
     )
     assert not run_root.exists()
+
+
+@pytest.mark.parametrize("command", ["ps", "controller", "worker", "verify"])
+def test_the_jax_free_services_start_without_jax(command):
+    """`rlax ps|controller|worker|verify` import only their own command's module: no JAX (the
+    orchestrating processes leave the accelerators to the jobs that compute)."""
+    code = (
+        "import sys\nfrom rlax_tasks.cli import main\n"
+        f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def test_rlax_help_lists_every_command():
+    import argparse
+
+    from rlax_tasks.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    assert {"ps", "controller", "colocated", "trainer", "worker", "run"} <= set(COMMANDS)

@@ -1,5 +1,5 @@
-"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--allow-config-change] [--dry-run]`,
-`rlax controller` and `rlax colocated` (the jobs it starts)."""
+"""`rlax run --preset NAME [--run-root DIR] [--steps N] [--allow-config-change] [--dry-run]`:
+the main job (the jobs it starts register `rlax controller` and `rlax colocated` themselves)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from typing import Any
 import yaml
 
 from rlax_tasks.config import load_config
-from rlax_tasks.controller.service import add_controller_parser
-from rlax_tasks.run.colocated import add_colocated_parser
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
 from rlax_tasks.run.supervisor import Interrupted
@@ -66,7 +64,7 @@ def _dry_run(cfg: Any, model_config: str | None) -> int:
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax run`, `rlax controller` and `rlax colocated`."""
+    """Registers `rlax run`."""
     p = sub.add_parser("run", help="run the whole RL loop locally (the main job)")
     p.add_argument("--preset", default="tiny-arith", help="a preset name (default tiny-arith)")
     p.add_argument("--config", help="a run config YAML instead of a preset")
@@ -92,5 +90,3 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         help="the model's config.json for the memory plan when model.path cannot be read here",
     )
     p.set_defaults(func=_run_command)
-    add_controller_parser(sub)
-    add_colocated_parser(sub)
