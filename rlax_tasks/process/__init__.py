@@ -1,1 +1,2 @@
-"""Process-level tuning for long-running host-compute processes: malloc and garbage collection."""
+"""Process-level concerns of the long-running jobs: malloc and garbage-collection tuning, and the
+check of the devices a JAX job found against its placement."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
 from rlax_tasks.rollout.requests import GroupRequest
@@ -235,6 +236,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     from rlax_tasks.rollout.sampler import Sampler
     from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
 
+    check_job_devices(args.worker_id or "worker")  # exit 2: JAX's devices not the placement's
     mesh = worker_mesh(args.mesh_shape)
     policy = load_pretrained(args.model_dir, dtype=args.dtype, mesh=mesh)
     sampler = Sampler(policy, args.max_slots, args.max_len, decode_chunk=args.decode_chunk)

@@ -27,6 +27,7 @@ from rlax_tasks.controller.snapshot import SnapshotStore
 from rlax_tasks.paramserver import ParameterServerClient
 from rlax_tasks.paramserver.client import VersionConflictError
 from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
 from rlax_tasks.rollout.service import worker_mesh
@@ -300,6 +301,7 @@ def _colocated_command(args: argparse.Namespace) -> int:
     if not steps or steps < 1:
         raise ValueError("--steps: give a positive number of training steps")
     enable_in_process(cfg)
+    check_job_devices("colocated")  # exit 2 when JAX's devices are not the placement's
     ps_args = {"keep_versions": args.keep_versions, "keep_bytes": args.keep_bytes}
 
     def terminate(*_: object) -> None:

@@ -21,6 +21,7 @@ from rlax_tasks.compute.devices import (  # re-exported: the launchers' names fo
     host_memory,
     resolve_mesh,
 )
+from rlax_tasks.process.device_check import EXPECTED_ENV, expectation_env
 from rlax_tasks.utils.byte_sizes import format_bytes
 
 # jobs that never need an accelerator
@@ -123,20 +124,25 @@ def job_env(cfg: Any, job: str, environ: Mapping[str, str] | None = None) -> dic
     """
     p = cfg.placement
     devices = job_devices(cfg, job)
-    if job in CPU_JOBS or p.platform == "cpu":
-        env = {"JAX_PLATFORMS": "cpu"}
-        if devices is not None and job not in CPU_JOBS:
+    if job in CPU_JOBS:
+        return {"JAX_PLATFORMS": "cpu"}
+    # what the job checks its devices against at start (rlax_tasks.process.device_check)
+    expected = expectation_env(p.platform, None if devices is None else len(devices))
+    if p.platform == "cpu":
+        env = {"JAX_PLATFORMS": "cpu", **expected}
+        if devices is not None:
             inherited = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
             env["XLA_FLAGS"] = _cpu_devices_flags(len(devices), inherited)
         return env
     if p.platform == "auto" or devices is None:
-        return {}
+        return expected
     if p.platform == "gpu":
         return {
             "CUDA_VISIBLE_DEVICES": _ids(devices),
             "XLA_PYTHON_CLIENT_MEM_FRACTION": str(gpu_memory_fraction(cfg, job)),
+            **expected,
         }
-    return _tpu_env(cfg, job, devices)
+    return {**_tpu_env(cfg, job, devices), **expected}
 
 
 def job_envs(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
@@ -197,7 +203,8 @@ def describe(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
                 job,
                 describe_devices(cfg, job),
                 "-" if mesh is None else ",".join(map(str, mesh)),
-                " ".join(f"{k}={v}" for k, v in env.items()) or "(nothing forced)",
+                " ".join(f"{k}={v}" for k, v in env.items() if k != EXPECTED_ENV)
+                or "(nothing forced)",
             )
         )
     return "\n".join([head, *_table(rows)])

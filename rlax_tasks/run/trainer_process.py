@@ -13,6 +13,7 @@ import logging
 import signal
 from collections.abc import Callable, Iterator
 
+from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
 from rlax_tasks.services.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
@@ -40,6 +41,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     group = ProcessGroup.from_env(cfg.trainer.hosts)
     if group is not None:  # before anything touches a device
         group.initialize()
+    check_job_devices("trainer")  # exit 2 when JAX's devices are not the placement's
     policy = load_pretrained(
         cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
     )

@@ -39,10 +39,12 @@ def test_gpu_jobs_get_their_own_gpus_and_no_platform():
     assert envs["trainer"] == {
         "CUDA_VISIBLE_DEVICES": "0,1,2,3",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
+        "RLAX_EXPECTED_DEVICES": "gpu 4",  # what the job checks at start
     }
     assert envs["worker-2"] == {
         "CUDA_VISIBLE_DEVICES": "6",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
+        "RLAX_EXPECTED_DEVICES": "gpu 1",
     }
     for job in ("ps", "controller", "verifier"):  # never hold an accelerator
         assert job_env(cfg, job) == {"JAX_PLATFORMS": "cpu"}
@@ -85,14 +87,16 @@ def test_tpu_jobs_get_their_own_chips_as_single_process_slices():
 def test_cpu_forces_cpu_and_auto_forces_nothing():
     tiny = load_config("tiny-arith")  # the embedded default behaves as before
     assert tiny.placement.platform == "cpu"
-    assert all(env == {"JAX_PLATFORMS": "cpu"} for env in job_envs(tiny, environ={}).values())
+    assert job_envs(tiny, environ={}) == {
+        "colocated": {"JAX_PLATFORMS": "cpu", "RLAX_EXPECTED_DEVICES": "cpu any"}
+    }
     devices = config({"platform": "cpu", "trainer": [0, 1]})
     inherited = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"}
     env = job_env(devices, "trainer", environ=inherited)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
     auto = config({"platform": "auto"})
     envs = job_envs(auto, environ={})
-    assert envs["trainer"] == envs["worker-1"] == {}
+    assert envs["trainer"] == envs["worker-1"] == {}  # and nothing to check against
     assert envs["ps"] == {"JAX_PLATFORMS": "cpu"}
 
 
