@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_tasks.models import forward, hf_io
 from rlax_tasks.models.config import ModelConfig
 from rlax_tasks.models.model_cache import local_model_dir
-from rlax_tasks.models.sharding import BATCH, fit_spec, param_shardings, param_spec
+from rlax_tasks.models.sharding import BATCH, fit_spec, param_shardings, param_spec, rlax_mesh
 from rlax_tasks.models.tokenizer_loading import load_tokenizer
 from rlax_tasks.models.transformer import Transformer, resolve_dtype
 
@@ -144,6 +144,7 @@ class Policy:
     # ----------------------------------------------------------------------- placement
     def shard(self, mesh: Mesh) -> Policy:
         """The same policy with parameters laid out over ``mesh`` (data, fsdp, tensor)."""
+        mesh = rlax_mesh(mesh)
         params = jax.device_put(self.params, param_shardings(self.params, mesh))
         return dataclasses.replace(self, params=params, mesh=mesh)
 
@@ -211,6 +212,7 @@ def load_pretrained(
     graphdef, abstract = abstract_model(config, dtype, param_dtype)
     place = None
     if mesh is not None:
+        mesh = rlax_mesh(mesh)
         mesh_shape = dict(mesh.shape)
 
         def place(leaf_path: tuple[str, ...], value: np.ndarray) -> jax.Array:

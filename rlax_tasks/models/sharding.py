@@ -64,6 +64,24 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
+def rlax_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` as the model shards over it: axes named from data, fsdp, tensor (any subset, any
+    order), every axis Auto (``jax.make_mesh`` makes Explicit ones, under which the embedding
+    lookup's gather has no sharding rule). Other axis names are a ValueError saying what to do."""
+    names = tuple(mesh.axis_names)
+    unknown = [n for n in names if n not in MESH_AXES]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"mesh axes {names}: RLAX shards over axes named {', '.join(MESH_AXES)} (any of "
+            f"them, each once); build it as jax.make_mesh((1, {mesh.size}), ('fsdp', 'tensor')) "
+            "or rlax_tasks.models.make_mesh(data, fsdp, tensor)"
+        )
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, names, axis_types=(auto,) * len(names))
+
+
 def fit_spec(shape: Sequence[int], spec: Sequence[AxisSpec], mesh_shape: dict[str, int]) -> P:
     """The spec with each axis that does not divide its dimension (or is absent) set to None."""
     fitted: list[AxisSpec] = []

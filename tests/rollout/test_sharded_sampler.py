@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_tasks.models import Policy, make_mesh
+from rlax_tasks.models import Policy, load_pretrained, make_mesh
+from rlax_tasks.models.sharding import MESH_AXES
 from rlax_tasks.rollout import Sampler, service
 from tests.rollout.prefill_rows import record_prefill_rows
 from tests.tiny_model import tiny_model_config
@@ -139,3 +140,30 @@ def test_groups_on_a_mesh_share_their_prefill_and_sample_as_on_one_device(
     assert [o.tokens for o in outs] == [o.tokens for o in alone]
     for out, ref in zip(outs, alone, strict=True):
         np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [((1, 8), ("fsdp", "tensor")), ((1, 2, 4), MESH_AXES), ((2, 1, 4), MESH_AXES)],
+    ids=["1x8", "1x2x4", "2x1x4"],
+)
+def test_a_jax_make_mesh_mesh_gives_the_one_device_tokens(single_device, shape, axes, tmp_path):
+    """A mesh built with jax.make_mesh (Explicit axes, JAX's default) through load_pretrained
+    and the sampler: the single device's greedy tokens and log-probs."""
+    policy, reference = single_device
+    policy.save_pretrained(str(tmp_path))
+    mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:8])
+    loaded = load_pretrained(str(tmp_path), mesh=mesh)
+    for sharded in (loaded, policy.shard(mesh)):
+        sampler = Sampler(sharded, max_slots=SLOTS, max_len=MAX_LEN)
+        outs = sampler.generate(PROMPTS, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        for ref, out in zip(reference, outs, strict=True):
+            assert out.tokens == ref.tokens
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_mesh_with_other_axis_names_is_refused_in_one_line(single_device):
+    policy, _ = single_device
+    mesh = jax.make_mesh((1, 8), ("x", "model"), devices=jax.devices()[:8])
+    with pytest.raises(ValueError, match=r"^mesh axes \('x', 'model'\): RLAX shards over axes"):
+        policy.shard(mesh)
