@@ -217,7 +217,10 @@ def load_pretrained(
 
         def place(leaf_path: tuple[str, ...], value: np.ndarray) -> jax.Array:
             spec = fit_spec(value.shape, param_spec(leaf_path, value.shape), mesh_shape)
-            return jax.device_put(value, NamedSharding(mesh, spec))
+            # each device gets its slice only (each process only its own devices' slices)
+            return jax.make_array_from_callback(
+                value.shape, NamedSharding(mesh, spec), lambda index: value[index]
+            )
 
     params = hf_io.read_params(path, jax.tree.map(lambda x: x, abstract), param_dtype, place)
     tokenizer = None

@@ -32,6 +32,7 @@ from rlax_tasks.process.garbage_collection import defer_full_collections, freeze
 from rlax_tasks.process.host_malloc import tune_if_host_compute
 from rlax_tasks.rollout.service import worker_mesh
 from rlax_tasks.run.compilation_cache import enable_in_process
+from rlax_tasks.run.trainer_process import load_trainer_policy
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import notices
 from rlax_tasks.services.endpoints import add_address_args, bind_host, publish
@@ -186,15 +187,12 @@ class ColocatedRun:
         """Trainer (restored, caught up to the snapshot), parameter server, sampler, controller."""
         # lazy: every `rlax` command imports this module; only `rlax colocated` loads these
         from rlax_tasks.algorithms import make_objective
-        from rlax_tasks.models import load_pretrained
         from rlax_tasks.rollout.sampler import Sampler
         from rlax_tasks.rollout.worker import InferenceWorker
         from rlax_tasks.trainer.trainer import Trainer
 
         cfg = self.cfg
-        policy = load_pretrained(
-            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
-        )
+        policy = load_trainer_policy(cfg)
         objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
         every = max(1, cfg.trainer.checkpoint_every)  # as the disaggregated trainer
         trainer = Trainer(

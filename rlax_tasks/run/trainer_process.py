@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
@@ -23,6 +24,21 @@ from rlax_tasks.trainer.service import TrainerService, batch_body_limit
 log = logging.getLogger(__name__)
 
 
+def load_trainer_policy(cfg: Any) -> Any:
+    """The run's base model for its trainer, loaded straight into the trainer's mesh: each
+    parameter goes to its shards as it is read, never whole on one device (after
+    jax.distributed.initialize on a multi-host trainer: the mesh spans every host)."""
+    from rlax_tasks.models import load_pretrained  # after the caller's process tuning (below)
+    from rlax_tasks.trainer.trainer import build_mesh
+
+    return load_pretrained(
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        mesh=build_mesh(cfg.trainer.mesh_shape),
+    )
+
+
 def _trainer_command(args: argparse.Namespace) -> int:
     defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
@@ -31,7 +47,6 @@ def _trainer_command(args: argparse.Namespace) -> int:
     # after the two calls above, and for this command only (cli imports this module): JAX
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
-    from rlax_tasks.models import load_pretrained
     from rlax_tasks.paramserver import ParameterServerClient
     from rlax_tasks.trainer.http_app import create_app  # FastAPI: not for every rlax command
     from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
@@ -42,9 +57,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     if group is not None:  # before anything touches a device
         group.initialize()
     check_job_devices("trainer")  # exit 2 when JAX's devices are not the placement's
-    policy = load_pretrained(
-        cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
-    )
+    policy = load_trainer_policy(cfg)
     objective = make_objective(cfg.algorithm.preset, **cfg.objective_overrides())
     run_dir = cfg.run_dir
     # checkpoints at least every step: a trainer without any would replay the whole run
