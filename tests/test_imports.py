@@ -114,8 +114,14 @@ def _heavy_imports(heavy: tuple[str, ...], modules: tuple[str, ...]) -> tuple[li
 
 
 # the concrete modules behind the light packages: Airflow's operators, triggers and DAG helpers,
-# the controller's decision loop and its message types, the compute backends, the run directory
+# the controller's decision loop and its message types, the compute backends, the run directory;
+# the `rlax` command line (each command imports its own module when it runs) and the JAX-free
+# services it starts
 CONCRETE_LIGHT_MODULES = (
+    "rlax_tasks.cli",
+    "rlax_tasks.paramserver.server",
+    "rlax_tasks.controller.service",
+    "rlax_tasks.rollout.service",
     "rlax_tasks.airflow.operators",
     "rlax_tasks.airflow.triggers",
     "rlax_tasks.airflow.dag_support",
@@ -158,9 +164,9 @@ COLOCATED_MODULES = (
 
 
 def test_a_colocated_run_imports_no_web_framework_and_no_dataframe_library() -> None:
-    """Every ``rlax`` process imports the CLI, which builds the ``rlax data`` parser; pandas and
-    pyarrow (~0.4 s on 2 cores) load when a dataset file is read. A colocated run calls its
-    trainer and worker in-process: FastAPI (~0.25 s) loads only where they serve HTTP."""
+    """pandas and pyarrow load when a dataset file is read, not with a parser or a service. A
+    colocated run calls its trainer and worker in-process: FastAPI loads only where they serve
+    HTTP."""
     heavy = ("pandas", "pyarrow", "fastapi", "starlette")
     loaded, chains = _heavy_imports(heavy, COLOCATED_MODULES)
     assert loaded == [], f"they loaded {loaded}; first import of:\n{chains}"

@@ -213,7 +213,7 @@ def parse_mesh_shape(text: str) -> tuple[int, int, int]:
 def worker_mesh(mesh_shape: str) -> Any:
     """The worker's (data, fsdp, tensor) mesh over this process's devices; None for one device
     (weights and cache then simply live on it)."""
-    # lazy: `rlax` and the controller import this module; only a worker loads JAX
+    # lazy: the controller imports this module (WorkerClient); only a worker loads JAX
     import jax
 
     from rlax_tasks.models import make_mesh
@@ -231,7 +231,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     token = service_token()  # before anything slow: no token, no worker (exit 2)
-    # lazy: `rlax` and the controller import this module; only a worker loads JAX
+    # lazy: the controller imports this module (WorkerClient); only a worker loads JAX
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
     from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker

@@ -150,7 +150,7 @@ def catch_up(service: Any, run_dir: str) -> int:
 def sampler_policy(trainer_policy: Any, mesh_shape: Sequence[int], dtype: str) -> Any:
     """The sampler's policy: the trainer's model in the compute dtype on the sampler's mesh
     (``workers.mesh_shape`` over this process's devices; None for one device)."""
-    # lazy: every `rlax` command imports this module; only `rlax colocated` loads the model
+    # lazy: the model's modules load after the process tuning of _colocated_command
     from rlax_tasks.models.policy import cast_params
     from rlax_tasks.models.sharding import param_shardings
 
@@ -185,7 +185,7 @@ class ColocatedRun:
     # ------------------------------------------------------------------ start
     def start(self) -> ColocatedRun:
         """Trainer (restored, caught up to the snapshot), parameter server, sampler, controller."""
-        # lazy: every `rlax` command imports this module; only `rlax colocated` loads these
+        # lazy: the model's modules load after the process tuning of _colocated_command
         from rlax_tasks.algorithms import make_objective
         from rlax_tasks.rollout.sampler import Sampler
         from rlax_tasks.rollout.worker import InferenceWorker

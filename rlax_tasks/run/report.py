@@ -37,7 +37,7 @@ class HeldOutEvaluator:
     evaluating during a run costs generation only."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        # lazy: every `rlax` command imports this module; the model loads only to evaluate
+        # lazy: `rlax run`'s supervisor imports this module; the model loads only to evaluate
         from rlax_tasks.models import load_pretrained
         from rlax_tasks.rollout import Sampler
 

@@ -44,7 +44,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
     tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
     # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
     token = service_token()
-    # after the two calls above, and for this command only (cli imports this module): JAX
+    # after the two calls above: the heavy modules (JAX, the model) load tuned
     from rlax_tasks.algorithms import make_objective
     from rlax_tasks.config import load_config
     from rlax_tasks.paramserver import ParameterServerClient
