@@ -2,19 +2,31 @@
 # Sets up the project on a fresh machine: Debian packages it needs (when missing), then .venv with
 # every Python package pinned by constraints.txt. `--test` adds the test extras (pytest, ruff,
 # torch CPU for the transformers parity tests, wandb; Debian g++ and chromium); `--bench` adds
-# those and the benchmark extras (TRL for benchmarks/vs_trl.py). Safe to re-run: it only installs
-# what is missing.
+# those and the benchmark extras (TRL for benchmarks/vs_trl.py). `--gpu` adds JAX's CUDA 12 plugin
+# (NVIDIA GPU hosts), `--tpu` jax[tpu] with its libtpu (TPU VMs); either combines with the others.
+# Safe to re-run: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
+usage="usage: bash scripts/setup.sh [--test | --bench] [--gpu | --tpu]"
+wanted=()
 for arg in "$@"; do
   case "$arg" in
-    --test) if [[ -z "$extras" ]]; then extras="[test]"; fi ;;
-    --bench) extras="[test,bench]" ;;  # benchmarks/vs_trl.py needs TRL (and torch, as the tests)
-    *) echo "usage: bash scripts/setup.sh [--test | --bench]" >&2; exit 2 ;;
+    --test) wanted+=(test) ;;
+    --bench) wanted+=(test bench) ;;  # benchmarks/vs_trl.py needs TRL (and torch, as the tests)
+    --gpu) wanted+=(gpu) ;;
+    --tpu) wanted+=(tpu) ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
+if [[ " ${wanted[*]-} " == *" gpu "* && " ${wanted[*]-} " == *" tpu "* ]]; then
+  echo "setup.sh: --gpu and --tpu: choose the accelerator of this host ($usage)" >&2; exit 2
+fi
+extras=""  # e.g. "[test,gpu]": each extra once, in the order given
+for extra in ${wanted[@]+"${wanted[@]}"}; do
+  [[ ",${extras}," == *",${extra},"* ]] || extras="${extras:+$extras,}$extra"
+done
+extras="${extras:+[$extras]}"
 
 # Debian packages the project needs at run time: bubblewrap sandboxes generated code, which runs
 # under Debian's python3 (g++ is optional: C++ judging is enabled when it is present).
@@ -54,3 +66,6 @@ echo "[setup] installing pinned packages (constraints.txt)${extras:+ with $extra
 .venv/bin/python -m pip install -q --disable-pip-version-check "${find_links[@]}" \
   --no-build-isolation -c constraints.txt -e ".${extras}"
 echo "[setup] done: $(.venv/bin/python -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}")')"
+if [[ "$extras" == *gpu* || "$extras" == *tpu* ]]; then  # what JAX finds here now
+  echo "[setup] JAX sees: $(.venv/bin/python -c 'import jax; print(jax.default_backend(), jax.device_count(), "device(s)")')"
+fi

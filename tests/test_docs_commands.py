@@ -73,9 +73,14 @@ NOT_RUN = {
         "a long multi-process run: tests/run/test_multihost_run.py runs this configuration "
         "(6 steps, trainer.hosts 2 on devices 0-3, 2 workers) and kills a trainer host mid-run"
     ),
-    'docker build -f infra/Dockerfile --build-arg EXTRA_PIP=".[tpu]" -t '
+    "docker build -f infra/Dockerfile --target tpu -t "
     "us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG .": (
         "needs a Docker engine and the network; tests/dags/test_compose.py checks the Dockerfile"
+    ),
+    "bash scripts/setup.sh --gpu": (
+        "installs JAX's CUDA plugin into this machine, which has no GPU: "
+        "tests/test_setup_script.py checks the flags and that the plugin is pinned at the "
+        "pinned jax; tests/test_device_check.py the jobs' check of the devices they got"
     ),
     "docker compose up -d --build": (
         "needs a Docker engine; tests/dags/test_compose.py validates the compose file"

@@ -84,7 +84,9 @@ def test_dockerfile_targets_and_pins():
     with open(os.path.join(REPO, "infra", "Dockerfile")) as f:
         text = f.read()
     stages = [line.split()[-1] for line in text.splitlines() if line.startswith("FROM ")]
-    assert stages == ["runtime", "airflow"]
+    assert stages == ["runtime", "tpu", "gpu", "airflow"]  # airflow last: the default target
+    for accelerator in ("tpu", "gpu"):  # each variant installs its pinned extra
+        assert f'pip install -c constraints.txt ".[{accelerator}]"' in text
     assert "-c constraints.txt" in text and "COPY rlax_tasks" in text
     # every path the Dockerfile copies exists in the build context (the repository root)
     for line in text.splitlines():
