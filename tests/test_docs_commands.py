@@ -184,6 +184,7 @@ RUN = {
     ".venv/bin/rlax eval --model-dir ckpt/Qwen2.5-1.5B-Instruct --dataset gsm8k/test.jsonl "
     "--format gsm8k --template chat --n 4 --k 1,4 --limit 8 --max-new-tokens 32 "
     "--out evals/gsm8k-test": Run(_has("evals/gsm8k-test/*"), _chat_model),
+    ".venv/bin/rlax doctor": Run(_says("platform cpu", "attention blocked", "decode step  ok")),
     # docs/configuration.md
     ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo --dry-run": Run(FITS),
     ".venv/bin/rlax run --preset qwq-32b-code --dry-run": Run(FITS),
