@@ -73,3 +73,30 @@ def test_a_job_placed_on_gpus_exits_2_with_one_line_on_this_cpu(job, tmp_path):
         f"rlax {command}: error: {job}: placement.platform is gpu but JAX found cpu with "
     ), out.stderr
     assert "bash scripts/setup.sh --gpu" in out.stderr
+
+
+@pytest.mark.slow
+def test_device_check_script_runs_its_cpu_form_and_says_what_it_skipped(tmp_path):
+    """scripts/device_check.sh on this CPU host: doctor, the accelerator tests (skipping
+    themselves) and the small-shape benchmark, each step's exit code and the figures as JSON."""
+    import json
+    import xml.etree.ElementTree as ET
+
+    out = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "device_check.sh"), str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[device_check] skipped: Qwen2.5-1.5B shapes" in out.stdout, out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["platform"] == "cpu"
+    assert [(s["step"], s["exit"]) for s in summary["steps"]] == [
+        ("doctor", 0), ("accelerator-tests", 0), ("benchmark", 0)
+    ]  # fmt: skip
+    assert "decode step  ok" in (tmp_path / "doctor.log").read_text()
+    suite = ET.parse(tmp_path / "accelerator-tests.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) == int(suite.get("skipped")) >= 3  # none can run on the CPU
+    bench = summary["accelerator"]
+    assert [r["slots"] for r in bench["decode"]] == [4, 8]
+    assert all(r["tokens_per_s"] > 0 and "fraction_of_roofline" not in r for r in bench["decode"])
+    assert bench["train"]["tokens_per_s"] > 0 and "mfu" not in bench["train"]

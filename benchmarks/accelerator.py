@@ -1,0 +1,185 @@
+"""Accelerator figures with Qwen2.5-1.5B shapes and random bfloat16 weights: the sampler's decode
+tokens/s at 64 and 256 slots against the HBM roofline (every weight and the live KV cache read
+once per decode step), and ``Trainer.step``'s model FLOP utilisation against the device's dense
+bfloat16 peak. ``--shape small`` runs the same code on a small model (the CPU form of
+scripts/device_check.sh: the code paths, no roofline or peak to compare with).
+``.venv/bin/python benchmarks/accelerator.py [--shape qwen2.5-1.5b] [--json-out FILE]``"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+from train_step import random_batch  # noqa: E402  (the train benchmark's batch)
+
+log = logging.getLogger("benchmarks.accelerator")
+
+# device kind (as JAX names it, matched by prefix) -> (dense bfloat16 FLOP/s, HBM bytes/s), from
+# the vendors' data sheets
+DEVICE_PEAKS: dict[str, tuple[float, float]] = {
+    "NVIDIA H200": (989e12, 4.8e12),
+    "NVIDIA H100": (989e12, 3.35e12),
+    "NVIDIA A100": (312e12, 2.0e12),
+    "TPU v6 lite": (918e12, 1.64e12),
+    "TPU v5p": (459e12, 2.765e12),
+    "TPU v5 lite": (197e12, 0.819e12),
+    "TPU v4": (275e12, 1.2e12),
+}
+SMALL = dict(
+    model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=("qwen2.5-1.5b", "small"), default="qwen2.5-1.5b")
+    p.add_argument("--slots", default="64,256", help="decode slot counts (comma-separated)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--train-seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def model_config(shape: str) -> Any:
+    """The benchmark's ``ModelConfig``: Qwen2.5-1.5B's public shapes, or the small one."""
+    from rlax_tasks.models import ModelConfig
+    from rlax_tasks.run.model_shapes import KNOWN_MODELS
+
+    fields = KNOWN_MODELS["qwen2.5-math-1.5b"] if shape == "qwen2.5-1.5b" else SMALL
+    return ModelConfig.from_hf_dict({**fields, "max_position_embeddings": 4096})
+
+
+def device_peak(kind: str) -> tuple[float, float] | None:
+    """(bfloat16 FLOP/s, HBM bytes/s) of a device kind; None when unknown (the CPU)."""
+    return next((v for k, v in DEVICE_PEAKS.items() if kind.startswith(k)), None)
+
+
+def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: int) -> dict:
+    """Tokens/s of ``slots`` greedy completions of ``new`` tokens after ``prompt_len``."""
+    from rlax_tasks.rollout import Sampler
+
+    sampler = Sampler(policy, max_slots=slots, max_len=prompt_len + new, precompile=False)
+    rng = np.random.default_rng(0)
+    vocab = policy.config.vocab_size
+    prompts = [list(rng.integers(3, vocab, prompt_len)) for _ in range(slots)]
+
+    def run() -> Any:
+        return sampler.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
+
+    timing = _timing.median_time(run, repeats=repeats, warmup=1, sync=lambda _: None)
+    tokens_per_s = slots * new / timing.median_s
+    weights = sum(a.nbytes for a in _leaves(sampler.params))
+    c = policy.config
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # bf16 K, V
+    mean_context = prompt_len + new / 2
+    step_bytes = weights + slots * mean_context * kv_per_token
+    return {
+        "slots": slots,
+        "timing": timing.as_dict(),
+        "tokens_per_s": tokens_per_s,
+        "bytes_per_decode_step": step_bytes,
+        "weights_bytes": weights,
+    }
+
+
+def train_figures(policy: Any, batch: int, seq_len: int, micro: int, repeats: int) -> dict:
+    """``Trainer.step`` seconds and model FLOP/s (6·N·tokens plus the old-policy prefill)."""
+    from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.trainer import Trainer, TrainerConfig
+
+    tokens = batch * seq_len
+    data = random_batch(np.random.default_rng(0), batch, seq_len, policy.config.vocab_size)
+    with tempfile.TemporaryDirectory(prefix="rlax_bench_accel_") as run_dir:
+        config = TrainerConfig(learning_rate=1e-6, micro_batch_size=micro, remat="full",
+                               mesh_shape=(1, 1, 1))  # fmt: skip
+        trainer = Trainer(policy, make_objective("dapo"), config, run_dir)
+        timing = _timing.median_time(lambda: trainer.step(data), repeats=repeats, warmup=1)
+        trainer.close()
+    passes = 4 if micro < batch else 3  # forward-equivalents: prefill + forward + backward
+    flops = 2 * passes * policy.config.num_parameters() * tokens
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        "timing": timing.as_dict(),
+        "tokens_per_s": tokens / timing.median_s,
+        "model_flops_per_step": flops,
+        "model_flops_per_s": flops / timing.median_s,
+    }
+
+
+def _leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import jax
+
+    from rlax_tasks.models import Policy
+
+    start = time.perf_counter()
+    load = _timing.machine_load(log)
+    device = jax.local_devices()[0]
+    peak = device_peak(device.device_kind)
+    config = model_config(args.shape)
+    log.info("%s: %.2fB parameters on %s", args.shape, config.num_parameters() / 1e9, device)
+    results: dict[str, Any] = {
+        "benchmark": "accelerator",
+        "args": vars(args),
+        "device": {"platform": device.platform, "kind": device.device_kind, "peak": peak},
+        "num_parameters": config.num_parameters(),
+        "machine_load_before": load,
+        "decode": [],
+    }
+    sampler_policy = Policy.init(config, dtype="bfloat16", param_dtype="bfloat16")
+    for slots in [int(s) for s in args.slots.split(",")]:
+        log.info("decode: %d slots, %d + %d tokens", slots, args.prompt_len, args.new_tokens)
+        row = decode_figures(sampler_policy, slots, args.prompt_len, args.new_tokens, args.repeats)
+        if peak is not None:
+            row["roofline_tokens_per_s"] = slots * peak[1] / row["bytes_per_decode_step"]
+            row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+        results["decode"].append(row)
+    del sampler_policy
+    log.info("train step: [%d, %d], micro-batch %d", args.train_batch, args.train_seq_len,
+             args.micro_batch)  # fmt: skip
+    policy = Policy.init(config, dtype="bfloat16", param_dtype="float32")  # master weights
+    train = train_figures(
+        policy, args.train_batch, args.train_seq_len, args.micro_batch, args.repeats
+    )
+    if peak is not None:
+        train["mfu"] = train["model_flops_per_s"] / peak[0]
+    results["train"] = train
+    results["wall_s"] = time.perf_counter() - start
+    for row in results["decode"]:
+        roof = row.get("fraction_of_roofline")
+        print(f"decode {row['slots']:>4} slots: {row['tokens_per_s']:>10.1f} tokens/s"
+              + ("" if roof is None else f"  {roof:.1%} of the HBM roofline"))  # fmt: skip
+    mfu = train.get("mfu")
+    print(f"train step: {train['timing']['median_s']:.3f} s, {train['tokens_per_s']:.0f} tokens/s"
+          + ("" if mfu is None else f", MFU {mfu:.1%}"))  # fmt: skip
+    print(f"load before: {_timing.describe_load(load)}")
+    _timing.write_json(args.json_out, results, log)
+    return results
+
+
+if __name__ == "__main__":
+    main()
