@@ -435,7 +435,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
         except _HTTPError as e:
             close = e.close or self._body_left > 0  # an unread body: the connection ends
-            self._send_json(e.status, {"error": e.message}, close=close, headers=e.headers)
+            send_json(self, e.status, {"error": e.message}, close=close, headers=e.headers)
         except (TimeoutError, ConnectionError, EOFError) as e:
             log.warning("%s %s from %s aborted: %r", method, url.path, self.client_address, e)
             self.close_connection = True
@@ -456,14 +456,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _HTTPError(404, f"no route {self.path}")
         route = parts[1:]
         if method == "GET" and route == ["status"]:
-            return self._send_json(200, ps.status())
+            return send_json(self, 200, ps.status())
         if method == "GET" and route == ["latest"]:
             latest = ps.store.latest()
             if latest is None:
-                return self._send_json(200, {"version": None, "digest": None, "parts": None})
+                return send_json(self, 200, {"version": None, "digest": None, "parts": None})
             parts = [d.hex() for d in latest.part_digests] or None
-            return self._send_json(
-                200, {"version": latest.version, "digest": latest.digest.hex(), "parts": parts}
+            return send_json(
+                self,
+                200,
+                {"version": latest.version, "digest": latest.digest.hex(), "parts": parts},
             )
         if method == "GET" and route == ["pull"]:
             min_version = _int_param(query, "min_version")
@@ -474,7 +476,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     return self._send_version(weights, query)
                 except VersionGoneError:  # garbage-collected meanwhile: a newer one is in
                     weights = ps.store.wait_for(min_version, 0.0)
-            return self._send_json(204, None)
+            return send_json(self, 204, None)
         if len(route) == 2 and route[0] == "versions":
             version = _int_segment(route[1], "version")
             if method == "GET":
@@ -493,10 +495,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             worker = _worker_id(route[1])
             if method == "DELETE" and len(route) == 2:
                 ps.store.deregister(worker)
-                return self._send_json(200, {"worker": worker, "registered": False})
+                return send_json(self, 200, {"worker": worker, "registered": False})
             if method == "POST" and len(route) == 3 and route[2] in ("register", "heartbeat"):
                 ps.store.touch(worker)
-                return self._send_json(200, {"worker": worker, "registered": True})
+                return send_json(self, 200, {"worker": worker, "registered": True})
             if method == "POST" and len(route) == 3 and route[2] == "ack":
                 body = self._read_json()
                 version = body.get("version")
@@ -508,7 +510,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     raise _HTTPError(
                         400, f"cannot ack version {version}: latest is {ps.store.latest_version()}"
                     ) from None
-                return self._send_json(200, {"worker": worker, "acked": version, "gc": deleted})
+                return send_json(self, 200, {"worker": worker, "acked": version, "gc": deleted})
         raise _HTTPError(404, f"no route {method} {self.path}")
 
     # ------------------------------------------------------------------ auth
@@ -541,7 +543,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise _HTTPError(413, f"push of version {version} refused: {e}") from None
         except NoRoomError as e:
             raise _HTTPError(503, str(e), headers={"Retry-After": "1"}) from None
-        self._send_json(
+        send_json(
+            self,
             200,
             {
                 "version": version,
@@ -582,7 +585,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         reply = {"version": weights.version, "bytes": weights.manifest.nbytes}
         if part is not None:
             reply.update(part=part[0], parts=part[1])
-        self._send_json(200, reply)
+        send_json(self, 200, reply)
 
     def _part(self, close: bool = False) -> tuple[int, int] | None:
         """(part, parts) of a multi-host push from its headers; None for a single-host push."""
@@ -670,11 +673,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise _HTTPError(400, "body must be a JSON object")
         return body
-
-    def _send_json(
-        self, status: int, obj: Any, close: bool = False, headers: dict | None = None
-    ) -> None:
-        send_json(self, status, obj, close=close, headers=headers)
 
 
 def _worker_id(raw: str) -> str:
