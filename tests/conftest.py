@@ -18,10 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # components do from the run's own cache, which tests/run/test_compilation_cache checks without
 # this variable). Not for this process: its tests compile many programs once each, and writing
 # them all cost more than the repeats saved.
+# pytest-xdist's workers inherit these variables from the session's first process, which made
+# the directories (RLAX_TEST_* mark them as the suite's own: shared, or one per worker).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlax-test-jax-cache-")
+    os.environ["RLAX_TEST_JAX_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+if os.environ["JAX_COMPILATION_CACHE_DIR"] == os.environ.get("RLAX_TEST_JAX_CACHE"):
     import jax  # (reads the variables above as its defaults)
 
     jax.config.update("jax_compilation_cache_dir", None)
@@ -29,7 +33,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAGS = os.path.join(REPO, "dags")
 PLUGINS = os.path.join(REPO, "plugins")
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="rlax-airflow-home-"))
+if "AIRFLOW_HOME" not in os.environ:
+    os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="rlax-airflow-home-")
+    os.environ["RLAX_TEST_AIRFLOW_HOME"] = os.environ["AIRFLOW_HOME"]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ["AIRFLOW_HOME"] == os.environ.get("RLAX_TEST_AIRFLOW_HOME"):
+    # one Airflow home (SQLite metadata database) per worker: their dag.test() runs reset it
+    os.environ["AIRFLOW_HOME"] = os.path.join(os.environ["AIRFLOW_HOME"], _WORKER)
+    os.makedirs(os.environ["AIRFLOW_HOME"], exist_ok=True)
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", DAGS)
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", PLUGINS)
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
@@ -116,6 +127,8 @@ def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str | None
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 (pytest's hook signature)
     report = yield
+    if item.get_closest_marker("accelerator") is not None:
+        return report  # skipped on CPU hosts by design (scripts/device_check.sh runs them)
     if (reason := _skip_reason(report)) is not None:
         report.outcome = "failed"
         report.longrepr = f"{report.nodeid} was skipped under CI=true: {reason}"
@@ -135,3 +148,12 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _skipped_modules and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# --------------------------------------------------------------------------- order
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The test files holding a `slow` test first (stable otherwise): with the suite spread over
+    workers (`-n 2 --dist loadfile`), the long end-to-end files start early and the fast ones
+    fill in around them instead of one long file running alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 import urllib.parse
 
@@ -33,7 +31,7 @@ import pytest
 import yaml
 
 from tests.dags.conftest import REPO
-from tests.dags.standalone import DAG_ID, TAG_ENV, Standalone, tail, wait_for
+from tests.dags.standalone import DAG_ID, TAG_ENV, Standalone, wait_for
 
 RUN_ID = "browser-e2e"
 OTHER_RUN_ID = "browser-compare"  # written from files: j=2, k=4 against the DAG run's j=k=1
@@ -75,41 +73,14 @@ def airflow(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    """The tiny-arith preset's base model, built by its supervised warm-up (~1 min) in a
-    subprocess while Airflow starts (request it first); returns (path, wait())."""
-    root = str(tmp_path_factory.mktemp("base-models"))
-    path = os.path.join(root, PRESET)
-    log_path = os.path.join(root, "warmup.log")
-    code = (
-        "import os, sys\n"
-        "from rlax_tasks.warmup import ensure_base_model\n"
-        "ensure_base_model(os.path.dirname(sys.argv[1]), name=os.path.basename(sys.argv[1]))\n"
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, path],
-            env=env,
-            cwd=root,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+def base_model(tmp_path_factory) -> str:
+    """A random tiny model with the character tokenizer, as the tiny-arith preset's model (its
+    warm-up is tested in tests/warmup; the UI and the dashboard are what this test is about)."""
+    from tests.tiny_model import save_char_model
 
-    def wait() -> str:
-        try:
-            code = proc.wait(timeout=420)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(f"base model warm-up timed out:\n{tail(log_path, 30)}") from None
-        assert code == 0, f"base model warm-up failed ({code}):\n{tail(log_path, 30)}"
-        return path
-
-    yield path, wait
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    path = str(tmp_path_factory.mktemp("base-models") / PRESET)
+    save_char_model(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +205,7 @@ def trigger_through_form(driver, airflow: Standalone, artifacts: str, model_path
     _select_option(driver, "preset", PRESET)
     _set_text(driver, "steps", str(STEPS))
     _set_text(driver, "run_id", RUN_ID)
-    # The preset's base model, built by its warm-up while Airflow started (left empty, the DAG's
-    # plan task would build it: the same code, a minute later).
+    # the base model (left empty, the DAG's plan task would build the preset's by its warm-up)
     _set_text(driver, "model_path", model_path)
     unpause = dialog.find_element(
         By.XPATH, ".//label[contains(normalize-space(), 'Unpause')]//input[@type='checkbox']"
@@ -460,12 +430,10 @@ def open_compare_view(driver, airflow: Standalone, artifacts: str, dag_run_id: s
 def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, browser, artifacts):
     from selenium.webdriver.common.by import By
 
-    model_path, model_ready = base_model
+    model_path = base_model
     dag_run_id = None
     started = time.monotonic()
     try:
-        model_ready()
-        print(f"base model ready after {time.monotonic() - started:.0f}s: {model_path}")
         seed_base_eval(airflow.run_root, model_path)
         dag_run_id = trigger_through_form(browser, airflow, artifacts, model_path)
         print(f"triggered {dag_run_id} after {time.monotonic() - started:.0f}s")
@@ -473,6 +441,7 @@ def test_trigger_rlax_train_in_the_ui_and_see_its_plots(base_model, airflow, bro
         assert conf["steps"] == STEPS and conf["run_id"] == RUN_ID, conf
         assert conf["preset"] == PRESET and conf["model_path"] == model_path, conf
 
+        browser.get("about:blank")  # no page re-polling the API while the run takes the cores
         state = wait_for_run(airflow, dag_run_id)
         print(f"DAG run {state} after {time.monotonic() - started:.0f}s")
         quoted = urllib.parse.quote(dag_run_id, safe="")
