@@ -209,6 +209,15 @@ def plan_training(
         raise PlanError("steps: give the number of training steps (the preset has none)")
     if storage.is_gcs(cfg.run_root) and backend == "local":
         raise PlanError("run_root: the local backend needs a local run root, not gs://")
+    if (
+        backend == "cloud_tpu"
+        and not storage.is_gcs(cfg.run_root)
+        and not backend_settings(cfg.run_root).get("api_endpoint")  # the fake API's hosts can
+    ):
+        raise PlanError(
+            f"run_root: {cfg.run_root!r} is a path on this machine, which TPU VMs cannot read: "
+            "give a gs://bucket/prefix"
+        )
     if cfg.trainer.hosts > 1 and backend == "local":
         raise PlanError(
             f"trainer.hosts: the local backend runs one process per job, the trainer spans "

@@ -69,6 +69,12 @@ class CloudTpuBackend:
     ) -> None:
         if not isinstance(run_root, str) or not run_root:
             raise ValueError("cloud_tpu backend: run_root must be a gs://bucket/prefix URI")
+        if not storage.is_gcs(run_root) and not api_endpoint:
+            raise ValueError(
+                f"cloud_tpu backend: run_root {run_root!r} is a path on this machine, which TPU "
+                "VMs cannot read: give a gs://bucket/prefix (a local path works only with the "
+                "fake Cloud TPU API, api_endpoint)"
+            )
         self.run_root = run_root if storage.is_gcs(run_root) else os.path.abspath(run_root)
         if not isinstance(image, str) or not image.strip():
             raise ValueError(

@@ -124,6 +124,8 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
     """cloud_tpu: the trainer slice over all its hosts, the worker slices one worker per host,
     each job placed on its slice and hosts; services publish their addresses under the run."""
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    # a local run root: only with the fake Cloud TPU API, whose hosts share this machine's disk
+    monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps({"api_endpoint": "http://127.0.0.1:1"}))
     params = tiny_params(
         tmp_path,
         "r1",
@@ -154,6 +156,10 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
 
     with pytest.raises(rc.PlanError, match="^num_workers: 3 workers, but 2 worker_slices"):
         rc.plan_training({**params, "num_workers": 3}, "manual__b")
+    monkeypatch.delenv("RLAX_BACKEND_SETTINGS")  # the real API: TPU VMs cannot read this disk
+    with pytest.raises(rc.PlanError, match=r"^run_root: '.*' is a path on this machine, which TPU"):
+        rc.plan_training({**params, "run_id": "r2"}, "manual__d")
+    assert not (tmp_path / "runs" / "r2").exists()  # refused before anything was written
     with pytest.raises(rc.PlanError, match="^worker_accelerator_type: accelerator type 'cpu'"):
         rc.plan_training({**params, "worker_accelerator_type": "cpu"}, "manual__c")
 

@@ -91,3 +91,12 @@ def test_cloud_tpu_backend_requires_an_image():
     assert '"image" in RLAX_BACKEND_SETTINGS' in message and "\n" not in message
     backend = get_backend("cloud_tpu", run_root="gs://b/x", image="us-docker.pkg.dev/p/r/i:t")
     assert backend.image == "us-docker.pkg.dev/p/r/i:t"
+
+
+def test_cloud_tpu_backend_refuses_a_local_run_root_with_the_real_api(tmp_path):
+    image = "us-docker.pkg.dev/p/r/i:t"
+    with pytest.raises(ValueError, match=r"is a path on this machine, which TPU VMs cannot read"):
+        get_backend("cloud_tpu", run_root=str(tmp_path), image=image, project="p", zone="z")
+    fake = get_backend("cloud_tpu", run_root=str(tmp_path), image=image,
+                       api_endpoint="http://127.0.0.1:1", anonymous=True)  # fmt: skip
+    assert fake.run_root == str(tmp_path)  # the fake API's hosts share this machine's disk
