@@ -203,7 +203,7 @@ def rlax_train():
         return state
 
     p = plan()
-    root = rc.default_run_root()
+    root = p["run_root"]  # the run_root Param as plan resolved it: the slices' control directory
     # the trainer slice and the worker slices, as plan checked them (types, runtime versions)
     slices = rc.provision_slices("provision", root, p["slices"], p["run_id"])
     everything, h = slices.output, slices.output["trainer"]

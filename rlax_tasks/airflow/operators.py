@@ -92,7 +92,9 @@ def _raise_unless_ready(event: dict[str, Any]) -> None:
 
 
 class _BackendOperator(BaseOperator):
-    """Shared: a named backend with settings, rebuilt wherever the task runs."""
+    """Shared: a named backend with settings, rebuilt wherever the task runs. The settings are
+    a template field: the DAG's run root (their slices' control directory) comes from the run's
+    plan (an XComArg), not from the environment the DAG file was parsed in."""
 
     def __init__(
         self,
@@ -149,7 +151,10 @@ class _BackendOperator(BaseOperator):
 class ProvisionSliceOperator(_BackendOperator):
     """Provisions one slice (idempotent by name) and returns its handle dict once READY."""
 
-    template_fields = ("name", "accelerator_type", "runtime_version", "labels", "zone", "project")
+    template_fields = (
+        "name", "accelerator_type", "runtime_version", "labels", "zone", "project",
+        "backend_settings",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -209,7 +214,7 @@ class ProvisionSlicesOperator(_BackendOperator):
     (``rlax_tasks.airflow.dag_support.plan_slices``); a slice that fails fails the task
     (retryable)."""
 
-    template_fields = ("slices", "labels")
+    template_fields = ("slices", "labels", "backend_settings")
 
     def __init__(
         self,
@@ -308,7 +313,7 @@ class RlaxJobOperator(_BackendOperator):
 
     template_fields = (
         "slice_handle", "argv", "env", "job_name", "run_root", "started_jobs", "hosts",
-        "done_marker",
+        "done_marker", "backend_settings",
     )  # fmt: skip
 
     def __init__(
@@ -457,7 +462,7 @@ class RlaxJobOperator(_BackendOperator):
 class TeardownSliceOperator(_BackendOperator):
     """Deletes a slice (idempotent). Use as the DAG's teardown (trigger_rule="all_done")."""
 
-    template_fields = ("slice_handle",)
+    template_fields = ("slice_handle", "backend_settings")
 
     def __init__(self, *, slice_handle: Any, **kwargs: Any) -> None:
         kwargs.setdefault("trigger_rule", "all_done")

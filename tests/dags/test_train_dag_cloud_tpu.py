@@ -61,10 +61,13 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     model = str(tmp_path / "model")
     save_char_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
-        settings = fake_backend_settings(url)  # run_root: the DAG's, added by dag_support
+        settings = fake_backend_settings(url)  # run_root: the run's, added by dag_support
         monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
         monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps(settings))
-        monkeypatch.setenv("RLAX_RUN_ROOT", run_root)
+        # the run_root Param, not the environment the DAG file was parsed in, places the run
+        # and its slices' control directories
+        elsewhere = tmp_path / "parse-time-root"
+        monkeypatch.setenv("RLAX_RUN_ROOT", str(elsewhere))
         monkeypatch.setenv("RLAX_RETRY_DELAY_S", "1")
         monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "10")
         monkeypatch.setenv("XLA_FLAGS", "")  # each job's devices come from placement only
@@ -77,6 +80,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         )
         preempter.start()
         conf = {
+            "run_root": run_root,
             "run_id": RUN_ID,
             "steps": STEPS,
             "model_path": model,
@@ -131,5 +135,6 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     assert os.path.exists(os.path.join(run_dir, "eval", f"v{STEPS}", "results.json"))
     with open(os.path.join(run_dir, "status.json")) as f:
         assert json.load(f)["state"] == "succeeded"
+    assert not elsewhere.exists(), sorted(str(p) for p in elsewhere.rglob("*"))[:10]
     live = {n.rsplit("/", 1)[-1] for n, pids in state.get("agents", {}).items() if pids}
     assert not live & {TRAINER_SLICE, WORKER_SLICE}, state.get("agents")
