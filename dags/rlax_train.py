@@ -91,6 +91,17 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             description="TPU VM runtime version; empty = the accelerator family's default "
             "(cpu needs none)",
         ),
+        "capacity": Param(
+            "spot", type="string", enum=["spot", "on-demand", "reserved"],
+            description="how the slices are bought: spot (reclaimable: the run resumes from "
+            "its checkpoint), on-demand, or the project's reservation",
+        ),
+        "service_account": Param(
+            "", type="string",
+            description="the service account the TPU VMs run as (email); empty = the default",
+        ),
+        "network": Param("", type="string", description="the VPC network; empty = default"),
+        "subnetwork": Param("", type="string", description="its subnetwork; empty = default"),
         "worker_accelerator_type": Param(
             None, type=["null", "string"], minLength=1,
             description="workers on slices of their own, one worker per host (e.g. v5litepod-4); "

@@ -109,6 +109,14 @@ class FakeCloudTpu:
             tpu_type(node["acceleratorType"])
         except UnknownAcceleratorError as e:
             raise ApiError(400, "INVALID_ARGUMENT", str(e)) from None
+        scheduling = node.get("schedulingConfig", {})
+        if scheduling.get("spot") and scheduling.get("reserved"):
+            raise ApiError(400, "INVALID_ARGUMENT", "a node cannot be both spot and reserved")
+        if "spot" in body and not scheduling.get("spot"):
+            raise ApiError(400, "INVALID_ARGUMENT", "a spot queued resource needs a spot node")
+        email = node.get("serviceAccount", {}).get("email", "")
+        if email and not re.match(r"^[^@\s]+@[^@\s]+$", email):
+            raise ApiError(400, "INVALID_ARGUMENT", f"invalid service account email {email!r}")
         name = f"{parent}/queuedResources/{qr_id}"
         with self.lock:
             if name in self.qrs:

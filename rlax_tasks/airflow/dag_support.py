@@ -25,7 +25,7 @@ from rlax_tasks.airflow.operators import (
     job_name_for,
     start_jobs,
 )
-from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL
+from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL, SliceSpec
 from rlax_tasks.run.slices import PlanError, run_slices
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
@@ -160,14 +160,34 @@ def done_marker(run_dir: str) -> str:
     return run_paths(run_dir).done
 
 
-def plan_slices(run_id: str, slices: list[tuple[str, str, str]]) -> list[dict]:
+def plan_slices(
+    run_id: str, slices: list[tuple[str, str, str]], provisioning: dict[str, Any] | None = None
+) -> list[dict]:
     """The slices of a run as ProvisionSlicesOperator takes them: [{"role", "name",
-    "accelerator_type", "runtime_version"}] (``slices``: ``rlax_tasks.run.slices.run_slices``)."""
+    "accelerator_type", "runtime_version", **provisioning}] (``slices``:
+    ``rlax_tasks.run.slices.run_slices``; ``provisioning``: ``slice_provisioning``)."""
     return [
         {"role": role, "name": slice_name(run_id, role), "accelerator_type": kind,
-         "runtime_version": runtime}
+         "runtime_version": runtime, **(provisioning or {})}
         for role, kind, runtime in slices
     ]  # fmt: skip
+
+
+def slice_provisioning(params: dict[str, Any]) -> dict[str, Any]:
+    """How the run's slices are bought and joined to the project (the capacity, service_account,
+    network and subnetwork Params), checked as a SliceSpec checks them; PlanError names the
+    Param."""
+    try:
+        fields = SliceSpec.capacity_fields(params.get("capacity") or "spot")
+    except ValueError as e:
+        raise PlanError(f"capacity: {e}") from None
+    for name in ("service_account", "network", "subnetwork"):
+        fields[name] = (params.get(name) or "").strip()
+    try:
+        SliceSpec(name="check", **fields)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return fields
 
 
 def plan_training(
@@ -202,6 +222,7 @@ def plan_training(
     runtime_version = slices.check_slice(
         trainer_type, params.get("runtime_version"), cfg.trainer.hosts, backend
     )
+    provisioning = slice_provisioning(params)
     if backend == "cloud_tpu":
         slices.check_slice_memory(cfg, trainer_type, worker_type)
     steps = params.get("steps") or cfg.trainer.total_steps
@@ -251,7 +272,11 @@ def plan_training(
             "ps": Job("ps", [], {}),
             "trainer": Job("trainer", [], {}),
         }
-    planned = run_slices(trainer_type, runtime_version, worker_type, layout, backend)
+    planned = plan_slices(
+        cfg.run_id,
+        run_slices(trainer_type, runtime_version, worker_type, layout, backend),
+        provisioning,
+    )
     return _plan_xcoms(
         cfg, int(steps), config_path, topology, jobs, runtime_version, planned, is_colocated(cfg)
     )
@@ -264,7 +289,7 @@ def _plan_xcoms(
     topology: Any,
     jobs: dict[str, Any],
     runtime_version: str,
-    slices: list[tuple[str, str, str]],
+    slices: list[dict[str, Any]],
     colocated: bool,
 ) -> dict[str, Any]:
     """The plan task's return value: what the DAG's tasks read as XComs."""
@@ -286,7 +311,7 @@ def _plan_xcoms(
         "ps_url": topology.ps_url,  # the PS's service file
         "done_marker": done_marker(cfg.run_dir),
         "runtime_version": runtime_version,
-        "slices": plan_slices(cfg.run_id, slices),
+        "slices": slices,
         # {job: {"slice": role, "hosts": [...]}}: where each job runs
         "placement": {n: {"slice": j.slice, "hosts": list(j.hosts)} for n, j in jobs.items()},
         "argv": argv,

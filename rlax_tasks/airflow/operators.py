@@ -243,7 +243,11 @@ class ProvisionSlicesOperator(_BackendOperator):
                     name=s["name"],
                     accelerator_type=s["accelerator_type"],
                     runtime_version=s.get("runtime_version") or "",
-                    spot=self.spot,
+                    spot=s.get("spot", self.spot),  # a slice's own capacity, if it names one
+                    reserved=s.get("reserved", False),
+                    service_account=s.get("service_account") or "",
+                    network=s.get("network") or "",
+                    subnetwork=s.get("subnetwork") or "",
                     labels=dict(self.labels),
                 )
                 handles[s["role"]] = backend.provision(spec).to_dict()

@@ -1,4 +1,5 @@
-"""The ``cloud_tpu`` backend: Cloud TPU queued resources (spot) through ``google-cloud-tpu``.
+"""The ``cloud_tpu`` backend: Cloud TPU queued resources (spot, on-demand or reserved) through
+``google-cloud-tpu``.
 
 A slice is a queued resource whose startup script (``infra/tpu/startup.sh``) runs the node agent
 on every host; ``start_job`` writes a job spec to the slice's control directory and ``job_state``
@@ -40,6 +41,8 @@ MD_INSTANCE_ID = "rlax-instance-id"
 MD_IMAGE = "rlax-image"
 MD_ENTRYPOINT = "rlax-entrypoint"
 MD_POLL = "rlax-agent-poll-s"
+# the OAuth scope a TPU VM's service account gets: access decided by its IAM roles
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 _QR_PROVISIONING = {"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES"}
 _NODE_PROVISIONING = {"CREATING", "STARTING", "RESTARTING", "REPAIRING", "REIMAGING", "UNHIDING"}
@@ -175,8 +178,16 @@ class CloudTpuBackend:
                 MD_ENTRYPOINT: json.dumps(self.entrypoint),
                 MD_POLL: str(self.agent_poll_s),
             },
-            scheduling_config=tpu_v2.SchedulingConfig(spot=spec.spot),
+            scheduling_config=tpu_v2.SchedulingConfig(spot=spec.spot, reserved=spec.reserved),
         )
+        if spec.network or spec.subnetwork:
+            node.network_config = tpu_v2.NetworkConfig(
+                network=spec.network, subnetwork=spec.subnetwork
+            )
+        if spec.service_account:
+            node.service_account = tpu_v2.ServiceAccount(
+                email=spec.service_account, scope=[CLOUD_PLATFORM_SCOPE]
+            )
         qr = tpu_v2.QueuedResource(
             tpu=tpu_v2.QueuedResource.Tpu(
                 node_spec=[
@@ -208,6 +219,10 @@ class CloudTpuBackend:
             accelerator_type=node.accelerator_type,
             runtime_version=node.runtime_version,
             spot="spot" in qr or bool(node.scheduling_config.spot),
+            reserved=bool(node.scheduling_config.reserved),
+            service_account=node.service_account.email,
+            network=node.network_config.network,
+            subnetwork=node.network_config.subnetwork,
             labels={k: v for k, v in node.labels.items() if k != MANAGED_LABEL},
             zone=zone,
             project=project,

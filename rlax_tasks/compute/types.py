@@ -14,6 +14,7 @@ from rlax_tasks.services.endpoints import HOST_ADDRESS_ENV
 
 # what rlax_tasks.compute exports from here
 __all__ = [
+    "CAPACITIES",
     "CONFIG_ERROR_EXIT_CODE",
     "COORDINATOR_ADDRESS_ENV",
     "COORDINATOR_PORT_ENV",
@@ -101,9 +102,15 @@ def _validate_labels(labels: dict[str, str]) -> dict[str, str]:
     return out
 
 
+# how a slice's capacity is bought: spot (reclaimable, cheapest), on-demand, or a reservation
+CAPACITIES = ("spot", "on-demand", "reserved")
+
+
 @dataclasses.dataclass(frozen=True)
 class SliceSpec:
-    """What to provision: one accelerator slice (a TPU node, or a local directory)."""
+    """What to provision: one accelerator slice (a TPU node, or a local directory). ``spot`` /
+    ``reserved`` (neither: on-demand) buy its capacity; ``service_account`` (an email) is the
+    identity its VMs run as; ``network`` / ``subnetwork`` the VPC they join ("": defaults)."""
 
     name: str
     accelerator_type: str = "cpu"
@@ -112,14 +119,41 @@ class SliceSpec:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     zone: str = ""
     project: str = ""
+    reserved: bool = False
+    service_account: str = ""
+    network: str = ""
+    subnetwork: str = ""
 
     def __post_init__(self) -> None:
         validate_name("name", self.name)
         if not isinstance(self.accelerator_type, str) or not self.accelerator_type:
             raise ValueError("accelerator_type must be a non-empty string (e.g. 'v5litepod-8')")
-        if not isinstance(self.spot, bool):
-            raise ValueError(f"spot must be true or false, got {self.spot!r}")
+        for field in ("spot", "reserved"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")
+        if self.spot and self.reserved:
+            raise ValueError("capacity: a slice is spot or reserved, not both")
+        for field in ("service_account", "network", "subnetwork"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"{field} must be a string, got {getattr(self, field)!r}")
+        if self.service_account and "@" not in self.service_account:
+            raise ValueError(
+                f"service_account {self.service_account!r}: give the service account's email "
+                "(NAME@PROJECT.iam.gserviceaccount.com)"
+            )
         object.__setattr__(self, "labels", _validate_labels(dict(self.labels or {})))
+
+    @property
+    def capacity(self) -> str:
+        """ "spot", "reserved" or "on-demand"."""
+        return "spot" if self.spot else "reserved" if self.reserved else "on-demand"
+
+    @staticmethod
+    def capacity_fields(capacity: str) -> dict[str, bool]:
+        """{"spot", "reserved"} for one of CAPACITIES; ValueError naming the choices."""
+        if capacity not in CAPACITIES:
+            raise ValueError(f"capacity {capacity!r} is not one of {list(CAPACITIES)}")
+        return {"spot": capacity == "spot", "reserved": capacity == "reserved"}
 
     @property
     def run_id(self) -> str:

@@ -135,14 +135,31 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
         overrides={"trainer.hosts": 2, "placement.mode": "disaggregated"},
     )
     p = rc.plan_training(params, "manual__a")
+    # the capacity, service_account, network and subnetwork Params' defaults
+    spot = {"spot": True, "reserved": False, "service_account": "", "network": "", "subnetwork": ""}
     assert p["slices"] == [
         {"role": "trainer", "name": "rlax-r1-trainer", "accelerator_type": "v4-16",
-         "runtime_version": "tpu-ubuntu2204-base"},
+         "runtime_version": "tpu-ubuntu2204-base", **spot},
         {"role": "workers-0", "name": "rlax-r1-workers-0", "accelerator_type": "v5litepod-8",
-         "runtime_version": "v2-alpha-tpuv5-lite"},  # its own family's default
+         "runtime_version": "v2-alpha-tpuv5-lite", **spot},  # its own family's default
         {"role": "workers-1", "name": "rlax-r1-workers-1", "accelerator_type": "v5litepod-8",
-         "runtime_version": "v2-alpha-tpuv5-lite"},
+         "runtime_version": "v2-alpha-tpuv5-lite", **spot},
     ]  # fmt: skip
+    reserved = rc.plan_training(
+        {**params, "capacity": "reserved", "service_account": "rl@p.iam.gserviceaccount.com",
+         "network": "rl-net", "subnetwork": "rl-subnet"}, "manual__e",
+    )["slices"]  # fmt: skip
+    expected = {
+        **spot, "spot": False, "reserved": True, "network": "rl-net",
+        "service_account": "rl@p.iam.gserviceaccount.com", "subnetwork": "rl-subnet",
+    }  # fmt: skip
+    assert all({k: s[k] for k in spot} == expected for s in reserved), reserved
+    on_demand = rc.plan_training({**params, "capacity": "on-demand"}, "manual__f")["slices"]
+    assert all(not s["spot"] and not s["reserved"] for s in on_demand)
+    with pytest.raises(rc.PlanError, match=r"^capacity: capacity 'preemptible' is not one of"):
+        rc.plan_training({**params, "capacity": "preemptible"}, "manual__g")
+    with pytest.raises(rc.PlanError, match=r"^service_account 'rl': give the service account"):
+        rc.plan_training({**params, "service_account": "rl"}, "manual__h")
     assert p["num_workers"] == 2  # one per host of 2 one-host slices
     assert p["hosts_trainer"] == [0, 1]
     assert [(w["slice"], w["hosts"]) for w in p["worker_jobs"]] == [

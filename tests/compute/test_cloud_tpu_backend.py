@@ -1,6 +1,7 @@
 """The cloud_tpu backend with the real google-cloud-tpu client (REST) against the local fake
 of the Cloud TPU API; the slice control directory on a local GCS emulator (real GCS client)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -134,6 +135,32 @@ def test_capacity_failure_and_api_errors(tpu):
     with pytest.raises(ValueError, match="zone"):
         no_zone.provision(SPEC)
     backend.teardown(again)
+
+
+def test_reserved_capacity_service_account_and_network_reach_the_node(tpu):
+    backend, url = tpu
+    spec = dataclasses.replace(
+        SPEC, name="w9", spot=False, reserved=True, service_account="rl@p.iam.gserviceaccount.com",
+        network="rl-net", subnetwork="rl-subnet",
+    )  # fmt: skip
+    handle = backend.provision(spec)
+    qr = backend.client.get_queued_resource(name=handle.resource)
+    node = qr.tpu.node_spec[0].node
+    assert "spot" not in qr and node.scheduling_config.reserved and not node.scheduling_config.spot
+    assert node.service_account.email == "rl@p.iam.gserviceaccount.com"
+    assert (node.network_config.network, node.network_config.subnetwork) == ("rl-net", "rl-subnet")
+    assert SliceSpec.from_dict(handle.spec).capacity == "reserved"  # as the API reports it
+    with pytest.raises(ValueError, match="spot or reserved, not both"):
+        dataclasses.replace(spec, spot=True)
+    # what the real API refuses, the fake refuses too
+    body = {"tpu": {"nodeSpec": [{"node": {
+        "acceleratorType": "v5litepod-8", "runtimeVersion": "v2-alpha-tpuv5-lite",
+        "schedulingConfig": {"spot": True, "reserved": True}}}]}}  # fmt: skip
+    parent = handle.resource.split("/queuedResources/")[0]
+    reply = requests.post(f"{url}/v2/{parent}/queuedResources?queuedResourceId=w8", json=body,
+                          timeout=5)  # fmt: skip
+    assert reply.status_code == 400 and "both spot and reserved" in reply.text, reply.text
+    backend.teardown(handle)
 
 
 def test_startup_script_is_sent_as_node_metadata(tpu):
