@@ -9,7 +9,8 @@ from rlax_tasks.config import ConfigError, RunConfig, load_config, preset_names,
 
 
 def test_presets_load_validate_and_round_trip():
-    assert {"tiny-arith", "qwen2.5-math-1.5b-grpo", "qwq-32b-code"} <= set(preset_names())
+    assert {"tiny-arith", "qwen2.5-math-1.5b-grpo", "qwen2.5-math-1.5b-grpo-tpu",
+            "qwq-32b-code"} <= set(preset_names())  # fmt: skip
     for name in preset_names():
         cfg = load_config(name)
         assert cfg.run_id == name

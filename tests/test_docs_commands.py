@@ -188,6 +188,9 @@ RUN = {
     # docs/configuration.md
     ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo --dry-run": Run(FITS),
     ".venv/bin/rlax run --preset qwq-32b-code --dry-run": Run(FITS),
+    ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo-tpu --dry-run": Run(
+        _says("verdict: fits v5p", "TPU_VISIBLE_CHIPS=0,1")
+    ),
     ".venv/bin/rlax run --config my.yaml --dry-run --model-config path/to/config.json": Run(
         _says("verdict: fits", "path/to/config.json"), _my_config
     ),
