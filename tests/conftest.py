@@ -9,7 +9,11 @@ import shutil
 import sys
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's backend (LLVM) optimisation off for the tests' programs and the processes they start: the
+# tests' tiny models compile in about half the time and run as fast as they need to (numerics
+# are the same: no fast-math either way). Benchmarks and users keep XLA's defaults.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -153,7 +157,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # --------------------------------------------------------------------------- order
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The test files holding a `slow` test first (stable otherwise): with the suite spread over
-    workers (`-n 2 --dist loadfile`), the long end-to-end files start early and the fast ones
-    fill in around them instead of one long file running alone at the end."""
+    workers (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps this order), the long
+    end-to-end files start early and the fast ones fill in around them instead of one long file
+    running alone at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from rlax_tasks.run.model_shapes import KNOWN_MODELS
-from tests.conftest import REPO
+from tests.conftest import REPO, TEST_XLA_FLAGS
 from tests.data.chat_model import build_chat_model
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(f"{REPO}/docs/*.md"))]
@@ -246,7 +246,7 @@ def _page_params() -> list:
 def test_documented_commands_run(doc, tmp_path):
     cwd = str(tmp_path)
     os.symlink(os.path.join(REPO, ".venv"), os.path.join(cwd, ".venv"))
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PWD": cwd}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu", "PWD": cwd}
     seen: set[str] = set()
     for command in doc_commands(doc):
         run = RUN.get(key(command))

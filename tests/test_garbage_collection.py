@@ -84,7 +84,9 @@ def test_start_up_objects_are_frozen_out_of_later_walks(full_collections: list[i
     garbage_collection.defer_full_collections()
     loaded = _grow_long_lived_heap(1000)
     frozen = garbage_collection.freeze_startup()
-    assert frozen >= 1000 and gc.get_freeze_count() == frozen
+    # a frozen object leaves the count only when freed (another thread, e.g. xdist's, may free a
+    # few in between)
+    assert frozen >= 1000 and frozen - 100 < gc.get_freeze_count() <= frozen
     assert not _walked(loaded), "a collection's generations no longer hold them"
     garbage_collection.restore_defaults()
     assert gc.get_freeze_count() == 0 and _walked(loaded)

@@ -21,7 +21,7 @@ from rlax_tasks.airflow.dag_watch import DagRunWatcher
 from rlax_tasks.cli import main
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
-from tests.conftest import REPO
+from tests.conftest import REPO, TEST_XLA_FLAGS
 
 STAMP = r"^\[\s*(?:\d+h )?(?:\d+m )?\d+[sm]\] "  # the elapsed-time column of the lines
 
@@ -176,7 +176,7 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
     runs = str(tmp_path / "runs")
     run_dir = os.path.join(runs, "cli")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-    env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.update(XLA_FLAGS=TEST_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env.update(RLAX_RETRY_DELAY_S="1", RLAX_SIBLING_GRACE_S="20")
     argv = [
         sys.executable, "-m", "rlax_tasks.cli", "airflow", "train", "--steps", "8",

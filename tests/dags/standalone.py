@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from rlax_tasks.run.supervisor import free_port
+from tests.conftest import TEST_XLA_FLAGS
 from tests.dags.conftest import DAGS, PLUGINS
 
 TAG_ENV = "RLAX_TEST_TAG"
@@ -150,7 +151,7 @@ class Standalone:
                 "RLAX_SIBLING_GRACE_S": "60",
                 "PYTHONUNBUFFERED": "1",  # the log tail must be current when a test fails
                 "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": "",
+                "XLA_FLAGS": TEST_XLA_FLAGS,
                 TAG_ENV: self.tag,
             }
         )

@@ -17,6 +17,7 @@ import pytest
 
 from rlax_tasks.rundir import storage
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
+from tests.conftest import TEST_XLA_FLAGS
 from tests.dags.conftest import DAGS, read_jsonl
 
 STEPS = 4
@@ -70,7 +71,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         monkeypatch.setenv("RLAX_RUN_ROOT", str(elsewhere))
         monkeypatch.setenv("RLAX_RETRY_DELAY_S", "1")
         monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "10")
-        monkeypatch.setenv("XLA_FLAGS", "")  # each job's devices come from placement only
+        monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # devices: from placement only
         monkeypatch.chdir(tmp_path)
         importlib.reload(dag_support)  # re-read the settings above
         dag = DagBag(dag_folder=DAGS).dags["rlax_train"]

@@ -30,6 +30,7 @@ from rlax_tasks.paramserver.wire import (
     version_digest,
 )
 from tests.compute.helpers import wait_for
+from tests.conftest import TEST_XLA_FLAGS
 from tests.paramserver.helpers import TOKEN, free_port
 from tests.paramserver.multihost_pusher import expected
 
@@ -344,7 +345,7 @@ def _start_hosts(url: str, out_dir: str, scenario: str) -> list[subprocess.Popen
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLAX_")}
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}",
         RLAX_PS_TOKEN=TOKEN,
     )
     return [

@@ -22,6 +22,7 @@ from rlax_tasks.config import ConfigError, RunConfig, load_config, save_resolved
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.models import load_pretrained
 from rlax_tasks.rundir import notices
+from tests.conftest import TEST_XLA_FLAGS
 from tests.run.test_local_run import read_jsonl, small_config
 
 STEPS = 6
@@ -43,7 +44,7 @@ def _command(config_path: str, steps: int) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
 def _steps_done(run_dir: str) -> int:

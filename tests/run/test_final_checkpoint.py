@@ -13,6 +13,7 @@ from rlax_tasks.cli import main
 from rlax_tasks.evaluation.checkpoints import load_model, mirror_arrays
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
+from tests.conftest import TEST_XLA_FLAGS
 from tests.tiny_model import save_char_model
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ EVERY = 2  # a periodic checkpoint before the last step: the export must not set
 
 
 def test_a_disaggregated_run_ends_with_its_last_steps_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     model = str(tmp_path / "model")
     save_char_model(model)
     run_dir = str(tmp_path / "runs" / "d")

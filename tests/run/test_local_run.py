@@ -13,6 +13,7 @@ from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
+from tests.conftest import TEST_XLA_FLAGS
 from tests.tiny_model import save_char_model
 
 
@@ -46,7 +47,7 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     """kill -9 of the trainer, the controller, a worker and the parameter server during one run:
     the run finishes, every step is in the lineage exactly once, in order, and the report is
     written."""
-    monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     cfg = small_config(tmp_path, **{"eval.every_steps": 3})
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
@@ -90,7 +91,7 @@ def test_chaos_ten_random_kills_during_one_run(tmp_path, monkeypatch):
     completes with every step applied once and every prompt trained at most once."""
     import random
 
-    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
     cfg = small_config(tmp_path)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     rng = random.Random(7)
@@ -122,7 +123,7 @@ def test_chaos_ten_random_kills_during_one_run(tmp_path, monkeypatch):
 def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     """On-policy lockstep (j = k = 1): with the trainer and the controller killed mid-run, the
     prompts of every step in lineage.jsonl are those of an uninterrupted run with the seed."""
-    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
     lockstep = {
         "staleness.reload_every": 1,
         "staleness.max_staleness": 1,

@@ -16,6 +16,7 @@ from rlax_tasks.cli import main
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
 from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
+from tests.conftest import TEST_XLA_FLAGS
 from tests.run.test_local_run import read_jsonl, small_config
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def _exported(run_dir: str, out: str, capsys) -> dict[str, np.ndarray]:
 
 
 def test_two_trainer_hosts_match_one_and_survive_a_host_kill(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XLA_FLAGS", "")  # each job's devices come from placement only
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # each job's devices come from placement only
     one = small_config(tmp_path / "one", **LOCKSTEP, **{"placement.trainer": list(range(8))})
     run_local(one, steps=STEPS, evaluate=False)
 

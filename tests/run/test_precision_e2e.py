@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.export import export_checkpoint
 from rlax_tasks.run.local_run import run_local
+from tests.conftest import TEST_XLA_FLAGS
 from tests.run.test_local_run import small_config
 from tests.tiny_model import save_char_model
 
@@ -32,7 +33,7 @@ def _base_model(path: str) -> None:
 
 @pytest.mark.slow
 def test_bfloat16_run_at_lr_1e6_changes_the_float32_master_weights(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     cfg = small_config(
         tmp_path,
         **{

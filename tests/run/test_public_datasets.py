@@ -24,6 +24,7 @@ from rlax_tasks.rewards.scoring import score_completions
 from rlax_tasks.rollout.requests import Completion, GroupResult, Request
 from rlax_tasks.rollout.sampler import Sampler
 from rlax_tasks.run.local_run import run_local
+from tests.conftest import TEST_XLA_FLAGS
 from tests.data.layouts import write_code_apps, write_gsm8k
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -164,7 +165,7 @@ def _scripted_verdicts(cfg, texts: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_rlax_run_on_a_gsm8k_file_with_the_chat_template(tmp_path, chat_model_dir, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "")  # the components need one device each
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     fx = write_gsm8k(str(tmp_path))
     _add_long_row(fx.path, {"question": LONG + " How many?", "answer": "In all.\n#### 5"})
     long_index = sum(r["bad"] is None for r in fx.rows)  # the usable rows before it
@@ -182,7 +183,7 @@ def test_rlax_run_on_a_gsm8k_file_with_the_chat_template(tmp_path, chat_model_di
 
 @pytest.mark.slow
 def test_rlax_run_on_a_code_file_with_the_chat_template(tmp_path, chat_model_dir, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
     fx = write_code_apps(str(tmp_path))
     io = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
     _add_long_row(fx.path, {"problem_id": 99, "question": LONG, "input_output": io})

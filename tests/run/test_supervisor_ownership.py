@@ -23,6 +23,7 @@ from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
 from tests.compute.helpers import wait_for
+from tests.conftest import TEST_XLA_FLAGS
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,7 @@ class Run:
 
     def start(self, *extra: str) -> subprocess.Popen:
         """`rlax run` as a process of its own (stdout, stderr in files under the root)."""
-        env = {**os.environ, "XLA_FLAGS": ""}  # the tests' 8 host devices would slow it down
+        env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}  # not the tests' 8 host devices
         out = open(os.path.join(self.root, "out.txt"), "w")  # noqa: SIM115
         err = open(os.path.join(self.root, "err.txt"), "w")  # noqa: SIM115
         with out, err:
@@ -125,7 +126,7 @@ def reported(tmp_path_factory) -> tuple[Run, dict]:
     })  # fmt: skip
     assert cfg.run_dir == run.run_dir
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XLA_FLAGS", "")  # the tests' 8 host devices would slow the job down
+        mp.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the tests' 8 host devices would slow the job down
         report = run_local(cfg, steps=4)
     assert run.step() == 4
     return run, report

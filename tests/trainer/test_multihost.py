@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rlax_tasks.run.supervisor import free_port
+from tests.conftest import TEST_XLA_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "multihost_trainer.py")
@@ -24,7 +25,7 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLAX_")}
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}",
         **extra,
     )
     return env
