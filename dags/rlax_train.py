@@ -97,11 +97,15 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
             "its checkpoint), on-demand, or the project's reservation",
         ),
         "service_account": Param(
-            "", type="string",
+            None, type=["null", "string"],
             description="the service account the TPU VMs run as (email); empty = the default",
         ),
-        "network": Param("", type="string", description="the VPC network; empty = default"),
-        "subnetwork": Param("", type="string", description="its subnetwork; empty = default"),
+        "network": Param(
+            None, type=["null", "string"], description="the VPC network; empty = the default"
+        ),
+        "subnetwork": Param(
+            None, type=["null", "string"], description="its subnetwork; empty = the default"
+        ),
         "worker_accelerator_type": Param(
             None, type=["null", "string"], minLength=1,
             description="workers on slices of their own, one worker per host (e.g. v5litepod-4); "

@@ -42,6 +42,24 @@ def _bwrap_children() -> list[tuple[psutil.Process, str]]:
     return out
 
 
+def _under_another_worker(proc: psutil.Process) -> bool:
+    """Whether ``proc`` runs under another pytest-xdist worker of this session (a sibling of
+    this worker): that worker's sandboxes are its own to check. An escaped process, re-parented
+    away from every worker, is still everybody's finding."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    me, controller = os.getpid(), os.getppid()
+    try:
+        for parent in proc.parents():
+            if parent.pid == me:
+                return False
+            if parent.ppid() == controller:
+                return True
+    except psutil.Error:
+        return False
+    return False
+
+
 def sandbox_processes(marker: str | None = None) -> list[str]:
     """Processes that belong to a sandbox: a bwrap under this test process, a process whose
     command line has `marker`, or (as root) a process running as a sandbox uid."""
@@ -55,6 +73,8 @@ def sandbox_processes(marker: str | None = None) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if (marker and marker in cmdline) or (os.geteuid() == 0 and uid >= sandbox._UID_BASE):
+            if _under_another_worker(proc):
+                continue
             found.append(f"{proc.info['pid']} uid={uid} {cmdline[:100]}")
     return found
 
