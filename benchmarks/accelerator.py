@@ -70,6 +70,8 @@ def device_peak(kind: str) -> tuple[float, float] | None:
 
 def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: int) -> dict:
     """Tokens/s of ``slots`` greedy completions of ``new`` tokens after ``prompt_len``."""
+    import jax
+
     from rlax_tasks.rollout import Sampler
 
     sampler = Sampler(policy, max_slots=slots, max_len=prompt_len + new, precompile=False)
@@ -82,7 +84,7 @@ def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: 
 
     timing = _timing.median_time(run, repeats=repeats, warmup=1, sync=lambda _: None)
     tokens_per_s = slots * new / timing.median_s
-    weights = sum(a.nbytes for a in _leaves(sampler.params))
+    weights = sum(a.nbytes for a in jax.tree.leaves(sampler.params))
     c = policy.config
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # bf16 K, V
     mean_context = prompt_len + new / 2
@@ -119,12 +121,6 @@ def train_figures(policy: Any, batch: int, seq_len: int, micro: int, repeats: in
         "model_flops_per_step": flops,
         "model_flops_per_s": flops / timing.median_s,
     }
-
-
-def _leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from rlax_tasks.airflow.operators import (
     start_jobs,
 )
 from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL, SliceSpec
+from rlax_tasks.compute.cloud_tpu import local_run_root_error
 from rlax_tasks.run.slices import PlanError, run_slices
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
@@ -230,15 +231,10 @@ def plan_training(
         raise PlanError("steps: give the number of training steps (the preset has none)")
     if storage.is_gcs(cfg.run_root) and backend == "local":
         raise PlanError("run_root: the local backend needs a local run root, not gs://")
-    if (
-        backend == "cloud_tpu"
-        and not storage.is_gcs(cfg.run_root)
-        and not backend_settings(cfg.run_root).get("api_endpoint")  # the fake API's hosts can
-    ):
-        raise PlanError(
-            f"run_root: {cfg.run_root!r} is a path on this machine, which TPU VMs cannot read: "
-            "give a gs://bucket/prefix"
-        )
+    if backend == "cloud_tpu":  # refused here, before anything is written or provisioned
+        endpoint = backend_settings(cfg.run_root).get("api_endpoint")
+        if (unreadable := local_run_root_error(cfg.run_root, endpoint)) is not None:
+            raise PlanError(f"run_root: {unreadable}")
     if cfg.trainer.hosts > 1 and backend == "local":
         raise PlanError(
             f"trainer.hosts: the local backend runs one process per job, the trainer spans "

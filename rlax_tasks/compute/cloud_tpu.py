@@ -48,6 +48,17 @@ _QR_PROVISIONING = {"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURC
 _NODE_PROVISIONING = {"CREATING", "STARTING", "RESTARTING", "REPAIRING", "REIMAGING", "UNHIDING"}
 
 
+def local_run_root_error(run_root: str, api_endpoint: str | None) -> str | None:
+    """Why TPU VMs cannot use ``run_root`` (a path on this machine, with the real API), or None:
+    the rule both the backend and the DAG's plan apply."""
+    if storage.is_gcs(run_root) or api_endpoint:
+        return None
+    return (
+        f"{run_root!r} is a path on this machine, which TPU VMs cannot read: give a "
+        "gs://bucket/prefix (a local path works only with the fake Cloud TPU API, api_endpoint)"
+    )
+
+
 class CloudTpuBackend:
     """Slices as Cloud TPU queued resources; jobs dispatched through the slice's control dir.
 
@@ -72,12 +83,8 @@ class CloudTpuBackend:
     ) -> None:
         if not isinstance(run_root, str) or not run_root:
             raise ValueError("cloud_tpu backend: run_root must be a gs://bucket/prefix URI")
-        if not storage.is_gcs(run_root) and not api_endpoint:
-            raise ValueError(
-                f"cloud_tpu backend: run_root {run_root!r} is a path on this machine, which TPU "
-                "VMs cannot read: give a gs://bucket/prefix (a local path works only with the "
-                "fake Cloud TPU API, api_endpoint)"
-            )
+        if (unreadable := local_run_root_error(run_root, api_endpoint)) is not None:
+            raise ValueError(f"cloud_tpu backend: run_root {unreadable}")
         self.run_root = run_root if storage.is_gcs(run_root) else os.path.abspath(run_root)
         if not isinstance(image, str) or not image.strip():
             raise ValueError(
