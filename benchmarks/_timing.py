@@ -167,9 +167,15 @@ def log_busy_cores(log: logging.Logger) -> float | None:
     return busy
 
 
-# a machine counts as contended (figures low and noisy) above either threshold
+# a machine counts as contended (figures low and noisy) above either threshold; the load
+# average's is per core (0.5 on 2 cores), so a many-core accelerator host is not kept waiting
 CONTENDED_BUSY_CORES = 0.2
-CONTENDED_LOAD_1M = 0.5
+CONTENDED_LOAD_PER_CORE = 0.25
+
+
+def contended_load_1m() -> float:
+    """The 1-minute load average above which this machine counts as contended."""
+    return CONTENDED_LOAD_PER_CORE * max(2, os.cpu_count() or 2)
 
 
 def machine_load(
@@ -190,7 +196,7 @@ def machine_load(
     while (
         when == "before"
         and load is not None
-        and load[0] > CONTENDED_LOAD_1M
+        and load[0] > contended_load_1m()
         and (busy is None or busy <= CONTENDED_BUSY_CORES)
         and time.monotonic() < deadline
     ):
@@ -200,7 +206,7 @@ def machine_load(
         busy, load = busy_cores(interval_s), _loadavg()
     load_1m = None if load is None else load[0]
     contended = (busy is not None and busy > CONTENDED_BUSY_CORES) or (
-        when == "before" and load_1m is not None and load_1m > CONTENDED_LOAD_1M
+        when == "before" and load_1m is not None and load_1m > contended_load_1m()
     )
     out = {
         "when": when,

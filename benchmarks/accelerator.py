@@ -80,9 +80,11 @@ def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: 
     prompts = [list(rng.integers(3, vocab, prompt_len)) for _ in range(slots)]
 
     def run() -> Any:
+        sampler.stats = type(sampler.stats)()  # the last run's prefill and decode seconds
         return sampler.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
 
     timing = _timing.median_time(run, repeats=repeats, warmup=1, sync=lambda _: None)
+    last = sampler.stats
     tokens_per_s = slots * new / timing.median_s
     weights = sum(a.nbytes for a in jax.tree.leaves(sampler.params))
     c = policy.config
@@ -95,6 +97,12 @@ def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: 
         "tokens_per_s": tokens_per_s,
         "bytes_per_decode_step": step_bytes,
         "weights_bytes": weights,
+        # where a run's time goes (the last run): prefill (which samples the first token), then
+        # the decode steps of the other new - 1
+        "prefill_s": last.prefill_s,
+        "decode_s": last.decode_s,
+        "decode_calls": last.decode_calls,
+        "decode_step_s": last.decode_s / max(1, new - 1),
     }
 
 
@@ -153,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if peak is not None:
             row["roofline_tokens_per_s"] = slots * peak[1] / row["bytes_per_decode_step"]
             row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+            # the decode steps alone against the bytes each must read
+            row["decode_step_fraction_of_roofline"] = (
+                row["bytes_per_decode_step"] / peak[1] / row["decode_step_s"]
+            )
         results["decode"].append(row)
     del sampler_policy
     log.info("train step: [%d, %d], micro-batch %d", args.train_batch, args.train_seq_len,
@@ -167,8 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["wall_s"] = time.perf_counter() - start
     for row in results["decode"]:
         roof = row.get("fraction_of_roofline")
+        step = row.get("decode_step_fraction_of_roofline")
+        split = f"prefill {row['prefill_s']:.3f} s, decode {row['decode_step_s'] * 1e3:.2f} ms/step"
         print(f"decode {row['slots']:>4} slots: {row['tokens_per_s']:>10.1f} tokens/s"
-              + ("" if roof is None else f"  {roof:.1%} of the HBM roofline"))  # fmt: skip
+              + ("" if roof is None else f"  {roof:.1%} of the HBM roofline") + f"; {split}"
+              + ("" if step is None else f" ({step:.1%} of its roofline)"))  # fmt: skip
     mfu = train.get("mfu")
     print(f"train step: {train['timing']['median_s']:.3f} s, {train['tokens_per_s']:.0f} tokens/s"
           + ("" if mfu is None else f", MFU {mfu:.1%}"))  # fmt: skip

@@ -90,6 +90,8 @@ def test_device_check_script_runs_its_cpu_form_and_says_what_it_skipped(tmp_path
     assert "[device_check] skipped: Qwen2.5-1.5B shapes" in out.stdout, out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["platform"] == "cpu"
+    assert summary["versions"].startswith("python 3.") and "jax 0." in summary["versions"]
+    assert any(s.startswith("tiny-arith end to end on one GPU") for s in summary["skipped"])
     assert [(s["step"], s["exit"]) for s in summary["steps"]] == [
         ("doctor", 0), ("accelerator-tests", 0), ("benchmark", 0)
     ]  # fmt: skip
