@@ -92,6 +92,7 @@ class Controller:
         self._last_progress: dict[str, float] = {}
         self._down_until: dict[str, float] = {}
         self._failures: collections.Counter[str] = collections.Counter()  # in a row, per worker
+        self._answered: set[str] = set()  # workers that took work from this process
         self.counters: collections.Counter[str] = collections.Counter()
         self.phases = PhaseClock(clock)  # seconds per phase in this process
         self._idle_since: float | None = None  # clock when the last iterate() ended
@@ -346,6 +347,9 @@ class Controller:
             self._skip(prompts[0], f"worker {worker} rejected it: {e}")
             return
         except WORKER_ERRORS as e:
+            if worker not in self._answered:  # still starting (its address is planned ahead)
+                self._not_up_yet(worker, prompts, e)
+                return
             log.log(
                 logging.WARNING if self._failures[worker] == 0 else logging.INFO,
                 "worker %s refused %d groups: %s",
@@ -357,11 +361,37 @@ class Controller:
             return
         now = self.clock()
         self._failures.pop(worker, None)
+        self._answered.add(worker)
         if not any(e.worker == worker for e in self._in_flight.values()):
             self._last_progress[worker] = now
         for p in prompts:
             self._in_flight[p.id] = _InFlight(p, worker, now)
         self.counters["issued"] += len(prompts)
+
+    def _requeue(self, prompts: Sequence[Prompt]) -> None:
+        """Puts prompts back at the queue front: re-issued first, earliest draw first."""
+        self._queue = collections.deque(sorted([*prompts, *self._queue], key=lambda p: p.seq))
+
+    def _back_off(self, worker: str) -> float:
+        """Skips a worker for a while: soon at first (a worker starting up or restarting is back
+        in seconds), then less and less often, up to worker_retry_s. Returns the delay."""
+        self._failures[worker] += 1
+        delay = min(self.settings.worker_retry_s, 0.25 * 2 ** (self._failures[worker] - 1))
+        self._down_until[worker] = self.clock() + delay
+        return delay
+
+    def _not_up_yet(self, worker: str, prompts: Sequence[Prompt], error: Exception) -> None:
+        """A worker that has not taken work yet refused a submission: it is starting, not failed
+        (nothing of it to reset, nothing lost); a warning once the retries reach their cap."""
+        self._requeue(prompts)
+        delay = self._back_off(worker)
+        log.log(
+            logging.WARNING if delay >= self.settings.worker_retry_s else logging.INFO,
+            "worker %s is not up yet (%s): next try in %.2gs",
+            worker,
+            error,
+            delay,
+        )
 
     def _worker_failed(self, worker: str, also: Sequence[Prompt] = ()) -> None:
         """Resets a failed worker; its in-flight prompts (and ``also``) go to the queue front."""
@@ -370,15 +400,10 @@ class Controller:
             del self._in_flight[p.id]
         lost = len(back)  # prompts it held (the refused ones, ``also``, it never had)
         back.extend(also)
-        # re-issued first, earliest draw first (whichever worker held them)
-        self._queue = collections.deque(sorted([*back, *self._queue], key=lambda p: p.seq))
+        self._requeue(back)  # (whichever worker held them)
         self.counters["worker_failures"] += 1
         self.counters["reissued"] += len(back)
-        # tried again soon at first (a worker starting up or restarting is back in seconds),
-        # then less and less often, up to worker_retry_s
-        self._failures[worker] += 1
-        delay = min(self.settings.worker_retry_s, 0.25 * 2 ** (self._failures[worker] - 1))
-        self._down_until[worker] = self.clock() + delay
+        delay = self._back_off(worker)
         self._last_progress.pop(worker, None)
         self._reset_worker(worker)
         log.log(

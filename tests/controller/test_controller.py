@@ -332,7 +332,8 @@ def test_settings_from_run_config():
 
 def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
     """Start-up and restarts take seconds: retries back off 0.25 s, 0.5 s, 1 s ... up to
-    worker_retry_s; a worker that accepts work is retried quickly again after a later failure."""
+    worker_retry_s, and a worker not up yet is not counted as failed; a worker that accepts work
+    is retried quickly again after a later failure."""
     now = [0.0]
     world = World()
     world.pool.down.add("w1")
@@ -348,6 +349,8 @@ def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
         now[0] += tick
     gaps = [round(b - a, 3) for a, b in zip(tries, tries[1:], strict=False)]
     assert gaps[:4] == [0.25, 0.5, 1.0, 2.0] and set(gaps[4:]) == {2.0}, gaps
+    # it never took work: starting, not failed (nothing lost, nothing re-issued)
+    assert c.counters["worker_failures"] == 0 and c.counters["reissued"] == 0
     world.pool.down.discard("w1")
     for _ in range(160):
         c.iterate()
@@ -360,6 +363,7 @@ def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
         now[0] += tick
     now[0] -= tick
     assert c._down_until["w1"] - now[0] == pytest.approx(0.25)
+    assert c.counters["worker_failures"] == 1  # it had taken work: now it failed
 
 
 def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
