@@ -149,11 +149,13 @@ class _BackendOperator(BaseOperator):
 
 
 class ProvisionSliceOperator(_BackendOperator):
-    """Provisions one slice (idempotent by name) and returns its handle dict once READY."""
+    """Provisions one slice (idempotent by name) and returns its handle dict once READY.
+    ``spot`` / ``reserved`` (neither: on-demand), ``service_account``, ``network`` and
+    ``subnetwork`` as in ``SliceSpec``."""
 
     template_fields = (
         "name", "accelerator_type", "runtime_version", "labels", "zone", "project",
-        "backend_settings",
+        "service_account", "network", "subnetwork", "backend_settings",
     )  # fmt: skip
 
     def __init__(
@@ -163,6 +165,10 @@ class ProvisionSliceOperator(_BackendOperator):
         accelerator_type: str = "cpu",
         runtime_version: str = "",
         spot: bool = True,
+        reserved: bool = False,
+        service_account: str = "",
+        network: str = "",
+        subnetwork: str = "",
         labels: dict[str, str] | None = None,
         zone: str = "",
         project: str = "",
@@ -174,7 +180,9 @@ class ProvisionSliceOperator(_BackendOperator):
         self.name = name
         self.accelerator_type = accelerator_type
         self.runtime_version = runtime_version
-        self.spot = spot
+        self.spot, self.reserved = spot, reserved
+        self.service_account = service_account
+        self.network, self.subnetwork = network, subnetwork
         self.labels = labels or {}
         self.zone, self.project = zone, project
         self.provision_timeout_s = float(provision_timeout_s)
@@ -187,6 +195,10 @@ class ProvisionSliceOperator(_BackendOperator):
                 accelerator_type=self.accelerator_type,
                 runtime_version=self.runtime_version,
                 spot=self.spot,
+                reserved=self.reserved,
+                service_account=self.service_account,
+                network=self.network,
+                subnetwork=self.subnetwork,
                 labels=dict(self.labels),
                 zone=self.zone,
                 project=self.project,

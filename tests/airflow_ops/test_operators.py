@@ -29,7 +29,7 @@ from rlax_tasks.airflow import (
     TeardownSliceOperator,
     start_jobs,
 )
-from rlax_tasks.compute import JobState, SliceState, get_backend
+from rlax_tasks.compute import JobState, SliceSpec, SliceState, get_backend
 from tests.compute.helpers import (
     ENTRYPOINT,
     fake_backend_settings,
@@ -186,6 +186,24 @@ def test_mapped_jobs_get_distinct_names_and_templated_handles(local):
         result = run_deferrable(op, context(map_index=i))
         names.add(result["job"]["name"])
     assert names == {"rlax-worker-0", "rlax-worker-1"}
+
+
+def test_one_slice_takes_its_capacity_identity_and_network(local):
+    email = "rl@p.iam.gserviceaccount.com"
+    handle = provision(
+        local, spot=False, reserved=True, service_account=email, network="rl-net",
+        subnetwork="rl-subnet",
+    )  # fmt: skip
+    spec = SliceSpec.from_dict(handle["spec"])
+    assert spec.capacity == "reserved" and spec.service_account == email
+    assert (spec.network, spec.subnetwork) == ("rl-net", "rl-subnet")
+    assert SliceSpec.from_dict(provision(local, name="other", spot=False)["spec"]).capacity == (
+        "on-demand"
+    )
+    with pytest.raises(AirflowFailException, match="spot or reserved, not both"):
+        provision(local, name="both", reserved=True)
+    with pytest.raises(AirflowFailException, match="service_account 'rl'"):
+        provision(local, name="bad", service_account="rl")
 
 
 def test_bad_inputs_fail_without_retries(local):
