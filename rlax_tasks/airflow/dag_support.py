@@ -388,7 +388,7 @@ def provision(
         accelerator_type=accelerator_type,
         runtime_version=runtime_version,
         **_managed_slice_args(run_root, run_id),
-        **kw,
+        **_poll_interval(kw),
     )
 
 
@@ -397,8 +397,9 @@ def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw
     labelled for the janitor: its output holds each role's handle (``output["trainer"]``) and
     ``output["all"]``."""
     return ProvisionSlicesOperator(
-        task_id=task_id, slices=slices, **_managed_slice_args(run_root, run_id), **kw
-    )
+        task_id=task_id, slices=slices, **_managed_slice_args(run_root, run_id),
+        **_poll_interval(kw),
+    )  # fmt: skip
 
 
 def _managed_slice_args(run_root: str, run_id: Any) -> dict[str, Any]:
@@ -414,6 +415,13 @@ def sibling_grace_s() -> float:
     return float(os.environ.get("RLAX_SIBLING_GRACE_S") or 600)
 
 
+def _poll_interval(kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with RLAX_POLL_INTERVAL_S as the operator's poll interval, where it is set and the
+    task names none (unset: the operators' own defaults)."""
+    text = os.environ.get("RLAX_POLL_INTERVAL_S", "").strip()
+    return {"poll_interval_s": float(text), **kw} if text else kw
+
+
 def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = None, **kw):
     """An RlaxJobOperator running ``rlax <argv>`` on ``slice_handle`` (deferrable)."""
     kw.setdefault("sibling_grace_s", sibling_grace_s())
@@ -424,7 +432,7 @@ def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = No
         slice_handle=slice_handle,
         argv=argv,
         env=env or {},
-        **kw,
+        **_poll_interval(kw),
     )
 
 

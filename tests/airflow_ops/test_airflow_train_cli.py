@@ -177,7 +177,7 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
     run_dir = os.path.join(runs, "cli")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(XLA_FLAGS=TEST_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    env.update(RLAX_RETRY_DELAY_S="1", RLAX_SIBLING_GRACE_S="20")
+    env.update(RLAX_RETRY_DELAY_S="1", RLAX_SIBLING_GRACE_S="20", RLAX_POLL_INTERVAL_S="1")
     argv = [
         sys.executable, "-m", "rlax_tasks.cli", "airflow", "train", "--steps", "8",
         "--run-id", "cli", "--run-root", runs, "--airflow-home", str(tmp_path / "airflow"),

@@ -149,6 +149,7 @@ class Standalone:
                 # a failing job is retried after seconds, not minutes: the test stays bounded
                 "RLAX_RETRY_DELAY_S": "5",
                 "RLAX_SIBLING_GRACE_S": "60",
+                "RLAX_POLL_INTERVAL_S": "2",  # slices and jobs checked every 2 s, not 10-15 s
                 "PYTHONUNBUFFERED": "1",  # the log tail must be current when a test fails
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": TEST_XLA_FLAGS,

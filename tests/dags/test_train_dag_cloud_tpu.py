@@ -71,6 +71,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         monkeypatch.setenv("RLAX_RUN_ROOT", str(elsewhere))
         monkeypatch.setenv("RLAX_RETRY_DELAY_S", "1")
         monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "10")
+        monkeypatch.setenv("RLAX_POLL_INTERVAL_S", "1")  # slices and jobs checked every second
         monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # devices: from placement only
         monkeypatch.chdir(tmp_path)
         importlib.reload(dag_support)  # re-read the settings above

@@ -36,6 +36,12 @@ def test_a_failing_check_is_named_and_exits_2(capsys, monkeypatch):
         raise RuntimeError("DMA engine on fire")
 
     monkeypatch.setattr(doctor, "_copy_check", broken_copy)
+
+    def passed(name: str):  # the train and decode checks pass in the test above: no compiles
+        return lambda policy, ids: doctor.Check(name, True, "not run in this test")
+
+    monkeypatch.setattr(doctor, "_train_check", passed("train step"))
+    monkeypatch.setattr(doctor, "_decode_check", passed("decode step"))
     assert main(["doctor"]) == 2
     captured = capsys.readouterr()
     assert re.search(r"^  logits\s+FAILED\s", captured.out, re.M), captured.out
