@@ -120,6 +120,18 @@ def test_provision_passes_the_runtime_version_to_the_operator(monkeypatch):
     assert "runtime_version" in op.template_fields  # an XComArg from plan is resolved at runtime
 
 
+def test_rlax_poll_interval_s_sets_how_often_slices_and_jobs_are_checked(monkeypatch):
+    monkeypatch.delenv("RLAX_POLL_INTERVAL_S", raising=False)
+    defaults = (rc.provision("p", "runs", "s", "r1", "cpu").poll_interval_s,
+                rc.job("j", "runs", {}, ["ps"]).poll_interval_s)  # fmt: skip
+    assert defaults == (15.0, 10.0)  # the operators' own
+    monkeypatch.setenv("RLAX_POLL_INTERVAL_S", "1.5")
+    assert rc.provision("p", "runs", "s", "r1", "cpu").poll_interval_s == 1.5
+    assert rc.provision_slices("p", "runs", [], "r1").poll_interval_s == 1.5
+    assert rc.job("j", "runs", {}, ["ps"]).poll_interval_s == 1.5
+    assert rc.job("j", "runs", {}, ["ps"], poll_interval_s=3.0).poll_interval_s == 3.0
+
+
 def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch):
     """cloud_tpu: the trainer slice over all its hosts, the worker slices one worker per host,
     each job placed on its slice and hosts; services publish their addresses under the run."""
