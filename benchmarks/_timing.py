@@ -20,6 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 
+def setup_logging() -> None:
+    """The benchmarks' log lines: time, level, logger, message, at INFO."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 def block(result: Any) -> None:
     """Waits for every asynchronously dispatched array (JAX) in ``result``; no-op for the rest."""
     import jax

@@ -133,9 +133,7 @@ def train_figures(policy: Any, batch: int, seq_len: int, micro: int, repeats: in
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     import jax
 
     from rlax_tasks.models import Policy

@@ -28,6 +28,7 @@ from benchmarks._timing import (  # noqa: E402
     describe_load,
     machine_load,
     peak_rss_bytes,
+    setup_logging,
 )
 from rlax_tasks.rundir.storage import read_jsonl  # noqa: E402
 
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
 
     load_before = machine_load(log)
     busy = load_before["busy_cores"]

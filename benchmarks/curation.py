@@ -115,7 +115,7 @@ def write_data(workdir: str, n: int) -> tuple[list[str], str, float]:
 
 def run_child(spec_path: str) -> None:
     """The measured process: the full pipeline, stage timings to a JSON file."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _timing.setup_logging()
     from rlax_tasks.curation import CurationConfig, run_curation, write_outputs
 
     spec = json.loads(open(spec_path).read())

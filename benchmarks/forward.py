@@ -77,9 +77,7 @@ def forward_flops(config: Any, batch: int, seq_len: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     t_start = time.perf_counter()
     load_before = _timing.machine_load(log)
 

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "ours" and (missing := trl_missing()):
         print(missing, file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _timing.setup_logging()
     out = run(args, [x for x in args.layouts.split(",") if x], args.only)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -61,9 +61,7 @@ def timed_side_by_side(fns: list[Any], repeats: int) -> list[tuple[float, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     import jax
     import torch
     from transformers import Qwen2ForCausalLM

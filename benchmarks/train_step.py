@@ -57,9 +57,7 @@ def random_batch(rng: np.random.Generator, batch: int, seq_len: int, vocab: int)
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     logging.getLogger("absl").setLevel(logging.WARNING)
     t_start = time.perf_counter()
     load_before = _timing.machine_load(log)

@@ -276,9 +276,7 @@ def bench_overhead(args: argparse.Namespace, sandbox: dict[str, Any]) -> dict[st
 # ---------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     before = _timing.machine_load(log)
     t_start = time.perf_counter()
     sandbox = sandbox_status()

@@ -33,7 +33,6 @@ from benchmarks.async_vs_sync import (  # noqa: E402
 )
 
 log = logging.getLogger("benchmarks.vs_trl")
-LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 
 # ours' layouts (placement.mode): the preset's own (colocated) and the paper's separate jobs
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -406,7 +405,7 @@ def _trl_process(
     *,
     launched: float,
 ) -> dict[str, Any]:
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _timing.setup_logging()
     t0 = time.monotonic()
     cfg = preset_config(model_dir, overrides)  # the benchmark's set-up: off the clock
     off_clock = time.monotonic() - t0
@@ -474,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "ours" and (missing := rl_throughput.trl_missing()):
         print(missing, file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _timing.setup_logging()
     if args.model_size == "30m":
         out = rl_throughput.run(args, layouts, args.only)
         if args.json_out:
