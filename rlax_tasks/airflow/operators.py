@@ -148,6 +148,23 @@ class _BackendOperator(BaseOperator):
         return {"state": state.value, "message": f"slice {state.value}", "slice": handle}
 
 
+# a slice's own fields, as the provisioning operators take them (SliceSpec's, less spot and labels)
+_SLICE_FIELDS = (
+    "name", "accelerator_type", "runtime_version", "reserved", "service_account", "network",
+    "subnetwork", "zone", "project",
+)  # fmt: skip
+
+
+def _slice_spec(fields: dict[str, Any], spot: bool, labels: dict[str, str]) -> SliceSpec:
+    """A SliceSpec from a slice's fields (an optional one missing or empty: SliceSpec's default);
+    ``spot`` unless the slice names its own capacity. KeyError: no name or accelerator type."""
+    optional = {f: fields[f] for f in _SLICE_FIELDS[2:] if fields.get(f) not in (None, "")}
+    return SliceSpec(
+        name=fields["name"], accelerator_type=fields["accelerator_type"],
+        spot=fields.get("spot", spot), labels=dict(labels), **optional,
+    )  # fmt: skip
+
+
 class ProvisionSliceOperator(_BackendOperator):
     """Provisions one slice (idempotent by name) and returns its handle dict once READY.
     ``spot`` / ``reserved`` (neither: on-demand), ``service_account``, ``network`` and
@@ -190,20 +207,8 @@ class ProvisionSliceOperator(_BackendOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         backend = self._backend()
         try:
-            spec = SliceSpec(
-                name=self.name,
-                accelerator_type=self.accelerator_type,
-                runtime_version=self.runtime_version,
-                spot=self.spot,
-                reserved=self.reserved,
-                service_account=self.service_account,
-                network=self.network,
-                subnetwork=self.subnetwork,
-                labels=dict(self.labels),
-                zone=self.zone,
-                project=self.project,
-            )
-            handle = backend.provision(spec).to_dict()
+            fields = {f: getattr(self, f) for f in _SLICE_FIELDS}
+            handle = backend.provision(_slice_spec(fields, self.spot, self.labels)).to_dict()
         except (ValueError, FileNotFoundError) as e:
             raise AirflowFailException(f"{self.task_id}: {e}") from None
         state = backend.slice_state(handle)
@@ -251,17 +256,7 @@ class ProvisionSlicesOperator(_BackendOperator):
         handles = {}
         for s in slices:
             try:
-                spec = SliceSpec(
-                    name=s["name"],
-                    accelerator_type=s["accelerator_type"],
-                    runtime_version=s.get("runtime_version") or "",
-                    spot=s.get("spot", self.spot),  # a slice's own capacity, if it names one
-                    reserved=s.get("reserved", False),
-                    service_account=s.get("service_account") or "",
-                    network=s.get("network") or "",
-                    subnetwork=s.get("subnetwork") or "",
-                    labels=dict(self.labels),
-                )
+                spec = _slice_spec(s, self.spot, self.labels)
                 handles[s["role"]] = backend.provision(spec).to_dict()
             except (ValueError, FileNotFoundError, KeyError) as e:
                 raise AirflowFailException(f"{self.task_id}: slice {s!r}: {e}") from None
