@@ -88,20 +88,14 @@ class ObjectiveConfig:
         return int(round(self.overlong_cache_fraction * max_len))
 
 
-# Presets as data: overrides of the ObjectiveConfig defaults (DESIGN §4).
+# Presets as data: overrides of the ObjectiveConfig defaults (DESIGN §4), one entry per objective
+# fmt: off
 PRESETS: dict[str, dict[str, Any]] = {
     # GRPO (DeepSeekMath): per-sequence token mean, PPO clip, group-normalized adv, k3 KL.
     "grpo": dict(agg="individual", adv="grpo", policy_term="ppo_clip", kl="k3", kl_beta=0.04),
     # DAPO: token mean over the batch, clip-higher, no KL, dynamic sampling, overlong shaping.
-    "dapo": dict(
-        agg="group",
-        adv="grpo",
-        policy_term="ppo_clip",
-        eps_low=0.2,
-        eps_high=0.28,
-        dynamic_sampling=True,
-        overlong_shaping=True,
-    ),
+    "dapo": dict(agg="group", adv="grpo", policy_term="ppo_clip", eps_low=0.2, eps_high=0.28,
+                 dynamic_sampling=True, overlong_shaping=True),
     # Dr. GRPO: constant length normalizer, no std normalization, no KL.
     "dr_grpo": dict(agg="max_length", adv="dr_grpo", policy_term="ppo_clip"),
     # RLOO (Ahmadian et al. 2024): REINFORCE on whole sequences with a leave-one-out baseline.
@@ -120,16 +114,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GSPO (Qwen): length-normalized sequence ratio with PPO masking per sequence.
     "gspo": dict(agg="individual", adv="grpo", policy_term="gspo", eps_low=3e-4, eps_high=4e-4),
     # PPO with a value head: GAE over completion tokens, whitened, clipped value loss.
-    "ppo": dict(
-        agg="group",
-        adv="gae",
-        policy_term="ppo_clip",
-        gamma=1.0,
-        gae_lambda=0.95,
-        whiten_advantages=True,
-        value_clip=0.2,
-    ),
+    "ppo": dict(agg="group", adv="gae", policy_term="ppo_clip", gamma=1.0, gae_lambda=0.95,
+                whiten_advantages=True, value_clip=0.2),
 }
+# fmt: on
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))
 _error = field_error(ObjectiveConfigError)
