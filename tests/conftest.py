@@ -131,8 +131,6 @@ def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str | None
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 (pytest's hook signature)
     report = yield
-    if item.get_closest_marker("accelerator") is not None:
-        return report  # skipped on CPU hosts by design (scripts/device_check.sh runs them)
     if (reason := _skip_reason(report)) is not None:
         report.outcome = "failed"
         report.longrepr = f"{report.nodeid} was skipped under CI=true: {reason}"
@@ -159,6 +157,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The test files holding a `slow` test first (stable otherwise): with the suite spread over
     workers (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps this order), the long
     end-to-end files start early and the fast ones fill in around them instead of one long file
-    running alone at the end."""
+    running alone at the end. On the CPU (JAX_PLATFORMS=cpu, the suite's default) the tests
+    marked `accelerator` are deselected: they need a GPU or TPU (scripts/device_check.sh runs
+    them, JAX picking the platform)."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        accelerator = [item for item in items if item.get_closest_marker("accelerator")]
+        if accelerator:
+            config.hook.pytest_deselected(items=accelerator)
+            items[:] = [item for item in items if not item.get_closest_marker("accelerator")]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
