@@ -157,7 +157,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # --------------------------------------------------------------------------- order
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The test files holding a `slow` test first (stable otherwise): with the suite spread over
-    workers (`-n 3 --dist loadfile --no-loadscope-reorder`, which keeps this order), the long
+    workers (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps this order), the long
     end-to-end files start early and the fast ones fill in around them instead of one long file
     running alone at the end. On the CPU (JAX_PLATFORMS=cpu, the suite's default) the tests
     marked `accelerator` are deselected: they need a GPU or TPU (scripts/device_check.sh runs
