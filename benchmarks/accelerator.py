@@ -73,6 +73,7 @@ def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: 
     import jax
 
     from rlax_tasks.rollout import Sampler
+    from rlax_tasks.rollout.sampler import SamplerStats
 
     sampler = Sampler(policy, max_slots=slots, max_len=prompt_len + new, precompile=False)
     rng = np.random.default_rng(0)
@@ -80,7 +81,7 @@ def decode_figures(policy: Any, slots: int, prompt_len: int, new: int, repeats: 
     prompts = [list(rng.integers(3, vocab, prompt_len)) for _ in range(slots)]
 
     def run() -> Any:
-        sampler.stats = type(sampler.stats)()  # the last run's prefill and decode seconds
+        sampler.stats = SamplerStats()  # the last run's prefill and decode seconds
         return sampler.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
 
     timing = _timing.median_time(run, repeats=repeats, warmup=1, sync=lambda _: None)

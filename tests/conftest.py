@@ -10,8 +10,8 @@ import sys
 import tempfile
 
 # XLA's backend (LLVM) optimisation off for the tests' programs and the processes they start: the
-# tests' tiny models compile in about half the time and run as fast as they need to (numerics
-# are the same: no fast-math either way). Benchmarks and users keep XLA's defaults.
+# tests' tiny models compile faster and run as fast as they need to (numerics are the same: no
+# fast-math either way). Benchmarks and users keep XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -153,8 +153,8 @@ def _says(*texts: str) -> Callable[[str, str], None]:
 class Run:
     """How a documented command is run: the files it reads (``given``), a check of what it
     wrote or printed, a timeout, and ``slow`` for a page whose commands train. ``optimized``:
-    XLA's default optimisation (a command that trains for minutes, as the base model's warm-up
-    does, runs twice as long without it); otherwise TEST_XLA_FLAGS, as for every test."""
+    XLA's default optimisation, for a command that trains for minutes (the base model's
+    warm-up); otherwise TEST_XLA_FLAGS, as for every test."""
 
     check: Callable[[str, str], None] = lambda cwd, out: None
     given: Callable[[str], None] = lambda cwd: None

@@ -149,16 +149,16 @@ class _BackendOperator(BaseOperator):
 
 
 # a slice's own fields, as the provisioning operators take them (SliceSpec's, less spot and labels)
-_SLICE_FIELDS = (
-    "name", "accelerator_type", "runtime_version", "reserved", "service_account", "network",
-    "subnetwork", "zone", "project",
+_REQUIRED_SLICE_FIELDS = ("name", "accelerator_type")
+_OPTIONAL_SLICE_FIELDS = (
+    "runtime_version", "reserved", "service_account", "network", "subnetwork", "zone", "project",
 )  # fmt: skip
 
 
 def _slice_spec(fields: dict[str, Any], spot: bool, labels: dict[str, str]) -> SliceSpec:
     """A SliceSpec from a slice's fields (an optional one missing or empty: SliceSpec's default);
     ``spot`` unless the slice names its own capacity. KeyError: no name or accelerator type."""
-    optional = {f: fields[f] for f in _SLICE_FIELDS[2:] if fields.get(f) not in (None, "")}
+    optional = {f: fields[f] for f in _OPTIONAL_SLICE_FIELDS if fields.get(f) not in (None, "")}
     return SliceSpec(
         name=fields["name"], accelerator_type=fields["accelerator_type"],
         spot=fields.get("spot", spot), labels=dict(labels), **optional,
@@ -207,7 +207,8 @@ class ProvisionSliceOperator(_BackendOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         backend = self._backend()
         try:
-            fields = {f: getattr(self, f) for f in _SLICE_FIELDS}
+            names = _REQUIRED_SLICE_FIELDS + _OPTIONAL_SLICE_FIELDS
+            fields = {f: getattr(self, f) for f in names}
             handle = backend.provision(_slice_spec(fields, self.spot, self.labels)).to_dict()
         except (ValueError, FileNotFoundError) as e:
             raise AirflowFailException(f"{self.task_id}: {e}") from None
