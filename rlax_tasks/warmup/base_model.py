@@ -6,17 +6,16 @@ complete, under a lock file; leftovers of crashed builds are removed by the next
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+from rlax_tasks.utils.file_lock import exclusive
 from rlax_tasks.warmup.recipe import WarmupRecipe
 from rlax_tasks.warmup.supervised import train_base_policy
 
@@ -65,7 +64,7 @@ def ensure_base_model(
     fingerprint = recipe.fingerprint()
     os.makedirs(cache_dir, exist_ok=True)
     target = os.path.join(cache_dir, name)
-    with _exclusive(os.path.join(cache_dir, f".{name}.lock")):
+    with exclusive(os.path.join(cache_dir, f".{name}.lock")):
         marker = read_marker(target) if os.path.isdir(target) else None
         if marker is not None and marker.get("fingerprint") == fingerprint:
             log.info("base model %s is cached (recipe %s): reusing it", target, fingerprint)
@@ -137,14 +136,3 @@ def _remove_leftovers(cache_dir: str, name: str) -> None:
         if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
             log.info("removing a crashed build's leftovers %s", entry)
             shutil.rmtree(os.path.join(cache_dir, entry), ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: str) -> Iterator[None]:
-    """An exclusive advisory lock (released by the OS if the process dies)."""
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
