@@ -8,12 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage="usage: bash scripts/setup.sh [--test | --bench] [--gpu | --tpu]"
+usage="usage: bash scripts/setup.sh [--test | --bench] [--gguf] [--gpu | --tpu]"
 wanted=()
 for arg in "$@"; do
   case "$arg" in
     --test) wanted+=(test) ;;
     --bench) wanted+=(test bench) ;;  # benchmarks/vs_trl.py needs TRL (and torch, as the tests)
+    --gguf) wanted+=(gguf) ;;  # `rlax import gguf`: the gguf reader and CPU torch
     --gpu) wanted+=(gpu) ;;
     --tpu) wanted+=(tpu) ;;
     *) echo "$usage" >&2; exit 2 ;;
@@ -62,9 +63,11 @@ find_links=()
 if [[ -d /opt/wheels ]]; then find_links=(--find-links /opt/wheels); fi
 
 echo "[setup] installing pinned packages (constraints.txt)${extras:+ with $extras}"
+# --no-compile: Python compiles a module's bytecode when a process first imports it, so the
+# install skips compiling every file of every package (most are never imported)
 .venv/bin/python -m pip install -q --disable-pip-version-check pip==26.3 setuptools==84.2.1 wheel==0.48.0
 .venv/bin/python -m pip install -q --disable-pip-version-check "${find_links[@]}" \
-  --no-build-isolation -c constraints.txt -e ".${extras}"
+  --no-build-isolation --no-compile -c constraints.txt -e ".${extras}"
 echo "[setup] done: $(.venv/bin/python -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}")')"
 if [[ "$extras" == *gpu* || "$extras" == *tpu* ]]; then  # what JAX finds here now
   echo "[setup] JAX sees: $(.venv/bin/python -c 'import jax; print(jax.default_backend(), jax.device_count(), "device(s)")')"

@@ -155,17 +155,37 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # --------------------------------------------------------------------------- order
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# the files that take longest in CI (pytest --durations), started first of all: a long file
+# scheduled last would run alone at the end
+LONGEST_FILES = (
+    "dags/test_browser.py",
+    "dags/test_train_dag_cloud_tpu.py",
+    "test_docs_commands.py",
+    "run/test_local_run.py",
+    "trainer/test_master_weights.py",
+    "rollout/test_sampler.py",
+    "dags/test_standalone_faults.py",
+    "test_device_check.py",
+    "run/test_multihost_run.py",
+    "airflow_ops/test_airflow_train_cli.py",
+    "trainer/test_multihost.py",
+    "models/test_gguf_import.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The test files holding a `slow` test first (stable otherwise): with the suite spread over
-    workers (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps this order), the long
-    end-to-end files start early and the fast ones fill in around them instead of one long file
-    running alone at the end. On the CPU (JAX_PLATFORMS=cpu, the suite's default) the tests
-    marked `accelerator` are deselected: they need a GPU or TPU (scripts/device_check.sh runs
-    them, JAX picking the platform)."""
+    """The longest test files first, then those holding a `slow` test (stable otherwise): with
+    the suite spread over workers (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps
+    this order), the long files start early and the fast ones fill in around them instead of
+    one long file running alone at the end. On the CPU (JAX_PLATFORMS=cpu, the suite's default)
+    the tests marked `accelerator` are deselected: they need a GPU or TPU
+    (scripts/device_check.sh runs them, JAX picking the platform)."""
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         accelerator = [item for item in items if item.get_closest_marker("accelerator")]
         if accelerator:
             config.hook.pytest_deselected(items=accelerator)
             items[:] = [item for item in items if not item.get_closest_marker("accelerator")]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    longest = {os.path.join(ROOT, name): rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: (longest.get(str(item.path), 99), item.path not in slow_files))
