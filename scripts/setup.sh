@@ -63,11 +63,9 @@ find_links=()
 if [[ -d /opt/wheels ]]; then find_links=(--find-links /opt/wheels); fi
 
 echo "[setup] installing pinned packages (constraints.txt)${extras:+ with $extras}"
-# --no-compile: Python compiles a module's bytecode when a process first imports it, so the
-# install skips compiling every file of every package (most are never imported)
 .venv/bin/python -m pip install -q --disable-pip-version-check pip==26.3 setuptools==84.2.1 wheel==0.48.0
 .venv/bin/python -m pip install -q --disable-pip-version-check "${find_links[@]}" \
-  --no-build-isolation --no-compile -c constraints.txt -e ".${extras}"
+  --no-build-isolation -c constraints.txt -e ".${extras}"
 echo "[setup] done: $(.venv/bin/python -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}")')"
 if [[ "$extras" == *gpu* || "$extras" == *tpu* ]]; then  # what JAX finds here now
   echo "[setup] JAX sees: $(.venv/bin/python -c 'import jax; print(jax.default_backend(), jax.device_count(), "device(s)")')"
