@@ -22,6 +22,9 @@ def test_presets_load_validate_and_round_trip():
     qwq = load_config("qwq-32b-code")
     assert (qwq.staleness.reload_every, qwq.staleness.max_staleness) == (16, 32)
     assert qwq.datasets[0].verifier == "code" and qwq.objective_config().dynamic_sampling
+    smol = load_config("smollm2-arith")
+    assert smol.model.import_if_missing == "smollm2-135m-instruct"
+    assert not smol.model.warmup_if_missing and smol.prompt.template == "chat"
     qwen = load_config("qwen2.5-math-1.5b-grpo")
     assert qwen.algorithm.preset == "grpo" and qwen.model.dtype == "bfloat16"
 
@@ -106,6 +109,14 @@ def test_overrides_dotted_and_nested():
         ),
         ({"datasets": [{"name": "a"}]}, "datasets[0].source: is required"),
         ({"seeed": 1}, "seeed: unknown key (did you mean 'seed'?)"),
+        (
+            {"model.warmup_if_missing": False, "model.import_if_missing": "smollm2-135m"},
+            "model.import_if_missing: must be one of ['smollm2-135m-instruct']",
+        ),
+        (
+            {"model.import_if_missing": "smollm2-135m-instruct"},
+            "model.import_if_missing: choose one way to build a missing model",
+        ),
     ],
 )
 def test_bad_values_name_the_dotted_field(overrides, message):

@@ -130,6 +130,7 @@ def _overrides(
     if params.get("model_path"):
         out["model.path"] = params["model_path"]
         out["model.warmup_if_missing"] = False  # a given model is used as is, never built
+        out["model.import_if_missing"] = None
     if params.get("algorithm"):
         out["algorithm.preset"] = params["algorithm"]
     if params.get("reload_every") is not None:

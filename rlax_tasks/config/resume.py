@@ -32,7 +32,7 @@ _CHANGES_TRAINING: dict[str, bool] = {
     "run_root": False, "run_id": False, "compilation_cache": False,
     "eval": False, "placement": False,
     "workers": False, "workers.max_len": True,
-    "model.warmup_if_missing": False,
+    "model.warmup_if_missing": False, "model.import_if_missing": False,
     "trainer.micro_batch_size": False, "trainer.remat": False, "trainer.length_bucket": False,
     "trainer.logprob_chunk_size": False, "trainer.keep_logits_mb": False,
     "trainer.pack_sequences": False,

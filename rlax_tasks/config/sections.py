@@ -25,6 +25,7 @@ from rlax_tasks.config.checks import (
     set_field,
 )
 from rlax_tasks.config.datasets import DatasetSpec
+from rlax_tasks.models.packaged import PACKAGED_MODELS
 from rlax_tasks.trainer.config import TrainerConfig, TrainerConfigError
 from rlax_tasks.utils import validation
 
@@ -44,12 +45,20 @@ class ModelSettings:
     param_dtype: str = "float32"
     # build the base model with the project's short supervised warm-up when ``path`` is missing
     warmup_if_missing: bool = False
+    # or import this packaged model (rlax_tasks.models.packaged) into ``path`` when missing
+    import_if_missing: str | None = None
 
     def __post_init__(self) -> None:
         check_str(self, "path")
         check_str(self, "dtype", DTYPES)
         check_str(self, "param_dtype", DTYPES)
         check_bool(self, "warmup_if_missing")
+        if self.import_if_missing is not None:
+            check_str(self, "import_if_missing", tuple(sorted(PACKAGED_MODELS)))
+        if self.warmup_if_missing and self.import_if_missing:
+            raise ConfigError(
+                "import_if_missing", "choose one way to build a missing model: not both"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

