@@ -49,13 +49,16 @@ def run_seed(seed: int, run_root: str, extra: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds, run one by one")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="steps per run (of the preset's 20-step schedule)"
+    )
     parser.add_argument("--run-root", default=None, help="default: a temporary directory")
     parser.add_argument("--set", action="append", default=[], help="an override, as rlax run")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     _timing.setup_logging()
     run_root = args.run_root or tempfile.mkdtemp(prefix="smollm2-learning-")
-    extra = [a for s in args.set for a in ("--set", s)]
+    extra = ["--steps", str(args.steps), *[a for s in args.set for a in ("--set", s)]]
     rows = [run_seed(int(s), run_root, extra) for s in args.seeds.split(",")]
     print(f"\n{PRESET}: held-out pass@1 (eval.num_prompts problems never trained on)")
     print(f"{'seed':>4}  {'before':>6}  {'after':>6}  {'gain':>7}  {'train s':>7}  {'wall s':>6}")
