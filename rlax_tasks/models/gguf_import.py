@@ -14,12 +14,12 @@ import shutil
 import tempfile
 from typing import Any
 
-from rlax_tasks.models.config import SUPPORTED_MODEL_TYPES
+from rlax_tasks.models.config import SUPPORTED_DTYPES, SUPPORTED_MODEL_TYPES
 from rlax_tasks.models.hf_io import GENERATION_CONFIG, SINGLE_FILE
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = SUPPORTED_DTYPES
 INSTALL_HINT = "install the gguf extra: pip install -e '.[gguf]' -c constraints.txt"
 # special tokens that end an assistant turn in the chat templates of the supported families
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
@@ -163,7 +163,8 @@ def _inspect(gguf_file: str) -> tuple[str, tuple[str, ...]]:
 
 def _check_complete(gguf_file: str, skeleton: Any, tensors: dict[str, Any], config: Any) -> None:
     """Every weight of the model came out of the file (a tied lm_head shares the embedding)."""
-    wanted = set(skeleton.state_dict())
+    shapes = skeleton.state_dict()
+    wanted = set(shapes)
     if config.tie_word_embeddings:
         wanted.discard("lm_head.weight")
     missing = sorted(wanted - set(tensors))
@@ -174,7 +175,6 @@ def _check_complete(gguf_file: str, skeleton: Any, tensors: dict[str, Any], conf
         )
     for name in sorted(set(tensors) - wanted):
         del tensors[name]
-    shapes = skeleton.state_dict()
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(shapes[name].shape):
             raise GGUFImportError(
