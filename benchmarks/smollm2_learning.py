@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds, run one by one")
     parser.add_argument(
-        "--steps", type=int, default=10, help="steps per run (of the preset's 20-step schedule)"
+        "--steps", type=int, default=6, help="steps per run (of the preset's 20-step schedule)"
     )
     parser.add_argument("--run-root", default=None, help="default: a temporary directory")
     parser.add_argument("--set", action="append", default=[], help="an override, as rlax run")
