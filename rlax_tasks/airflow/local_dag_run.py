@@ -200,6 +200,7 @@ def _train_command(args: argparse.Namespace) -> int:
     if not steps:
         raise ValueError("give --steps (the preset has no trainer.total_steps)")
     run_root = os.path.abspath(args.run_root)
+    args.run_id = args.run_id or f"{args.preset}-airflow"
     conf = {
         "preset": args.preset,
         "steps": int(steps),
@@ -244,7 +245,9 @@ def add_airflow_parser(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--preset", default="tiny-arith", help="run-config preset (default tiny-arith)")
     t.add_argument("--steps", help="training steps, a positive integer (default: the preset's)")
-    t.add_argument("--run-id", default="tiny-arith-airflow", help="same id = resume that run")
+    t.add_argument(
+        "--run-id", default=None, help="same id = resume that run (default: PRESET-airflow)"
+    )
     t.add_argument("--run-root", default="runs", help="local directory of the runs")
     t.add_argument("--set", action="append", help="override a config field: dotted.key=value")
     t.add_argument(

@@ -35,10 +35,8 @@ def test_steps_must_be_a_positive_integer(steps, tmp_path, capsys):
     assert err.count("\n") == 1 and "--steps" in err and "positive" in err, err
 
 
-@pytest.mark.parametrize("flag", [[], ["--allow-config-change"]])
-def test_allow_config_change_reaches_the_dag_run(flag, tmp_path, monkeypatch, capsys):
-    """The flag becomes rlax_train's allow_config_change Param (the plan task's resume check
-    is tested in tests/airflow_ops/test_dag_support.py)."""
+def _dag_run_conf(tmp_path, monkeypatch, *args: str) -> dict:
+    """The conf `rlax airflow train ARGS` hands the DAG run (the run itself faked)."""
     from rlax_tasks.airflow import local_dag_run
 
     seen = {}
@@ -49,8 +47,24 @@ def test_allow_config_change_reaches_the_dag_run(flag, tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(local_dag_run, "run_train_dag", fake_dag_run)
     where = ["--run-root", str(tmp_path), "--airflow-home", str(tmp_path)]
-    assert main(["-v", "airflow", "train", "--steps", "2", *where, *flag]) == 0
-    assert seen["allow_config_change"] is bool(flag)
+    assert main(["-v", "airflow", "train", "--steps", "2", *where, *args]) == 0
+    return seen
+
+
+@pytest.mark.parametrize("flag", [[], ["--allow-config-change"]])
+def test_allow_config_change_reaches_the_dag_run(flag, tmp_path, monkeypatch, capsys):
+    """The flag becomes rlax_train's allow_config_change Param (the plan task's resume check
+    is tested in tests/airflow_ops/test_dag_support.py)."""
+    conf = _dag_run_conf(tmp_path, monkeypatch, *flag)
+    assert conf["allow_config_change"] is bool(flag)
+
+
+@pytest.mark.parametrize("preset", ["tiny-arith", "smollm2-arith"])
+def test_the_default_run_id_names_the_preset(preset, tmp_path, monkeypatch):
+    """Without --run-id each preset gets its own run (PRESET-airflow), so training another
+    preset never resumes (or is refused as a changed config of) the tiny one's run."""
+    conf = _dag_run_conf(tmp_path, monkeypatch, "--preset", preset)
+    assert conf["run_id"] == f"{preset}-airflow"
 
 
 def _lines(out: io.StringIO) -> list[str]:
