@@ -44,8 +44,9 @@ def resolve_model(
     """(ModelConfig, where its shapes came from) for ``cfg.model.path``.
 
     In order: ``model_config`` (a config.json or HF directory), the local model directory, the
-    warm-up recipe (``model.warmup_if_missing``, not built yet), a well-known model named by the
-    path's last component, then (``offline=False``) a gs:// model's config.json. Else ValueError."""
+    warm-up recipe (``model.warmup_if_missing``, not built yet), the packaged model to import
+    (``model.import_if_missing``), a well-known model named by the path's last component, then
+    (``offline=False``) a gs:// model's config.json. Else ValueError."""
     # rlax_tasks.models loads JAX: the dry run and the DAG files' imports stay without it
     from rlax_tasks.models.config import ModelConfig, ModelConfigError
     from rlax_tasks.models.hf_io import CheckpointError, read_hf_config
@@ -71,6 +72,11 @@ def resolve_model(
         from rlax_tasks.warmup import WarmupRecipe  # (loads JAX, as above)
 
         return WarmupRecipe().model_config(), "the warm-up recipe (the model is not built yet)"
+    packaged = cfg.model.import_if_missing
+    if packaged in KNOWN_MODELS and not storage.is_gcs(path):
+        return build(
+            KNOWN_MODELS[packaged], f"the known shapes of {packaged} (imported on the first run)"
+        )
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if name.lower() in KNOWN_MODELS:
         return build(

@@ -166,6 +166,10 @@ def test_model_shapes_come_from_a_known_table_or_a_given_config(small_model, tmp
         resolve_model(cfg)
     model, source = resolve_model(cfg, model_config=small_model + "/config.json")
     assert model.num_parameters() == P and source.endswith("config.json")
+    # a packaged model not imported yet, into a directory of any name
+    cfg = load_config("smollm2-arith", {"model.path": str(tmp_path / "my-base")})
+    model, source = resolve_model(cfg)
+    assert model.num_hidden_layers == 30 and "known shapes of smollm2-135m-instruct" in source
 
 
 # --------------------------------------------------------------------------- rlax run --dry-run
