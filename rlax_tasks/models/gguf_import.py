@@ -19,7 +19,6 @@ from rlax_tasks.models.hf_io import GENERATION_CONFIG, SINGLE_FILE
 
 log = logging.getLogger(__name__)
 
-DTYPES = SUPPORTED_DTYPES
 INSTALL_HINT = "install the gguf extra: pip install -e '.[gguf]' -c constraints.txt"
 # special tokens that end an assistant turn in the chat templates of the supported families
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
@@ -47,8 +46,8 @@ def import_gguf(
 ) -> ImportSummary:
     """Converts ``gguf_file`` into an HF directory at ``out_dir`` (written to a temporary sibling
     and renamed, so an interrupted import leaves no half directory)."""
-    if dtype not in DTYPES:
-        raise GGUFImportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise GGUFImportError(f"--dtype {dtype!r}: choose one of {', '.join(SUPPORTED_DTYPES)}")
     if not os.path.isfile(gguf_file):
         raise GGUFImportError(f"{gguf_file!r} is not a file")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
@@ -214,7 +213,9 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("file", metavar="FILE", help="the .gguf file")
     g.add_argument("out_dir", metavar="OUT_DIR", help="the HF directory to write")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the weights")
+    g.add_argument(
+        "--dtype", choices=SUPPORTED_DTYPES, default="float32", help="dtype of the weights"
+    )
     g.add_argument(
         "--overwrite", action="store_true", help="replace OUT_DIR when it exists and is not empty"
     )
