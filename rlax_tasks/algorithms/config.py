@@ -51,8 +51,10 @@ class ObjectiveConfig:
     clip_ratio_c: float | None = None
     # IS from the current/old ratio: "clip" = CISPO's sg[clip(r, 1−eps_low, 1+eps_high)].
     ratio_is: str = "none"
-    # IS from old/behaviour log-probs (TIS): per token min(exp(old−beh), C), or per sequence
-    # min(exp(Σ_t m·(old−beh)), C); C = behavior_is_cap.
+    # IS from old/behaviour log-probs: TIS per token min(exp(old−beh), C) ("token") or per
+    # sequence min(exp(Σ_t m·(old−beh)), C) ("sequence"); MIS keeps the same ratio where it lies
+    # in [1/C, C] and masks the token ("token_mis") or sequence ("sequence_mis") to weight 0
+    # outside. C = behavior_is_cap (> 1 for MIS).
     behavior_is: str = "none"
     behavior_is_cap: float = 2.0
     # GradTerm2: KL to the reference policy, k3 or k2 estimator, coefficient kl_beta.
@@ -152,6 +154,11 @@ def _validate(c: ObjectiveConfig) -> None:
     for name, low, high in _RANGES:
         check_number(name, getattr(c, name), _error, low=low, high=high)
     check_number("behavior_is_cap", c.behavior_is_cap, _error, low=0.0, open_low=True)
+    if c.behavior_is in names.MIS_MODES and c.behavior_is_cap <= 1.0:
+        raise ObjectiveConfigError(
+            f"behavior_is_cap must be > 1 with behavior_is={c.behavior_is!r} (MIS keeps ratios "
+            f"in [1/cap, cap]), got {c.behavior_is_cap!r}"
+        )
     if c.value_clip is not None:
         check_number("value_clip", c.value_clip, _error, low=0.0, open_low=True)
     if c.clip_ratio_c is not None:

@@ -13,7 +13,14 @@ OUTCOME_ADV_MODES = ("grpo", "dr_grpo", "rloo", "batch_norm", "group_batch_norm"
 ADV_MODES = (*OUTCOME_ADV_MODES, "gae")  # + GAE from a value head (gae.py)
 POLICY_TERMS = ("ppo_clip", "logp", "gspo")  # policy_terms.POLICY_TERMS
 RATIO_IS_MODES = ("none", "clip")  # importance.RATIO_IS
-BEHAVIOR_IS_MODES = ("none", "token", "sequence")  # importance.BEHAVIOR_IS
+BEHAVIOR_IS_MODES = (
+    "none",
+    "token",
+    "sequence",
+    "token_mis",
+    "sequence_mis",
+)  # importance.BEHAVIOR_IS
+MIS_MODES = ("token_mis", "sequence_mis")  # behaviour IS whose 0/1 output is "masked"
 KL_TERMS = ("none", "k3", "k2")  # policy_terms.KL_TERMS
 
 

@@ -17,7 +17,7 @@ from jax import Array
 
 from rlax_tasks.algorithms import advantages as adv_lib
 from rlax_tasks.algorithms import gae as gae_lib
-from rlax_tasks.algorithms import importance, policy_terms
+from rlax_tasks.algorithms import importance, names, policy_terms
 from rlax_tasks.algorithms.aggregation import token_weights
 from rlax_tasks.algorithms.config import ObjectiveConfig, preset_config
 from rlax_tasks.algorithms.masked import (
@@ -110,7 +110,8 @@ class Objective:
             why = f" (behavior_is={c.behavior_is!r} needs the sampler's log-probs)"
             beh = _token_array(batch, "behavior_logprobs", shape, why).astype(jnp.float32)
             beh = jax.lax.stop_gradient(beh)
-        beh_w, truncated = importance.BEHAVIOR_IS[c.behavior_is](old, beh, mask, c.behavior_is_cap)
+        beh_w, beh_flag = importance.BEHAVIOR_IS[c.behavior_is](old, beh, mask, c.behavior_is_cap)
+        masked_out = c.behavior_is in names.MIS_MODES
         is_w = jnp.ones(shape, jnp.float32) * ratio_w * beh_w
 
         # GradTerm1, and the tokens whose gradient is clipped away (or whose ratio is IS-clipped).
@@ -138,7 +139,8 @@ class Objective:
             "is_weight_mean": masked_mean(is_w, mask),
             "is_weight_max": masked_max(is_w, mask),
             "is_weight_p95": masked_quantile(is_w, mask, 0.95),
-            "is_truncated_frac": masked_mean(truncated, mask),
+            "is_truncated_frac": masked_mean(beh_flag, mask) * (not masked_out),
+            "is_masked_frac": masked_mean(beh_flag, mask) * masked_out,
             "adv_mean": masked_mean(adv, mask),
             "adv_std": masked_std(adv, mask),
             "adv_min": masked_min(adv, mask),

@@ -318,7 +318,8 @@ def make_train_step(
         params = optax.apply_updates(params, updates)
 
         mask = obj_batch["mask"]
-        mismatch = jnp.abs(obj_batch["behavior_logprobs"] - old)
+        sampler_vs_trainer = jnp.where(mask > 0, old - obj_batch["behavior_logprobs"], 0.0)
+        mismatch = jnp.abs(sampler_vs_trainer)
         grad_norm = optax.tree.norm(grads)
         metrics = {f"objective/{k}": v for k, v in obj_metrics.items()}
         metrics[NONFINITE] = nonfinite_code(loss, grad_norm, params)
@@ -333,6 +334,10 @@ def make_train_step(
             old_logprob_mean=masked_mean(old, mask),
             logprob_mismatch_p95=masked_quantile(mismatch, mask, 0.95),
             logprob_mismatch_mean=masked_mean(mismatch, mask),
+            # KL(sampler ‖ trainer) over the sampled tokens, k3 estimator (never negative)
+            logprob_mismatch_kl=masked_mean(
+                jnp.exp(sampler_vs_trainer) - sampler_vs_trainer - 1.0, mask
+            ),
             completion_tokens=jnp.sum(mask),
             tokens=jnp.sum(attn.astype(jnp.float32)),
             sequences=jnp.asarray(b, jnp.float32),

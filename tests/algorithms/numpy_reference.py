@@ -20,6 +20,7 @@ class Reference:
     clipped_tokens: int  # completion tokens whose PPO/GSPO mask is 0
     dual_clipped_tokens: int  # completion tokens with A < 0 and r > clip_ratio_c
     truncated_tokens: int  # completion tokens whose TIS weight hit the cap
+    masked_tokens: int  # completion tokens whose MIS ratio left [1/C, C] (weight 0)
     completion_tokens: int
 
 
@@ -122,7 +123,8 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
     eps_lo, eps_hi = cfg.eps_low, cfg.eps_high
 
     loss, grad = 0.0, np.zeros((b, t))
-    clipped = truncated = dual = 0
+    clipped = truncated = dual = masked = 0
+    cap = cfg.behavior_is_cap
     dual_c = getattr(cfg, "clip_ratio_c", None)
     for i in range(b):
         if lengths[i] == 0:
@@ -130,7 +132,7 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
         pos = [j for j in range(t) if mask[i, j] > 0]
         # sequence quantities
         seq_log_ratio_beh = 0.0
-        if cfg.behavior_is == "sequence":
+        if cfg.behavior_is in ("sequence", "sequence_mis"):
             seq_log_ratio_beh = sum(old[i, j] - batch["behavior_logprobs"][i, j] for j in pos)
         s = math.exp(sum(logp[i, j] - old[i, j] for j in pos) / len(pos))
         s_sg = math.exp(sum(sg_logp[i, j] - old[i, j] for j in pos) / len(pos))
@@ -160,6 +162,14 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
             elif cfg.behavior_is == "sequence":
                 truncated += seq_log_ratio_beh > math.log(cfg.behavior_is_cap)
                 is_w *= min(math.exp(seq_log_ratio_beh), cfg.behavior_is_cap)
+            elif cfg.behavior_is in ("token_mis", "sequence_mis"):
+                if cfg.behavior_is == "token_mis":
+                    ratio = math.exp(old[i, j] - batch["behavior_logprobs"][i, j])
+                else:
+                    ratio = math.exp(seq_log_ratio_beh)
+                keep = 1.0 / cap <= ratio <= cap
+                masked += not keep
+                is_w *= ratio if keep else 0.0
             c = w * is_w
             a = adv[i, j]
             # GradTerm1 and d/dlogp (GSPO's is collected per row below)
@@ -195,7 +205,9 @@ def objective(cfg, logp, batch, sg_logp=None) -> Reference:
         if cfg.policy_term == "gspo":
             for j in pos:  # d s / d logp_ij = s / |o_i|
                 grad[i, j] -= gspo_coef_sum * seq_keep * s / len(pos)
-    return Reference(loss, grad, adv, int(clipped), int(dual), int(truncated), int(n_tok))
+    return Reference(
+        loss, grad, adv, int(clipped), int(dual), int(truncated), int(masked), int(n_tok)
+    )
 
 
 def value_loss(cfg, values, batch) -> tuple[float, np.ndarray]:

@@ -120,6 +120,14 @@ def test_invalid_values_name_the_field(field, value):
         make_objective("grpo", **{field: value})
 
 
+@pytest.mark.parametrize("mode", ["token_mis", "sequence_mis"])
+def test_masked_is_needs_a_cap_above_one(mode):
+    """MIS keeps ratios in [1/C, C]: C <= 1 would mask every token (or all but ratio 1)."""
+    with pytest.raises(ObjectiveConfigError, match=r"behavior_is_cap must be > 1 .*1\.0"):
+        make_objective("grpo", behavior_is=mode, behavior_is_cap=1.0)
+    assert make_objective("grpo", behavior_is=mode, behavior_is_cap=1.5).config.behavior_is == mode
+
+
 def test_gspo_with_token_level_advantages_is_rejected():
     with pytest.raises(ObjectiveConfigError, match="policy_term='gspo'"):
         make_objective("ppo", policy_term="gspo")

@@ -67,6 +67,10 @@ def _check(name, overrides, seed=0):
 
 CASES = [
     (name, {"behavior_is": mode}) for name in PRESETS for mode in ("none", "token", "sequence")
+] + [
+    (name, {"behavior_is": mode})
+    for name in ("grpo", "dapo", "cispo", "gspo", "reinforce_seq")
+    for mode in ("token_mis", "sequence_mis")
 ]
 
 
@@ -89,7 +93,13 @@ def test_preset_gradient_matches_numpy(name, overrides):
         np.testing.assert_allclose(metrics["clip_frac"], outside.mean(), rtol=1e-6)
     if cfg.behavior_is == "none":
         assert metrics["is_truncated_frac"] == 0.0
+        assert metrics["is_masked_frac"] == 0.0
+    elif cfg.behavior_is.endswith("_mis"):
+        assert 0 < ref.masked_tokens < n and metrics["is_truncated_frac"] == 0.0
+        np.testing.assert_allclose(metrics["is_masked_frac"], ref.masked_tokens / n, rtol=1e-6)
+        assert metrics["is_weight_max"] <= cfg.behavior_is_cap * (1 + cfg.eps_high) + 1e-6
     else:
+        assert metrics["is_masked_frac"] == 0.0
         assert 0 < ref.truncated_tokens < n
         np.testing.assert_allclose(
             metrics["is_truncated_frac"], ref.truncated_tokens / n, rtol=1e-6

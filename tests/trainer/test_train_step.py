@@ -74,6 +74,18 @@ def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name, micro):
 
     loss, want = jax.jit(jax.value_and_grad(direct_loss))(params)
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5, atol=1e-7)
+    # the sampler-vs-trainer KL: k3 of old − beh over completion tokens, the old log-probs the
+    # trainer's own (before the update)
+    old = np.asarray(
+        policy_outputs(policy.graphdef, params, batch["input_ids"], batch["attention_mask"])[0],
+        np.float64,
+    )
+    on = np.asarray(batch["completion_mask"] * batch["attention_mask"]) > 0
+    d = old[on] - np.asarray(batch["behavior_logprobs"], np.float64)[on]
+    assert np.abs(d).max() > 0.1  # the sampler's log-probs differ from the trainer's
+    np.testing.assert_allclose(
+        float(metrics["logprob_mismatch_kl"]), np.mean(np.exp(d) - d - 1), rtol=1e-4
+    )
     got_flat, want_flat = _flat(got), _flat(want)
     assert got_flat.keys() == want_flat.keys()
     scale = max(np.abs(v).max() for v in want_flat.values())
