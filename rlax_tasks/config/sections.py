@@ -150,6 +150,12 @@ class RolloutSettings:
                 f"fill, got {self.max_outstanding_groups}",
             )
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the rollouts' tokens were drawn from, at which the
+        trainer takes its log-probs: ``temperature``, or 1 for greedy (0) sampling."""
+        return self.temperature if self.temperature > 0 else 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:

@@ -73,11 +73,13 @@ def token_logprobs(
     with_entropy: bool = False,
     segment_ids: jax.Array | None = None,
     keep_logits_bytes: int = 0,
+    temperature: float = 1.0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), holding the full [B, T, V] logits only if
     they fit ``keep_logits_bytes`` (``chunked_logprobs``); ``with_entropy`` adds the predictive
     entropy. ``segment_ids`` [B, T]: packed sequences (``model_inputs``); a segment's first token
     then gets a meaningless value (predicted from the previous segment's last state).
+    ``temperature``: of the distribution softmax(logits / temperature) a sampler drew from.
     """
     model = nnx.merge(graphdef, params)
     ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
@@ -88,6 +90,7 @@ def token_logprobs(
         ids[:, 1:],
         chunk_size,
         keep_logits_bytes=keep_logits_bytes,
+        temperature=temperature,
     )
     zero = jnp.zeros_like(lp[:, :1])
     lp, ent = jnp.concatenate([zero, lp], 1), jnp.concatenate([zero, ent], 1)
@@ -101,14 +104,20 @@ def chunked_logprobs(
     chunk_size: int = 128,
     *,
     keep_logits_bytes: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V],
     at most ``chunk_size`` positions at a time (equal chunks, the fewest that fit: padding costs
     as much as real positions). Each chunk saves only its log-sum-exp for the backward; if the
     float32 [B, T, V] logits fit ``keep_logits_bytes``, it saves its logits instead, so the
-    backward skips one [B·T, D] x [D, V] product."""
+    backward skips one [B·T, D] x [D, V] product. ``temperature`` (static): of the distribution
+    softmax(logits / temperature), applied to the hidden states (logits are linear in them)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if temperature != 1.0:
+        hidden = hidden * jnp.asarray(1.0 / temperature, hidden.dtype)
     b, t, d = hidden.shape
     n = max(1, -(-t // chunk_size))
     chunk = max(1, -(-t // n))

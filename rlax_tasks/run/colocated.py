@@ -197,7 +197,7 @@ class ColocatedRun:
         every = max(1, cfg.trainer.checkpoint_every)  # as the disaggregated trainer
         trainer = Trainer(
             policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every),
-            cfg.run_dir,
+            cfg.run_dir, sampling_temperature=cfg.rollout.logprob_temperature,
         )  # fmt: skip
         self.service = TrainerService(trainer).start()  # restores the newest checkpoint
         self._start_parameter_server()

@@ -63,7 +63,11 @@ def _trainer_command(args: argparse.Namespace) -> int:
     # checkpoints at least every step: a trainer without any would replay the whole run
     every = max(1, cfg.trainer.checkpoint_every)
     trainer = Trainer(
-        policy, objective, dataclasses.replace(cfg.trainer, checkpoint_every=every), run_dir
+        policy,
+        objective,
+        dataclasses.replace(cfg.trainer, checkpoint_every=every),
+        run_dir,
+        sampling_temperature=cfg.rollout.logprob_temperature,
     )
     ps = ParameterServerClient(args.ps_url, token) if args.ps_url else None
     channel = CommandChannel() if group is not None else None

@@ -54,6 +54,9 @@ class StepSettings:
     # a micro-batch's float32 logits up to this size are kept from the forward for the backward
     # instead of recomputed (forward.chunked_logprobs)
     keep_logits_bytes: int = 0
+    # the rollouts' sampling temperature: log-probs (old, current, reference) and entropy are
+    # those of softmax(logits / temperature), the distribution the sampler drew from
+    temperature: float = 1.0
 
 
 def init_value_head(hidden_size: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -72,8 +75,10 @@ def policy_outputs(
     with_entropy: bool = False,
     segment_ids: jax.Array | None = None,
     keep_logits_bytes: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs.
+    """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs,
+    of softmax(logits / ``temperature``).
 
     ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
     ``segment_ids``: packed rows (``forward.model_inputs``; ``attention_mask`` unused).
@@ -89,6 +94,7 @@ def policy_outputs(
             with_entropy=with_entropy,
             segment_ids=segment_ids,
             keep_logits_bytes=keep_logits_bytes,
+            temperature=temperature,
         )
         lp, ent = out if with_entropy else (out, None)
         return lp, ent, None
@@ -101,6 +107,7 @@ def policy_outputs(
         ids[:, 1:],
         chunk_size,
         keep_logits_bytes=keep_logits_bytes,
+        temperature=temperature,
     )
     head = params[VALUE_HEAD]
     values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
@@ -248,6 +255,7 @@ def make_train_step(
                 with_entropy=with_entropy,
                 segment_ids=mask if packed else None,
                 keep_logits_bytes=settings.keep_logits_bytes,
+                temperature=settings.temperature,
             )
 
         # 1. the current parameters' (old policy's) log-probs, values and entropy. One
@@ -355,7 +363,8 @@ def make_logprobs_fn(
 ) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
     """A pure prefill (model params, ids, mask) -> log-probs [B, T], micro-batch by micro-batch.
 
-    Used for the frozen reference policy's log-probs when the objective has a KL term.
+    Used for the frozen reference policy's log-probs when the objective has a KL term (at the
+    sampling temperature, like the policy's).
     """
 
     def logprobs(model_params: nnx.State, ids: jax.Array, attn: jax.Array) -> jax.Array:
@@ -364,7 +373,12 @@ def make_logprobs_fn(
 
         def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
             return forward.token_logprobs(
-                graphdef, model_params, xs[0], xs[1], chunk_size=settings.chunk_size
+                graphdef,
+                model_params,
+                xs[0],
+                xs[1],
+                chunk_size=settings.chunk_size,
+                temperature=settings.temperature,
             )
 
         out = jax.lax.map(one, (_split_micro(ids, n_micro), _split_micro(attn, n_micro)))

@@ -136,6 +136,7 @@ class Trainer:
         run_dir: str,
         metrics_writer: MetricsWriter | None = None,
         exit_on_stop: bool | None = None,
+        sampling_temperature: float = 1.0,
     ) -> None:
         self.config = config
         self.objective = objective
@@ -195,6 +196,7 @@ class Trainer:
             )
             << 20,
             value_loss_coef=config.value_loss_coef,
+            temperature=sampling_temperature,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
             # one-pass step over several host devices (a rendezvous timeout; passes with that
             # scheduler off): simulated meshes keep the prefill

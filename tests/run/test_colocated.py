@@ -35,6 +35,7 @@ COLOCATED = {
     "trainer.checkpoint_every": 2,
     "trainer.warmup_steps": 0,
     "eval.every_steps": 0,
+    "rollout.temperature": 0.8,  # the trainer takes its log-probs at the sampling temperature
 }
 
 
@@ -118,6 +119,8 @@ def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(runs):
     assert [r["step"] for r in lineage] == list(range(1, STEPS + 1))  # each step once, in order
     assert [r["prompt_ids"] for r in lineage] == [r["prompt_ids"] for r in reference]
     assert [r["rollout_versions"] for r in lineage] == [r["rollout_versions"] for r in reference]
+    metrics = read_jsonl(os.path.join(killed.run_dir, "metrics.jsonl"))
+    assert max(r["logprob_mismatch_p95"] for r in metrics) < 1e-3  # sampler and trainer at T 0.8
 
     # the final weights: the version both runs published (and mirrored) at the last step
     v_whole, a_whole = mirror_arrays(whole.run_dir)

@@ -195,3 +195,48 @@ def test_dr_grpo_without_max_length_is_not_padded(tmp_path, caplog):
     for i, w in enumerate((11, 13)):
         trainer.step(random_batch(i, seq_len=w))
     assert trainer._train_step._cache_size() == 2
+
+
+def _sampled_batch(policy, temperature: float) -> dict[str, np.ndarray]:
+    """Completions drawn by the Sampler at ``temperature``, laid out as a trainer batch with the
+    sampler's log-probs as the behaviour log-probs."""
+    from rlax_tasks.rollout import Sampler
+
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 64, n)] for n in (5, 8, 3, 6)]
+    outs = Sampler(policy, max_slots=4, max_len=32).generate(
+        prompts, max_new_tokens=8, temperature=temperature, seed=1, n=2, ignore_eos=True
+    )
+    width = 8 + 8
+    batch = {k: np.zeros((len(outs), width), np.int32) for k in ("input_ids", "attention_mask")}
+    batch["completion_mask"] = np.zeros((len(outs), width), np.int32)
+    batch["behavior_logprobs"] = np.zeros((len(outs), width), np.float32)
+    for row, out in enumerate(outs):
+        prompt = prompts[row // 2]
+        ids = prompt + out.tokens
+        start = 8 - len(prompt)  # prompts left-padded to 8 tokens
+        batch["input_ids"][row, start : start + len(ids)] = ids
+        batch["attention_mask"][row, start : start + len(ids)] = 1
+        batch["completion_mask"][row, 8 : 8 + len(out.tokens)] = 1
+        batch["behavior_logprobs"][row, 8 : 8 + len(out.tokens)] = out.logprobs
+    batch["rewards"] = np.arange(len(outs), dtype=np.float32) % 2
+    batch["group_ids"] = np.repeat(np.arange(len(outs) // 2), 2).astype(np.int32)
+    return batch
+
+
+def test_old_logprobs_are_taken_at_the_sampling_temperature(tmp_path):
+    """The trainer's recomputed log-probs are those of the distribution the sampler drew from
+    (softmax(logits / T)): at T 0.7 they match the sampler's; taken at T 1 they would not."""
+    policy = tiny_policy()
+    batch = _sampled_batch(policy, temperature=0.7)
+    mismatch = {}
+    for t in (0.7, 1.0):
+        trainer = Trainer(
+            policy,
+            make_objective("grpo", kl_beta=0.0),
+            TrainerConfig(**BASE, mesh_shape=(1, 1, 1)),
+            str(tmp_path / f"t{t}"),
+            sampling_temperature=t,
+        )
+        mismatch[t] = trainer.step(batch)["logprob_mismatch_p95"]
+    assert mismatch[0.7] < 1e-4 and mismatch[1.0] > 0.05, mismatch
