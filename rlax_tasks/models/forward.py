@@ -105,13 +105,17 @@ def chunked_logprobs(
     *,
     keep_logits_bytes: int = 0,
     temperature: float = 1.0,
+    support: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V],
     at most ``chunk_size`` positions at a time (equal chunks, the fewest that fit: padding costs
     as much as real positions). Each chunk saves only its log-sum-exp for the backward; if the
     float32 [B, T, V] logits fit ``keep_logits_bytes``, it saves its logits instead, so the
     backward skips one [B·T, D] x [D, V] product. ``temperature`` (static): of the distribution
-    softmax(logits / temperature), applied to the hidden states (logits are linear in them)."""
+    softmax(logits / temperature), applied to the hidden states (logits are linear in them).
+    ``support`` [B, T, R] int (-1 = no entry): the token ids a sampler's top-k/top-p kept at each
+    position; the distribution is then renormalised over them (a position with no entry keeps
+    the whole vocabulary)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if not temperature > 0:
@@ -126,6 +130,10 @@ def chunked_logprobs(
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     hidden = hidden.reshape(b, n, chunk, d).swapaxes(0, 1)
     targets = targets.reshape(b, n, chunk).swapaxes(0, 1)
+    if support is not None:  # the chunk functions take (targets, support) as their targets
+        support = jnp.pad(support, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+        r = support.shape[-1]
+        targets = (targets, support.reshape(b, n, chunk, r).swapaxes(0, 1))
     keep = b * t * unembedding.shape[-1] * 4 <= keep_logits_bytes
     one = _chunk_logprobs_kept if keep else _chunk_logprobs
     lp, ent = jax.lax.map(lambda xs: one(xs[0], unembedding, xs[1]), (hidden, targets))
@@ -140,24 +148,47 @@ def _chunk_logits(h: jax.Array, unembedding: jax.Array) -> jax.Array:
 
 
 def _chunk_stats(
-    h: jax.Array, unembedding: jax.Array, targets: jax.Array
+    h: jax.Array, unembedding: jax.Array, targets: Targets
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log-prob of ``targets``, entropy, log-sum-exp) of one chunk's logits."""
     return _logits_stats(_chunk_logits(h, unembedding), targets)
 
 
-def _logits_stats(lg: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log-prob of ``targets``, entropy, log-sum-exp) of logits [B, C, V]."""
-    lse = jax.nn.logsumexp(lg, axis=-1)
+Targets = jax.Array | tuple[jax.Array, jax.Array]  # target ids [B, C], or (ids, support)
+
+
+def _in_support(lg: jax.Array, support: jax.Array) -> jax.Array:
+    """[B, C, V] bool: token v is in the position's support (every v where it has no entry)."""
+    b, c, r = support.shape
+    rows = jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None]
+    member = jnp.zeros(lg.shape, jnp.bool_).at[(*rows, jnp.maximum(support, 0))].max(support >= 0)
+    return member | ~jnp.any(support >= 0, axis=-1)[..., None]
+
+
+def _logits_stats(lg: jax.Array, targets: Targets) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-prob of ``targets``, entropy, log-sum-exp) of logits [B, C, V], over each position's
+    support when ``targets`` carries one."""
+    if isinstance(targets, tuple):
+        targets, support = targets
+        inside = _in_support(lg, support)
+        lse = jax.nn.logsumexp(jnp.where(inside, lg, -jnp.inf), axis=-1)
+        probs = jnp.where(inside, jnp.exp(lg - lse[..., None]), 0.0)
+    else:
+        lse = jax.nn.logsumexp(lg, axis=-1)
+        probs = jnp.exp(lg - lse[..., None])
     picked = jnp.take_along_axis(lg, targets[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(lg - lse[..., None])
     entropy = lse - jnp.sum(probs * lg, axis=-1)
     return picked - lse, entropy, lse
 
 
+def _primals(*args: Any) -> Any:
+    """The values of a custom-VJP forward's arguments (each leaf wrapped in CustomVJPPrimal)."""
+    return jax.tree.map(lambda x: x.value, args, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+
+
 @jax.custom_vjp
 def _chunk_logprobs(
-    h: jax.Array, unembedding: jax.Array, targets: jax.Array
+    h: jax.Array, unembedding: jax.Array, targets: Targets
 ) -> tuple[jax.Array, jax.Array]:
     """One chunk's (log-probs, entropy). Its backward recomputes the logits once and forms
     their cotangent in one pass from the saved log-sum-exp, where autodiff under
@@ -167,7 +198,7 @@ def _chunk_logprobs(
 
 
 def _chunk_logprobs_fwd(h: CustomVJPPrimal, unembedding: CustomVJPPrimal, targets: Any) -> tuple:
-    h, unembedding, targets = h.value, unembedding.value, targets.value
+    h, unembedding, targets = _primals(h, unembedding, targets)
     lp, entropy, lse = _chunk_stats(h, unembedding, targets)
     return (lp, entropy), (h, unembedding, targets, lse, entropy)
 
@@ -183,7 +214,7 @@ _chunk_logprobs.defvjp(_chunk_logprobs_fwd, _chunk_logprobs_bwd, symbolic_zeros=
 
 @jax.custom_vjp
 def _chunk_logprobs_kept(
-    h: jax.Array, unembedding: jax.Array, targets: jax.Array
+    h: jax.Array, unembedding: jax.Array, targets: Targets
 ) -> tuple[jax.Array, jax.Array]:
     """``_chunk_logprobs`` whose forward keeps the chunk's logits for the backward."""
     lp, entropy, _ = _chunk_stats(h, unembedding, targets)
@@ -193,7 +224,7 @@ def _chunk_logprobs_kept(
 def _chunk_logprobs_kept_fwd(
     h: CustomVJPPrimal, unembedding: CustomVJPPrimal, targets: Any
 ) -> tuple:
-    h, unembedding, targets = h.value, unembedding.value, targets.value
+    h, unembedding, targets = _primals(h, unembedding, targets)
     lg = _chunk_logits(h, unembedding)
     lp, entropy, lse = _logits_stats(lg, targets)
     return (lp, entropy), (h, unembedding, targets, lse, entropy, lg)
@@ -209,7 +240,7 @@ _chunk_logprobs_kept.defvjp(_chunk_logprobs_kept_fwd, _chunk_logprobs_kept_bwd, 
 def _chunk_grads(
     h: jax.Array,
     unembedding: jax.Array,
-    targets: jax.Array,
+    targets: Targets,
     lse: jax.Array,
     entropy: jax.Array,
     lg: jax.Array,
@@ -218,6 +249,9 @@ def _chunk_grads(
     """The cotangents of a chunk's (h, unembedding) from its logits ``lg`` and statistics."""
     g_lp, g_entropy = cotangents
     probs = jnp.exp(lg - lse[..., None])
+    if isinstance(targets, tuple):  # renormalised over the support: p = 0 outside it
+        targets, support = targets
+        probs = jnp.where(_in_support(lg, support), probs, 0.0)
     # d logp / d lg = onehot - p;  d entropy / d lg = -p * (lg - E_p[lg]), E_p[lg] = lse - H.
     # a cotangent nobody sent is a symbolic zero (the train step only reports the entropy):
     # skipping its term saves a pass over the [B, C, V] logits

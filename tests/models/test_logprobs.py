@@ -182,3 +182,81 @@ def test_stacks_up_to_the_unroll_limit_run_their_layers_unrolled(extra):
 
     text = jax.jit(jax.grad(loss)).lower(policy.params).as_text()
     assert ("stablehlo.while" in text) == bool(extra)
+
+
+def _support_case(seed: int = 6) -> tuple:
+    """hidden, unembedding, targets and a support [B, T, R] holding each target (R up to 5 ids,
+    -1 padded; every third position without entries: the whole vocabulary)."""
+    rng = np.random.default_rng(seed)
+    b, t, d, v, r = 3, 10, 8, 37, 5
+    targets = rng.integers(0, v, (b, t))
+    support = np.full((b, t, r), -1)
+    for i in range(b):
+        for j in range(t):
+            if (i + j) % 3:
+                ids = rng.choice(v, int(rng.integers(1, r + 1)), replace=False)
+                if targets[i, j] not in ids:
+                    ids[rng.integers(len(ids))] = targets[i, j]
+                support[i, j, : len(ids)] = ids
+    hidden = rng.normal(size=(b, t, d)).astype(np.float32)
+    unembedding = rng.normal(size=(d, v)).astype(np.float32)
+    return hidden, unembedding, targets, support
+
+
+def _numpy_support_logprobs(hidden, unembedding, targets, support, temperature=1.0):
+    """float64 NumPy: log p over each position's support (its kept ids; all ids without any)
+    and the entropy of that renormalised distribution, written from the definition."""
+    logits = np.einsum("btd,dv->btv", hidden.astype(np.float64), unembedding) / temperature
+    b, t, v = logits.shape
+    lp, ent = np.zeros((b, t)), np.zeros((b, t))
+    for i in range(b):
+        for j in range(t):
+            kept = [int(x) for x in support[i, j] if x >= 0] or list(range(v))
+            z = logits[i, j, kept]
+            log_norm = np.log(np.sum(np.exp(z - z.max()))) + z.max()
+            lp[i, j] = logits[i, j, targets[i, j]] - log_norm
+            p = np.exp(z - log_norm)
+            ent[i, j] = -np.sum(p * (z - log_norm))
+    return lp, ent
+
+
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 20], ids=["recomputed", "kept"])
+def test_logprobs_over_a_replayed_sampling_support_match_numpy(keep_logits_bytes):
+    """Sampling-mask replay: the log-probs (hence the trainer's ratio) and entropy renormalised
+    over the ids the sampler's top-k/top-p kept, against NumPy; their gradients against
+    autodiff of the masked full softmax; with the temperature applied too."""
+    hidden, unembedding, targets, support = _support_case()
+    want_lp, want_ent = _numpy_support_logprobs(hidden, unembedding, targets, support, 0.7)
+    args = jnp.asarray(hidden), jnp.asarray(unembedding)
+    tg, sup = jnp.asarray(targets, jnp.int32), jnp.asarray(support, jnp.int32)
+
+    def chunked(h, u):  # chunks of 4: 3 chunks, 2 padded positions
+        return forward.chunked_logprobs(
+            h, u, tg, 4, keep_logits_bytes=keep_logits_bytes, temperature=0.7, support=sup
+        )
+
+    lp, ent = chunked(*args)
+    np.testing.assert_allclose(lp, want_lp, atol=2e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-5)
+    full_lp, _ = forward.chunked_logprobs(*args, tg, 4, temperature=0.7)
+    restricted = np.any(support >= 0, axis=-1)
+    assert np.all(np.asarray(lp)[restricted] > np.asarray(full_lp)[restricted])  # renormalised
+    np.testing.assert_array_equal(lp[~restricted], full_lp[~restricted])
+
+    member = np.zeros(hidden.shape[:2] + (unembedding.shape[1],), bool)
+    for (i, j, _), x in np.ndenumerate(support):
+        member[i, j, x] |= x >= 0
+    member |= ~restricted[..., None]
+
+    def naive(h, u):
+        lg = jnp.where(member, jnp.einsum("btd,dv->btv", h, u) / 0.7, -1e9)  # finite: no NaN
+        logp = jax.nn.log_softmax(lg, axis=-1)
+        picked = jnp.take_along_axis(logp, tg[..., None], axis=-1)[..., 0]
+        return picked, -jnp.sum(jnp.where(member, jnp.exp(logp) * logp, 0.0), axis=-1)
+
+    rng = np.random.default_rng(7)
+    cot = tuple(jnp.asarray(rng.normal(size=targets.shape), jnp.float32) for _ in range(2))
+    got = jax.vjp(chunked, *args)[1](cot)
+    want = jax.vjp(naive, *args)[1](cot)
+    for a, b_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b_, atol=5e-5, rtol=5e-5)
