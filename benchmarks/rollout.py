@@ -187,6 +187,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"tok/s: {theirs_sampled_s / ours_sampled_s:.2f}x"
     )
 
+    # ------------------------------------------------------------ 1c. recording kept ids
+    # sampling-mask replay: what recording each token's top-k kept ids for the trainer costs,
+    # against the same sampling without (top-k 20, Qwen3's recommended setting)
+    top_k = {"temperature": temperature, "top_k": 20, "seed": args.seed}
+    recording = Sampler(
+        policy, max_slots=args.batch, max_len=max_len, decode_chunk=args.decode_chunk,
+        support_capacity=64,
+    )  # fmt: skip
+    log.info("top-k sampling with and without recording the kept ids, in turn")
+    (plain_s, _), (recorded_s, recorded) = timed_side_by_side(
+        [
+            lambda: ours(sample_tokens_n, **top_k),
+            lambda: recording.generate(
+                prompts, max_new_tokens=sample_tokens_n, ignore_eos=True, **top_k
+            ),
+        ],
+        args.repeats,
+    )
+    kept = [len(ids) for o in recorded for ids in o.support]
+    out["support_recording"] = {
+        "top_k": 20,
+        "plain_tokens_per_s": sampled / plain_s,
+        "recording_tokens_per_s": sampled / recorded_s,
+        "recording_over_plain": recorded_s / plain_s,
+        "mean_kept_ids": float(np.mean(kept)),
+    }
+    report(
+        f"[support] top-k 20, {args.batch} x {sample_tokens_n} tokens: recording the kept ids "
+        f"{sampled / recorded_s:,.0f} tok/s vs without {sampled / plain_s:,.0f} tok/s: "
+        f"{recorded_s / plain_s:.2f}x the time ({np.mean(kept):.0f} ids per token)"
+    )
+
     # ------------------------------------------------------------ 2. continuous vs static
     long = 8 * args.short
     lengths = [long if i % 8 == 3 else args.short for i in range(args.mix_requests)]

@@ -112,9 +112,11 @@ def _prefill(
     new: SlotState,
     filtering: bool,
     sampling: bool,
-) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
+    support: int = 0,
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prefills prompt ids [p, P] into cache rows ``slots`` [n] (out of range: padding, dropped)
-    and draws each first token; returns cache, slot state, tokens, log-probs and active [n].
+    and draws each first token; returns cache, slot state, tokens, log-probs, active [n] and
+    each token's kept support [n, ``support``] (static; ``sample_tokens``).
     ``source`` [n]: each row's prompt row, so a prompt several rows share (a group) is computed
     once and copied to their slots (None: row i is prompt i). ``new``: the rows' settings;
     ``held``: only its output projection is read (a prefill's tokens share each layer)."""
@@ -143,8 +145,8 @@ def _prefill(
         positions = positions[source]
     n = last.shape[0]
     keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
-    tokens, logprobs = sample_tokens(
-        last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling
+    tokens, logprobs, kept = sample_tokens(
+        last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
     )
     generated = jnp.ones(n, jnp.int32)
     active = ~_finished(tokens, generated, new)
@@ -158,7 +160,7 @@ def _prefill(
     )
     admitted = new._replace(last_token=tokens, position=lengths, generated=generated, active=active)
     state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
-    return constrain_cache(cache), state, tokens, logprobs, active
+    return constrain_cache(cache), state, tokens, logprobs, active, kept
 
 
 def _decode(
@@ -172,10 +174,12 @@ def _decode(
     sampling: bool,
     window: int | None,
     refill: jax.Array,
-) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array]:
+    support: int = 0,
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Up to ``steps`` decode steps of every slot in one device loop: tokens, log-probs and
-    emitted flags [steps, S]. Stop, EOS and length checks run here; the loop ends early when no
-    slot is active or, with ``refill`` (requests wait for a slot), once one has finished.
+    emitted flags [steps, S], kept supports [steps, S, ``support``] (static). Stop, EOS and
+    length checks run here; the loop ends early when no slot is active or, with ``refill``
+    (requests wait for a slot), once one has finished.
     ``window`` (static): attention reads only the first ``window`` cache entries, which hold
     every slot's tokens to the end of the call (``decode_window``)."""
     slots = state.active.shape[0]
@@ -195,8 +199,8 @@ def _decode(
             layers=held.layers,
         )
         keys = jax.vmap(token_key)(st.key, st.generated)
-        tokens, logprobs = sample_tokens(
-            logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering, sampling
+        tokens, logprobs, kept = sample_tokens(
+            logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering, sampling, support
         )
         emitted = st.active
         generated = st.generated + emitted.astype(jnp.int32)
@@ -207,7 +211,8 @@ def _decode(
             generated=generated,
             active=active,
         )
-        out = tuple(o.at[i].set(x) for o, x in zip(out, (tokens, logprobs, emitted), strict=True))
+        drawn = (tokens, logprobs, emitted, kept)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, drawn, strict=True))
         return i + 1, constrain_cache(cache), st, out, ended | jnp.any(emitted & ~active)
 
     def more(carry: tuple) -> jax.Array:
@@ -218,6 +223,7 @@ def _decode(
         jnp.zeros((steps, slots), jnp.int32),
         jnp.zeros((steps, slots), jnp.float32),
         jnp.zeros((steps, slots), bool),
+        jnp.zeros((steps, slots, support), jnp.int32),
     )
     start = (jnp.zeros((), jnp.int32), cache, state, out, jnp.zeros((), bool))
     _, cache, state, out, _ = jax.lax.while_loop(more, step, start)
@@ -226,8 +232,8 @@ def _decode(
 
 # module-level: one compilation cache shared by every Sampler of the same model and shapes (the
 # programs keep the names _prefill / _decode: the persistent cache's entries are named after them)
-PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 11, 12), donate_argnums=(4, 5))
-DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8), donate_argnums=(3, 4))
+PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 11, 12, 13), donate_argnums=(4, 5))
+DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8, 10), donate_argnums=(3, 4))
 
 
 def admission_arrays(

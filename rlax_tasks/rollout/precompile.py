@@ -77,9 +77,9 @@ class Precompiler:
             ids, lengths, source, slots, new = admission_arrays(
                 n, bucket, prompt_rows, sampler.max_slots, sampler.max_stop_ids
             )
-            prefill = sampler._prefill_fn.lower(
-                cfg, graphdef, *args, ids, lengths, source, slots, new, filtering, sampling
-            )
+            static = (filtering, sampling, sampler.support_size(filtering))
+            rows = (ids, lengths, source, slots, new)
+            prefill = sampler._prefill_fn.lower(cfg, graphdef, *args, *rows, *static)
             seeds, indices = np.zeros((n, 2), np.uint32), np.zeros(n, np.uint32)
             return [prefill, fold_in_rows.lower(seeds, indices)]
 
@@ -105,7 +105,16 @@ class Precompiler:
         def lower(w: int) -> list[Any]:
             graphdef, chunk = sampler.policy.graphdef, sampler.decode_chunk
             return [
-                sampler._decode_fn.lower(graphdef, *args, chunk, filtering, sampling, w, refill)
+                sampler._decode_fn.lower(
+                    graphdef,
+                    *args,
+                    chunk,
+                    filtering,
+                    sampling,
+                    w,
+                    refill,
+                    sampler.support_size(filtering),
+                )
             ]
 
         self._start(f"decode windows {windows}", [functools.partial(lower, w) for w in windows])

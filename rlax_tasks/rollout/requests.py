@@ -79,12 +79,15 @@ class Request:
 @dataclasses.dataclass
 class Completion:
     """A finished request: generated ``tokens`` (prompt excluded), the log-prob of each under the
-    distribution it was sampled from, and why it ended."""
+    distribution it was sampled from, and why it ended. ``support``: for a request whose top-k/
+    top-p filtered (and a sampler recording them), each token's kept ids, most likely first
+    (empty where more were kept than the sampler's capacity); None otherwise."""
 
     request: Request
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    support: list[list[int]] | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -184,6 +187,7 @@ class GroupResult:
                     "logprobs": c.logprobs,
                     "finish_reason": c.finish_reason,
                     **({"text": self.texts[i]} if self.texts is not None else {}),
+                    **({"support": c.support} if c.support is not None else {}),
                 }
                 for i, c in enumerate(self.completions)
             ],
@@ -201,6 +205,7 @@ class GroupResult:
                 list(c["tokens"]),
                 list(c["logprobs"]),
                 c["finish_reason"],
+                None if c.get("support") is None else [list(ids) for ids in c["support"]],
             )
             for i, c in enumerate(r["completions"])
         ]

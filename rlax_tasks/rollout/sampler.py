@@ -39,6 +39,7 @@ class _Slot:
     logprobs: list[float]
     stop_set: frozenset[int]
     eos: frozenset[int]
+    support: list[list[int]] | None = None  # each token's kept ids, when its request filters
 
 
 @dataclasses.dataclass
@@ -71,11 +72,15 @@ class Sampler:
         batching: Literal["continuous", "static"] = "continuous",
         max_stop_ids: int = 8,
         precompile: bool = True,
+        support_capacity: int = 0,
     ) -> None:
         error = field_error(ValueError)
         check_int("max_slots", max_slots, error, minimum=1)
         check_int("max_len", max_len, error, minimum=2)
         check_int("decode_chunk", decode_chunk, error, minimum=1)
+        check_int("support_capacity", support_capacity, error, minimum=0)
+        # ids kept per token by a request's top-k/top-p, recorded for the trainer (0: none)
+        self.support_capacity = support_capacity
         check_choice("batching", batching, ("continuous", "static"), error)
         # committed placement, as set_params makes it: a swap then never changes the jit cache key
         self.policy = policy.with_params(
@@ -330,7 +335,7 @@ class Sampler:
         self._precompiler.admitted(rows, prompt_rows, bucket, filtering, sampling, group)
         t0 = time.perf_counter()
         with self.policy._scope():
-            self._cache, self._state, tokens, logprobs, active = self._prefill_fn(
+            self._cache, self._state, tokens, logprobs, active, kept = self._prefill_fn(
                 self.policy.config,
                 self.policy.graphdef,
                 self.policy.params,
@@ -344,17 +349,25 @@ class Sampler:
                 new,
                 filtering,
                 sampling,
+                self.support_size(filtering),
             )
-            tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
+            tokens, logprobs, active, kept = jax.device_get((tokens, logprobs, active, kept))
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
         # the admitted rows first (padding rows after them), each with its free slot
         tokens, logprobs, active = tokens[:n].tolist(), logprobs[:n].tolist(), active[:n].tolist()
-        rows_out = zip(take, free[:n], stop_sets, tokens, logprobs, active, strict=True)
-        for request, slot, stops, token, logprob, still in rows_out:
+        kept = kept[:n]
+        rows_out = zip(take, free[:n], stop_sets, tokens, logprobs, active, kept, strict=True)
+        for request, slot, stops, token, logprob, still, ids in rows_out:
             eos = frozenset() if request.params.ignore_eos else self._eos_ids
-            self._slots[slot] = _Slot(request, [], [], stops, eos)
-            self._emit(slot, token, logprob, still, finished)
+            support = [] if kept.shape[-1] and request.params.filtering else None
+            self._slots[slot] = _Slot(request, [], [], stops, eos, support)
+            self._emit(slot, token, logprob, still, finished, ids)
+
+    def support_size(self, filtering: bool) -> int:
+        """Kept ids recorded per token by a prefill or decode call (static): the capacity when
+        a request in it filters, else none."""
+        return self.support_capacity if filtering else 0
 
     def stop_precompiling(self) -> None:
         """Background compilations end after the one under way (a worker that stops)."""
@@ -377,7 +390,7 @@ class Sampler:
         self._precompiler.decoding(window, reach, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
-            self._cache, self._state, tokens, logprobs, emitted = self._decode_fn(
+            self._cache, self._state, tokens, logprobs, emitted, kept = self._decode_fn(
                 self.policy.graphdef,
                 self.policy.params,
                 self._held,
@@ -390,9 +403,10 @@ class Sampler:
                 # continuous batching: back to the host as soon as a slot frees for a waiting
                 # request (static batching refills only when every slot is free)
                 np.bool_(self.batching == "continuous" and bool(self._waiting)),
+                self.support_size(filtering),
             )
-            tokens, logprobs, emitted, active = jax.device_get(
-                (tokens, logprobs, emitted, self._state.active)
+            tokens, logprobs, emitted, active, kept = jax.device_get(
+                (tokens, logprobs, emitted, self._state.active, kept)
             )
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_calls += 1
@@ -408,17 +422,27 @@ class Sampler:
             n = counts[slot]
             for i in range(n):
                 still = active[slot] or i < n - 1
-                if self._emit(slot, tokens[slot][i], logprobs[slot][i], still, finished):
+                ids = kept[i, slot]
+                if self._emit(slot, tokens[slot][i], logprobs[slot][i], still, finished, ids):
                     break
 
     def _emit(
-        self, slot: int, token: int, logprob: float, still_active: bool, out: list[Completion]
+        self,
+        slot: int,
+        token: int,
+        logprob: float,
+        still_active: bool,
+        out: list[Completion],
+        kept: np.ndarray,
     ) -> bool:
-        """Appends a token to a slot; frees the slot and records the completion when it ends."""
+        """Appends a token (and the ids its filter ``kept``) to a slot; frees the slot and records
+        the completion when it ends."""
         state = self._slots[slot]
         assert state is not None
         state.tokens.append(token)
         state.logprobs.append(logprob)
+        if state.support is not None:
+            state.support.append(kept[kept >= 0].tolist())
         self.stats.generated_tokens += 1
         reason: FinishReason | None = None
         if token in state.stop_set:
@@ -431,7 +455,7 @@ class Sampler:
             raise RuntimeError(f"slot {slot} ended on device without a reason the host knows")
         if reason is None:
             return False
-        out.append(Completion(state.request, state.tokens, state.logprobs, reason))
+        out.append(Completion(state.request, state.tokens, state.logprobs, reason, state.support))
         self._slots[slot] = None
         if still_active:  # ended on the host (stop string): stop the device slot too
             self._state = self._state._replace(active=self._state.active.at[slot].set(False))

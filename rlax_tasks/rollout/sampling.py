@@ -61,24 +61,47 @@ def sample_tokens(
     top_p: jax.Array,
     filtering: bool,
     sampling: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row; returns (tokens [B] int32, log-probs [B] float32).
+    support_size: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draws one token per row; returns (tokens [B] int32, log-probs [B] float32, kept support
+    [B, ``support_size``] int32).
 
     Rows with temperature <= 0 are greedy. The log-prob is the drawn token's under the distribution
     it was drawn from (the model's own for greedy rows). ``filtering`` and ``sampling`` are static:
-    False skips the top-k/top-p filter when no row uses it, the draw when every row is greedy."""
+    False skips the top-k/top-p filter when no row uses it, the draw when every row is greedy.
+    ``support_size`` (static): the ids each row's top-k/top-p kept, for the trainer to take its
+    log-probs over the same tokens (``kept_support``); -1 everywhere for a row that did not
+    filter."""
     logits = logits.astype(jnp.float32)
+    rows = logits.shape[0]
     greedy = temperature <= 0
+    none = jnp.full((rows, support_size), -1, jnp.int32)
     if not sampling:  # every row is greedy: no draw at all
         tokens, best = _greedy(logits)
         # log softmax at the maximum: -log(sum(exp(logits - max))), one pass over the row
-        return tokens, -jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))
+        return tokens, -jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1)), none
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    support = none
     if filtering:
         scaled = filter_logits(scaled, top_k, top_p)
+        if support_size:
+            filters = ~greedy & ((top_k > 0) | (top_p < 1.0))
+            support = jnp.where(filters[:, None], kept_support(scaled, support_size), -1)
     drawn = inverse_cdf_draw(keys, scaled)
     tokens = jnp.where(greedy, greedy_tokens(logits), drawn).astype(jnp.int32)
-    return tokens, _logprobs_at(jnp.where(greedy[:, None], logits, scaled), tokens)
+    return tokens, _logprobs_at(jnp.where(greedy[:, None], logits, scaled), tokens), support
+
+
+def kept_support(filtered: jax.Array, size: int) -> jax.Array:
+    """The ids of each row's tokens that ``filter_logits`` kept (finite), most likely first,
+    -1 padded to ``size`` [B, size] int32; a row that kept more than ``size`` tokens gets -1
+    everywhere (it cannot be replayed: the trainer keeps the whole vocabulary there)."""
+    kept = filtered > _NEG_INF
+    values, ids = jax.lax.top_k(filtered, min(size, filtered.shape[-1]))
+    ids = jnp.where(values > _NEG_INF, ids, -1).astype(jnp.int32)
+    ids = jnp.pad(ids, ((0, 0), (0, size - ids.shape[-1])), constant_values=-1)
+    fits = jnp.sum(kept, axis=-1) <= size
+    return jnp.where(fits[:, None], ids, -1)
 
 
 def _logprobs_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -239,7 +239,13 @@ def _worker_command(args: argparse.Namespace) -> int:
     check_job_devices(args.worker_id or "worker")  # exit 2: JAX's devices not the placement's
     mesh = worker_mesh(args.mesh_shape)
     policy = load_pretrained(args.model_dir, dtype=args.dtype, mesh=mesh)
-    sampler = Sampler(policy, args.max_slots, args.max_len, decode_chunk=args.decode_chunk)
+    sampler = Sampler(
+        policy,
+        args.max_slots,
+        args.max_len,
+        decode_chunk=args.decode_chunk,
+        support_capacity=args.support_capacity,
+    )
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient  # lazy: JAX, as above
 
@@ -300,6 +306,13 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-slots", type=int, default=32)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--decode-chunk", type=int, default=8)
+    p.add_argument(
+        "--support-capacity",
+        type=int,
+        default=0,
+        help="record up to this many ids a top-k/top-p request kept per token, for the "
+        "trainer's sampling-mask replay (0: none)",
+    )
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(

@@ -114,6 +114,38 @@ def test_logprobs_are_those_of_the_tempered_and_filtered_distribution(sampler, p
         np.testing.assert_allclose(out.logprobs, picked, atol=1e-5)
 
 
+def test_each_tokens_kept_support_is_recorded_for_the_trainer(policy, prompts):
+    """With a support capacity, a filtering request's tokens carry the ids its top-k/top-p kept
+    (the trainer's log-probs are then renormalised over them): exactly the tempered top-k set,
+    holding the drawn token, whose renormalised log-prob is the recorded one; a nucleus larger
+    than the capacity is recorded empty; unfiltered and greedy requests record none."""
+    sampler = Sampler(policy, max_slots=4, max_len=96, support_capacity=6)
+    temperature, top_k = 0.7, 5
+    outs = sampler.generate(prompts[:3], max_new_tokens=12, temperature=temperature, top_k=top_k)
+    for prompt, out in zip(prompts, outs, strict=False):
+        logits = np.asarray(policy.logits(np.array(prompt + out.tokens)[None]))[0]
+        logits = logits[len(prompt) - 1 : -1] / temperature
+        assert len(out.support) == len(out.tokens)
+        for row, token, kept, logprob in zip(
+            logits, out.tokens, out.support, out.logprobs, strict=True
+        ):
+            assert sorted(kept) == sorted(np.argsort(row)[-top_k:].tolist()) and token in kept
+            z = row[kept]
+            log_norm = np.log(np.sum(np.exp(z - z.max()))) + z.max()
+            np.testing.assert_allclose(logprob, row[token] - log_norm, atol=1e-5)
+    # top-p 0.99 over a 97-token vocabulary keeps more than 6 ids: not replayable, recorded empty
+    (broad,) = sampler.generate(prompts[:1], max_new_tokens=6, temperature=1.0, top_p=0.99)
+    assert broad.support is not None and [] in broad.support
+    assert all(len(kept) <= 6 for kept in broad.support)
+    (plain,) = sampler.generate(prompts[:1], max_new_tokens=4, temperature=1.0)
+    (greedy,) = sampler.generate(prompts[:1], max_new_tokens=4, top_k=5)
+    assert plain.support is None and greedy.support is None
+    (unrecorded,) = Sampler(policy, max_slots=4, max_len=96).generate(
+        prompts[:1], max_new_tokens=4, temperature=0.7, top_k=5
+    )
+    assert unrecorded.support is None
+
+
 def test_same_seed_same_output_whatever_shares_the_batch(policy, prompts):
     target = prompts[1]
     alone = Sampler(policy, max_slots=1, max_len=96).generate(

@@ -39,7 +39,7 @@ def test_sampled_and_greedy_log_probs_are_the_log_softmax_of_their_distribution(
     off_k, off_p = jnp.zeros(8, jnp.int32), jnp.ones(8, jnp.float32)
     for sampling in (True, False):
         t = temperature if sampling else np.zeros_like(temperature)
-        tokens, lp = jax.jit(sample_tokens, static_argnums=(5, 6))(
+        tokens, lp, _ = jax.jit(sample_tokens, static_argnums=(5, 6))(
             jnp.asarray(logits), keys, jnp.asarray(t), off_k, off_p, False, sampling
         )
         tokens, lp = np.asarray(tokens), np.asarray(lp)
