@@ -17,6 +17,8 @@ from rlax_tasks.rollout.staleness import within_staleness
 
 # verdicts of a verifier that failed (the completion scores 0, the run goes on)
 VERIFIER_FAILURES = ("verifier_error", "verifier_timeout", "checker_error")
+# one completion's sampling support: per token, the ids the sampler's top-k/top-p kept
+Support = tuple[tuple[int, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,8 @@ class ScoredGroup:
 
     ``scores`` are the verifier's rewards and ``verdicts`` its verdicts ("correct",
     "wrong_answer", ...; empty when the scorer gives none); ``rewards`` what trains (scores plus
-    any shaping)."""
+    any shaping). ``support``: per completion, each token's ids the sampler's top-k/top-p kept
+    (None for a completion without; the whole tuple empty when no completion has them)."""
 
     prompt_id: str
     seq: int
@@ -37,11 +40,20 @@ class ScoredGroup:
     scores: tuple[float, ...]
     rewards: tuple[float, ...]
     verdicts: tuple[str, ...] = ()
+    support: tuple[Support | None, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.completions)
         if self.verdicts and len(self.verdicts) != g:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.verdicts)} verdicts for {g}")
+        if self.support and len(self.support) != g:
+            raise ValueError(f"group {self.prompt_id!r}: {len(self.support)} supports for {g}")
+        for i, kept in enumerate(self.support):
+            if kept is not None and len(kept) != len(self.completions[i]):
+                raise ValueError(
+                    f"group {self.prompt_id!r}: completion {i} has {len(self.completions[i])} "
+                    f"tokens but {len(kept)} supports"
+                )
         lengths = {
             len(self.logprobs),
             len(self.finish_reasons),
@@ -76,6 +88,7 @@ class ScoredGroup:
             "scores": list(self.scores),
             "rewards": list(self.rewards),
             "verdicts": list(self.verdicts),
+            **({"support": [support_lists(k) for k in self.support]} if self.support else {}),
         }
 
     @classmethod
@@ -91,7 +104,24 @@ class ScoredGroup:
             tuple(float(x) for x in d["scores"]),
             tuple(float(x) for x in d["rewards"]),
             tuple(str(v) for v in d.get("verdicts", ())),
+            tuple(support_tuples(k) for k in d.get("support") or ()),
         )
+
+
+def support_lists(kept: Support | None) -> list[list[int]] | None:
+    """A completion's support as JSON lists (None stays None)."""
+    return None if kept is None else [list(ids) for ids in kept]
+
+
+def support_tuples(kept: Any) -> Support | None:
+    """A completion's support from JSON lists (None stays None)."""
+    return None if kept is None else tuple(tuple(int(t) for t in ids) for ids in kept)
+
+
+def support_width(kept: int) -> int:
+    """The R of ``support_ids`` for at most ``kept`` ids per token: a power of two (the train
+    step compiles once per R, not once per batch)."""
+    return 1 << max(0, kept - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +192,8 @@ class Batch:
 
         ``input_ids``, ``attention_mask`` (prompt and completion), ``mask`` (completion),
         ``behavior_logprobs`` (the sampler's log p of token t at position t), ``rewards`` [B],
-        ``group_ids`` [B] (index of the group)."""
+        ``group_ids`` [B] (index of the group); ``support_ids`` [B, T, R] (the ids the sampler
+        kept for token t, -1 padded; ``support_width``) when a group carries them."""
         rows = [(k, g, i) for k, g in enumerate(self.groups) for i in range(g.group_size)]
         width = max(len(g.prompt_tokens) + len(g.completions[i]) for _, g, i in rows)
         b = len(rows)
@@ -181,7 +212,7 @@ class Batch:
             beh[r, p : p + c] = g.logprobs[i]
             rewards[r] = g.rewards[i]
             group_ids[r] = k
-        return {
+        out = {
             "input_ids": ids,
             "attention_mask": attention,
             "mask": mask,
@@ -189,6 +220,16 @@ class Batch:
             "rewards": rewards,
             "group_ids": group_ids,
         }
+        if any(g.support for g in self.groups):
+            most = max((len(k) for g in self.groups for c in g.support if c for k in c), default=0)
+            support = np.full((b, width, support_width(most)), -1, np.int32)
+            for r, (_, g, i) in enumerate(rows):
+                kept = g.support[i] if g.support else None
+                p = len(g.prompt_tokens)
+                for t, token_ids in enumerate(kept or ()):
+                    support[r, p + t, : len(token_ids)] = token_ids
+            out["support_ids"] = support
+        return out
 
 
 class RolloutBuffer:

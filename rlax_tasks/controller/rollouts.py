@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from rlax_tasks.controller.buffer import Batch, ScoredGroup
+from rlax_tasks.controller.buffer import Batch, ScoredGroup, support_lists, support_tuples
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -59,6 +59,8 @@ def schema() -> Any:
             ("reward", pa.float32()),
             ("verifier", pa.string()),
             ("verifier_version", pa.string()),
+            # per token, the ids the sampler's top-k/top-p kept (null: not recorded)
+            ("support", pa.list_(pa.list_(pa.int32()))),
         ]
     )
 
@@ -85,6 +87,7 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             cols["reward"].append(g.rewards[i])
             cols["verifier"].append(verifiers.get(dataset, "unknown"))
             cols["verifier_version"].append(verifier_version())
+            cols["support"].append(support_lists(g.support[i]) if g.support else None)
     return cols
 
 
@@ -134,6 +137,9 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 rewards=tuple(cols["reward"][i] for i in idx),
                 verdicts=tuple(cols["verdict"][i] or "" for i in idx)
                 if "verdict" in cols and any(cols["verdict"][i] for i in idx)
+                else (),
+                support=tuple(support_tuples(cols["support"][i]) for i in idx)
+                if "support" in cols and any(cols["support"][i] is not None for i in idx)
                 else (),
             )
         )

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks.algorithms import overlong_penalty
-from rlax_tasks.controller.buffer import ScoredGroup
+from rlax_tasks.controller.buffer import ScoredGroup, support_tuples
 from rlax_tasks.controller.mixture import Prompt
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.rollout.requests import GroupResult
@@ -72,6 +72,9 @@ def scored_group(
         scores=tuple(scores),
         rewards=tuple(float(x) for x in rewards),
         verdicts=tuple(verdicts) if any(verdicts) else (),
+        support=tuple(support_tuples(c.support) for c in comps)
+        if any(c.support is not None for c in comps)
+        else (),
     )
 
 

@@ -158,7 +158,13 @@ class FakePool:
             tokens = [3 + _h(g.prompt_id, version, i, t) % 50 for t in range(n)]
             logprobs = [-((_h(g.prompt_id, version, i, t, "lp") % 1000) / 997.0) for t in range(n)]
             req = Request(g.prompt_tokens, g.params, i, (g.prompt_id, i))
-            comps.append(Completion(req, tokens, logprobs, "eos"))
+            support = None
+            if g.params.filtering:  # the ids a top-k kept: the token and others; some too many
+                support = [
+                    [] if _h(g.prompt_id, i, t, "wide") % 5 == 0 else [tok, 60 + t % 3]
+                    for t, tok in enumerate(tokens)
+                ]
+            comps.append(Completion(req, tokens, logprobs, "eos", support))
         return GroupResult(g.prompt_id, version, g.prompt_tokens, comps, None, 0.0)
 
 
