@@ -117,6 +117,10 @@ def test_overrides_dotted_and_nested():
             {"model.import_if_missing": "smollm2-135m-instruct"},
             "model.import_if_missing: choose one way to build a missing model",
         ),
+        (
+            {"rollout.top_k": 100, "rollout.support_capacity": 64},
+            "rollout.support_capacity: must be >= top_k (100) to record each token's kept ids",
+        ),
     ],
 )
 def test_bad_values_name_the_dotted_field(overrides, message):
@@ -174,3 +178,19 @@ def test_validation_helpers_name_the_field_in_the_callers_error():
         TrainerConfig(remat="fulll")
     with pytest.raises(TrainerConfigError, match="^adam_b2 must lie in \\[0.0, 1.0\\)"):
         TrainerConfig(adam_b2=1.0)
+
+
+def test_workers_record_kept_ids_only_when_top_k_or_top_p_filters():
+    """rollout.support_size: the ids per token a worker records for the trainer's sampling-mask
+    replay; none for unfiltered or greedy sampling, or with support_capacity 0."""
+    sizes = {
+        overrides: load_config("tiny-arith", dict(overrides)).rollout.support_size
+        for overrides in (
+            (),
+            (("rollout.top_k", 20),),
+            (("rollout.top_p", 0.95),),
+            (("rollout.top_p", 0.95), ("rollout.temperature", 0.0)),
+            (("rollout.top_k", 20), ("rollout.support_capacity", 0)),
+        )
+    }
+    assert list(sizes.values()) == [0, 64, 64, 0, 0]

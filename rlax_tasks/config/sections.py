@@ -128,6 +128,10 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # sampling-mask replay: with top_k or top_p on, the workers record up to this many ids
+    # their filter kept per token and the trainer takes its log-probs over them; a token whose
+    # nucleus holds more keeps the whole vocabulary (the support_replayed_frac metric); 0 = off
+    support_capacity: int = 64
     # groups in flight + buffered at most; null = prompts_per_step × (reload_every + 1), or
     # prompts_per_step for lockstep on-policy (j = k = 1)
     max_outstanding_groups: int | None = None
@@ -139,6 +143,13 @@ class RolloutSettings:
         check_float(self, "temperature", low=0.0)
         check_float(self, "top_p", low=0.0, high=1.0, open_low=True)
         check_int(self, "top_k", low=0)
+        check_int(self, "support_capacity", low=0)
+        if 0 < self.support_capacity < self.top_k:
+            raise ConfigError(
+                "support_capacity",
+                f"must be >= top_k ({self.top_k}) to record each token's kept ids (or 0 to "
+                f"replay none), got {self.support_capacity}",
+            )
         check_int(self, "max_outstanding_groups", low=1, optional=True)
         if (
             self.max_outstanding_groups is not None
@@ -155,6 +166,13 @@ class RolloutSettings:
         """The temperature of the distribution the rollouts' tokens were drawn from, at which the
         trainer takes its log-probs: ``temperature``, or 1 for greedy (0) sampling."""
         return self.temperature if self.temperature > 0 else 1.0
+
+    @property
+    def support_size(self) -> int:
+        """Kept ids a worker records per token (its sampler's ``support_capacity``): none unless
+        top-k or top-p filters the sampled distribution."""
+        filters = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
+        return self.support_capacity if filters else 0
 
 
 @dataclasses.dataclass(frozen=True)

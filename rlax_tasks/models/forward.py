@@ -74,12 +74,14 @@ def token_logprobs(
     segment_ids: jax.Array | None = None,
     keep_logits_bytes: int = 0,
     temperature: float = 1.0,
+    support: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), holding the full [B, T, V] logits only if
     they fit ``keep_logits_bytes`` (``chunked_logprobs``); ``with_entropy`` adds the predictive
     entropy. ``segment_ids`` [B, T]: packed sequences (``model_inputs``); a segment's first token
     then gets a meaningless value (predicted from the previous segment's last state).
-    ``temperature``: of the distribution softmax(logits / temperature) a sampler drew from.
+    ``temperature``: of the distribution softmax(logits / temperature) a sampler drew from;
+    ``support`` [B, T, R]: the ids it kept for token t (``chunked_logprobs``).
     """
     model = nnx.merge(graphdef, params)
     ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
@@ -91,6 +93,7 @@ def token_logprobs(
         chunk_size,
         keep_logits_bytes=keep_logits_bytes,
         temperature=temperature,
+        support=None if support is None else support[:, 1:],
     )
     zero = jnp.zeros_like(lp[:, :1])
     lp, ent = jnp.concatenate([zero, lp], 1), jnp.concatenate([zero, ent], 1)

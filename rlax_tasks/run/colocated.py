@@ -203,7 +203,12 @@ class ColocatedRun:
         self._start_parameter_server()
         self.replayed = catch_up(self.service, cfg.run_dir)
         spolicy = sampler_policy(trainer.policy(), cfg.workers.mesh_shape, cfg.model.dtype)
-        sampler = Sampler(spolicy, cfg.workers.slots, cfg.workers.max_len)
+        sampler = Sampler(
+            spolicy,
+            cfg.workers.slots,
+            cfg.workers.max_len,
+            support_capacity=cfg.rollout.support_size,
+        )
         shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
         self.weights = TrainerWeights(self.service, shardings, cfg.model.dtype)
         self.worker = InferenceWorker(

@@ -200,7 +200,8 @@ def plan_topology(
                 ["worker", "--model-dir", cfg.model.path, "--ps-url", ps_url, "--worker-id", wid,
                  *listen[wid], "--dtype", cfg.model.dtype,
                  "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
-                 "--reload-every", str(s.reload_every), mesh_arg(cfg)],
+                 "--reload-every", str(s.reload_every), mesh_arg(cfg),
+                 "--support-capacity", str(cfg.rollout.support_size)],
                 {**base, **devices[wid]},
                 **where,
             )

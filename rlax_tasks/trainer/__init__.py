@@ -9,7 +9,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "BATCH_KEYS": ".train_step",
-        "BatchFormatError": ".trainer",
+        "BatchFormatError": ".batch_format",
         "Checkpointer": ".checkpointing",
         "MetricsWriter": ".metrics",
         "RestoredCheckpoint": ".trainer",

@@ -30,6 +30,9 @@ BATCH_KEYS = (
 # optional: the batch's sequences packed into fewer rows (``packing.PackedBatch``): ids and
 # segment ids [R, L] (L >= T), token_index [B, T] into the flattened [R * L] outputs (R * L: 0)
 PACKED_KEYS = ("packed_input_ids", "packed_segment_ids", "packed_token_index")
+# optional [B, T, R] int: the ids the sampler's top-k/top-p kept for token t (-1 padded; a token
+# without any keeps the whole vocabulary): old and current log-probs are renormalised over them
+SUPPORT_KEY = "support_ids"
 VALUE_HEAD = "value_head"
 MODEL = "model"
 # the step's non-finite check, a bit per quantity (0: all finite); the trainer pops it from the
@@ -76,9 +79,11 @@ def policy_outputs(
     segment_ids: jax.Array | None = None,
     keep_logits_bytes: int = 0,
     temperature: float = 1.0,
+    support: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs,
-    of softmax(logits / ``temperature``).
+    of softmax(logits / ``temperature``), renormalised over ``support`` [B, T, R] where given
+    (the ids the sampler's top-k/top-p kept for token t; -1 = none).
 
     ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
     ``segment_ids``: packed rows (``forward.model_inputs``; ``attention_mask`` unused).
@@ -95,6 +100,7 @@ def policy_outputs(
             segment_ids=segment_ids,
             keep_logits_bytes=keep_logits_bytes,
             temperature=temperature,
+            support=support,
         )
         lp, ent = out if with_entropy else (out, None)
         return lp, ent, None
@@ -108,6 +114,7 @@ def policy_outputs(
         chunk_size,
         keep_logits_bytes=keep_logits_bytes,
         temperature=temperature,
+        support=None if support is None else support[:, 1:],
     )
     head = params[VALUE_HEAD]
     values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
@@ -242,9 +249,25 @@ def make_train_step(
                 return x
 
             to_rows = to_batch
-        micro_ids, micro_attn = _split_micro(rows_ids, n_micro), _split_micro(rows_mask, n_micro)
+        # sampling-mask replay: the ids the sampler kept per token (-1: none) laid out like the
+        # rows; the micro-batches carry them beside ids and mask
+        rows_xs = (rows_ids, rows_mask)
+        if SUPPORT_KEY in batch:
+            support = batch[SUPPORT_KEY].astype(jnp.int32)
+            if packed:  # shifted by one: where no token lands reads 0, -1 after the shift back
+                columns = [to_rows(support[..., k] + 1) - 1 for k in range(support.shape[-1])]
+                support = jnp.stack(columns, axis=-1)
+            rows_xs = (*rows_xs, support)
+        micro_xs = tuple(_split_micro(x, n_micro) for x in rows_xs)
 
-        def outputs(p: Params, ids: jax.Array, mask: jax.Array, with_entropy: bool) -> tuple:
+        def outputs(
+            p: Params,
+            ids: jax.Array,
+            mask: jax.Array,
+            kept: jax.Array | None = None,
+            *,
+            with_entropy: bool,
+        ) -> tuple:
             return policy_outputs(
                 graphdef,
                 p,
@@ -256,6 +279,7 @@ def make_train_step(
                 segment_ids=mask if packed else None,
                 keep_logits_bytes=settings.keep_logits_bytes,
                 temperature=settings.temperature,
+                support=kept,
             )
 
         # 1. the current parameters' (old policy's) log-probs, values and entropy. One
@@ -265,7 +289,7 @@ def make_train_step(
         if fused:
 
             def primal(p: Params) -> tuple[tuple, jax.Array]:
-                lp, ent, values = outputs(p, rows_ids, rows_mask, with_entropy=True)
+                lp, ent, values = outputs(p, *rows_xs, with_entropy=True)
                 # the entropy: a statistic, not differentiated
                 return (to_batch(lp), to_batch(values)), to_batch(ent)
 
@@ -273,8 +297,8 @@ def make_train_step(
         else:  # a prefill without gradients, micro-batch by micro-batch
             frozen = jax.lax.stop_gradient(params)
             old, entropy, old_values = jax.lax.map(
-                lambda xs: outputs(frozen, xs[0], xs[1], with_entropy=True),
-                (micro_ids, micro_attn),
+                lambda xs: outputs(frozen, *xs, with_entropy=True),
+                micro_xs,
             )
             old, entropy = to_batch(_join_micro(old)), to_batch(_join_micro(entropy))
             old_values = to_batch(_join_micro(old_values)) if has_values else None
@@ -305,10 +329,8 @@ def make_train_step(
             micro_g = _split_micro(to_rows(g_logp), n_micro)
             micro_gv = _split_micro(to_rows(g_values), n_micro) if has_values else micro_g
 
-            def surrogate(
-                p: Params, mids: jax.Array, mattn: jax.Array, g: jax.Array, gv: jax.Array
-            ) -> jax.Array:
-                lp, _, values = outputs(p, mids, mattn, with_entropy=False)
+            def surrogate(p: Params, g: jax.Array, gv: jax.Array, *rows: jax.Array) -> jax.Array:
+                lp, _, values = outputs(p, *rows, with_entropy=False)
                 s = jnp.sum(lp * g)
                 if values is not None:
                     s = s + jnp.sum(values * gv)
@@ -319,7 +341,7 @@ def make_train_step(
                 return jax.tree.map(jnp.add, acc, grads), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, _ = jax.lax.scan(accumulate, zeros, (micro_ids, micro_attn, micro_g, micro_gv))
+            grads, _ = jax.lax.scan(accumulate, zeros, (micro_g, micro_gv, *micro_xs))
 
         # 4. optimizer
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -350,6 +372,9 @@ def make_train_step(
             tokens=jnp.sum(attn.astype(jnp.float32)),
             sequences=jnp.asarray(b, jnp.float32),
         )
+        if SUPPORT_KEY in batch:  # completion tokens whose sampling support was replayed
+            replayed = jnp.any(batch[SUPPORT_KEY] >= 0, axis=-1).astype(jnp.float32)
+            metrics["support_replayed_frac"] = masked_mean(replayed, mask)
         if "ref_logprobs" in obj_batch:
             diff = obj_batch["ref_logprobs"] - old
             metrics["kl"] = masked_mean(jnp.exp(diff) - diff - 1.0, mask)
@@ -358,20 +383,21 @@ def make_train_step(
     return train_step
 
 
-def make_logprobs_fn(
-    graphdef: nnx.GraphDef, settings: StepSettings
-) -> Callable[[nnx.State, jax.Array, jax.Array], jax.Array]:
-    """A pure prefill (model params, ids, mask) -> log-probs [B, T], micro-batch by micro-batch.
+def make_logprobs_fn(graphdef: nnx.GraphDef, settings: StepSettings) -> Callable[..., jax.Array]:
+    """A pure prefill (model params, ids, mask[, support]) -> log-probs [B, T], micro-batch by
+    micro-batch.
 
     Used for the frozen reference policy's log-probs when the objective has a KL term (at the
-    sampling temperature, like the policy's).
+    sampling temperature and over the replayed support, like the policy's).
     """
 
-    def logprobs(model_params: nnx.State, ids: jax.Array, attn: jax.Array) -> jax.Array:
+    def logprobs(
+        model_params: nnx.State, ids: jax.Array, attn: jax.Array, support: jax.Array | None = None
+    ) -> jax.Array:
         b = ids.shape[0]
         n_micro = b // (settings.micro_batch_size or b)
 
-        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        def one(xs: tuple[jax.Array, ...]) -> jax.Array:
             return forward.token_logprobs(
                 graphdef,
                 model_params,
@@ -379,9 +405,11 @@ def make_logprobs_fn(
                 xs[1],
                 chunk_size=settings.chunk_size,
                 temperature=settings.temperature,
+                support=xs[2] if len(xs) > 2 else None,
             )
 
-        out = jax.lax.map(one, (_split_micro(ids, n_micro), _split_micro(attn, n_micro)))
+        rows = (ids, attn) if support is None else (ids, attn, support.astype(jnp.int32))
+        out = jax.lax.map(one, tuple(_split_micro(x, n_micro) for x in rows))
         return _join_micro(out)
 
     return logprobs

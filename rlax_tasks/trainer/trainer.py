@@ -28,17 +28,18 @@ from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
+from rlax_tasks.trainer.batch_format import BatchFormatError, checked_ids, host_batch
 from rlax_tasks.trainer.checkpointing import MAX_FAILED_CHECKPOINTS, Checkpointer
 from rlax_tasks.trainer.config import TrainerConfig, keep_logits_mb
 from rlax_tasks.trainer.metrics import MetricsWriter
 from rlax_tasks.trainer.optimizer import learning_rate_schedule, make_optimizer
 from rlax_tasks.trainer.packing import pack_batch, row_multiple, row_width
 from rlax_tasks.trainer.train_step import (
-    BATCH_KEYS,
     MODEL,
     NONFINITE,
     NONFINITE_BITS,
     PACKED_KEYS,
+    SUPPORT_KEY,
     VALUE_HEAD,
     StepSettings,
     init_value_head,
@@ -50,10 +51,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 EXIT_DO_NOT_RESTART = 2  # rlax's exit code for "restarting will not help" (the supervisor stops)
-
-
-class BatchFormatError(ValueError):
-    """A training batch is missing a key or has a wrong shape / dtype / value."""
 
 
 class TrainingStoppedError(ValueError):
@@ -283,7 +280,10 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             if self._ref_params is not None:
                 arrays["ref_logprobs"] = self._ref_logprobs(
-                    self._ref_params, arrays["input_ids"], arrays["attention_mask"]
+                    self._ref_params,
+                    arrays["input_ids"],
+                    arrays["attention_mask"],
+                    arrays.get(SUPPORT_KEY),
                 )
             self._params, self._opt_state, metrics = self._train_step(
                 self._params, self._opt_state, arrays
@@ -361,40 +361,9 @@ class Trainer:
 
     def _place_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Validates the numpy batch and places it on the mesh, batch axis over (data, fsdp)."""
-        missing = [k for k in BATCH_KEYS if k not in batch]
-        if missing:
-            raise BatchFormatError(f"training batch has no {missing}; it needs {list(BATCH_KEYS)}")
-        ids = np.asarray(batch["input_ids"])
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise BatchFormatError(
-                f"batch['input_ids'] must be an integer [B, T] array, got {ids.dtype} {ids.shape}"
-            )
-        b, _ = ids.shape
-        vocab = self._template.config.vocab_size
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise BatchFormatError(
-                f"batch['input_ids'] must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]"
-            )
-        dtypes = {
-            "input_ids": np.int32,
-            "attention_mask": np.int32,
-            "completion_mask": np.int32,
-            "behavior_logprobs": np.float32,
-            "rewards": np.float32,
-            "group_ids": np.int32,
-        }
-        host = {}
-        width = self._padded_width(ids.shape[1])
-        for key, dtype in dtypes.items():
-            x = np.asarray(batch[key])
-            want = (b,) if key in ("rewards", "group_ids") else ids.shape
-            if x.shape != want:
-                raise BatchFormatError(f"batch[{key!r}] has shape {x.shape}, expected {want}")
-            if key == "group_ids" and not np.issubdtype(x.dtype, np.integer):
-                raise BatchFormatError(f"batch['group_ids'] must be integers, got {x.dtype}")
-            if x.ndim == 2 and width > x.shape[1]:  # masked-out columns: no token, no loss
-                x = np.pad(x, ((0, 0), (0, width - x.shape[1])))
-            host[key] = x.astype(dtype)
+        ids = checked_ids(batch, self._template.config.vocab_size)
+        host = host_batch(batch, self._template.config.vocab_size, self._padded_width(ids.shape[1]))
+        b = ids.shape[0]
         mb = self.config.micro_batch_size
         if mb is not None and b % mb:
             raise BatchFormatError(

@@ -35,7 +35,9 @@ COLOCATED = {
     "trainer.checkpoint_every": 2,
     "trainer.warmup_steps": 0,
     "eval.every_steps": 0,
-    "rollout.temperature": 0.8,  # the trainer takes its log-probs at the sampling temperature
+    # the trainer takes its log-probs at the sampling temperature, over the top-k's kept ids
+    "rollout.temperature": 0.8,
+    "rollout.top_k": 5,
 }
 
 
@@ -121,6 +123,7 @@ def test_kill_9_at_a_random_step_then_the_same_command_resumes_exactly(runs):
     assert [r["rollout_versions"] for r in lineage] == [r["rollout_versions"] for r in reference]
     metrics = read_jsonl(os.path.join(killed.run_dir, "metrics.jsonl"))
     assert max(r["logprob_mismatch_p95"] for r in metrics) < 1e-3  # sampler and trainer at T 0.8
+    assert all(r["support_replayed_frac"] == 1.0 for r in metrics)
 
     # the final weights: the version both runs published (and mirrored) at the last step
     v_whole, a_whole = mirror_arrays(whole.run_dir)

@@ -48,8 +48,10 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     the run finishes, every step is in the lineage exactly once, in order, and the report is
     written."""
     monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
-    # sampling at T 0.8: the trainer's log-probs must be those of the tempered distribution
-    cfg = small_config(tmp_path, **{"eval.every_steps": 3, "rollout.temperature": 0.8})
+    # sampling at T 0.8 with top-k 5: the trainer's log-probs must be those of the tempered
+    # distribution over the ids the workers' top-k kept (sampling-mask replay)
+    sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5}
+    cfg = small_config(tmp_path, **{"eval.every_steps": 3, **sampling})
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
     steps = 12  # steps can come in bursts after a restart: room for the kills before the end
@@ -85,7 +87,9 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     assert times == sorted(times) and len(times) >= 3
     assert all("time" in r for r in read_jsonl(metrics_path))
     # trainer and sampler agree on the sampled tokens' log-probs (f32 both; ~0.1 at T 1)
-    assert max(r["logprob_mismatch_p95"] for r in read_jsonl(metrics_path)) < 1e-3
+    rows = read_jsonl(metrics_path)
+    assert max(r["logprob_mismatch_p95"] for r in rows) < 1e-3
+    assert all(r["support_replayed_frac"] == 1.0 for r in rows)
 
 
 @pytest.mark.slow

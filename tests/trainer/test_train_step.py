@@ -197,31 +197,36 @@ def test_dr_grpo_without_max_length_is_not_padded(tmp_path, caplog):
     assert trainer._train_step._cache_size() == 2
 
 
-def _sampled_batch(policy, temperature: float) -> dict[str, np.ndarray]:
-    """Completions drawn by the Sampler at ``temperature``, laid out as a trainer batch with the
-    sampler's log-probs as the behaviour log-probs."""
+def _sampled_batch(
+    policy, temperature: float, top_k: int = 0, new_tokens: int = 8
+) -> dict[str, np.ndarray]:
+    """Completions drawn by the Sampler at ``temperature`` (and ``top_k``, recording the ids it
+    kept), laid out by the controller's ``Batch.arrays`` as the trainer service receives them:
+    the sampler's log-probs as behaviour log-probs, its kept ids as ``support_ids``."""
+    from rlax_tasks.controller.buffer import Batch, ScoredGroup
     from rlax_tasks.rollout import Sampler
 
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 64, n)] for n in (5, 8, 3, 6)]
-    outs = Sampler(policy, max_slots=4, max_len=32).generate(
-        prompts, max_new_tokens=8, temperature=temperature, seed=1, n=2, ignore_eos=True
-    )
-    width = 8 + 8
-    batch = {k: np.zeros((len(outs), width), np.int32) for k in ("input_ids", "attention_mask")}
-    batch["completion_mask"] = np.zeros((len(outs), width), np.int32)
-    batch["behavior_logprobs"] = np.zeros((len(outs), width), np.float32)
-    for row, out in enumerate(outs):
-        prompt = prompts[row // 2]
-        ids = prompt + out.tokens
-        start = 8 - len(prompt)  # prompts left-padded to 8 tokens
-        batch["input_ids"][row, start : start + len(ids)] = ids
-        batch["attention_mask"][row, start : start + len(ids)] = 1
-        batch["completion_mask"][row, 8 : 8 + len(out.tokens)] = 1
-        batch["behavior_logprobs"][row, 8 : 8 + len(out.tokens)] = out.logprobs
-    batch["rewards"] = np.arange(len(outs), dtype=np.float32) % 2
-    batch["group_ids"] = np.repeat(np.arange(len(outs) // 2), 2).astype(np.int32)
-    return batch
+    sampler = Sampler(policy, max_slots=4, max_len=32, support_capacity=top_k)
+    outs = sampler.generate(
+        prompts, max_new_tokens=new_tokens, temperature=temperature, top_k=top_k, seed=1, n=2,
+        ignore_eos=True,
+    )  # fmt: skip
+    groups = []
+    for k, prompt in enumerate(prompts):
+        pair = outs[2 * k : 2 * k + 2]
+        groups.append(
+            ScoredGroup(
+                f"p{k}", k, 0, tuple(prompt),
+                tuple(tuple(o.tokens) for o in pair), tuple(tuple(o.logprobs) for o in pair),
+                ("length",) * 2, (0.0, 1.0), (0.0, 1.0),
+                support=tuple(tuple(map(tuple, o.support)) for o in pair) if top_k else (),
+            )
+        )  # fmt: skip
+    arrays = Batch(1, tuple(groups)).arrays()
+    arrays["completion_mask"] = arrays.pop("mask")  # as the trainer service renames it
+    return arrays
 
 
 def test_old_logprobs_are_taken_at_the_sampling_temperature(tmp_path):
@@ -240,3 +245,36 @@ def test_old_logprobs_are_taken_at_the_sampling_temperature(tmp_path):
         )
         mismatch[t] = trainer.step(batch)["logprob_mismatch_p95"]
     assert mismatch[0.7] < 1e-4 and mismatch[1.0] > 0.05, mismatch
+
+
+@pytest.mark.parametrize(
+    ("config", "new_tokens"),
+    [(dict(mesh_shape=(1, 1, 1)), 3), (dict(micro_batch_size=2, pack_sequences=False), 8)],
+    ids=["packed-one-pass", "micro-batches"],
+)
+def test_old_logprobs_are_taken_over_the_samplers_kept_tokens(tmp_path, config, new_tokens):
+    """Sampling-mask replay: a top-k sampler records each token's kept ids; the trainer's
+    recomputed log-probs, renormalised over them, equal the sampler's (packed rows in one pass,
+    or micro-batches with a separate prefill); without the support they would not. The
+    reference policy's log-probs (the KL term) are taken over the same ids: at the first step,
+    policy = reference, the KL is 0."""
+    policy = tiny_policy()
+    batch = _sampled_batch(policy, temperature=0.7, top_k=4, new_tokens=new_tokens)
+    assert batch["support_ids"].max() >= 0
+    got = {}
+    for name, b in (("replayed", batch), ("whole vocabulary", {**batch, "support_ids": None})):
+        trainer = Trainer(
+            policy,
+            make_objective("grpo"),  # with its k3 KL to the reference
+            TrainerConfig(**{**BASE, **config}),
+            str(tmp_path / name.replace(" ", "-")),
+            sampling_temperature=0.7,
+        )
+        got[name] = trainer.step(b)
+    rows = got["replayed"]["train_rows"]
+    assert rows < len(batch["rewards"]) if config.get("mesh_shape") else rows == 8  # packed?
+    assert got["replayed"]["logprob_mismatch_p95"] < 1e-4, got["replayed"]
+    assert got["whole vocabulary"]["logprob_mismatch_p95"] > 0.05
+    assert got["replayed"]["support_replayed_frac"] == 1.0
+    assert "support_replayed_frac" not in got["whole vocabulary"]
+    assert got["replayed"]["kl"] < 1e-6 and got["whole vocabulary"]["kl"] < 1e-6
