@@ -21,7 +21,11 @@ def _scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
 
     acc = EventAccumulator(directory, size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    # by step: a restarted writer's event file may sort before the first one (both named
+    # after the same second), and TensorBoard plots by step whatever the file order
+    return {
+        tag: sorted((e.step, e.value) for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]
+    }
 
 
 def _lineage(run_dir: str, step: int, rollout_versions: list[int], dropped: int) -> None:
