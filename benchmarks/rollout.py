@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     top_k = {"temperature": temperature, "top_k": 20, "seed": args.seed}
     recording = Sampler(
         policy, max_slots=args.batch, max_len=max_len, decode_chunk=args.decode_chunk,
-        support_capacity=64,
+        support_capacity=20,  # what rollout.support_size gives for top_k 20
     )  # fmt: skip
     log.info("top-k sampling with and without recording the kept ids, in turn")
     (plain_s, _), (recorded_s, recorded) = timed_side_by_side(

@@ -193,4 +193,4 @@ def test_workers_record_kept_ids_only_when_top_k_or_top_p_filters():
             (("rollout.top_k", 20), ("rollout.support_capacity", 0)),
         )
     }
-    assert list(sizes.values()) == [0, 64, 64, 0, 0]
+    assert list(sizes.values()) == [0, 20, 64, 0, 0]

@@ -170,9 +170,11 @@ class RolloutSettings:
     @property
     def support_size(self) -> int:
         """Kept ids a worker records per token (its sampler's ``support_capacity``): none unless
-        top-k or top-p filters the sampled distribution."""
+        top-k or top-p filters the sampled distribution, at most top_k with top-k."""
         filters = self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
-        return self.support_capacity if filters else 0
+        if not filters:
+            return 0
+        return min(self.support_capacity, self.top_k) if self.top_k else self.support_capacity
 
 
 @dataclasses.dataclass(frozen=True)

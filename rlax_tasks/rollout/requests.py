@@ -80,7 +80,7 @@ class Request:
 class Completion:
     """A finished request: generated ``tokens`` (prompt excluded), the log-prob of each under the
     distribution it was sampled from, and why it ended. ``support``: for a request whose top-k/
-    top-p filtered (and a sampler recording them), each token's kept ids, most likely first
+    top-p filtered (and a sampler recording them), each token's kept ids, in id order
     (empty where more were kept than the sampler's capacity); None otherwise."""
 
     request: Request

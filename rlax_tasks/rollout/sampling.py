@@ -93,15 +93,19 @@ def sample_tokens(
 
 
 def kept_support(filtered: jax.Array, size: int) -> jax.Array:
-    """The ids of each row's tokens that ``filter_logits`` kept (finite), most likely first,
-    -1 padded to ``size`` [B, size] int32; a row that kept more than ``size`` tokens gets -1
-    everywhere (it cannot be replayed: the trainer keeps the whole vocabulary there)."""
+    """The ids of each row's tokens that ``filter_logits`` kept (finite), in id order, -1
+    padded to ``size`` [B, size] int32; a row that kept more than ``size`` tokens gets -1
+    everywhere (it cannot be replayed: the trainer keeps the whole vocabulary there). One pass
+    over the row (a running count places each kept id), no top-k sort."""
     kept = filtered > _NEG_INF
-    values, ids = jax.lax.top_k(filtered, min(size, filtered.shape[-1]))
-    ids = jnp.where(values > _NEG_INF, ids, -1).astype(jnp.int32)
-    ids = jnp.pad(ids, ((0, 0), (0, size - ids.shape[-1])), constant_values=-1)
+    slot = jnp.cumsum(kept, axis=-1, dtype=jnp.int32) - 1  # where each kept id goes
+    slot = jnp.where(kept & (slot < size), slot, size)  # the rest: one past the end, dropped
+    rows, vocab = filtered.shape
+    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (rows, vocab))
+    out = jnp.full((rows, size), -1, jnp.int32)
+    out = out.at[jnp.arange(rows)[:, None], slot].set(ids, mode="drop")
     fits = jnp.sum(kept, axis=-1) <= size
-    return jnp.where(fits[:, None], ids, -1)
+    return jnp.where(fits[:, None], out, -1)
 
 
 def _logprobs_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
