@@ -149,10 +149,12 @@ def unpack_tokens(packed: jax.Array, token_index: jax.Array) -> jax.Array:
 
 
 def pack_tokens(x: jax.Array, token_index: jax.Array, rows: int, width: int) -> jax.Array:
-    """``unpack_tokens``'s transpose: [B, T] values placed at their packed positions [R, L]
-    (``rows``, ``width``; 0 where no token of the batch lands)."""
-    flat = jnp.zeros((rows * width + 1,), x.dtype).at[token_index].add(x)
-    return constrain(flat[:-1].reshape(rows, width), BATCH, None)
+    """``unpack_tokens``'s transpose: [B, T, ...] values placed at their packed positions
+    [R, L, ...] (``rows``, ``width``; 0 where no token of the batch lands)."""
+    trailing = x.shape[2:]
+    flat = jnp.zeros((rows * width + 1, *trailing), x.dtype).at[token_index].add(x)
+    packed = flat[:-1].reshape(rows, width, *trailing)
+    return constrain(packed, BATCH, *([None] * (1 + len(trailing))))
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -255,8 +257,7 @@ def make_train_step(
         if SUPPORT_KEY in batch:
             support = batch[SUPPORT_KEY].astype(jnp.int32)
             if packed:  # shifted by one: where no token lands reads 0, -1 after the shift back
-                columns = [to_rows(support[..., k] + 1) - 1 for k in range(support.shape[-1])]
-                support = jnp.stack(columns, axis=-1)
+                support = to_rows(support + 1) - 1
             rows_xs = (*rows_xs, support)
         micro_xs = tuple(_split_micro(x, n_micro) for x in rows_xs)
 
