@@ -111,7 +111,9 @@ class Objective:
             beh = _token_array(batch, "behavior_logprobs", shape, why).astype(jnp.float32)
             beh = jax.lax.stop_gradient(beh)
         beh_w, beh_flag = importance.BEHAVIOR_IS[c.behavior_is](old, beh, mask, c.behavior_is_cap)
+        # the 0/1 output of MIS marks masked tokens, that of TIS truncated ones
         masked_out = c.behavior_is in names.MIS_MODES
+        beh_flag_frac = masked_mean(beh_flag, mask)
         is_w = jnp.ones(shape, jnp.float32) * ratio_w * beh_w
 
         # GradTerm1, and the tokens whose gradient is clipped away (or whose ratio is IS-clipped).
@@ -139,8 +141,8 @@ class Objective:
             "is_weight_mean": masked_mean(is_w, mask),
             "is_weight_max": masked_max(is_w, mask),
             "is_weight_p95": masked_quantile(is_w, mask, 0.95),
-            "is_truncated_frac": masked_mean(beh_flag, mask) * (not masked_out),
-            "is_masked_frac": masked_mean(beh_flag, mask) * masked_out,
+            "is_truncated_frac": beh_flag_frac * (not masked_out),
+            "is_masked_frac": beh_flag_frac * masked_out,
             "adv_mean": masked_mean(adv, mask),
             "adv_std": masked_std(adv, mask),
             "adv_min": masked_min(adv, mask),

@@ -101,21 +101,11 @@ class Precompiler:
         args = self._abstract_state()
         refill = np.bool_(False)
         sampler = self.sampler
+        static, support = (filtering, sampling), sampler.support_size(filtering)
 
         def lower(w: int) -> list[Any]:
             graphdef, chunk = sampler.policy.graphdef, sampler.decode_chunk
-            return [
-                sampler._decode_fn.lower(
-                    graphdef,
-                    *args,
-                    chunk,
-                    filtering,
-                    sampling,
-                    w,
-                    refill,
-                    sampler.support_size(filtering),
-                )
-            ]
+            return [sampler._decode_fn.lower(graphdef, *args, chunk, *static, w, refill, support)]
 
         self._start(f"decode windows {windows}", [functools.partial(lower, w) for w in windows])
 

@@ -40,10 +40,12 @@ def checked_ids(batch: dict[str, Any], vocab: int) -> np.ndarray:
     return ids
 
 
-def host_batch(batch: dict[str, Any], vocab: int, width: int) -> dict[str, np.ndarray]:
+def host_batch(
+    batch: dict[str, Any], ids: np.ndarray, vocab: int, width: int
+) -> dict[str, np.ndarray]:
     """The batch's arrays in the step's dtypes, token arrays right-padded to ``width`` (masked-out
-    columns: no token, no loss); the support too when the batch carries one."""
-    ids = checked_ids(batch, vocab)
+    columns: no token, no loss); the support too when the batch carries one. ``ids``: its
+    ``checked_ids``."""
     b = ids.shape[0]
     host = {}
     for key, dtype in DTYPES.items():

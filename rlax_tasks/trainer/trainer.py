@@ -361,8 +361,9 @@ class Trainer:
 
     def _place_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Validates the numpy batch and places it on the mesh, batch axis over (data, fsdp)."""
-        ids = checked_ids(batch, self._template.config.vocab_size)
-        host = host_batch(batch, self._template.config.vocab_size, self._padded_width(ids.shape[1]))
+        vocab = self._template.config.vocab_size
+        ids = checked_ids(batch, vocab)
+        host = host_batch(batch, ids, vocab, self._padded_width(ids.shape[1]))
         b = ids.shape[0]
         mb = self.config.micro_batch_size
         if mb is not None and b % mb:
