@@ -2,19 +2,19 @@
 
 Both sides stream block by block (``push_plan`` reads a push's blocks from the device shards,
 ``receive`` checks a pull's blocks into host arrays, ``placement`` puts those onto devices): each
-holds one copy of the weights plus a chunk. Every call has timeouts: a dead server hangs none."""
+holds one copy of the weights plus a chunk. A worker pulling over TCP also keeps a host copy of
+the version it holds, so the next pull brings only what changed (``delta``). Every call has
+timeouts: a dead server hangs none."""
 
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import logging
 import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -30,10 +30,18 @@ from rlax_tasks.paramserver.errors import (
     ServerUnavailableError,
 )
 from rlax_tasks.paramserver.naming import flatten_named
-from rlax_tasks.paramserver.placement import Placement
 from rlax_tasks.paramserver.push_plan import PlannedBlock, plan_leaf, push_part
-from rlax_tasks.paramserver.receive import Fill, check_out_alone, receive_blocks
+from rlax_tasks.paramserver.receive import (
+    Counting,
+    HeldVersion,
+    PullStats,
+    check_out_alone,
+    read_delta,
+    read_shared,
+    read_stream,
+)
 from rlax_tasks.paramserver.server import (
+    DELTA_TYPE,
     PART_HEADER,
     PARTS_HEADER,
     SHARED_MEMORY_TYPE,
@@ -51,12 +59,8 @@ from rlax_tasks.paramserver.wire import (
     block_header_size,
     crc32c,
     end_frame,
-    read_block_header,
-    read_end,
-    read_manifest,
     version_digest,
 )
-from rlax_tasks.rundir.storage import read_into
 from rlax_tasks.services.endpoints import Endpoint
 from rlax_tasks.services.http import MAX_WAIT_S, JsonClient, Reply, backoff_s
 from rlax_tasks.services.http import TRANSPORT_ERRORS as _TRANSPORT_ERRORS
@@ -81,11 +85,13 @@ class ParameterServerClient:
         hash_threads: int = 0,
         push_wait_s: float = 600.0,
         shared_memory: bool = True,
+        delta: bool = True,
     ) -> None:
         """``shared_memory``: on the server's host, pulls copy a version out of the server's
         shared memory instead of receiving it over TCP (same checks; TCP when it is not
-        possible). ``hash_threads`` is accepted and ignored: CRC32C runs inline (a thread pool
-        was no faster: google_crc32c holds the GIL for numpy buffers)."""
+        possible). ``delta``: after a pull over TCP, keep a host copy of the version so the next
+        pull receives only the changed elements. ``hash_threads`` is ignored: CRC32C runs
+        inline (google_crc32c holds the GIL for numpy buffers: a thread pool was no faster)."""
         del hash_threads
         # a URL, or the service file the PS publishes its address to (followed when it moves)
         self._endpoint = Endpoint(url)
@@ -105,6 +111,10 @@ class ParameterServerClient:
         self.push_wait_s = push_wait_s
         self._local = shm.host_identity() if shared_memory else ""
         self._segments = shm.SegmentReader()  # the server's segments, mapped between pulls
+        self.delta = delta
+        self._held: HeldVersion | None = None  # taken by a pull while it rebuilds or replaces it
+        self._held_lock = threading.Lock()
+        self.last_pull: PullStats | None = None
         self._heartbeat_stop: threading.Event | None = None
         # the small JSON calls (the data plane streams over its own connections)
         self._http = JsonClient(
@@ -409,8 +419,12 @@ class ParameterServerClient:
             query = {**query, "wait_s": f"{wait_s:.3f}"}
         if self._local:  # on the server's host, it answers with where the version lies
             query = {**query, "local": self._local}
+        held = self._take_held() if self.delta and out is None else None
+        if held is not None:  # the server may answer with the changes since this one
+            query = {**query, "have": held.manifest.version, "have_digest": held.digest.hex()}
         target = path + ("?" + urllib.parse.urlencode(query) if query else "")
         conn = self._connection(self.timeout_s + wait_s)
+        consumed = False  # whether this pull rebuilt or replaced the held copy
         try:
             conn.request("GET", target, headers=self._headers())
             resp = conn.getresponse()
@@ -429,68 +443,75 @@ class ParameterServerClient:
                 except OSError as e:  # e.g. /proc/<pid>/fd not ours to open: TCP from now on
                     log.info("shared memory of %s unusable (%s); pulling over TCP", self.url, e)
                     self._local = ""
+                    self._give_back(held)
+                    held = None
                     return self._pull_once(path, asked, wait_s, shardings, like, out)
                 how = "shared memory"
+            elif resp.getheader("Content-Type") == DELTA_TYPE:
+                if held is None:
+                    raise WireError("the server sent a delta this client did not ask for")
+                consumed = True
+                version, arrays = self._receive_delta(Counting(resp), held, shardings, like)
+                how = f"TCP (delta from version {held.manifest.version})"
             else:
-                version, arrays = self._receive(resp, shardings, like, out)
+                consumed = True
+                version, arrays = self._receive(Counting(resp), shardings, like, out, held)
                 how = "TCP"
             log.debug(
                 "pulled version %s through %s in %.2fs", version, how, time.perf_counter() - t0
             )
         finally:
             conn.close()
+            if not consumed:  # no body used it (no version yet, refused, shared memory)
+                self._give_back(held)
         return version, arrays
 
-    def _receive(self, resp: Any, shardings: Any, like: Any, out: Any) -> tuple[int, Any]:
-        """Reads one wire stream into arrays (verified, then placed); returns (version, params)."""
-        manifest = read_manifest(resp)
+    def _take_held(self) -> HeldVersion | None:
+        """The held copy, now this pull's: a pull that fails leaves none (a delta may have
+        rebuilt part of it), and a concurrent pull takes the whole version."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        return held
 
-        def blocks() -> Any:
-            for _ in range(manifest.num_blocks):
-                header = read_block_header(resp, manifest)
+    def _give_back(self, held: HeldVersion | None) -> None:
+        """A held copy taken by a pull that left it untouched, held again."""
+        if held is not None:
+            with self._held_lock:
+                if self._held is None:
+                    self._held = held
 
-                def fill(view: memoryview) -> int:
-                    read_into(resp, view)
-                    return crc32c(view)
+    def _keep(self, held: HeldVersion | None) -> None:
+        """``held``, a verified version's host copy, as the base of the next pull."""
+        with self._held_lock:
+            self._held = held
 
-                yield header, fill
+    def _receive(
+        self, resp: Counting, shardings: Any, like: Any, out: Any, held: HeldVersion | None
+    ) -> tuple[int, Any]:
+        """One wire stream into placed arrays: (version, params). With ``delta`` on (and no
+        ``out``) its host copy is kept as the next pull's base."""
+        keep = self.delta and out is None
+        version, params, kept = read_stream(resp, shardings, like, out, held, keep)
+        self._keep(kept)
+        self.last_pull = PullStats(version, "tcp", None, resp.count, resp.count)
+        return version, params
 
-        params, headers = _receive_version(manifest, blocks(), shardings, like, out)
-        read_end(resp, manifest, headers)
-        return manifest.version, params
+    def _receive_delta(
+        self, resp: Counting, held: HeldVersion, shardings: Any, like: Any
+    ) -> tuple[int, Any]:
+        """A delta stream rebuilt on ``held`` into placed arrays: (version, params)."""
+        version, params, kept, full = read_delta(resp, held, shardings, like)
+        self._keep(kept)
+        self.last_pull = PullStats(version, "tcp", held.manifest.version, resp.count, full)
+        return version, params
 
     def _receive_shared(
         self, descriptor: dict, shardings: Any, like: Any, out: Any
     ) -> tuple[int, Any]:
-        """Copies a version out of the server's shared memory (a descriptor: manifest, block
-        headers, where each block lies), each block's CRC32C and the digest checked as on TCP."""
-        try:
-            manifest = Manifest.from_json(descriptor["manifest"])
-            raw_blocks = descriptor["blocks"]
-            digest = bytes.fromhex(descriptor["digest"])
-            segments = descriptor["segments"]
-            if len(raw_blocks) != manifest.num_blocks:
-                raise WireError(f"{len(raw_blocks)} blocks for a manifest of {manifest.num_blocks}")
-        except (KeyError, TypeError, ValueError) as e:
-            raise WireError(f"malformed shared-memory descriptor: {e!r}") from None
-        with self._segments.reading(segments, descriptor.get("live")) as copy:
-
-            def blocks() -> Any:
-                for raw, segment, offset in raw_blocks:
-                    header = read_block_header(io.BytesIO(bytes.fromhex(raw)), manifest)
-
-                    def fill(view: memoryview, segment: int = segment, offset: int = offset) -> int:
-                        return copy(segment, offset, view)
-
-                    yield header, fill
-
-            params, headers = _receive_version(manifest, blocks(), shardings, like, out)
-        if digest != version_digest(manifest, headers):
-            raise WireError(
-                f"version {manifest.version}: the descriptor's digest does not match its manifest "
-                "and block headers"
-            )
-        return manifest.version, params
+        """A version copied out of the server's shared memory into placed arrays."""
+        version, params, nbytes = read_shared(descriptor, self._segments, shardings, like, out)
+        self.last_pull = PullStats(version, "shared memory", None, nbytes, nbytes)
+        return version, params
 
     # ------------------------------------------------------------------ plumbing
     def _require_worker(self) -> str:
@@ -569,20 +590,6 @@ def _error_message(body: bytes) -> str:
         return json.loads(body).get("error", "")
     except (ValueError, AttributeError):
         return body[:200].decode(errors="replace")
-
-
-def _receive_version(
-    manifest: Manifest,
-    blocks: Iterable[tuple[BlockHeader, Fill]],
-    shardings: Any,
-    like: Any,
-    out: Any,
-) -> tuple[Any, list[BlockHeader]]:
-    """A version's blocks received and placed (``shardings`` / ``like``, checked against its
-    manifest before any block is read): (params, block headers)."""
-    placement = Placement(manifest, shardings, like)
-    arrays, headers = receive_blocks(manifest, blocks, placement.place, out)
-    return placement.result(arrays), headers
 
 
 def _assembly_timeout(reply: dict) -> float:

@@ -24,6 +24,7 @@ import numpy as np
 
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver import shared_memory
+from rlax_tasks.paramserver.delta import delta_frames
 from rlax_tasks.paramserver.store import (
     Assembly,
     Block,
@@ -73,6 +74,9 @@ PART_HEADER = "X-RLAX-Push-Part"  # this push is part i (0-based) ...
 PARTS_HEADER = "X-RLAX-Push-Parts"  # ... of n parts of a multi-host version
 # a pull answered with where the version lies in shared memory (the puller is on this host)
 SHARED_MEMORY_TYPE = "application/vnd.rlax.shared-memory+json"
+# a pull answered with the changes since the version the puller holds (its ``have`` and
+# ``have_digest``): rlax_tasks/paramserver/delta.py, sent chunked
+DELTA_TYPE = "application/vnd.rlax.weights-delta"
 MAX_PARTS = 65536
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
@@ -442,7 +446,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # Routes (Authorization: Bearer <token>: missing 401, wrong 403; X-RLAX-Worker: <id> on any
     # request registers the worker and counts as a heartbeat):
-    #   GET /v1/status, /v1/latest, /v1/pull?min_version=&wait_s= (long poll; 204: none yet)
+    #   GET /v1/status, /v1/latest, /v1/pull?min_version=&wait_s= (long poll; 204: none yet);
+    #     a pull or GET of a version with have=<u>&have_digest=<hex>: a delta when u is held here
     #   GET /v1/versions/<v> (404: not held); PUT /v1/versions/<v>: a push (409 unless newest)
     #   POST /v1/versions/<v>/reserve?wait_s= {"nbytes": n}: 200 (reserved for io_timeout_s),
     #     503 + Retry-After (no room yet: ask again) or 413 (can never fit)
@@ -607,11 +612,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send_version(self, weights: WeightVersion, query: dict[str, list[str]]) -> None:
         """The version's wire stream; or, to a puller on this host (its ``local`` identity is
-        ours), where the version lies in shared memory."""
+        ours), where the version lies in shared memory; or, to one that holds a version still
+        held here (``have``, with its digest), the changes since that one."""
         local = query.get("local", [""])[0]
         with weights.pinned():  # VersionGoneError (404) if it was recycled meanwhile
             if local and local == shared_memory.host_identity() and weights.shared():
                 return self._send_descriptor(weights)
+            base = self._delta_base(weights, query)
+            if base is not None:
+                try:
+                    with base.pinned():
+                        return self._send_delta(weights, base)
+                except VersionGoneError:  # the base was recycled meanwhile: the whole version
+                    pass
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(weights.stream_length()))
@@ -621,6 +634,49 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             for frame in weights.frames():
                 self.wfile.write(frame)
         log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
+
+    def _delta_base(
+        self, weights: WeightVersion, query: dict[str, list[str]]
+    ) -> WeightVersion | None:
+        """The version the puller holds (``have``) when it is held here with the same content
+        (``have_digest``) and the same arrays as ``weights``: the base of a delta pull."""
+        have = _int_param(query, "have")
+        if have is None or have > weights.version:
+            return None
+        try:
+            base = self.ps.store.get(have)
+        except UnknownVersionError:
+            return None
+        same_arrays = base.manifest.arrays == weights.manifest.arrays
+        if not same_arrays or query.get("have_digest", [""])[0] != base.digest.hex():
+            return None
+        return base
+
+    def _send_delta(self, weights: WeightVersion, base: WeightVersion) -> None:
+        """``weights`` as a delta against ``base`` (both pinned), chunked: its length is known
+        only once each block is encoded, one at a time."""
+        self.send_response(200)
+        self.send_header("Content-Type", DELTA_TYPE)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header(VERSION_HEADER, str(weights.version))
+        self.end_headers()
+        t0, sent = time.perf_counter(), 0
+        frames = delta_frames(
+            weights.manifest, [(b.header, b.data) for b in weights.blocks], base.version,
+            [(b.header, b.data) for b in base.blocks], weights.digest,
+        )  # fmt: skip
+        for frame in frames:
+            size = len(frame) if isinstance(frame, bytes) else frame.nbytes
+            if size:
+                self.wfile.write(f"{size:x}\r\n".encode())
+                self.wfile.write(frame if isinstance(frame, bytes) else memoryview(frame))
+                self.wfile.write(b"\r\n")
+                sent += size
+        self.wfile.write(b"0\r\n\r\n")
+        log.debug(
+            "served version %d as a delta from %d (%d of %d bytes) in %.2fs", weights.version,
+            base.version, sent, weights.stream_length(), time.perf_counter() - t0,
+        )  # fmt: skip
 
     def _send_descriptor(self, weights: WeightVersion) -> None:
         segments = weights.segments()

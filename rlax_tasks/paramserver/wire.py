@@ -32,9 +32,12 @@ _MANIFEST = struct.Struct("!4sQ")
 # block: "RXB2" u32 array u32 ndim u64 nbytes u32 crc32c, u64 start[ndim] u64 stop[ndim], then
 # nbytes raw bytes: the C-ordered region start:stop of that array (contiguous in its source shard)
 _BLOCK = struct.Struct("!4sIIQI")
+# delta block: "RXD2" u32 array u32 ndim u8 encoding u64 nbytes u32 crc32c u32 target crc32c, u64
+# start[ndim] u64 stop[ndim], then nbytes of payload (rlax_tasks/paramserver/delta.py)
+_DELTA = struct.Struct("!4sIIBQII")
 # end: "RXE2" u64 num_blocks, sha256[32] version digest (version_digest)
 _END = struct.Struct("!4sQ32s")
-_MANIFEST_MAGIC, _BLOCK_MAGIC, _END_MAGIC = b"RXM1", b"RXB2", b"RXE2"
+_MANIFEST_MAGIC, _BLOCK_MAGIC, _END_MAGIC, _DELTA_MAGIC = b"RXM1", b"RXB2", b"RXE2", b"RXD2"
 # format 1, still read from old mirrors: a sha256 per block in place of its CRC32C, an end frame
 # with sha256 over the block hashes; each block is checked, then given its CRC32C
 _BLOCK_V1 = struct.Struct("!4sIIQ32s")
@@ -98,19 +101,21 @@ class ArraySpec:
 class Manifest:
     """What a version holds: its number, its arrays (in stream order) and how many blocks follow.
 
-    ``format``: the wire format of the frames that follow (only ``FORMAT`` is ever written)."""
+    ``format``: the wire format of the frames that follow (only ``FORMAT`` is ever written);
+    ``base``: a delta stream's base version (its frames are ``DeltaHeader``s), None otherwise."""
 
     version: int
     arrays: tuple[ArraySpec, ...]
     num_blocks: int
     format: int = FORMAT
+    base: int | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
     def to_json(self) -> dict:
-        return {
+        obj = {
             "format": self.format,
             "version": self.version,
             "arrays": [
@@ -118,6 +123,9 @@ class Manifest:
             ],
             "num_blocks": self.num_blocks,
         }
+        if self.base is not None:
+            obj["base"] = self.base
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict, formats: Sequence[int] = (FORMAT,)) -> Manifest:
@@ -132,7 +140,9 @@ class Manifest:
                 ArraySpec(str(a["name"]), str(a["dtype"]), tuple(int(d) for d in a["shape"]))
                 for a in obj["arrays"]
             )
-            manifest = cls(int(obj["version"]), arrays, int(obj["num_blocks"]), obj["format"])
+            base = obj.get("base")
+            base = None if base is None else int(base)
+            manifest = cls(int(obj["version"]), arrays, int(obj["num_blocks"]), obj["format"], base)
         except (KeyError, TypeError) as e:
             raise WireError(f"malformed manifest: {e!r}") from e
         names = [a.name for a in arrays]
@@ -144,6 +154,8 @@ class Manifest:
                 raise WireError(f"array {a.name!r} has a negative dimension {a.shape}")
         if manifest.num_blocks < 0:
             raise WireError("negative block count")
+        if manifest.base is not None and manifest.base < 0:
+            raise WireError(f"negative base version {manifest.base}")
         return manifest
 
     def encode(self) -> bytes:
@@ -172,6 +184,40 @@ class BlockHeader:
     def encode(self) -> bytes:
         ndim = len(self.start)
         fixed = _BLOCK.pack(_BLOCK_MAGIC, self.array, ndim, self.nbytes, self.crc32c)
+        return fixed + struct.pack(f"!{2 * ndim}Q", *self.start, *self.stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaHeader:
+    """One block of a delta stream: the region [start, stop) of an array, how its ``payload``
+    of ``nbytes`` (CRC32C ``crc32c``) rebuilds it from the base (``encoding``, one of
+    rlax_tasks.paramserver.delta's), and ``target_crc32c``, the CRC32C of the rebuilt region."""
+
+    array: int
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    encoding: int
+    nbytes: int
+    crc32c: int
+    target_crc32c: int
+    region_nbytes: int = 0  # the rebuilt region's size (known from the manifest; not sent)
+
+    @property
+    def region(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
+
+    def target(self) -> BlockHeader:
+        """The header of the block it rebuilds: what a full stream would have sent."""
+        return BlockHeader(
+            self.array, self.start, self.stop, self.region_nbytes, self.target_crc32c
+        )
+
+    def encode(self) -> bytes:
+        ndim = len(self.start)
+        fixed = _DELTA.pack(
+            _DELTA_MAGIC, self.array, ndim, self.encoding, self.nbytes, self.crc32c,
+            self.target_crc32c,
+        )  # fmt: skip
         return fixed + struct.pack(f"!{2 * ndim}Q", *self.start, *self.stop)
 
 
@@ -313,6 +359,17 @@ def read_block_header(fh: BinaryIO, manifest: Manifest) -> BlockHeader:
     return BlockHeader(array, start, stop, nbytes, crc)
 
 
+def read_delta_header(fh: BinaryIO, manifest: Manifest) -> DeltaHeader:
+    """The next block header of a delta stream, its region validated against the manifest."""
+    array, ndim, encoding, nbytes, crc, target = _read_frame(
+        fh, _DELTA, _DELTA_MAGIC, "a delta block"
+    )
+    start, stop, region_nbytes = _region(fh, manifest, array, ndim)
+    if nbytes > MAX_BLOCK_BYTES:
+        raise WireError(f"delta block of {manifest.arrays[array].name!r} declares {nbytes} bytes")
+    return DeltaHeader(array, start, stop, encoding, nbytes, crc, target, region_nbytes)
+
+
 def read_end(fh: BinaryIO, manifest: Manifest, headers: Sequence[BlockHeader]) -> None:
     """Reads the end frame and checks the block count and the version digest."""
     count, digest = _read_frame(fh, _END, _END_MAGIC, "the end frame")
@@ -330,6 +387,19 @@ def _read_region(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(start, stop) of a block header, validated: the array exists, the region lies inside it
     and ``nbytes`` is its size."""
+    start, stop, expected = _region(fh, manifest, array, ndim)
+    if nbytes != expected or nbytes > MAX_BLOCK_BYTES:
+        raise WireError(
+            f"block of {manifest.arrays[array].name!r} declares {nbytes} bytes for {expected}"
+        )
+    return start, stop
+
+
+def _region(
+    fh: BinaryIO, manifest: Manifest, array: int, ndim: int
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(start, stop, size in bytes) of a block header's region, validated: the array exists and
+    the region lies inside it."""
     if array >= len(manifest.arrays):
         raise WireError(f"block names array #{array}; the manifest has {len(manifest.arrays)}")
     spec = manifest.arrays[array]
@@ -339,10 +409,7 @@ def _read_region(
     start, stop = tuple(coords[:ndim]), tuple(coords[ndim:])
     if any(not (0 <= a < b <= d) for a, b, d in zip(start, stop, spec.shape, strict=True)):
         raise WireError(f"block region {start}:{stop} lies outside {spec.name!r} {spec.shape}")
-    expected = math.prod(b - a for a, b in zip(start, stop, strict=True)) * spec.itemsize
-    if nbytes != expected or nbytes > MAX_BLOCK_BYTES:
-        raise WireError(f"block of {spec.name!r} declares {nbytes} bytes for {expected}")
-    return start, stop
+    return start, stop, math.prod(b - a for a, b in zip(start, stop, strict=True)) * spec.itemsize
 
 
 # --------------------------------------------------------------------------- format 1 (read only)

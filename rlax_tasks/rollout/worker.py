@@ -79,6 +79,8 @@ class WorkerStats:
     reloads: int = 0
     groups_discarded: int = 0
     last_reload_s: float | None = None
+    pulled_bytes: int = 0  # received by the reloads (deltas where the source sent them) ...
+    pulled_full_bytes: int = 0  # ... and what whole versions would have taken
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -343,12 +345,17 @@ class InferenceWorker:
         self._ack(version)
         self.stats.reloads += 1
         self.stats.last_reload_s = time.monotonic() - t0
+        pulled = getattr(self.source, "last_pull", None)  # the PS client's PullStats
+        how = ""
+        if pulled is not None and pulled.version == version:
+            self.stats.pulled_bytes += pulled.nbytes
+            self.stats.pulled_full_bytes += pulled.full_nbytes
+            if pulled.base is not None:
+                how = f", a delta from v{pulled.base}: {pulled.nbytes / pulled.full_nbytes:.1%}"
         log.info(
-            "worker loaded weights v%d in %.2fs (%d unfinished groups regenerate)",
-            version,
-            self.stats.last_reload_s,
-            len(again),
-        )
+            "worker loaded weights v%d in %.2fs%s (%d unfinished groups regenerate)",
+            version, self.stats.last_reload_s, how, len(again),
+        )  # fmt: skip
 
     def _ack(self, version: int) -> None:
         """Tells the source ``version`` is loaded; when it cannot be reached (a PS restarting

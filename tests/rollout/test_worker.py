@@ -256,14 +256,18 @@ def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
 
 @pytest.mark.slow
 def test_worker_follows_the_real_parameter_server(policies):
-    """Weights pulled from `ParameterServer` with the §3 reload rule; acks reach the server."""
+    """Weights pulled from `ParameterServer` with the §3 reload rule; acks reach the server. The
+    worker pulls over TCP, as from another host: its reload is a delta from the version it
+    held, and generates exactly what the new weights give."""
     from rlax_tasks.paramserver import ParameterServerClient
     from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 
     with ParameterServer(ServerConfig(token="t", keep_versions=4)) as server:
         trainer = ParameterServerClient(server.address, token="t")
         trainer.push(0, policies[0].params)
-        source = ParameterServerClient(server.address, token="t", worker_id="w0", timeout_s=10)
+        source = ParameterServerClient(
+            server.address, token="t", worker_id="w0", timeout_s=10, shared_memory=False
+        )
         sampler = Sampler(Policy.init(CONFIG, seed=3, tokenizer=TOKENIZER), 4, 64)
         with InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0) as worker:
             assert worker.version == 0
@@ -275,6 +279,7 @@ def test_worker_follows_the_real_parameter_server(policies):
             worker.submit([group("b", "1+2=")])
             second = collect(worker, 1)["b"]
             acked = server.status()["workers"]
+            pulled = worker.status()
         trainer.close()
         source.close()
     # j=2: one version ahead (1) is no reason to reload, so "a" ran on 0; 2 came after "a"
@@ -282,6 +287,8 @@ def test_worker_follows_the_real_parameter_server(policies):
     assert [c.tokens for c in first.completions] == expected(policies[first.version], "1+2=")
     assert [c.tokens for c in second.completions] == expected(policies[2], "1+2=")
     assert acked["w0"]["acked"] == 2
+    assert (source.last_pull.version, source.last_pull.base) == (2, 0)
+    assert 0 < pulled["pulled_bytes"] <= pulled["pulled_full_bytes"]
 
 
 def test_a_group_with_min_version_waits_for_newer_weights(policies):
