@@ -1,8 +1,11 @@
 """Weight sync: a ``--gib`` version pushed to `rlax ps serve` until ``--workers`` workers hold it,
 verified (same-host shared memory, then TCP), against the memcpy floor of the same bytes
 (1 + workers times), steady state from version 3; then through a minimal Arrow Flight server
-with the same guarantees, a comparison only (no product path).
-``.venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--no-tcp] [--no-flight]``"""
+with the same guarantees, a comparison only (no product path). Last, delta pulls: real models
+(tiny-arith's and the 30M benchmark model) trained by Adam at lr 1e-6, bf16 versions pulled over
+TCP whole and as deltas, bytes and time against the memcpy floor.
+``.venv/bin/python benchmarks/weight_sync.py [--gib 1] [--workers 4] [--no-tcp] [--no-flight]
+[--only-delta]``"""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _setup  # noqa: E402, F401  (the repository root on sys.path; JAX on the CPU by default)
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import busy_cores, fmt_si  # noqa: E402
@@ -397,6 +401,121 @@ def run_flight(args: argparse.Namespace, nbytes: int) -> dict:
         server.join(timeout=30)
 
 
+# --------------------------------------------------------------------------- deltas
+def adam_versions(config: object, versions: int, lr: float = 1e-6) -> Iterator[dict]:
+    """bf16 weights of ``versions`` versions of a float32 model trained by Adam at ``lr`` on the
+    next-token loss of random token batches (a real gradient each step), as the trainer pushes
+    them (``model.dtype`` bfloat16, float32 master weights)."""
+    import jax
+    import optax
+
+    from rlax_tasks.models import Policy
+    from rlax_tasks.models.forward import token_logprobs
+    from rlax_tasks.paramserver import flatten_named
+
+    policy = Policy.init(config, seed=0)
+    graphdef, params = policy.graphdef, policy.params
+    opt = optax.adam(lr)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params: object, state: object, ids: jax.Array) -> tuple:
+        grads = jax.grad(lambda p: -token_logprobs(graphdef, p, ids).mean())(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    rng = np.random.default_rng(0)
+    for _ in range(versions):
+        yield {k: np.asarray(v, ml_dtypes.bfloat16) for k, v in flatten_named(params).items()}
+        ids = rng.integers(0, config.vocab_size, (4, 64), dtype=np.int32)
+        params, state = step(params, state, ids)
+
+
+def run_delta(name: str, config: object, versions: int) -> dict:
+    """One worker pulling every version over TCP as deltas, one pulling it whole (in turn, from
+    `rlax ps serve`): bytes received and seconds per version."""
+    from rlax_tasks.paramserver import ParameterServerClient
+
+    env = dict(os.environ, RLAX_PS_TOKEN=TOKEN)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rlax_tasks.cli", "ps", "serve", "--port", "0", "--keep-versions",
+         "4", "--run-root", tempfile.mkdtemp(prefix="weight-sync-"), "--mirror-every", "1000000"],
+        stdout=subprocess.PIPE, env=env, text=True,
+    )  # fmt: skip
+    try:
+        url = server.stdout.readline().strip()
+        trainer = ParameterServerClient(url, token=TOKEN, timeout_s=300)
+        pullers = {
+            kind: ParameterServerClient(
+                url, token=TOKEN, worker_id=kind, timeout_s=300, shared_memory=False, delta=delta
+            )
+            for kind, delta in (("delta", True), ("whole", False))
+        }
+        rows, prev = [], None
+        for v, params in enumerate(adam_versions(config, versions), start=1):
+            trainer.push(v, params)
+            row = {"version": v}
+            for kind, client in pullers.items():
+                t0 = time.perf_counter()
+                _, got = client.pull(min_version=v)
+                row[f"{kind}_s"] = time.perf_counter() - t0
+                row[f"{kind}_bytes"] = client.last_pull.nbytes
+                row[f"{kind}_base"] = client.last_pull.base
+                client.ack(v)
+            for k, want in params.items():
+                assert np.array_equal(got[k].view(np.uint16), want.view(np.uint16)), k
+            row["changed"] = None if prev is None else sum(
+                int((params[k].view(np.uint16) != prev[k].view(np.uint16)).sum()) for k in params
+            ) / sum(a.size for a in params.values())  # fmt: skip
+            prev = params
+            rows.append(row)
+            print(
+                f"delta {name} v{v}: whole {row['whole_bytes'] / 1e6:.2f} MB in "
+                f"{row['whole_s']:.3f}s, delta {row['delta_bytes'] / 1e6:.3f} MB "
+                f"({row['delta_bytes'] / row['whole_bytes']:.1%}, base {row['delta_base']}) in "
+                f"{row['delta_s']:.3f}s"
+                + ("" if row["changed"] is None else f"; {row['changed']:.2%} of elements changed")
+            )
+        return {"model": name, "rows": rows}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def delta_summary(result: dict) -> dict:
+    """Medians over the delta pulls (versions 2 on) and the memcpy floor of one whole version."""
+    rows = [r for r in result["rows"] if r["delta_base"] is not None]
+    whole = rows[0]["whole_bytes"]
+    floor_s = memcpy_floor(whole, 1)
+    out = {
+        "model": result["model"],
+        "whole_bytes": whole,
+        "delta_bytes_ratio": statistics.median(r["delta_bytes"] / r["whole_bytes"] for r in rows),
+        "changed_frac": statistics.median(r["changed"] for r in rows),
+        "whole_s": statistics.median(r["whole_s"] for r in rows),
+        "delta_s": statistics.median(r["delta_s"] for r in rows),
+        "floor_s": floor_s,
+    }
+    print(
+        f"delta {out['model']:<14} {fmt_si(whole, 'B')} a version, {out['changed_frac']:.2%} of "
+        f"elements change a step: delta pulls {out['delta_bytes_ratio']:.1%} of the bytes; "
+        f"pull {out['delta_s']:.3f}s vs whole {out['whole_s']:.3f}s "
+        f"({out['whole_s'] / out['delta_s']:.1f}x); memcpy floor of a whole version "
+        f"{floor_s:.4f}s (delta {out['delta_s'] / floor_s:.1f}x it, whole "
+        f"{out['whole_s'] / floor_s:.1f}x)"
+    )
+    return out
+
+
+def run_deltas(versions: int) -> list[dict]:
+    from benchmarks._models import rlax_config
+    from rlax_tasks.warmup import WarmupRecipe
+
+    models = {"tiny-arith": WarmupRecipe().model_config(), "30M benchmark": rlax_config()}
+    results = [run_delta(name, config, versions) for name, config in models.items()]
+    return [delta_summary(r) for r in results]
+
+
 # --------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -411,6 +530,8 @@ def main() -> int:
     ap.add_argument("--arrays", type=int, default=16, help="arrays per version")
     ap.add_argument("--no-flight", action="store_true", help="skip the Arrow Flight comparison")
     ap.add_argument("--no-tcp", action="store_true", help="skip the workers-over-TCP variant")
+    ap.add_argument("--only-delta", action="store_true", help="only the delta-pull section")
+    ap.add_argument("--delta-versions", type=int, default=5, help="versions of the delta section")
     args = ap.parse_args()
     nbytes = int(args.gib * 2**30) // (args.arrays * 4096) * (args.arrays * 4096)
 
@@ -424,6 +545,9 @@ def main() -> int:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)"
         + ("  -> CONTENDED: the figures below are low and noisy" if contended else "")
     )
+    if args.only_delta:
+        print(json.dumps({"delta": run_deltas(args.delta_versions), "load_avg_before": load}))
+        return 0
     floor_s = memcpy_floor(nbytes, 1 + args.workers)
     floor_gbs = nbytes * (1 + args.workers) / floor_s / 1e9
     print(
@@ -443,6 +567,7 @@ def main() -> int:
     http = run_http(args, nbytes, shared_memory=True)
     tcp = None if args.no_tcp else run_http(args, nbytes, shared_memory=False)
     flight = None if args.no_flight else run_flight(args, nbytes)
+    deltas = run_deltas(args.delta_versions)
 
     med = http["sync_median_s"]
     steady = statistics.median(http["sync_s"][2:]) if args.versions >= 4 else None
@@ -490,6 +615,7 @@ def main() -> int:
                 "converge_p99_s": http["converge_p99_s"],
                 "flight": flight,
                 "flight_ratio": None if flight is None else flight["sync_median_s"] / floor_s,
+                "delta": deltas,
                 "cpu_count": os.cpu_count(),
                 "busy_cores_before": busy,
                 "load_avg_before": load,

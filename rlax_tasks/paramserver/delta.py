@@ -42,12 +42,14 @@ def _elements(data: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def sparse_payload(base: np.ndarray, new: np.ndarray, itemsize: int) -> bytes | None:
-    """The SPARSE payload rebuilding ``new`` from ``base`` (flat uint8 buffers of one region), or
-    None when it would not be smaller than ``new`` itself."""
+    """The SPARSE payload rebuilding ``new`` from ``base`` (flat uint8 buffers of one region): b""
+    when no element changed, None when it would not be smaller than ``new`` itself."""
     old_el, new_el = _elements(base, itemsize), _elements(new, itemsize)
     if old_el is base:  # an element size with no integer view: compared byte by byte
         itemsize = 1
     changed = np.flatnonzero(old_el != new_el)
+    if not changed.size:
+        return b""
     pages = -(-new_el.size // PAGE)
     size = 4 * pages + changed.size * (2 + itemsize)
     if size >= new.size:
@@ -87,12 +89,11 @@ def delta_block(
     block of the same region (None: the base has none), and its payload."""
     encoding, payload = Encoding.WHOLE, new
     if base is not None:
-        if base[0].crc32c == target.crc32c and np.array_equal(base[1], new):
-            encoding, payload = Encoding.SAME, b""
-        else:
-            sparse = sparse_payload(base[1], new, itemsize)
-            if sparse is not None:
-                encoding, payload = Encoding.SPARSE, sparse
+        sparse = sparse_payload(base[1], new, itemsize)
+        if sparse == b"":
+            encoding, payload = Encoding.SAME, sparse
+        elif sparse is not None:
+            encoding, payload = Encoding.SPARSE, sparse
     size = len(payload) if isinstance(payload, bytes) else payload.size
     header = DeltaHeader(
         target.array, target.start, target.stop, encoding, size, crc32c(payload), target.crc32c,

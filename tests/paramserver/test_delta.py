@@ -194,7 +194,8 @@ def test_placed_arrays_never_share_memory_with_the_held_copy(make_server, client
     trainer.push(1, v1)
     like = jax.tree.map(jax.numpy.asarray, v1)
     _, placed_1 = worker.pull(like=like)
-    _, host_1 = worker.pull_version(1)
+    _, host_1 = worker.pull_version(1)  # the version it holds: every block unchanged
+    assert worker.last_pull.base == 1 and worker.last_pull.nbytes < 1000
     v2 = _adam_step(master, seed=2)
     trainer.push(2, v2)
     _, placed_2 = worker.pull(min_version=2, like=like)
