@@ -350,6 +350,10 @@ class MemoryPlan:
             f"{format_bytes(ps.keep_bytes)} ({PS_RAM_FRACTION:.0%} of "
             f"{format_bytes(ps.host_memory)}, {ps.host_source})"
         )
+        out.append(
+            f"workers (host RAM): one on another host than the PS keeps a copy of its version "
+            f"({format_bytes(ps.version_bytes)}) to receive the next as a delta"
+        )
         out += [f"warning: {w}" for w in self.warnings]
         acc, platform = self.cfg.placement.accelerator, self.cfg.placement.platform
         if self.fits and self.slices:
