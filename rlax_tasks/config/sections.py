@@ -193,9 +193,13 @@ class WorkerSettings:
     # each worker's mesh over its own devices (data, fsdp, tensor); one entry may be -1 for
     # "the remaining devices": [1, 1, -1] = tensor parallel over every device the worker sees
     mesh_shape: tuple[int, int, int] = (1, 1, -1)
+    # a worker pulling over TCP (on another host than the PS) keeps a host copy of its version
+    # to receive the next as the changed elements only (DESIGN §6); false: whole versions
+    delta_pulls: bool = True
 
     def __post_init__(self) -> None:
         check_mesh_shape(self, "mesh_shape")
+        check_bool(self, "delta_pulls")
         check_int(self, "count", low=1, optional=True)
         check_int(self, "slots", low=1)
         check_int(self, "max_len", low=2)

@@ -249,7 +249,9 @@ def _worker_command(args: argparse.Namespace) -> int:
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient  # lazy: JAX, as above
 
-        source: Any = ParameterServerClient(args.ps_url, token, worker_id=args.worker_id)
+        source: Any = ParameterServerClient(
+            args.ps_url, token, worker_id=args.worker_id, delta=args.delta_pulls
+        )
         _register(source, args.ps_url, args.ps_wait_s)
         source.start_heartbeats(args.heartbeat_s)
     else:
@@ -314,6 +316,13 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         "trainer's sampling-mask replay (0: none)",
     )
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
+    p.add_argument(
+        "--no-delta-pulls",
+        dest="delta_pulls",
+        action="store_false",
+        help="pull whole versions over TCP (default: keep a host copy of the version held and "
+        "receive the next as its changed elements)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--mesh-shape",

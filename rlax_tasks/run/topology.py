@@ -201,7 +201,8 @@ def plan_topology(
                  *listen[wid], "--dtype", cfg.model.dtype,
                  "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
                  "--reload-every", str(s.reload_every), mesh_arg(cfg),
-                 "--support-capacity", str(cfg.rollout.support_size)],
+                 "--support-capacity", str(cfg.rollout.support_size),
+                 *([] if cfg.workers.delta_pulls else ["--no-delta-pulls"])],
                 {**base, **devices[wid]},
                 **where,
             )

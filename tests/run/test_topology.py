@@ -3,9 +3,12 @@ fixed ports on one machine (`rlax run`), published addresses on slices (the DAG)
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from rlax_tasks.config import load_config
+from rlax_tasks.rollout.service import add_worker_parser
 from rlax_tasks.run.topology import Ports, WorkerSlices, plan_topology
 
 TOKEN = "t" * 32
@@ -72,3 +75,14 @@ def test_workers_on_slices_of_their_own_one_per_host(tmp_path):
     }
     with pytest.raises(ValueError, match="workers.count is 4 but 3 worker slices of 2 hosts"):
         plan_topology(cfg, 5, "c.yaml", None, [], TOKEN, worker_slices=WorkerSlices(3, 2))
+
+
+def test_workers_pull_deltas_unless_the_config_turns_them_off(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_worker_parser(parser.add_subparsers())
+    for delta_pulls in (True, False):
+        cfg = _cfg(tmp_path, **{"workers.delta_pulls": delta_pulls})
+        argv = plan_topology(cfg, 5, "c.yaml", None, [], TOKEN).job("worker-0").argv
+        assert parser.parse_args(argv).delta_pulls is delta_pulls
+    with pytest.raises(ValueError, match="delta_pulls"):
+        _cfg(tmp_path, **{"workers.delta_pulls": "no"})
