@@ -118,7 +118,8 @@ def _prefill(
     and draws each first token; returns cache, slot state, tokens, log-probs, active [n] and
     each token's kept support [n, ``support``] (static; ``sample_tokens``).
     ``source`` [n]: each row's prompt row, so a prompt several rows share (a group) is computed
-    once and copied to their slots (None: row i is prompt i). ``new``: the rows' settings;
+    once and copied to their slots (None: row i is prompt i). ``new``: the rows' settings (a
+    continued request's prompt ends with its tokens so far, ``new.generated`` of them);
     ``held``: only its output projection is read (a prefill's tokens share each layer)."""
     p, bucket = ids.shape
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (p, bucket))
@@ -143,12 +144,12 @@ def _prefill(
             k=jnp.take(fresh.k, source, axis=1), v=jnp.take(fresh.v, source, axis=1)
         )
         positions = positions[source]
-    n = last.shape[0]
-    keys = jax.vmap(token_key)(new.key, jnp.zeros(n, jnp.int32))
+    # a continued request (``new.generated`` tokens already drawn) draws its next index
+    keys = jax.vmap(token_key)(new.key, new.generated)
     tokens, logprobs, kept = sample_tokens(
         last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
     )
-    generated = jnp.ones(n, jnp.int32)
+    generated = new.generated + 1
     active = ~_finished(tokens, generated, new)
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]

@@ -22,7 +22,7 @@ from rlax_tasks.models.transformer import resolve_dtype
 from rlax_tasks.rollout.held_weights import HeldWeights, held_weights, weights_device
 from rlax_tasks.rollout.kernels import DECODE, PREFILL, admission_arrays, empty_state, request_keys
 from rlax_tasks.rollout.precompile import Precompiler
-from rlax_tasks.rollout.requests import Completion, FinishReason, Request, SamplingParams
+from rlax_tasks.rollout.requests import Completion, FinishReason, Partial, Request, SamplingParams
 from rlax_tasks.rollout.shapes import (
     admission_rows,
     decode_window,
@@ -40,6 +40,7 @@ class _Slot:
     stop_set: frozenset[int]
     eos: frozenset[int]
     support: list[list[int]] | None = None  # each token's kept ids, when its request filters
+    versions: list[int] | None = None  # each token's weight version, when the weights have one
 
 
 @dataclasses.dataclass
@@ -59,8 +60,10 @@ class Sampler:
     """KV-cache sampler with continuous batching over ``max_slots`` slots of ``max_len`` tokens.
 
     ``generate`` is the one-call API; ``add_request`` / ``step`` / ``abort`` drive it step by
-    step (the worker drops partial rollouts on a reload). ``decode_chunk``: decode steps per
-    device call (8: the tiny preset's completions in one); ``precompile``: ``Precompiler``."""
+    step; ``interrupt`` sends the requests in flight back to the queue with their tokens, to
+    continue on the weights set next (their prefix prefilled again). ``decode_chunk``: decode
+    steps per device call (8: the tiny preset's completions in one); ``precompile``:
+    ``Precompiler``."""
 
     def __init__(
         self,
@@ -113,7 +116,8 @@ class Sampler:
         )()
         self._state = jax.device_put(empty_state(max_slots, max_stop_ids), place)
         self._slots: list[_Slot | None] = [None] * max_slots
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: collections.deque[Request | Partial] = collections.deque()
+        self.version: int | None = None  # of the weights (set_params): each token records it
         self._prefill_fn = PREFILL
         self._decode_fn = DECODE
         self._precompiler = Precompiler(self, enabled=precompile)
@@ -123,12 +127,15 @@ class Sampler:
     def params(self) -> nnx.State:
         return self.policy.params
 
-    def set_params(self, params: nnx.State, *, donate: bool = False) -> float:
+    def set_params(
+        self, params: nnx.State, *, donate: bool = False, version: int | None = None
+    ) -> float:
         """Swaps in new weights of the same shapes (no recompilation); returns the seconds taken.
-        Requests in flight continue with them (the worker ``abort``s first). After the first
-        swap each old array is freed before its replacement is placed: never two full copies.
-        ``donate``: device arrays already in the sampler's dtype and placement are taken over
-        (freed at the next swap): the caller must not use them again."""
+        ``interrupt`` or ``abort`` first: a request left in flight would go on with its prefix's
+        cache from the old weights. After the first swap each old array is freed before its
+        replacement is placed: never two full copies. ``donate``: device arrays already in the
+        sampler's dtype and placement are taken over (freed at the next swap): the caller must
+        not use them again. ``version``: what each token sampled with them records."""
         t0 = time.perf_counter()
         old = jax.tree_util.tree_leaves_with_path(self.policy.params)
         new = jax.tree_util.tree_leaves_with_path(params)
@@ -162,6 +169,7 @@ class Sampler:
         self.policy = self.policy.with_params(jax.tree.unflatten(treedef, placed))
         self._owns_params = True
         self._held = held_weights(self.policy)
+        self.version = version
         self.stats.last_swap_s = time.perf_counter() - t0
         return self.stats.last_swap_s
 
@@ -204,14 +212,33 @@ class Sampler:
 
     def abort(self) -> list[Request]:
         """Drops every waiting and in-flight request (their partial output is discarded)."""
-        dropped = list(self._waiting) + [s.request for s in self._slots if s is not None]
+        waiting = [w.request if isinstance(w, Partial) else w for w in self._waiting]
+        dropped = waiting + [s.request for s in self._slots if s is not None]
         self._waiting.clear()
+        self._free_slots()
+        return dropped
+
+    def interrupt(self) -> int:
+        """Sends every request in flight back to the front of the queue as a ``Partial`` (its
+        tokens, log-probs, kept ids and versions so far, in slot order): admitted again, its
+        prompt and tokens are prefilled under the weights of then and it draws on from the
+        same random stream. Returns how many were in flight."""
+        partials = [
+            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions)
+            for s in self._slots
+            if s is not None
+        ]
+        self._waiting.extendleft(reversed(partials))
+        self._free_slots()
+        return len(partials)
+
+    def _free_slots(self) -> None:
+        """Every slot free, on the device too."""
         self._slots = [None] * self.max_slots
         # placed like the rest of the state: an uncommitted array here made the next prefill
         # and decode compile a second program for every admission shape (once per reload)
         active = jax.device_put(np.zeros(self.max_slots, bool), self._state.active.sharding)
         self._state = self._state._replace(active=active)
-        return dropped
 
     def step(self) -> list[Completion]:
         """Admits waiting requests into free slots, runs one decode chunk; returns what finished."""
@@ -297,12 +324,18 @@ class Sampler:
             return
         if self.batching == "static" and len(free) < self.max_slots:
             return
-        take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        items = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        take = [w.request if isinstance(w, Partial) else w for w in items]
+        # what each row prefills: its prompt, and a continued request's tokens so far
+        prefixes = [
+            tuple(w.request.prompt) + tuple(w.tokens) if isinstance(w, Partial) else tuple(w.prompt)
+            for w in items
+        ]
         rows = admission_rows(len(take), self.max_slots)
-        bucket = prompt_bucket(max(len(r.prompt) for r in take), self.max_len)
+        bucket = prompt_bucket(max(len(p) for p in prefixes), self.max_len)
         # equal prompts (a group's G samples) are prefilled once: rows -> their prompt's row
         prompt_of: dict[tuple[int, ...], int] = {}
-        rows_prompt = [prompt_of.setdefault(tuple(r.prompt), len(prompt_of)) for r in take]
+        rows_prompt = [prompt_of.setdefault(prefix, len(prompt_of)) for prefix in prefixes]
         prompt_rows = shared_prompt_rows(rows, len(prompt_of), self.max_slots)
         ids, lengths, source, slots, new = admission_arrays(
             rows, bucket, prompt_rows, self.max_slots, self.max_stop_ids
@@ -311,7 +344,7 @@ class Sampler:
         n = len(take)
         params = [r.params for r in take]
         if source is None:
-            prompts = [r.prompt for r in take]
+            prompts = prefixes
         else:
             prompts = list(prompt_of)
             source[:n] = rows_prompt
@@ -322,6 +355,7 @@ class Sampler:
         ]
         slots[:n] = free[:n]
         new.budget[:n] = [p.max_new_tokens for p in params]
+        new.generated[:n] = [len(w.tokens) if isinstance(w, Partial) else 0 for w in items]
         new.temperature[:n] = [p.temperature for p in params]
         new.top_k[:n] = [p.top_k for p in params]
         new.top_p[:n] = [p.top_p for p in params]
@@ -357,12 +391,25 @@ class Sampler:
         # the admitted rows first (padding rows after them), each with its free slot
         tokens, logprobs, active = tokens[:n].tolist(), logprobs[:n].tolist(), active[:n].tolist()
         kept = kept[:n]
-        rows_out = zip(take, free[:n], stop_sets, tokens, logprobs, active, kept, strict=True)
-        for request, slot, stops, token, logprob, still, ids in rows_out:
-            eos = frozenset() if request.params.ignore_eos else self._eos_ids
-            support = [] if kept.shape[-1] and request.params.filtering else None
-            self._slots[slot] = _Slot(request, [], [], stops, eos, support)
+        rows_out = zip(items, free[:n], stop_sets, tokens, logprobs, active, kept, strict=True)
+        for item, slot, stops, token, logprob, still, ids in rows_out:
+            self._slots[slot] = self._slot(item, stops, bool(kept.shape[-1]))
             self._emit(slot, token, logprob, still, finished, ids)
+
+    def _slot(self, item: Request | Partial, stops: frozenset[int], recording: bool) -> _Slot:
+        """A slot's host state for an admitted request, or a continued one with its tokens so
+        far (``recording``: the call records kept ids)."""
+        request = item.request if isinstance(item, Partial) else item
+        eos = frozenset() if request.params.ignore_eos else self._eos_ids
+        support = [] if recording and request.params.filtering else None
+        versions = None if self.version is None else []
+        if not isinstance(item, Partial):
+            return _Slot(request, [], [], stops, eos, support, versions)
+        if support is not None:
+            support = list(item.support or [[]] * len(item.tokens))
+        if versions is not None:
+            versions = list(item.versions or [self.version] * len(item.tokens))
+        return _Slot(request, list(item.tokens), list(item.logprobs), stops, eos, support, versions)
 
     def support_size(self, filtering: bool) -> int:
         """Kept ids recorded per token by a prefill or decode call (static): the capacity when
@@ -443,6 +490,8 @@ class Sampler:
         state.logprobs.append(logprob)
         if state.support is not None:
             state.support.append(kept[kept >= 0].tolist())
+        if state.versions is not None:
+            state.versions.append(self.version)
         self.stats.generated_tokens += 1
         reason: FinishReason | None = None
         if token in state.stop_set:
@@ -455,7 +504,11 @@ class Sampler:
             raise RuntimeError(f"slot {slot} ended on device without a reason the host knows")
         if reason is None:
             return False
-        out.append(Completion(state.request, state.tokens, state.logprobs, reason, state.support))
+        out.append(
+            Completion(
+                state.request, state.tokens, state.logprobs, reason, state.support, state.versions
+            )
+        )
         self._slots[slot] = None
         if still_active:  # ended on the host (stop string): stop the device slot too
             self._state = self._state._replace(active=self._state.active.at[slot].set(False))
