@@ -196,10 +196,14 @@ class WorkerSettings:
     # a worker pulling over TCP (on another host than the PS) keeps a host copy of its version
     # to receive the next as the changed elements only (DESIGN §6); false: whole versions
     delta_pulls: bool = True
+    # at a reload, the sequences in flight keep their tokens and continue on the new weights
+    # (each token records its version); false: they are dropped and generated again
+    interrupt_on_reload: bool = True
 
     def __post_init__(self) -> None:
         check_mesh_shape(self, "mesh_shape")
         check_bool(self, "delta_pulls")
+        check_bool(self, "interrupt_on_reload")
         check_int(self, "count", low=1, optional=True)
         check_int(self, "slots", low=1)
         check_int(self, "max_len", low=2)

@@ -28,7 +28,9 @@ class ScoredGroup:
     ``scores`` are the verifier's rewards and ``verdicts`` its verdicts ("correct",
     "wrong_answer", ...; empty when the scorer gives none); ``rewards`` what trains (scores plus
     any shaping). ``support``: per completion, each token's ids the sampler's top-k/top-p kept
-    (None for a completion without; the whole tuple empty when no completion has them)."""
+    (None for a completion without; the whole tuple empty when no completion has them).
+    ``token_versions``: per completion, the weight version each token was sampled with (a
+    worker that continued it on newer weights mid-sequence); ``version`` is the oldest."""
 
     prompt_id: str
     seq: int
@@ -41,19 +43,22 @@ class ScoredGroup:
     rewards: tuple[float, ...]
     verdicts: tuple[str, ...] = ()
     support: tuple[Support | None, ...] = ()
+    token_versions: tuple[tuple[int, ...] | None, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.completions)
         if self.verdicts and len(self.verdicts) != g:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.verdicts)} verdicts for {g}")
-        if self.support and len(self.support) != g:
-            raise ValueError(f"group {self.prompt_id!r}: {len(self.support)} supports for {g}")
-        for i, kept in enumerate(self.support):
-            if kept is not None and len(kept) != len(self.completions[i]):
-                raise ValueError(
-                    f"group {self.prompt_id!r}: completion {i} has {len(self.completions[i])} "
-                    f"tokens but {len(kept)} supports"
-                )
+        for field in ("support", "token_versions"):
+            per_token = getattr(self, field)
+            if per_token and len(per_token) != g:
+                raise ValueError(f"group {self.prompt_id!r}: {len(per_token)} {field} for {g}")
+            for i, values in enumerate(per_token):
+                if values is not None and len(values) != len(self.completions[i]):
+                    raise ValueError(
+                        f"group {self.prompt_id!r}: completion {i} has "
+                        f"{len(self.completions[i])} tokens but {len(values)} {field}"
+                    )
         lengths = {
             len(self.logprobs),
             len(self.finish_reasons),
@@ -89,6 +94,11 @@ class ScoredGroup:
             "rewards": list(self.rewards),
             "verdicts": list(self.verdicts),
             **({"support": [support_lists(k) for k in self.support]} if self.support else {}),
+            **(
+                {"token_versions": [None if v is None else list(v) for v in self.token_versions]}
+                if self.token_versions
+                else {}
+            ),
         }
 
     @classmethod
@@ -105,7 +115,18 @@ class ScoredGroup:
             tuple(float(x) for x in d["rewards"]),
             tuple(str(v) for v in d.get("verdicts", ())),
             tuple(support_tuples(k) for k in d.get("support") or ()),
+            tuple(version_tuple(v) for v in d.get("token_versions") or ()),
         )
+
+    def version_counts(self) -> list[list[int]]:
+        """[[version, tokens sampled with it], ...] over its completions, oldest first; all of
+        them ``version``'s when the worker recorded no versions per token."""
+        counts: dict[int, int] = {}
+        for i, tokens in enumerate(self.completions):
+            versions = self.token_versions[i] if self.token_versions else None
+            for v in versions if versions is not None else (self.version,) * len(tokens):
+                counts[v] = counts.get(v, 0) + 1
+        return [[v, counts[v]] for v in sorted(counts)]
 
 
 def support_lists(kept: Support | None) -> list[list[int]] | None:
@@ -116,6 +137,11 @@ def support_lists(kept: Support | None) -> list[list[int]] | None:
 def support_tuples(kept: Any) -> Support | None:
     """A completion's support from JSON lists (None stays None)."""
     return None if kept is None else tuple(tuple(int(t) for t in ids) for ids in kept)
+
+
+def version_tuple(versions: Any) -> tuple[int, ...] | None:
+    """A completion's per-token versions from JSON (None stays None)."""
+    return None if versions is None else tuple(int(v) for v in versions)
 
 
 def support_width(kept: int) -> int:
@@ -193,7 +219,9 @@ class Batch:
         ``input_ids``, ``attention_mask`` (prompt and completion), ``mask`` (completion),
         ``behavior_logprobs`` (the sampler's log p of token t at position t), ``rewards`` [B],
         ``group_ids`` [B] (index of the group); ``support_ids`` [B, T, R] (the ids the sampler
-        kept for token t, -1 padded; ``support_width``) when a group carries them."""
+        kept for token t, -1 padded; ``support_width``) when a group carries them;
+        ``token_versions`` (the weight version token t was sampled with, -1 outside completions)
+        when one carries them."""
         rows = [(k, g, i) for k, g in enumerate(self.groups) for i in range(g.group_size)]
         width = max(len(g.prompt_tokens) + len(g.completions[i]) for _, g, i in rows)
         b = len(rows)
@@ -229,6 +257,13 @@ class Batch:
                 for t, token_ids in enumerate(kept or ()):
                     support[r, p + t, : len(token_ids)] = token_ids
             out["support_ids"] = support
+        if any(g.token_versions for g in self.groups):
+            versions = np.full((b, width), -1, np.int32)
+            for r, (_, g, i) in enumerate(rows):
+                p, c = len(g.prompt_tokens), len(g.completions[i])
+                tv = g.token_versions[i] if g.token_versions else None
+                versions[r, p : p + c] = tv if tv is not None else g.version
+            out["token_versions"] = versions
         return out
 
 

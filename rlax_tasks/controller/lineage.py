@@ -26,6 +26,9 @@ def lineage_record(step: int, batch: Batch) -> dict[str, Any]:
         "version": batch.version,
         "prompt_ids": batch.prompt_ids,
         "rollout_versions": batch.rollout_versions,
+        # per group, [[version, tokens sampled with it], ...]: a group continued on newer
+        # weights mid-sequence holds several
+        "token_versions": [g.version_counts() for g in batch.groups],
         "dropped_stale": [
             {"prompt_id": d.prompt_id, "version": d.version}
             for d in batch.dropped
@@ -144,8 +147,8 @@ def recovered_record(
         if prompt_ids is None:
             return None
         record = {"step": step, "version": step, "prompt_ids": list(prompt_ids),
-                  "rollout_versions": [], "dropped_stale": [], "dropped_zero_variance": [],
-                  "skipped_prompts": []}  # fmt: skip
+                  "rollout_versions": [], "token_versions": [], "dropped_stale": [],
+                  "dropped_zero_variance": [], "skipped_prompts": []}  # fmt: skip
         source = "snapshot"
     record["restored"] = source
     return record

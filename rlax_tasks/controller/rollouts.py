@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from rlax_tasks.controller.buffer import Batch, ScoredGroup, support_lists, support_tuples
+from rlax_tasks.controller.buffer import (
+    Batch,
+    ScoredGroup,
+    support_lists,
+    support_tuples,
+    version_tuple,
+)
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -61,6 +67,9 @@ def schema() -> Any:
             ("verifier_version", pa.string()),
             # per token, the ids the sampler's top-k/top-p kept (null: not recorded)
             ("support", pa.list_(pa.list_(pa.int32()))),
+            # per token, the weight version it was sampled with (null: not recorded);
+            # weight_version is the oldest of the group's
+            ("token_versions", pa.list_(pa.int64())),
         ]
     )
 
@@ -88,6 +97,8 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             cols["verifier"].append(verifiers.get(dataset, "unknown"))
             cols["verifier_version"].append(verifier_version())
             cols["support"].append(support_lists(g.support[i]) if g.support else None)
+            versions = g.token_versions[i] if g.token_versions else None
+            cols["token_versions"].append(None if versions is None else list(versions))
     return cols
 
 
@@ -140,6 +151,10 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 else (),
                 support=tuple(support_tuples(cols["support"][i]) for i in idx)
                 if "support" in cols and any(cols["support"][i] is not None for i in idx)
+                else (),
+                token_versions=tuple(version_tuple(cols["token_versions"][i]) for i in idx)
+                if "token_versions" in cols
+                and any(cols["token_versions"][i] is not None for i in idx)
                 else (),
             )
         )

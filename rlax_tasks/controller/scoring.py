@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks.algorithms import overlong_penalty
-from rlax_tasks.controller.buffer import ScoredGroup, support_tuples
+from rlax_tasks.controller.buffer import ScoredGroup, support_tuples, version_tuple
 from rlax_tasks.controller.mixture import Prompt
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.rollout.requests import GroupResult
@@ -60,10 +60,14 @@ def scored_group(
         rewards = rewards + overlong_penalty(
             lengths, s.sampling.max_new_tokens, s.overlong_cache_len, s.overlong_factor
         )
+    recorded = any(c.versions is not None for c in comps)
+    token_versions = tuple(version_tuple(c.versions) for c in comps) if recorded else ()
+    # staleness is judged by the oldest token, whatever the group says
+    oldest = min([result.version, *(min(v) for v in token_versions if v)])
     return ScoredGroup(
         prompt_id=prompt.id,
         seq=prompt.seq,
-        version=result.version,
+        version=oldest,
         prompt_tokens=tuple(result.prompt_tokens),
         completions=tuple(tuple(int(t) for t in c.tokens) for c in comps),
         # (a null log-prob arrives as NaN: the trainer stops on a non-finite loss, naming it)
@@ -75,6 +79,7 @@ def scored_group(
         support=tuple(support_tuples(c.support) for c in comps)
         if any(c.support is not None for c in comps)
         else (),
+        token_versions=token_versions,
     )
 
 

@@ -256,7 +256,9 @@ def _worker_command(args: argparse.Namespace) -> int:
         source.start_heartbeats(args.heartbeat_s)
     else:
         source = FixedWeights(sampler.params, version=0)
-    worker = InferenceWorker(sampler, source, reload_every=args.reload_every)
+    worker = InferenceWorker(
+        sampler, source, reload_every=args.reload_every, interrupt=args.interrupt_on_reload
+    )
     sock, url = listen(bind_host(args.host), args.port)
     try:
         worker.start()
@@ -316,6 +318,13 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         "trainer's sampling-mask replay (0: none)",
     )
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
+    p.add_argument(
+        "--no-interrupt",
+        dest="interrupt_on_reload",
+        action="store_false",
+        help="at a reload, generate the sequences in flight again (default: they continue on "
+        "the new weights, each token recording its version)",
+    )
     p.add_argument(
         "--no-delta-pulls",
         dest="delta_pulls",

@@ -2,7 +2,8 @@
 
 Passive (DESIGN §2): the controller submits prompt groups and collects results; weights come from
 a ``WeightSource`` (the PS client or fixed HF weights). It reloads only when the source is
-``reload_every`` versions ahead, regenerating unfinished groups: each group is of one version."""
+``reload_every`` versions ahead; the sequences in flight then continue on the new weights, each
+token recording its version (``interrupt``), or are generated again from scratch."""
 
 from __future__ import annotations
 
@@ -98,9 +99,13 @@ class InferenceWorker:
         reload_every: int = 1,
         poll_interval_s: float = 0.5,
         status_every_s: float = 30.0,
+        interrupt: bool = True,
     ) -> None:
+        """``interrupt``: at a reload the sequences in flight keep their tokens and continue on
+        the new weights; False: they are dropped and their groups generated again."""
         check_int("reload_every", reload_every, field_error(ValueError), minimum=1)
         self.sampler, self.source = sampler, source
+        self.interrupt = interrupt
         self.reload_every, self.poll_interval_s = reload_every, poll_interval_s
         self.status_every_s = status_every_s
         self.version: int | None = None
@@ -294,9 +299,11 @@ class InferenceWorker:
         if tok is not None:
             texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in completions]
         assert self.version is not None
+        # the oldest weights any of its tokens was sampled with: what staleness is judged by
+        oldest = min(min(c.versions or [self.version]) for c in completions)
         return GroupResult(
             p.group.prompt_id,
-            self.version,
+            oldest,
             p.group.prompt_tokens,
             completions,
             texts,
@@ -320,7 +327,8 @@ class InferenceWorker:
         self._reload(min_version=self.version + self.reload_every)
 
     def _reload(self, min_version: int | None) -> None:
-        """Pulls newer weights; unfinished groups are discarded and queued again, first."""
+        """Pulls newer weights; the requests in flight continue on them (``interrupt``), or
+        their groups are discarded and queued again, first."""
         t0 = time.monotonic()
         try:
             # to host memory (shapes and structure of the sampler's weights, not their
@@ -335,12 +343,16 @@ class InferenceWorker:
             log.warning("reload failed (%s); generating with v%s", e, self.version)
             return
         with self._lock:
-            self.sampler.abort()
-            again = [p.group for p in self._pending.values()]
-            self.stats.groups_discarded += len(again)
-            self._pending.clear()
-            self._queue.extendleft(reversed(again))
-        self.sampler.set_params(params, donate=getattr(self.source, "fresh_arrays", False))
+            if self.interrupt:
+                again, continued = [], self.sampler.interrupt()
+            else:
+                self.sampler.abort()
+                again, continued = [p.group for p in self._pending.values()], 0
+                self.stats.groups_discarded += len(again)
+                self._pending.clear()
+                self._queue.extendleft(reversed(again))
+        donate = getattr(self.source, "fresh_arrays", False)
+        self.sampler.set_params(params, donate=donate, version=version)
         self.version = version
         self._ack(version)
         self.stats.reloads += 1
@@ -353,8 +365,8 @@ class InferenceWorker:
             if pulled.base is not None:
                 how = f", a delta from v{pulled.base}: {pulled.nbytes / pulled.full_nbytes:.1%}"
         log.info(
-            "worker loaded weights v%d in %.2fs%s (%d unfinished groups regenerate)",
-            version, self.stats.last_reload_s, how, len(again),
+            "worker loaded weights v%d in %.2fs%s (%d requests continue on it, %d groups "
+            "regenerate)", version, self.stats.last_reload_s, how, continued, len(again),
         )  # fmt: skip
 
     def _ack(self, version: int) -> None:

@@ -212,8 +212,9 @@ class ColocatedRun:
         shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
         self.weights = TrainerWeights(self.service, shardings, cfg.model.dtype)
         self.worker = InferenceWorker(
-            sampler, self.weights, reload_every=cfg.staleness.reload_every, poll_interval_s=0.01
-        ).start()
+            sampler, self.weights, reload_every=cfg.staleness.reload_every, poll_interval_s=0.01,
+            interrupt=cfg.workers.interrupt_on_reload,
+        ).start()  # fmt: skip
         self.controller = make_controller(
             cfg, InProcessWorkers({WORKER_ID: self.worker}), self._train_step
         )

@@ -202,7 +202,8 @@ def plan_topology(
                  "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
                  "--reload-every", str(s.reload_every), mesh_arg(cfg),
                  "--support-capacity", str(cfg.rollout.support_size),
-                 *([] if cfg.workers.delta_pulls else ["--no-delta-pulls"])],
+                 *([] if cfg.workers.delta_pulls else ["--no-delta-pulls"]),
+                 *([] if cfg.workers.interrupt_on_reload else ["--no-interrupt"])],
                 {**base, **devices[wid]},
                 **where,
             )

@@ -146,7 +146,8 @@ class _Wandb:
 
 
 def lineage_scalars(row: dict[str, Any]) -> dict[str, float]:
-    """A lineage.jsonl row's staleness (new version - rollout version) and dropped groups."""
+    """A lineage.jsonl row's staleness (new version - rollout version, per group and per token)
+    and dropped groups."""
     out = {
         "dropped/stale": float(len(row.get("dropped_stale") or ())),
         "dropped/zero_variance": float(len(row.get("dropped_zero_variance") or ())),
@@ -156,6 +157,11 @@ def lineage_scalars(row: dict[str, Any]) -> dict[str, float]:
         lags = [version - int(u) for u in used]
         out["staleness/mean"] = sum(lags) / len(lags)
         out["staleness/max"] = float(max(lags))
+    counts = [pair for group in row.get("token_versions") or () for pair in group]
+    if isinstance(version, int) and counts:  # per token: [version, tokens] pairs of each group
+        tokens = sum(int(n) for _, n in counts)
+        out["staleness/token_mean"] = sum((version - int(v)) * int(n) for v, n in counts) / tokens
+        out["staleness/token_max"] = float(max(version - int(v) for v, _ in counts))
     return out
 
 

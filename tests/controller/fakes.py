@@ -116,6 +116,10 @@ class FakePool:
         self.resets: list[str] = []
         self.lost: list[str] = []  # what the last failed worker held
         self.lost_by_worker: dict[str, list[str]] = {}
+        # completions continued across a reload: the first half of each sampled with the
+        # version before the one held (when the group allows it), as an interrupting worker
+        # reports per-token versions
+        self.mid_sequence_reloads = False
 
     def worker_ids(self) -> list[str]:
         return list(self.workers)
@@ -148,10 +152,10 @@ class FakePool:
         if worker_id in self.hung:
             return []
         done, w.queue = w.queue[: self.rate], w.queue[self.rate :]
-        return [self._result(g, w.held) for g in done]
+        return [self._result(g, w.held, self.mid_sequence_reloads) for g in done]
 
     @staticmethod
-    def _result(g, version: int) -> GroupResult:
+    def _result(g, version: int, mid_sequence: bool = False) -> GroupResult:
         comps = []
         for i in range(g.group_size):
             n = 1 + _h(g.prompt_id, version, i, g.params.seed) % 6
@@ -164,8 +168,14 @@ class FakePool:
                     [] if _h(g.prompt_id, i, t, "wide") % 5 == 0 else [tok, 60 + t % 3]
                     for t, tok in enumerate(tokens)
                 ]
-            comps.append(Completion(req, tokens, logprobs, "eos", support))
-        return GroupResult(g.prompt_id, version, g.prompt_tokens, comps, None, 0.0)
+            versions = None
+            if mid_sequence:
+                # started on the version before, if that one was new enough for the group
+                started = max(version - 1, g.min_version, 0)
+                versions = [started] * (n // 2) + [version] * (n - n // 2)
+            comps.append(Completion(req, tokens, logprobs, "eos", support, versions))
+        oldest = min(min(c.versions) for c in comps) if mid_sequence else version
+        return GroupResult(g.prompt_id, oldest, g.prompt_tokens, comps, None, 0.0)
 
 
 class FakeScorer:

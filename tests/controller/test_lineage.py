@@ -34,6 +34,7 @@ def test_record_fields():
         "version": 3,
         "prompt_ids": ["a/0/3", "b/0/3"],
         "rollout_versions": [2, 1],
+        "token_versions": [[[2, 3]], [[1, 3]]],  # per group, [version, tokens] (3 tokens each)
         "dropped_stale": [{"prompt_id": "old", "version": 0}],
         "dropped_zero_variance": [{"prompt_id": "z", "version": 2}],
         "skipped_prompts": [

@@ -87,11 +87,14 @@ def test_groups_are_generated_and_version_tagged(policies):
     ]
 
 
+LONG = SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+
+
 def test_reload_only_when_j_versions_behind_and_partial_groups_regenerate(policies):
     source = VersionedWeights(policies)
-    long = SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+    long = LONG
     sampler = Sampler(policies[0], max_slots=2, max_len=64, decode_chunk=1)
-    worker = InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0)
+    worker = InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0, interrupt=False)
     with worker:
         assert worker.version == 0
         source.latest = 1  # one version ahead: j=2 says keep generating with v0
@@ -109,6 +112,32 @@ def test_reload_only_when_j_versions_behind_and_partial_groups_regenerate(polici
         i = r.prompt_id[1:]
         want = expected(policies[r.version], f"{i}*{i}=", g=2, params=long)
         assert [c.tokens for c in r.completions] == want
+
+
+def test_at_a_reload_the_sequences_in_flight_continue_on_the_new_weights(policies):
+    """``interrupt`` (the default): nothing is generated twice; a completion that spans the
+    reload keeps its first tokens (what v0 samples) and records each token's version, and its
+    group is as old as its oldest token."""
+    source = VersionedWeights(policies)
+    sampler = Sampler(policies[0], max_slots=2, max_len=64, decode_chunk=1)
+    with InferenceWorker(sampler, source, reload_every=2, poll_interval_s=0.0) as worker:
+        worker.submit([group(f"p{i}", f"{i}*{i}=", g=2, params=LONG) for i in range(4)])
+        first = collect(worker, 1)
+        source.latest = 2  # two ahead: reload; the sequences in flight go on with v2
+        rest = collect(worker, 3)
+    assert worker.stats.reloads == 2 and worker.stats.groups_discarded == 0
+    spanning = 0
+    for r in {**first, **rest}.values():
+        i = r.prompt_id[1:]
+        from_v0 = expected(policies[0], f"{i}*{i}=", g=2, params=LONG)
+        for c, want in zip(r.completions, from_v0, strict=True):
+            assert len(c.versions) == len(c.tokens) == 40 and set(c.versions) <= {0, 2}
+            switch = c.versions.index(2) if 2 in c.versions else 40
+            assert c.versions == [0] * switch + [2] * (40 - switch)
+            assert c.tokens[:switch] == want[:switch]  # v0's part: what v0 samples
+            spanning += 0 < switch < 40
+        assert r.version == min(min(c.versions) for c in r.completions)
+    assert spanning, "no completion was in flight at the reload"
 
 
 class UnreachableAcks(VersionedWeights):

@@ -77,12 +77,13 @@ def test_workers_on_slices_of_their_own_one_per_host(tmp_path):
         plan_topology(cfg, 5, "c.yaml", None, [], TOKEN, worker_slices=WorkerSlices(3, 2))
 
 
-def test_workers_pull_deltas_unless_the_config_turns_them_off(tmp_path):
+def test_workers_pull_deltas_and_continue_sequences_unless_the_config_says_no(tmp_path):
     parser = argparse.ArgumentParser()
     add_worker_parser(parser.add_subparsers())
-    for delta_pulls in (True, False):
-        cfg = _cfg(tmp_path, **{"workers.delta_pulls": delta_pulls})
-        argv = plan_topology(cfg, 5, "c.yaml", None, [], TOKEN).job("worker-0").argv
-        assert parser.parse_args(argv).delta_pulls is delta_pulls
-    with pytest.raises(ValueError, match="delta_pulls"):
-        _cfg(tmp_path, **{"workers.delta_pulls": "no"})
+    for field in ("delta_pulls", "interrupt_on_reload"):
+        for value in (True, False):
+            cfg = _cfg(tmp_path, **{f"workers.{field}": value})
+            argv = plan_topology(cfg, 5, "c.yaml", None, [], TOKEN).job("worker-0").argv
+            assert getattr(parser.parse_args(argv), field) is value
+        with pytest.raises(ValueError, match=field):
+            _cfg(tmp_path, **{f"workers.{field}": "no"})
