@@ -171,6 +171,7 @@ LONGEST_FILES = (
     "airflow_ops/test_airflow_train_cli.py",
     "trainer/test_multihost.py",
     "models/test_gguf_import.py",
+    "compute/test_ray_cluster.py",
 )
 
 

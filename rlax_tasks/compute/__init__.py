@@ -1,4 +1,5 @@
-"""Compute backends: where RLAX jobs run (local processes, or Cloud TPU queued resources).
+"""Compute backends: where RLAX jobs run (local processes, Cloud TPU queued resources, or
+placement groups of a Ray cluster).
 
 ``get_backend(name, **settings)`` gives a ``Backend``: ``provision`` a slice, ``start_job`` /
 ``job_state`` / ``stop_job`` on it, ``teardown``. Handles are JSON-serialisable; a job killed or
@@ -12,11 +13,12 @@ from typing import Any, Protocol, runtime_checkable
 from rlax_tasks.compute import types as _types
 from rlax_tasks.compute.cloud_tpu import CloudTpuBackend
 from rlax_tasks.compute.local import LocalBackend
+from rlax_tasks.compute.ray_cluster import RayBackend
 from rlax_tasks.compute.types import *  # noqa: F403  (the specs, handles, states, env names)
 
 __all__ = [*_types.__all__, "BACKENDS", "Backend", "get_backend"]
 
-BACKENDS = ("local", "cloud_tpu")
+BACKENDS = ("local", "cloud_tpu", "ray")
 
 
 @runtime_checkable
@@ -45,8 +47,8 @@ class Backend(Protocol):
 
 
 def get_backend(name: str = "local", **settings: Any) -> Backend:
-    """The backend called ``name`` ("local" or "cloud_tpu") built from its settings."""
-    classes = {"local": LocalBackend, "cloud_tpu": CloudTpuBackend}
+    """The backend called ``name`` (one of BACKENDS) built from its settings."""
+    classes = {"local": LocalBackend, "cloud_tpu": CloudTpuBackend, "ray": RayBackend}
     if name not in classes:
         raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
     cls = classes[name]

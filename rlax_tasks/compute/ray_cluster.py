@@ -1,0 +1,553 @@
+"""The ``ray`` backend: slices as placement groups of an existing Ray cluster (GPU or TPU).
+
+A slice is a detached placement group with one bundle per host (its CPUs, GPUs or TPU chips),
+each host on a node of its own; the group's name holds the slice's spec and run root, so any
+process can list it. A job runs ``<entrypoint> <argv>`` under the job runner (``compute.runner``)
+in a detached actor (``ray_host.HostProcess``) pinned to the bundle of each of its hosts; its
+state comes from those actors: a host whose actor died with its node is PREEMPTED. Status files
+live under the slice's root as on the other backends (shared storage when the cluster has
+several machines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+from rlax_tasks.compute import jobstatus
+from rlax_tasks.compute.local import heartbeat_interval
+from rlax_tasks.compute.ray_host import HostProcess
+from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
+from rlax_tasks.compute.types import (
+    COORDINATOR_ADDRESS_ENV,
+    HOST_ADDRESS_ENV,
+    MANAGED_LABEL,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    WORKER_ID_ENV,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    SliceHandle,
+    SliceSpec,
+    SliceState,
+    coordinator_port,
+)
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.paths import SLICES
+
+log = logging.getLogger(__name__)
+
+# a slice's placement group is named PG_PREFIX + JSON {"run_root", "spec"}: the same slice always
+# gets the same name, which Ray keeps unique, and its handle can be rebuilt from the name
+PG_PREFIX = "rlax-slice:"
+# a job's actor on host K: ACTOR_PREFIX + "<slice instance>/<job>.<attempt>/<K>"
+ACTOR_PREFIX = "rlax-job:"
+_SHAPE_RE = re.compile(r"^(?:(?P<hosts>[1-9]\d*)x)?(?:cpu|gpu-(?P<gpus>[1-9]\d*))$")
+# when two hosts end abnormally together, the more telling cause wins (as jobstatus ranks them)
+_CAUSE_RANK = {JobState.FAILED: 1, JobState.PREEMPTED: 2}
+_CONNECT_LOCK = threading.Lock()
+STATUS_TIMEOUT_S = 10.0  # how long job_state waits for the hosts of a job to answer
+
+
+class RayBackendError(ValueError):
+    """A mistake in the ray backend's settings, or a slice the cluster cannot hold: a user error
+    (one line from `rlax`, not retried by the Airflow operators)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceShape:
+    """The hosts of a Ray slice and what each host's bundle holds besides its CPUs."""
+
+    hosts: int
+    resources: dict[str, float]
+
+
+def slice_shape(accelerator_type: str) -> SliceShape:
+    """``cpu``, ``gpu-G`` (G GPUs), either as ``NxTYPE`` for N hosts (``2xcpu``, ``8xgpu-8``),
+    or a Cloud TPU type (``v5litepod-16``: 4 hosts of 4 chips); RayBackendError otherwise."""
+    if m := _SHAPE_RE.match(accelerator_type):
+        gpus = {"GPU": float(m["gpus"])} if m["gpus"] else {}
+        return SliceShape(int(m["hosts"] or 1), gpus)
+    try:
+        tpu = tpu_type(accelerator_type)
+    except UnknownAcceleratorError:
+        raise RayBackendError(
+            f"accelerator_type={accelerator_type!r} is not a Ray slice type: use cpu, gpu-G "
+            "(G GPUs per host), NxTYPE for N hosts (2xcpu, 8xgpu-8) or a Cloud TPU type "
+            "(v5litepod-16)"
+        ) from None
+    return SliceShape(tpu.hosts, {"TPU": float(tpu.chips_per_host)})
+
+
+def _import_ray():  # noqa: ANN202 - the ray module
+    try:
+        # lazy: Ray is an optional extra, and rlax_tasks.compute is imported by Airflow's
+        # scheduler and triggerer, which must neither need Ray nor pay for importing it
+        import ray
+    except ImportError:
+        raise RayBackendError(
+            "the ray backend needs Ray, which is not installed here: install the ray extra "
+            "(.venv/bin/pip install -c constraints.txt -e '.[ray]'; `bash scripts/setup.sh "
+            "--test` installs it too)"
+        ) from None
+    return ray
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """RayBackendError unless something listens at ``address`` (ray.init would retry for
+    minutes, then exit the process)."""
+    if address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise RayBackendError(
+            f"ray backend: address={address!r} is not host:port (the head node's GCS address, "
+            "e.g. 10.0.0.2:6379), ray://host:port or auto"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayBackendError(
+            f"cannot reach the Ray cluster at {address} ({e.strerror or e}): check the ray "
+            "backend's address setting and that the cluster is up (`ray status` on its head)"
+        ) from None
+
+
+def _same_gcs(address: str, gcs: str) -> bool:
+    """Whether ``address`` (a setting) names the GCS at ``gcs`` (host:port, as Ray reports it):
+    the same port on the same host, any host for a loopback address, ``auto`` and ``ray://``
+    always."""
+    if address == "auto" or address.startswith("ray://"):
+        return True
+    host, _, port = address.rpartition(":")
+    gcs_host, _, gcs_port = gcs.rpartition(":")
+    try:
+        ip = socket.gethostbyname(host.strip("[]"))
+    except OSError:
+        ip = host
+    return port == gcs_port and (ip == gcs_host or ip.startswith("127."))
+
+
+class RayBackend:
+    """Slices as Ray placement groups, jobs as runner processes in actors on their bundles.
+
+    ``address``: the cluster's GCS address (host:port), ``ray://`` or ``auto`` (default: the
+    RAY_ADDRESS variable, else auto); ``namespace``: where its slices and actors are named;
+    ``cpus_per_host``: the CPUs each host's bundle reserves; ``entrypoint``: the rlax command
+    (default: ``python -m rlax_tasks.cli`` in each node's Python)."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        run_root: str,
+        address: str = "",
+        namespace: str = "rlax",
+        cpus_per_host: float = 1.0,
+        entrypoint: list[str] | None = None,
+        stop_grace_s: float = 10.0,
+        start_timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if not isinstance(run_root, str) or not run_root:
+            raise RayBackendError("ray backend: run_root must be a gs:// URI or a shared path")
+        self.run_root = run_root if storage.is_gcs(run_root) else os.path.abspath(run_root)
+        self.address = address or os.environ.get("RAY_ADDRESS", "") or "auto"
+        if not isinstance(namespace, str) or not namespace:
+            raise RayBackendError("ray backend: namespace must be a non-empty string")
+        self.namespace = namespace
+        if not cpus_per_host > 0:
+            raise RayBackendError(f"ray backend: cpus_per_host={cpus_per_host!r} must be > 0")
+        self.cpus_per_host = float(cpus_per_host)
+        self.entrypoint = list(entrypoint) if entrypoint else None
+        self.stop_grace_s = float(stop_grace_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+
+    # ------------------------------------------------------------------ connection
+    def _ray(self):  # noqa: ANN202 - the ray module, connected to this backend's cluster
+        """Ray, connected once per process (``ray.init``) to ``address`` in ``namespace``."""
+        ray = _import_ray()
+        with _CONNECT_LOCK:
+            if ray.is_initialized():
+                self._check_connection(ray)
+                return ray
+            _check_reachable(self.address, self.connect_timeout_s)
+            try:
+                ray.init(address=self.address, namespace=self.namespace, log_to_driver=False)
+            except (ConnectionError, SystemExit) as e:  # Ray exits when the GCS never answers
+                raise RayBackendError(f"cannot connect to Ray at {self.address}: {e}") from None
+        return ray
+
+    def _check_connection(self, ray: Any) -> None:
+        """RayBackendError when this process is connected to Ray with other settings."""
+        context = ray.get_runtime_context()
+        gcs = context.gcs_address
+        if context.namespace != self.namespace or not _same_gcs(self.address, gcs):
+            raise RayBackendError(
+                f"this process is connected to Ray at {gcs} (namespace {context.namespace!r}), "
+                f"not {self.address} (namespace {self.namespace!r}): one process, one Ray "
+                "connection"
+            )
+
+    # ------------------------------------------------------------------ slices
+    def provision(self, spec: SliceSpec) -> SliceHandle:
+        """Creates the slice's placement group (idempotent: a live slice of that name and run is
+        returned); RayBackendError when the cluster's nodes cannot hold it."""
+        ray = self._ray()
+        spec = SliceSpec.from_dict(
+            {**spec.to_dict(), "labels": {**spec.labels, MANAGED_LABEL: "true"}}
+        )
+        shape = slice_shape(spec.accelerator_type)
+        if (existing := self._find(ray, spec)) is not None:
+            return existing
+        bundle = {"CPU": self.cpus_per_host, **shape.resources}
+        _check_capacity(ray, spec, shape.hosts, bundle)
+        name = PG_PREFIX + json.dumps(
+            {"run_root": self.run_root, "spec": spec.to_dict()}, sort_keys=True
+        )
+        strategy = "STRICT_SPREAD" if shape.hosts > 1 else "PACK"
+        try:
+            pg = ray.util.placement_group(
+                [bundle] * shape.hosts, strategy=strategy, name=name, lifetime="detached"
+            )
+        except ray.exceptions.RaySystemError:  # created meanwhile by another process
+            if (existing := self._find(ray, spec)) is not None:
+                return existing
+            raise
+        log.info(
+            "ray slice %s: placement group %s, %d x %s", spec.name, pg.id.hex(), shape.hosts, bundle
+        )
+        return self._handle(pg.id.hex(), spec)
+
+    def _handle(self, pg_id: str, spec: SliceSpec) -> SliceHandle:
+        root = storage.join(self.run_root, spec.run_id, SLICES, spec.name, pg_id)
+        return SliceHandle(self.name, spec.name, root, pg_id, spec.to_dict(), resource=pg_id)
+
+    def _slices(self, ray: Any) -> list[tuple[SliceHandle, dict[str, Any]]]:
+        """(handle, placement group row) of every live slice of this run root."""
+        out = []
+        for pg_id, row in ray.util.placement_group_table().items():
+            if row["state"] == "REMOVED" or not row["name"].startswith(PG_PREFIX):
+                continue
+            record = json.loads(row["name"][len(PG_PREFIX) :])
+            if record["run_root"] == self.run_root:
+                out.append((self._handle(pg_id, SliceSpec.from_dict(record["spec"])), row))
+        return out
+
+    def _find(self, ray: Any, spec: SliceSpec) -> SliceHandle | None:
+        for handle, _ in self._slices(ray):
+            if handle.name == spec.name and handle.slice_spec.run_id == spec.run_id:
+                return handle
+        return None
+
+    def _row(self, ray: Any, handle: SliceHandle) -> dict[str, Any] | None:
+        """The placement group row of a slice, None once it is removed."""
+        row = ray.util.placement_group_table().get(handle.instance_id)
+        return row if row and row["state"] != "REMOVED" else None
+
+    def slice_state(self, handle: SliceHandle | dict) -> SliceState:
+        return _slice_state(self._row(self._ray(), SliceHandle.from_dict(handle)))
+
+    def list_slices(self, label_filter: dict[str, str] | None = None) -> list[SliceHandle]:
+        """The live slices of this run root whose labels include ``label_filter``."""
+        want = dict(label_filter or {})
+        handles = [h for h, _ in self._slices(self._ray())]
+        return [h for h in handles if all(h.spec["labels"].get(k) == v for k, v in want.items())]
+
+    def teardown(self, handle: SliceHandle | dict) -> None:
+        """Stops every job on the slice, then removes its actors and placement group."""
+        ray = self._ray()
+        handle = SliceHandle.from_dict(handle)
+        actors = self._actors(ray, f"{ACTOR_PREFIX}{handle.instance_id}/")
+        self._stop(ray, list(actors.values()), requested=True)
+        for actor in actors.values():
+            ray.kill(actor)
+        if self._row(ray, handle) is not None:
+            ray.util.remove_placement_group(_placement_group(ray, handle.instance_id))
+        log.info("ray slice %s torn down (%d actor(s))", handle.name, len(actors))
+
+    # ------------------------------------------------------------------ jobs
+    def start_job(self, handle: SliceHandle | dict, job: JobSpec) -> JobHandle:
+        """Starts ``job`` on each of its hosts (a job of that name still running is returned)."""
+        ray = self._ray()
+        handle = SliceHandle.from_dict(handle)
+        row = self._row(ray, handle)
+        state = _slice_state(row)
+        if state is not SliceState.READY:
+            raise RuntimeError(f"slice {handle.name} is {state.value}, not READY")
+        if max(job.hosts) >= len(row["bundles"]):
+            raise ValueError(
+                f"job {job.name}: hosts={list(job.hosts)} but slice {handle.name} "
+                f"({handle.slice_spec.accelerator_type}) has {len(row['bundles'])} host(s)"
+            )
+        attempt = self._next_attempt(handle, job.name)
+        if isinstance(attempt, JobHandle):
+            log.info("job %s already running on %s", job.name, handle.name)
+            return attempt
+        self._stop_and_kill(ray, f"{ACTOR_PREFIX}{handle.instance_id}/{job.name}.")
+        job_handle = JobHandle(
+            backend=self.name,
+            name=job.name,
+            slice=handle.to_dict(),
+            status_dir=storage.join(handle.root, "jobs", f"{job.name}.{attempt}"),
+            heartbeat_timeout_s=job.heartbeat_timeout_s,
+            submitted_at=time.time(),
+            hosts=job.hosts,
+        )
+        nodes = _node_addresses(ray, row, job.hosts)
+        command = self._start_actors(ray, handle, job, job_handle, nodes)
+        jobstatus.write_json(
+            storage.join(job_handle.status_dir, jobstatus.SPEC),
+            {
+                "job": {**job.to_dict(), "env": _job_env(job)},
+                "command": command,
+                "handle": job_handle.to_dict(),
+                "nodes": {str(h): {"node_id": n, "address": a} for h, (n, a) in nodes.items()},
+            },
+        )
+        log.info("started job %s on ray slice %s, hosts %s", job.name, handle.name, list(job.hosts))
+        return job_handle
+
+    def _next_attempt(self, handle: SliceHandle, job_name: str) -> int | JobHandle:
+        """The next attempt number of ``job_name`` on the slice, or the handle of the last
+        attempt while it runs."""
+        attempts = []
+        for child in storage.list_children(storage.join(handle.root, "jobs")):
+            base, _, n = child.rpartition(".")
+            if base == job_name and n.isdigit():
+                attempts.append(int(n))
+        if not attempts:
+            return 1
+        spec_path = storage.join(handle.root, "jobs", f"{job_name}.{max(attempts)}", jobstatus.SPEC)
+        previous = jobstatus.read_json(spec_path)
+        if previous is not None:
+            old = JobHandle.from_dict(previous["handle"])
+            if self.job_state(old).state is JobState.RUNNING:
+                return old
+        return max(attempts) + 1
+
+    def _start_actors(
+        self,
+        ray: Any,
+        handle: SliceHandle,
+        job: JobSpec,
+        job_handle: JobHandle,
+        nodes: dict[int, tuple[str, str]],
+    ) -> list[str]:
+        """Creates the job's actor on each host's bundle and starts its process there; the
+        command host 0 runs."""
+        # lazy: Ray (see _import_ray)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = _placement_group(ray, handle.instance_id)
+        actor_class = _actor_class()
+        leader = nodes[job.hosts[0]][1]
+        interval = heartbeat_interval(job.heartbeat_timeout_s)
+        actors, starts = [], []
+        for host in job.hosts:
+            actor = actor_class.options(
+                name=_actor_name(job_handle, host),
+                namespace=self.namespace,
+                lifetime="detached",
+                num_cpus=0,  # the slice's bundle holds the host; its jobs share it
+                max_concurrency=8,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=host
+                ),
+            ).remote(jobstatus.host_status_dir(job_handle.status_dir, host))
+            env = {**_job_env(job), **_group_env(job, host, nodes[host][1], leader)}
+            actors.append(actor)
+            starts.append(actor.start.remote(self.entrypoint, job.argv, env, interval))
+        try:
+            return ray.get(starts, timeout=self.start_timeout_s)[0]
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            for actor in actors:
+                ray.kill(actor)
+            raise RuntimeError(
+                f"job {job.name} did not start on slice {handle.name}: {e}"
+            ) from None
+
+    def job_state(self, job: JobHandle | dict) -> JobStatus:
+        """The job's state from its actors: a host's exit code, or PREEMPTED for a host whose
+        actor is gone without one. Once the job ended, its other hosts are stopped."""
+        ray = self._ray()
+        job = JobHandle.from_dict(job)
+        actors = {h: self._actor(ray, _actor_name(job, h)) for h in job.hosts}
+        replies = {h: a.status.remote() for h, a in actors.items() if a is not None}
+        if replies:  # a host that does not answer within the timeout reads as RUNNING
+            ray.wait(list(replies.values()), num_returns=len(replies), timeout=STATUS_TIMEOUT_S)
+        statuses = {h: self._host_status(ray, job, h, replies.get(h)) for h in job.hosts}
+        status = _group_status(statuses)
+        if status.state in (JobState.FAILED, JobState.PREEMPTED):
+            for host, (host_status, _) in statuses.items():
+                if host_status.state is JobState.RUNNING:  # its peer is gone: it would hang
+                    actors[host].stop.remote(self.stop_grace_s, False)
+        return status
+
+    def _host_status(
+        self, ray: Any, job: JobHandle, host: int, reply: Any
+    ) -> tuple[JobStatus, float]:
+        """(status, when it ended) of the job's process on ``host``."""
+        if reply is not None:
+            try:
+                status, ended_at = ray.get(reply, timeout=0)
+                return JobStatus.from_dict(status), ended_at or time.time()
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as e:
+                message = f"host {host} does not answer: {type(e).__name__}"
+                return JobStatus(JobState.RUNNING, message), time.time()
+            except ray.exceptions.RayActorError:
+                pass  # died since it was looked up
+        return self._lost_status(ray, job, host), 0.0  # the first cause of what follows
+
+    def _lost_status(self, ray: Any, job: JobHandle, host: int) -> JobStatus:
+        """A host whose actor is gone: its exit code if its runner wrote one, else stopped on
+        request, else PREEMPTED (saying whether its node died)."""
+        host_dir = jobstatus.host_status_dir(job.status_dir, host)
+        if storage.exists(storage.join(host_dir, jobstatus.EXIT)):
+            return jobstatus.read_job_status(host_dir, job.heartbeat_timeout_s, job.submitted_at)
+        if any(storage.exists(storage.join(d, jobstatus.STOP)) for d in (job.status_dir, host_dir)):
+            return JobStatus(JobState.FAILED, "stopped by request")
+        spec = jobstatus.read_json(storage.join(job.status_dir, jobstatus.SPEC)) or {}
+        node = spec.get("nodes", {}).get(str(host), {})
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        if node and node["node_id"] not in alive:
+            why = f"its Ray node {node['address']} ({node['node_id'][:12]}) died"
+        else:
+            why = "its Ray actor is gone"
+        return JobStatus(JobState.PREEMPTED, f"lost: {why}")
+
+    def stop_job(self, job: JobHandle | dict) -> None:
+        """Stops the job's process on every host (SIGTERM, SIGKILL after ``stop_grace_s``)."""
+        ray = self._ray()
+        job = JobHandle.from_dict(job)
+        jobstatus.write_json(storage.join(job.status_dir, jobstatus.STOP), {"time": time.time()})
+        actors = [self._actor(ray, _actor_name(job, h)) for h in job.hosts]
+        self._stop(ray, [a for a in actors if a is not None], requested=True)
+
+    # ------------------------------------------------------------------ actors
+    def _actor(self, ray: Any, name: str) -> Any:
+        try:
+            return ray.get_actor(name, namespace=self.namespace)
+        except ValueError:  # gone (or never created)
+            return None
+
+    def _actors(self, ray: Any, prefix: str) -> dict[str, Any]:
+        """{name: actor} of the live actors of this namespace whose name starts with ``prefix``."""
+        names = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+        found = {n: self._actor(ray, n) for n in names}
+        return {n: a for n, a in found.items() if a is not None}
+
+    def _stop(self, ray: Any, actors: list[Any], requested: bool) -> None:
+        """Stops the processes of ``actors`` and waits until they ended (SIGKILL after the
+        grace period)."""
+        for actor in actors:
+            actor.stop.remote(self.stop_grace_s, requested)
+        waits = [actor.wait.remote(self.stop_grace_s + 5.0) for actor in actors]
+        try:
+            ray.get(waits, timeout=self.stop_grace_s + 10.0)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            log.warning("stopping %d process(es): %s", len(actors), e)
+
+    def _stop_and_kill(self, ray: Any, prefix: str) -> None:
+        """Stops the processes of the actors named ``prefix...`` and kills the actors."""
+        actors = list(self._actors(ray, prefix).values())
+        self._stop(ray, actors, requested=False)
+        for actor in actors:
+            ray.kill(actor)
+
+
+@functools.cache
+def _actor_class() -> Any:
+    return _import_ray().remote(HostProcess)
+
+
+def _placement_group(ray: Any, pg_id: str) -> Any:
+    from ray.util.placement_group import PlacementGroup  # lazy: Ray (see _import_ray)
+
+    return PlacementGroup(ray.PlacementGroupID.from_hex(pg_id))
+
+
+def _actor_name(job: JobHandle, host: int) -> str:
+    job_dir = job.status_dir.rstrip("/").rsplit("/", 1)[-1]  # "<job>.<attempt>"
+    return f"{ACTOR_PREFIX}{job.slice_handle.instance_id}/{job_dir}/{host}"
+
+
+def _slice_state(row: dict[str, Any] | None) -> SliceState:
+    """READY once Ray placed the group; PROVISIONING while it places it (PENDING, PREPARED) or
+    re-places the bundles of a lost node (RESCHEDULING); DELETED once removed."""
+    if row is None:
+        return SliceState.DELETED
+    return SliceState.READY if row["state"] == "CREATED" else SliceState.PROVISIONING
+
+
+def _check_capacity(ray: Any, spec: SliceSpec, hosts: int, bundle: dict[str, float]) -> None:
+    """RayBackendError naming the first resource that too few of the cluster's nodes have."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    for resource, amount in bundle.items():
+        have = [node.get(resource, 0.0) for node in nodes]
+        fit = sum(h >= amount for h in have)
+        if fit < hosts:
+            each = f"each of its {hosts} hosts asks" if hosts > 1 else "its host asks"
+            raise RayBackendError(
+                f"slice {spec.name} ({spec.accelerator_type}): {each} for {resource}: "
+                f"{amount:g} on a node of its own, but {fit} of the cluster's {len(nodes)} "
+                f"node(s) have that much (the cluster has {resource}: {sum(have):g} in all, at "
+                f"most {max(have, default=0.0):g} on a node)"
+            )
+
+
+def _node_addresses(
+    ray: Any, row: dict[str, Any], hosts: tuple[int, ...]
+) -> dict[int, tuple[str, str]]:
+    """{host: (node id, node IP as Ray reports it)} of the bundles of ``hosts``."""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return {h: (row["bundles_to_node_id"][h], ips[row["bundles_to_node_id"][h]]) for h in hosts}
+
+
+def _job_env(job: JobSpec) -> dict[str, str]:
+    env = dict(job.env)
+    if job.run_root:
+        env.setdefault("RLAX_RUN_ROOT", job.run_root)
+    return env
+
+
+def _group_env(job: JobSpec, host: int, address: str, leader: str) -> dict[str, str]:
+    """What the process on ``host`` learns of its group (as the node agent's ``_group_env``)."""
+    out = {WORKER_ID_ENV: str(host), HOST_ADDRESS_ENV: address}
+    if len(job.hosts) > 1:
+        leader = f"[{leader}]" if ":" in leader else leader
+        out[PROCESS_ID_ENV] = str(job.hosts.index(host))
+        out[NUM_PROCESSES_ENV] = str(len(job.hosts))
+        out[COORDINATOR_ADDRESS_ENV] = f"{leader}:{coordinator_port(job.env)}"
+    return out
+
+
+def _group_status(statuses: dict[int, tuple[JobStatus, float]]) -> JobStatus:
+    """One job's state from its hosts' (as ``jobstatus.read_group_status``): SUCCEEDED when all
+    exited 0; once one ended abnormally, a configuration error on any host, else the first."""
+    if len(statuses) == 1:
+        return next(iter(statuses.values()))[0]
+    ended = []
+    for host, (status, when) in statuses.items():
+        if status.state in _CAUSE_RANK:
+            rank = 0 if status.is_config_error else _CAUSE_RANK[status.state]
+            ended.append((rank > 0, when, rank, host, status))
+    if ended:
+        *_, host, status = min(ended)
+        more = f" ({len(ended) - 1} other host(s) ended too)" if len(ended) > 1 else ""
+        return JobStatus(status.state, f"host {host}: {status.message}{more}", status.exit_code)
+    running = sum(s.state is JobState.RUNNING for s, _ in statuses.values())
+    if running:
+        return JobStatus(JobState.RUNNING, f"{running} of {len(statuses)} hosts running")
+    return JobStatus(JobState.SUCCEEDED, f"exit code 0 on all {len(statuses)} hosts", 0)
