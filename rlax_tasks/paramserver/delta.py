@@ -146,13 +146,14 @@ def apply_block(
                 f"array {name!r}: a whole block of {header.nbytes} bytes for {region.size}"
             )
         region[:] = payload
+        got = header.crc32c  # the payload's, checked on arrival: now the region's bytes
     elif header.encoding == Encoding.SPARSE:
         if base is None:
             raise WireError(f"array {name!r}: a sparse block where the base has no block")
         apply_sparse(region, payload, itemsize)
+        got = crc32c(region)
     else:
         raise WireError(f"array {name!r}: unknown delta encoding {header.encoding}")
-    got = crc32c(region)
     if got != header.target_crc32c:
         raise ChecksumError(
             f"array {name!r}: the block rebuilt from the delta fails its CRC32C (computed "

@@ -165,9 +165,12 @@ class HeldVersion:
     digest: bytes
 
     @classmethod
-    def of(cls, manifest: Manifest, headers: list[BlockHeader], buffers: dict) -> HeldVersion:
+    def of(
+        cls, manifest: Manifest, headers: list[BlockHeader], buffers: dict, digest: bytes
+    ) -> HeldVersion:
+        """A verified version's host copy; ``digest``: its version digest (``read_end``)."""
         by_region = {(h.array, h.start, h.stop): h for h in headers}
-        return cls(manifest, by_region, buffers, version_digest(manifest, headers))
+        return cls(manifest, by_region, buffers, digest)
 
 
 def receive_version(
@@ -230,8 +233,9 @@ def read_stream(
             yield header, fill
 
     params, headers = receive_version(manifest, blocks(), shardings, like, out, copy=keep)
-    read_end(resp, manifest, headers)
-    return manifest.version, params, HeldVersion.of(manifest, headers, out) if keep else None
+    digest = read_end(resp, manifest, headers)
+    kept = HeldVersion.of(manifest, headers, out, digest) if keep else None
+    return manifest.version, params, kept
 
 
 def read_delta(
@@ -264,7 +268,7 @@ def read_delta(
             yield header, data
 
     headers = apply_delta(manifest, blocks(), held.buffers, held.headers)
-    read_end(resp, manifest, headers)
+    digest = read_end(resp, manifest, headers)
     check_coverage(manifest, headers)
     arrays = {
         spec.name: placement.place(spec.name, held.buffers[spec.name].copy())
@@ -272,7 +276,7 @@ def read_delta(
     }
     full = len(dataclasses.replace(manifest, base=None).encode()) + END_FRAME_SIZE
     full += sum(block_header_size(len(h.start)) + h.nbytes for h in headers)
-    kept = HeldVersion.of(manifest, headers, held.buffers)
+    kept = HeldVersion.of(manifest, headers, held.buffers, digest)
     return manifest.version, placement.result(arrays), kept, full
 
 

@@ -370,8 +370,8 @@ def read_delta_header(fh: BinaryIO, manifest: Manifest) -> DeltaHeader:
     return DeltaHeader(array, start, stop, encoding, nbytes, crc, target, region_nbytes)
 
 
-def read_end(fh: BinaryIO, manifest: Manifest, headers: Sequence[BlockHeader]) -> None:
-    """Reads the end frame and checks the block count and the version digest."""
+def read_end(fh: BinaryIO, manifest: Manifest, headers: Sequence[BlockHeader]) -> bytes:
+    """Reads the end frame and checks the block count and the version digest; returns it."""
     count, digest = _read_frame(fh, _END, _END_MAGIC, "the end frame")
     if count != manifest.num_blocks or len(headers) != count:
         raise WireError(f"end frame counts {count} blocks, received {len(headers)}")
@@ -380,6 +380,7 @@ def read_end(fh: BinaryIO, manifest: Manifest, headers: Sequence[BlockHeader]) -
             f"version {manifest.version}: the digest of the end frame does not match the "
             "manifest and block headers received (a header was damaged in transit)"
         )
+    return digest
 
 
 def _read_region(
