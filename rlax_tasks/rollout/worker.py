@@ -376,9 +376,12 @@ class InferenceWorker:
         try:
             self.source.ack(version)
         except (TimeoutError, ConnectionError) as e:
-            log.warning("cannot ack v%d to the weight source (%s); retrying", version, e)
+            if self._unacked != version:  # once per version: a retry at every poll is routine
+                log.warning("cannot ack v%d to the weight source (%s); retrying", version, e)
             self._unacked = version
         else:
+            if self._unacked is not None:
+                log.info("acked v%d to the weight source", version)
             self._unacked = None
 
     def _raise_if_failed(self) -> None:

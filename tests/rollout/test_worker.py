@@ -161,8 +161,9 @@ def test_an_ack_the_source_cannot_take_is_retried_and_the_worker_keeps_generatin
     with InferenceWorker(sampler, source, poll_interval_s=0.0) as worker:
         source.down = True
         source.latest = 1
+        wait_for(lambda: worker.status()["version"] == 1, timeout_s=30)  # loaded v1 unacked
         worker.submit([group("a", "1+2=")])
-        assert collect(worker, 1)["a"].version == 1  # loaded v1 though its ack failed
+        assert collect(worker, 1)["a"].version == 1  # and keeps generating with it
         assert source.failed and set(source.failed) == {1} and source.acks == [0]
         source.down = False
         wait_for(lambda: source.acks == [0, 1], timeout_s=30)
