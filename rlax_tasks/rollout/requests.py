@@ -82,7 +82,8 @@ class Completion:
     distribution it was sampled from, and why it ended. ``support``: for a request whose top-k/
     top-p filtered (and a sampler recording them), each token's kept ids, in id order
     (empty where more were kept than the sampler's capacity); None otherwise. ``versions``: the
-    weight version each token was sampled with (None: the sampler's weights carry none)."""
+    weight version each token was sampled with (None: the sampler's weights carry none).
+    ``resumed``: how many of its first tokens came from a ``SampleProgress`` record."""
 
     request: Request
     tokens: list[int]
@@ -90,6 +91,7 @@ class Completion:
     finish_reason: FinishReason
     support: list[list[int]] | None = None
     versions: list[int] | None = None
+    resumed: int = 0  # its first tokens, handed back from a record (not sampled again)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -123,6 +125,114 @@ def per_prompt_params(seed: int, count: int, **settings: Any) -> list[SamplingPa
 
 
 # --------------------------------------------------------------------------- worker messages
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleProgress:
+    """What one sample of an in-flight group holds so far (a worker's report, a snapshot's
+    record): its tokens with their log-probs, versions and kept ids, and ``finish_reason`` once
+    it ended (None: unfinished). Handed back in ``GroupRequest.resume``, generation goes on from
+    there instead of sampling these tokens again."""
+
+    sample: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...] | None = None
+    support: tuple[tuple[int, ...], ...] | None = None
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def of(cls, sample: int, c: Completion | Partial) -> SampleProgress:
+        """The record of a finished completion or an unfinished ``Partial``."""
+        return cls(
+            sample,
+            tuple(c.tokens),
+            tuple(c.logprobs),
+            None if c.versions is None else tuple(c.versions),
+            None if c.support is None else tuple(tuple(k) for k in c.support),
+            c.finish_reason if isinstance(c, Completion) else None,
+        )
+
+    def completion(self, request: Request, resumed: int) -> Completion:
+        """The finished completion this record holds (``finish_reason`` set)."""
+        assert self.finish_reason is not None
+        support = None if self.support is None else [list(k) for k in self.support]
+        versions = None if self.versions is None else list(self.versions)
+        tokens, logprobs = list(self.tokens), list(self.logprobs)
+        return Completion(
+            request, tokens, logprobs, self.finish_reason, support, versions, resumed=resumed
+        )
+
+    def partial(self, request: Request) -> Partial:
+        """The unfinished request this record holds, to be admitted again."""
+        support = None if self.support is None else [list(k) for k in self.support]
+        versions = None if self.versions is None else list(self.versions)
+        return Partial(request, list(self.tokens), list(self.logprobs), support, versions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sample": self.sample,
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),
+            "versions": None if self.versions is None else list(self.versions),
+            "support": None if self.support is None else [list(k) for k in self.support],
+            "finish_reason": self.finish_reason,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], group_size: int, max_new_tokens: int) -> SampleProgress:
+        """From JSON (``to_dict``), checked against the group it resumes: ValueError naming
+        the sample and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"resume: each entry must be an object, got {d!r}")
+        unknown = set(d) - {"sample", "tokens", "logprobs", "versions", "support", "finish_reason"}
+        if unknown:
+            raise ValueError(f"resume: unknown field(s) {sorted(unknown)}")
+        sample = d.get("sample")
+        if not isinstance(sample, int) or not 0 <= sample < group_size:
+            raise ValueError(f"resume: sample must be an int in [0, {group_size}), got {sample!r}")
+        where = f"resume sample {sample}"
+        tokens, logprobs = d.get("tokens"), d.get("logprobs")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ValueError(f"{where}: tokens must be a list of token ids")
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+            raise ValueError(f"{where}: logprobs must be a list as long as tokens")
+        if not all(isinstance(x, int | float) and math.isfinite(x) for x in logprobs):
+            raise ValueError(f"{where}: logprobs must be finite numbers")
+        versions, support = d.get("versions"), d.get("support")
+        if versions is not None and (
+            not isinstance(versions, list)
+            or len(versions) != len(tokens)
+            or not all(isinstance(v, int) and v >= 0 for v in versions)
+        ):
+            raise ValueError(f"{where}: versions must be one int >= 0 per token, or null")
+        if support is not None and (
+            not isinstance(support, list)
+            or len(support) != len(tokens)
+            or not all(isinstance(k, list) for k in support)
+        ):
+            raise ValueError(f"{where}: support must be one list of ids per token, or null")
+        reason = d.get("finish_reason")
+        if reason is not None and reason not in FINISH_REASONS:
+            raise ValueError(f"{where}: finish_reason must be one of {FINISH_REASONS} or null")
+        if reason is None and len(tokens) >= max_new_tokens:
+            raise ValueError(
+                f"{where}: an unfinished sample holds {len(tokens)} tokens, the group's "
+                f"max_new_tokens is {max_new_tokens}"
+            )
+        if reason is not None and not 0 < len(tokens) <= max_new_tokens:
+            raise ValueError(f"{where}: a finished sample holds 1 to max_new_tokens tokens")
+        return cls(
+            sample,
+            tuple(tokens),
+            tuple(float(x) for x in logprobs),
+            None if versions is None else tuple(versions),
+            None if support is None else tuple(tuple(int(i) for i in k) for k in support),
+            reason,
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupRequest:
     """G completions of one prompt, wanted by the controller under ``prompt_id``."""
@@ -134,6 +244,9 @@ class GroupRequest:
     # the oldest weight version allowed to generate it: the controller's staleness bound made
     # concrete (v_next − k), so a worker behind it reloads first instead of producing waste
     min_version: int = 0
+    # what the group's samples held when they were last recorded (a snapshot, a failed worker's
+    # last report): the worker goes on from there instead of generating those tokens again
+    resume: tuple[SampleProgress, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON the controller sends to ``POST /v1/groups`` (``from_dict`` reads it back)."""
@@ -145,12 +258,14 @@ class GroupRequest:
             "params": {
                 k: list(v) if isinstance(v, tuple) else v for k, v in vars(self.params).items()
             },
+            **({"resume": [s.to_dict() for s in self.resume]} if self.resume else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupRequest:
         """From JSON: prompt_id, prompt_tokens, group_size, params (SamplingParams fields)."""
-        unknown = set(d) - {"prompt_id", "prompt_tokens", "group_size", "params", "min_version"}
+        known = {"prompt_id", "prompt_tokens", "group_size", "params", "min_version", "resume"}
+        unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown group request field(s): {sorted(unknown)}")
         for key in ("prompt_id", "prompt_tokens", "group_size"):
@@ -169,12 +284,23 @@ class GroupRequest:
         min_version = d.get("min_version", 0)
         if not isinstance(min_version, int) or min_version < 0:
             raise ValueError(f"min_version must be an int >= 0, got {min_version!r}")
+        params = SamplingParams(**raw)
+        raw_resume = d.get("resume") or []
+        if not isinstance(raw_resume, list):
+            raise ValueError("resume must be a list of sample records")
+        resume = tuple(
+            SampleProgress.from_dict(r, group_size, params.max_new_tokens) for r in raw_resume
+        )
+        samples = [r.sample for r in resume]
+        if len(set(samples)) != len(samples):
+            raise ValueError(f"resume: a sample appears twice ({sorted(samples)})")
         return cls(
             str(d["prompt_id"]),
             tuple(int(t) for t in d["prompt_tokens"]),
             group_size,
-            SamplingParams(**raw),
+            params,
             min_version,
+            resume,
         )
 
 
@@ -204,6 +330,7 @@ class GroupResult:
                     **({"text": self.texts[i]} if self.texts is not None else {}),
                     **({"support": c.support} if c.support is not None else {}),
                     **({"versions": c.versions} if c.versions is not None else {}),
+                    **({"resumed": c.resumed} if c.resumed else {}),
                 }
                 for i, c in enumerate(self.completions)
             ],
@@ -223,6 +350,7 @@ class GroupResult:
                 c["finish_reason"],
                 None if c.get("support") is None else [list(ids) for ids in c["support"]],
                 None if c.get("versions") is None else [int(v) for v in c["versions"]],
+                int(c.get("resumed", 0)),
             )
             for i, c in enumerate(r["completions"])
         ]

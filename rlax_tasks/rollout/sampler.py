@@ -179,6 +179,44 @@ class Sampler:
         self.validate(request)
         self._waiting.append(request)
 
+    def add_partial(self, partial: Partial) -> None:
+        """Queues a request to continue from its tokens so far (a record handed back after a
+        preemption): its prompt and tokens are prefilled, and it draws on from the same random
+        stream, as after ``interrupt``."""
+        self.validate(partial.request)
+        vocab = self.policy.config.vocab_size
+        budget = partial.request.params.max_new_tokens
+        if len(partial.tokens) >= budget:
+            raise ValueError(
+                f"request {partial.request.request_id!r}: {len(partial.tokens)} tokens so far "
+                f"leave nothing to generate (max_new_tokens {budget})"
+            )
+        if partial.tokens and (min(partial.tokens) < 0 or max(partial.tokens) >= vocab):
+            raise ValueError(
+                f"request {partial.request.request_id!r}: token ids must lie in [0, {vocab})"
+            )
+        self._waiting.append(partial)
+
+    def in_progress(self) -> list[Partial]:
+        """Copies of what the unfinished requests hold so far (those in flight, and those sent
+        back by ``interrupt`` or ``add_partial`` and not admitted yet); nothing changes."""
+        held = [w for w in self._waiting if isinstance(w, Partial)]
+        held += [
+            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions)
+            for s in self._slots
+            if s is not None
+        ]
+        return [
+            Partial(
+                p.request,
+                list(p.tokens),
+                list(p.logprobs),
+                None if p.support is None else [list(k) for k in p.support],
+                None if p.versions is None else list(p.versions),
+            )
+            for p in held
+        ]
+
     def validate(self, request: Request) -> None:
         """Raises ValueError naming what is wrong with a request for this sampler."""
         request.params.validate(self.policy.config.vocab_size)

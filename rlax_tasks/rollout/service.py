@@ -1,7 +1,8 @@
 """`rlax worker`: the inference worker as an HTTP service for the controller, plus its client.
 
 POST /v1/groups queues work; GET /v1/results long-polls finished groups (on the event loop, so
-open polls never starve other routes); POST /v1/reset drops all work; GET /v1/status. Every call
+open polls never starve other routes); GET /v1/progress says what unfinished groups hold so far;
+POST /v1/reset drops all work; GET /v1/status. Every call
 needs the run's bearer token; bodies and submissions are bounded (``MAX_*``, DESIGN §13)."""
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ MAX_GROUPS = 4096  # groups in one submission (and results in one answer)
 MAX_GROUP_SIZE = 1024  # completions of one prompt
 MAX_SAMPLES = 65536  # completions in one submission
 GRACEFUL_S = 2.0  # requests still open this long after a SIGTERM are cancelled
+PROGRESS_WAIT_S = 10.0  # GET /v1/progress waits this long for the generation thread
 
 
 def check_groups(raw: Any) -> list[GroupRequest]:
@@ -112,6 +114,21 @@ def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BO
             raise HTTPException(500, str(e)) from e
         return {"results": [r.to_dict() for r in done]}
 
+    @app.get("/v1/progress")
+    def progress() -> dict:
+        try:  # (a worker thread: the generation thread answers between two steps)
+            groups = worker.progress(timeout_s=PROGRESS_WAIT_S)
+        except TimeoutError as e:
+            raise HTTPException(503, str(e)) from e
+        except RuntimeError as e:
+            raise HTTPException(500, str(e)) from e
+        return {
+            "groups": [
+                {"prompt_id": prompt_id, "samples": [r.to_dict() for r in records]}
+                for prompt_id, records in groups.items()
+            ]
+        }
+
     @app.post("/v1/reset")
     def reset() -> dict:
         return {"dropped": worker.reset()}
@@ -168,6 +185,11 @@ class WorkerClient:
 
     def reset(self) -> int:
         return self._call("POST", "/v1/reset", {})["dropped"]
+
+    def progress(self) -> list[dict[str, Any]]:
+        """What the worker's unfinished groups hold so far: [{"prompt_id", "samples"}]."""
+        reply = self._call("GET", "/v1/progress", timeout_s=self.timeout_s + PROGRESS_WAIT_S)
+        return reply["groups"]
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")

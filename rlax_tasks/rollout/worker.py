@@ -24,6 +24,7 @@ from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exporte
     GroupRequest,
     GroupResult,
     Request,
+    SampleProgress,
 )
 from rlax_tasks.rollout.sampler import Sampler
 from rlax_tasks.rollout.staleness import should_reload
@@ -68,6 +69,15 @@ class _Pending:
     group: GroupRequest
     started: float
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    resumed: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> tokens handed
+
+
+@dataclasses.dataclass
+class _ProgressCall:
+    """A ``progress()`` call waiting for the generation thread to answer between steps."""
+
+    answered: threading.Event = dataclasses.field(default_factory=threading.Event)
+    groups: dict[str, list[SampleProgress]] | None = None
 
 
 @dataclasses.dataclass
@@ -82,6 +92,7 @@ class WorkerStats:
     last_reload_s: float | None = None
     pulled_bytes: int = 0  # received by the reloads (deltas where the source sent them) ...
     pulled_full_bytes: int = 0  # ... and what whole versions would have taken
+    resumed_tokens: int = 0  # handed back in resume records: not generated again
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -121,13 +132,22 @@ class InferenceWorker:
         self._last_poll = 0.0
         self._reset_sampler = False
         self._unacked: int | None = None  # a loaded version the source has not heard of yet
+        self._progress_calls: list[_ProgressCall] = []
 
     # ------------------------------------------------------------------ controller side
     def submit(self, groups: Sequence[GroupRequest]) -> None:
-        """Queues groups (validated first: nothing is queued if one is invalid)."""
+        """Queues groups (validated first: nothing is queued if one is invalid); a group's
+        ``resume`` records go on from their tokens."""
+        vocab = self.sampler.policy.config.vocab_size
         for g in groups:
             for i in range(g.group_size):
                 self.sampler.validate(self._request(g, i))
+            for r in g.resume:
+                if r.tokens and (min(r.tokens) < 0 or max(r.tokens) >= vocab):
+                    raise ValueError(
+                        f"{g.prompt_id!r} resume sample {r.sample}: token ids must lie in "
+                        f"[0, {vocab})"
+                    )
         with self._lock:
             known = set(self._pending) | {g.prompt_id for g in self._queue}
             for g in groups:
@@ -158,6 +178,52 @@ class InferenceWorker:
             return self._lock.wait_for(
                 lambda: bool(self._results) or self._error is not None, timeout_s
             )
+
+    def progress(self, timeout_s: float = 10.0) -> dict[str, list[SampleProgress]]:
+        """What each unfinished group holds so far, per prompt id: its finished samples and the
+        tokens of those in flight (read by the generation thread between two steps, so a
+        token is in exactly one of them). TimeoutError when that thread does not answer in
+        ``timeout_s`` (a long compile); RuntimeError when it stopped."""
+        call = _ProgressCall()
+        with self._lock:
+            self._raise_if_failed()
+            if self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the inference worker is not running")
+            self._progress_calls.append(call)
+            self._lock.notify_all()
+        if not call.answered.wait(timeout_s):
+            with self._lock:
+                if call in self._progress_calls:
+                    self._progress_calls.remove(call)
+            raise TimeoutError(f"the generation thread did not report in {timeout_s:.0f}s")
+        with self._lock:
+            self._raise_if_failed()
+        assert call.groups is not None
+        return call.groups
+
+    def _answer_progress(self) -> None:
+        """Answers waiting ``progress()`` calls (generation thread, between steps)."""
+        with self._lock:
+            if not self._progress_calls:
+                return
+            partials: dict[str, dict[int, SampleProgress]] = collections.defaultdict(dict)
+            for p in self.sampler.in_progress():
+                prompt_id, sample = p.request.request_id
+                if p.tokens and prompt_id in self._pending:
+                    partials[prompt_id][sample] = SampleProgress.of(sample, p)
+            groups: dict[str, list[SampleProgress]] = {}
+            for prompt_id, pending in self._pending.items():
+                held = {i: SampleProgress.of(i, c) for i, c in pending.done.items()}
+                held.update(partials.get(prompt_id, {}))
+                if held:
+                    groups[prompt_id] = [held[i] for i in sorted(held)]
+            for g in self._queue:  # handed back records not admitted yet: still held
+                if g.resume:
+                    groups[g.prompt_id] = list(g.resume)
+            for call in self._progress_calls:
+                call.groups = groups
+                call.answered.set()
+            self._progress_calls.clear()
 
     def reset(self) -> int:
         """Drops queued, in-flight and uncollected work; returns the number of groups dropped."""
@@ -223,6 +289,7 @@ class InferenceWorker:
         last_status = time.monotonic()
         try:
             while not self._stop.is_set():
+                self._answer_progress()
                 self._maybe_reload()
                 self._reload_for_queued()
                 self._admit()
@@ -270,9 +337,24 @@ class InferenceWorker:
                 if g.min_version > held:  # needs newer weights: stays queued until a reload
                     waiting.append(g)
                     continue
-                self._pending[g.prompt_id] = _Pending(g, time.monotonic())
+                pending = self._pending[g.prompt_id] = _Pending(g, time.monotonic())
+                records = {r.sample: r for r in g.resume}
                 for i in range(g.group_size):
-                    self.sampler.add_request(self._request(g, i))
+                    request, record = self._request(g, i), records.get(i)
+                    if record is None or not record.tokens:
+                        self.sampler.add_request(request)
+                        continue
+                    pending.resumed[i] = len(record.tokens)
+                    self.stats.resumed_tokens += len(record.tokens)
+                    if record.finish_reason is not None:
+                        pending.done[i] = record.completion(request, len(record.tokens))
+                    else:
+                        self.sampler.add_partial(record.partial(request))
+                if len(pending.done) == g.group_size:  # every sample had finished already
+                    del self._pending[g.prompt_id]
+                    self._results.append(self._result(pending))
+                    self.stats.groups_done += 1
+                    self._lock.notify_all()
             self._queue = waiting
 
     def _collect(self, finished: list[Completion]) -> None:
@@ -282,9 +364,10 @@ class InferenceWorker:
                 pending = self._pending.get(prompt_id)
                 if pending is None:  # dropped by reset() while in flight
                     continue
+                c.resumed = pending.resumed.get(sample, 0)
                 pending.done[sample] = c
                 self.stats.completions_done += 1
-                self.stats.tokens_generated += len(c.tokens)
+                self.stats.tokens_generated += len(c.tokens) - c.resumed
                 if len(pending.done) == pending.group.group_size:
                     del self._pending[prompt_id]
                     self._results.append(self._result(pending))
