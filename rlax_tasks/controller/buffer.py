@@ -30,7 +30,9 @@ class ScoredGroup:
     any shaping). ``support``: per completion, each token's ids the sampler's top-k/top-p kept
     (None for a completion without; the whole tuple empty when no completion has them).
     ``token_versions``: per completion, the weight version each token was sampled with (a
-    worker that continued it on newer weights mid-sequence); ``version`` is the oldest."""
+    worker that continued it on newer weights mid-sequence); ``version`` is the oldest.
+    ``resumed``: per completion, how many of its first tokens were handed back from a partial
+    rollout (generated before a preemption, not again); empty when none were."""
 
     prompt_id: str
     seq: int
@@ -44,9 +46,12 @@ class ScoredGroup:
     verdicts: tuple[str, ...] = ()
     support: tuple[Support | None, ...] = ()
     token_versions: tuple[tuple[int, ...] | None, ...] = ()
+    resumed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.completions)
+        if self.resumed and len(self.resumed) != g:
+            raise ValueError(f"group {self.prompt_id!r}: {len(self.resumed)} resumed for {g}")
         if self.verdicts and len(self.verdicts) != g:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.verdicts)} verdicts for {g}")
         for field in ("support", "token_versions"):
@@ -99,6 +104,7 @@ class ScoredGroup:
                 if self.token_versions
                 else {}
             ),
+            **({"resumed": list(self.resumed)} if self.resumed else {}),
         }
 
     @classmethod
@@ -116,6 +122,7 @@ class ScoredGroup:
             tuple(str(v) for v in d.get("verdicts", ())),
             tuple(support_tuples(k) for k in d.get("support") or ()),
             tuple(version_tuple(v) for v in d.get("token_versions") or ()),
+            tuple(int(n) for n in d.get("resumed") or ()),
         )
 
     def version_counts(self) -> list[list[int]]:

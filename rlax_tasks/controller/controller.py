@@ -22,6 +22,7 @@ from rlax_tasks.controller import recovery
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer
 from rlax_tasks.controller.lineage import LineageWriter, lineage_record
 from rlax_tasks.controller.mixture import Prompt, PromptMixture
+from rlax_tasks.controller.partials import PartialRollouts
 from rlax_tasks.controller.phases import PhaseClock
 from rlax_tasks.controller.ports import (
     SCORER_ERRORS,
@@ -87,6 +88,7 @@ class Controller:
             else None
         )
         self._encoded: dict[str, tuple[int, ...]] = {}  # prompt id -> tokens, until submitted
+        self.partials = PartialRollouts()  # what in-flight groups held when last asked
         self._skipped_in_a_row = 0
         self._steps_since_snapshot: list[dict[str, Any]] = []
         self._last_progress: dict[str, float] = {}
@@ -114,6 +116,11 @@ class Controller:
     def _restore(self, initial_version: int) -> bool:
         snap = self.store.load_latest()
         live = self._live_workers()
+        if snap is not None:  # what the workers held at the crash, newer than the snapshot's
+            issued = [*snap.in_flight_ids, *(q["prompt_id"] for q in snap.queued)]
+            self.partials.load(snap.partials)
+            self.partials.gather(self.pool, {w: issued for w in live})
+            self.partials.only(issued)
         for w in live:
             self._reset_worker(w)
         if snap is None:
@@ -299,6 +306,7 @@ class Controller:
     def _skip(self, prompt: Prompt, reason: str) -> None:
         """Skips a prompt for good: counted, and listed in the next step's lineage record."""
         self.buffer.skip(prompt.id, reason)
+        self.partials.drop(prompt.id)
         self.counters["skipped_prompts"] += 1
         self._skipped_in_a_row += 1
         skipped = self.counters["skipped_prompts"]
@@ -317,13 +325,15 @@ class Controller:
         tokens = self._encoded.pop(prompt.id, None)
         if tokens is None:
             tokens = tuple(int(t) for t in self.encode(prompt.content))
+        # trains at version + 1 at the earliest: older rollouts would only be dropped
+        min_version = 0 if k is None else max(0, self.version + 1 - k)
         return GroupRequest(
             prompt.id,
             tokens,
             self.settings.group_size,
             dataclasses.replace(self.settings.sampling, seed=seed),
-            # trains at version + 1 at the earliest: older rollouts would only be dropped
-            min_version=0 if k is None else max(0, self.version + 1 - k),
+            min_version=min_version,
+            resume=self.partials.resume(prompt.id, min_version),
         )
 
     def _submit(self, worker: str, prompts: list[Prompt]) -> None:
@@ -367,6 +377,7 @@ class Controller:
         for p in prompts:
             self._in_flight[p.id] = _InFlight(p, worker, now)
         self.counters["issued"] += len(prompts)
+        self.counters["resumed_tokens"] += sum(len(x.tokens) for r in requests for x in r.resume)
 
     def _requeue(self, prompts: Sequence[Prompt]) -> None:
         """Puts prompts back at the queue front: re-issued first, earliest draw first."""
@@ -448,6 +459,7 @@ class Controller:
                         f"parameter server to version {self.version})"
                     )
                 del self._in_flight[r.prompt_id]
+                self.partials.drop(r.prompt_id)
                 self._unscored.append((entry.prompt, r))
                 got += 1
             if not results and any(e.worker == w for e in self._in_flight.values()):
@@ -560,6 +572,10 @@ class Controller:
         ``buffer_state`` is the buffer before that batch was taken.
         """
         queued = [p for p, _ in self._not_in_buffer()] + list(self._queue)  # regenerate
+        holders: dict[str, list[str]] = collections.defaultdict(list)
+        for e in self._in_flight.values():
+            holders[e.worker].append(e.prompt.id)
+        self.partials.gather(self.pool, holders)
         counters = dict(self.counters)
         snap = Snapshot(
             step=self.step,
@@ -575,6 +591,7 @@ class Controller:
             steps=list(self._steps_since_snapshot),
             counters=counters,
             pending=None if pending is None else pending.prompt_ids,
+            partials=self.partials.rows([*self._in_flight, *(p.id for p in self._queue)]),
         )
         self.store.write(snap)
         if pending is None:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from rlax_tasks.controller.buffer import Batch
 from rlax_tasks.controller.mixture import Prompt
-from rlax_tasks.rollout.requests import GroupRequest, GroupResult
+from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SampleProgress
 
 
 class WorkerError(RuntimeError):
@@ -39,6 +39,11 @@ class WorkerPool(Protocol):
 
     def reset(self, worker_id: str) -> None:
         """Drops all work of that worker."""
+        ...
+
+    def progress(self, worker_id: str) -> dict[str, list[SampleProgress]]:
+        """What that worker's unfinished groups hold so far, per prompt id (finished samples
+        and the tokens of those in flight); raises a WORKER_ERRORS on failure."""
         ...
 
 

@@ -70,6 +70,9 @@ def schema() -> Any:
             # per token, the weight version it was sampled with (null: not recorded);
             # weight_version is the oldest of the group's
             ("token_versions", pa.list_(pa.int64())),
+            # how many of its first tokens were resumed from a partial rollout (a snapshot's,
+            # a failed worker's last report) rather than generated again
+            ("resumed_tokens", pa.int32()),
         ]
     )
 
@@ -99,6 +102,7 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             cols["support"].append(support_lists(g.support[i]) if g.support else None)
             versions = g.token_versions[i] if g.token_versions else None
             cols["token_versions"].append(None if versions is None else list(versions))
+            cols["resumed_tokens"].append(g.resumed[i] if g.resumed else 0)
     return cols
 
 
@@ -155,6 +159,9 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 token_versions=tuple(version_tuple(cols["token_versions"][i]) for i in idx)
                 if "token_versions" in cols
                 and any(cols["token_versions"][i] is not None for i in idx)
+                else (),
+                resumed=tuple(cols["resumed_tokens"][i] for i in idx)
+                if "resumed_tokens" in cols and any(cols["resumed_tokens"][i] for i in idx)
                 else (),
             )
         )

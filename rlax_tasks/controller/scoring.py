@@ -80,6 +80,7 @@ def scored_group(
         if any(c.support is not None for c in comps)
         else (),
         token_versions=token_versions,
+        resumed=tuple(c.resumed for c in comps) if any(c.resumed for c in comps) else (),
     )
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +31,8 @@ from rlax_tasks.process.garbage_collection import (
 from rlax_tasks.rewards.sandbox import SandboxError
 from rlax_tasks.rewards.scoring import score_completions
 from rlax_tasks.rewards.tasks import Problem
-from rlax_tasks.rollout.requests import GroupRequest, GroupResult
-from rlax_tasks.rollout.service import WorkerClient
+from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SampleProgress
+from rlax_tasks.rollout.service import MAX_GROUP_SIZE, WorkerClient
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import storage
 from rlax_tasks.services.endpoints import Endpoint, add_url_arg
@@ -87,6 +88,18 @@ class HttpWorkerPool:
 
     def reset(self, worker_id: str) -> None:
         self._client(worker_id).reset()
+
+    def progress(self, worker_id: str) -> dict[str, list[SampleProgress]]:
+        groups = self._client(worker_id).progress()
+        try:
+            return {
+                str(g["prompt_id"]): [
+                    SampleProgress.from_dict(r, MAX_GROUP_SIZE, sys.maxsize) for r in g["samples"]
+                ]
+                for g in groups
+            }
+        except (KeyError, TypeError, ValueError) as e:  # another version's worker?
+            raise WorkerError(f"worker {worker_id}: unreadable progress report ({e})") from e
 
 
 class RewardScorer:

@@ -60,6 +60,9 @@ class Snapshot:
     # restored controller trains exactly this batch first; the trainer treats a step it already
     # applied as a replay, so no step is applied twice and none is lost.
     pending: list[str] | None = None
+    # partial rollouts: per sample of an in-flight or queued group, what it held when last
+    # asked ({"prompt_id", **SampleProgress.to_dict()}); resumed, not generated again
+    partials: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def in_flight_ids(self) -> list[str]:
@@ -86,7 +89,9 @@ def _order(name: str) -> tuple[int, int] | None:
     return None if m is None else (int(m.group(1)), 1 if m.group(2) else 0)
 
 
-_REQUIRED = [f.name for f in dataclasses.fields(Snapshot) if f.name != "pending"]
+_FILES = (".json", ".buffer.parquet", ".partials.parquet")  # a snapshot's files
+_OPTIONAL = ("pending", "partials")  # (snapshots written before partial rollouts have none)
+_REQUIRED = [f.name for f in dataclasses.fields(Snapshot) if f.name not in _OPTIONAL]
 
 
 def _groups_to_parquet(groups: list[dict[str, Any]]) -> bytes:
@@ -133,6 +138,12 @@ class SnapshotStore:
             name = f"{stem}.buffer.parquet"
             storage.write_bytes(storage.join(self.dir, name), data)
             body["buffer_file"] = {"name": name, "sha256": _sha256(data), "groups": len(groups)}
+        partials = body.pop("partials")
+        if partials:
+            data = _groups_to_parquet(partials)
+            name = f"{stem}.partials.parquet"
+            storage.write_bytes(storage.join(self.dir, name), data)
+            body["partials_file"] = {"name": name, "sha256": _sha256(data), "rows": len(partials)}
         body["sha256"] = _body_sha256(body)  # lets the file verify without the pointer
         payload = json.dumps(body, sort_keys=True).encode()
         name = f"{stem}.json"
@@ -236,32 +247,36 @@ class SnapshotStore:
         missing = [k for k in (*_REQUIRED, "buffer_file") if k not in body]
         if missing:
             raise _Damaged(f"has no {', '.join(missing)}")
-        sidecar = body.pop("buffer_file")
-        groups: list[dict[str, Any]] = []
         try:
-            if sidecar is not None:
-                spath = storage.join(self.dir, sidecar["name"])
-                try:
-                    data = storage.read_bytes(spath)
-                except FileNotFoundError:
-                    raise _Damaged(f"names {sidecar['name']}, which does not exist") from None
-                if _sha256(data) != sidecar["sha256"]:
-                    raise _Damaged(f"names {sidecar['name']}, which does not match its sha256")
-                groups = _groups_from_parquet(data)
-            body["buffer"]["groups"] = groups
+            body["buffer"]["groups"] = self._sidecar(body.pop("buffer_file"))
+            body["partials"] = self._sidecar(body.pop("partials_file", None))
             return Snapshot(**body)
         except (KeyError, TypeError, ValueError, OSError) as e:  # (OSError: a bad parquet)
             if isinstance(e, _Damaged):
                 raise
             raise _Damaged(f"does not hold a snapshot ({type(e).__name__}: {e})") from None
 
+    def _sidecar(self, sidecar: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The rows of a Parquet file a snapshot names (none for None); ``_Damaged`` when it
+        is missing or does not match its sha256."""
+        if sidecar is None:
+            return []
+        try:
+            data = storage.read_bytes(storage.join(self.dir, sidecar["name"]))
+        except FileNotFoundError:
+            raise _Damaged(f"names {sidecar['name']}, which does not exist") from None
+        if _sha256(data) != sidecar["sha256"]:
+            raise _Damaged(f"names {sidecar['name']}, which does not match its sha256")
+        return _groups_from_parquet(data)
+
     def _set_aside_snapshot(self, name: str) -> str:
-        """Sets aside snapshot file ``name`` and its buffer file; the notice's wording."""
+        """Sets aside snapshot file ``name`` and its Parquet files; the notice's wording."""
         said = self._set_aside(storage.join(self.dir, name))
         stem = name[: -len(".json")]
-        buffer = storage.join(self.dir, f"{stem}.buffer.parquet")
-        if storage.exists(buffer):
-            self._set_aside(buffer)
+        for kind in ("buffer", "partials"):
+            sidecar = storage.join(self.dir, f"{stem}.{kind}.parquet")
+            if storage.exists(sidecar):
+                self._set_aside(sidecar)
         return said
 
     def _set_aside(self, path: str, copy: bool = False) -> str:
@@ -304,7 +319,7 @@ class SnapshotStore:
                 steps.add(int(head))
         older = sorted(s for s in steps if s < committed_step)
         for step in older[: max(0, len(older) - (self.keep - 1))]:
-            for suffix in (".json", ".buffer.parquet", ".pending.json", ".pending.buffer.parquet"):
+            for suffix in (f"{pending}{kind}" for pending in ("", ".pending") for kind in _FILES):
                 path = storage.join(self.dir, f"{step}{suffix}")
                 if storage.exists(path):
                     storage.delete_prefix(path)

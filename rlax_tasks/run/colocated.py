@@ -120,6 +120,9 @@ class InProcessWorkers:
     def reset(self, worker_id: str) -> None:
         self.workers[worker_id].reset()
 
+    def progress(self, worker_id: str) -> dict[str, Any]:
+        return self.workers[worker_id].progress()
+
 
 def publish_steps(cfg: Any, steps: int) -> set[int]:
     """The versions the run hands its parameter server: every eval.every_steps-th and the

@@ -140,6 +140,12 @@ class FakePool:
         self.resets.append(worker_id)
         self.workers[worker_id].queue.clear()
 
+    def progress(self, worker_id):
+        """Nothing in flight holds tokens: a fake group is generated whole when it is polled."""
+        if worker_id in self.down:
+            raise ConnectionError(f"{worker_id} is down")
+        return {}
+
     def results(self, worker_id):
         if worker_id in self.fail_next:
             self.fail_next.discard(worker_id)

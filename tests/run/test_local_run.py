@@ -162,3 +162,57 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
     assert va == vb == 6 and wa.keys() == wb.keys()
     for name in wa:
         np.testing.assert_array_equal(wb[name], wa[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_survive_kill_9_of_the_whole_run(tmp_path, monkeypatch):
+    """Tokens a snapshot holds are not generated again: kill -9 of every job of the run while
+    its last snapshot holds unfinished groups; each sample held ends in rollouts/ with those
+    tokens first, counted as resumed (the count printed); every step is applied once."""
+    from rlax_tasks.controller import SnapshotStore
+
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
+    # completions of 3 decode chunks, so snapshots catch unfinished ones; no staleness bound,
+    # so every record is resumed (one older than the bound is left out: its group is stale)
+    overrides = {"rollout.max_new_tokens": 20, "staleness.max_staleness": 1000}
+    cfg = small_config(tmp_path, **overrides)
+    steps, held, tries = 8, {}, []
+
+    def partials() -> tuple[object, dict]:
+        snap = SnapshotStore(cfg.run_dir).load_latest()
+        if snap is None:
+            return None, {}
+        return snap, {(r["prompt_id"], r["sample"]): r for r in snap.partials}
+
+    def hook(sup):
+        if held or len(tries) >= 20 or not partials()[1]:
+            return
+        sup.kill("controller")  # first: its last snapshot is then the one the run restores
+        snap, records = partials()
+        tries.append(snap.step)
+        if records:  # (else a newer snapshot without any came first: the controller restarts)
+            for name in list(sup.components):
+                sup.kill(name)
+            held.update(records)
+
+    run_local(cfg, steps=steps, evaluate=False, supervisor_hook=hook)
+    assert held, f"no snapshot with unfinished groups was caught ({len(tries)} tries)"
+    lineage = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
+    consumed = [p for r in lineage for p in r["prompt_ids"]]
+    assert len(consumed) == len(set(consumed))
+    dropped = {d["prompt_id"] for r in lineage for d in r["dropped_zero_variance"]}
+    rows = read_rollouts(cfg.run_dir).set_index(["prompt_id", "sample"])
+    counted = regenerated = 0
+    for key, record in held.items():
+        n = len(record["tokens"])
+        if key not in rows.index:  # its group trained no step: all its rewards were equal
+            assert key[0] in dropped or key[0] not in consumed, key
+            continue
+        row = rows.loc[key]
+        counted += n
+        regenerated += max(0, n - int(row["resumed_tokens"]))
+        assert list(row["tokens"])[:n] == record["tokens"], key
+        assert list(row["token_versions"])[:n] == record["versions"], key
+    print(f"{counted} tokens held by the snapshot were trained on, {regenerated} generated again")
+    assert counted > 0 and regenerated == 0

@@ -1,0 +1,71 @@
+"""Partial rollouts (DESIGN §7): what the in-flight groups held when the controller last asked
+their workers, kept in snapshots and handed back when a group is issued again (a failed
+worker, a restarted run), so tokens already generated are not generated again."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from rlax_tasks.controller.ports import WORKER_ERRORS, WorkerPool
+from rlax_tasks.rollout.requests import SampleProgress
+
+log = logging.getLogger(__name__)
+
+
+class PartialRollouts:
+    """Per in-flight prompt id, the newest record of its samples (``SampleProgress``)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[SampleProgress]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held, over every record."""
+        return sum(len(r.tokens) for records in self._held.values() for r in records)
+
+    def gather(self, pool: WorkerPool, holders: dict[str, Iterable[str]]) -> None:
+        """Asks each worker in ``holders`` (worker -> the prompt ids it holds) what its groups
+        hold now; a worker that does not answer keeps its older records."""
+        for worker, prompt_ids in holders.items():
+            try:
+                report = pool.progress(worker)
+            except WORKER_ERRORS as e:  # busy (a compile) or down: the older records stand
+                log.info("no progress report from worker %s (%s)", worker, e)
+                continue
+            for prompt_id in prompt_ids:
+                if report.get(prompt_id):
+                    self._held[prompt_id] = list(report[prompt_id])
+
+    def resume(self, prompt_id: str, min_version: int) -> tuple[SampleProgress, ...]:
+        """The records to issue ``prompt_id`` with, still held until its group comes back (a
+        worker that fails before the next report loses nothing held): those with a token
+        older than ``min_version`` are left out (the group would be too stale to train on)."""
+        records = self._held.get(prompt_id, [])
+        return tuple(r for r in records if min(r.versions or [min_version]) >= min_version)
+
+    def drop(self, prompt_id: str) -> None:
+        """Forgets a prompt's records (its group came back, or it was skipped)."""
+        self._held.pop(prompt_id, None)
+
+    def only(self, prompt_ids: Iterable[str]) -> None:
+        """Keeps the records of ``prompt_ids`` only."""
+        wanted = set(prompt_ids)
+        self._held = {p: r for p, r in self._held.items() if p in wanted}
+
+    def rows(self, prompt_ids: Iterable[str]) -> list[dict[str, Any]]:
+        """The records of ``prompt_ids`` as snapshot rows (one per sample)."""
+        return [{"prompt_id": p, **r.to_dict()} for p in prompt_ids for r in self._held.get(p, [])]
+
+    def load(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Holds a snapshot's rows (``rows``) in place of anything held."""
+        self._held = {}
+        for row in rows:
+            row = dict(row)
+            prompt_id = row.pop("prompt_id")
+            record = SampleProgress.from_dict(row, 1 << 30, 1 << 62)
+            self._held.setdefault(prompt_id, []).append(record)
