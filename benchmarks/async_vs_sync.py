@@ -2,7 +2,12 @@
 lockstep (reload_every = max_staleness = 1) vs async (``--async-j 2 --async-k 4``), same seed and
 steps, each in a fresh run root. Reports seconds per step, held-out pass@1/pass@8 before and
 after, and the wall time to a held-out pass@1 target (base + ``--gain``). Runs take turns, never
-overlap. ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--json-out FILE]``"""
+overlap. ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--json-out FILE]``
+
+``--compare interrupt``: two async runs instead, workers continuing their sequences on new
+weights (``workers.interrupt_on_reload``) against finishing them on the old version, with the
+trainer's jobs and the workers pinned to separate cores (``--pin``, as taskset would); adds the
+rollout tokens trained on per second."""
 
 from __future__ import annotations
 
@@ -177,6 +182,57 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+class CorePins:
+    """Pins each job's processes and threads to its cores (``sched_setaffinity`` on every task
+    of the job's process group, again at each supervisor poll to catch new threads): jobs whose
+    name starts with "worker" on ``workers``, the others on ``rest``."""
+
+    def __init__(self, workers: set[int], rest: set[int]) -> None:
+        self.workers, self.rest = workers, rest
+
+    def apply(self, supervisor: Any) -> None:
+        groups = {
+            c.proc.pid: self.workers if name.startswith("worker") else self.rest
+            for name, c in supervisor.components.items()
+            if c.proc is not None and c.proc.poll() is None
+        }
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
+                cores = groups.get(pgrp)
+                if cores is not None:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.sched_setaffinity(int(tid), cores)
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+
+
+def parse_pin(text: str) -> tuple[set[int], set[int]]:
+    """``--pin W:R`` (cores of the workers : cores of the other jobs, e.g. ``1:0`` or
+    ``2-3:0-1``)."""
+
+    def cores(part: str) -> set[int]:
+        out: set[int] = set()
+        for item in part.split(","):
+            lo, _, hi = item.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    workers, _, rest = text.partition(":")
+    return cores(workers), cores(rest)
+
+
+def rollout_tokens(run_dir: str) -> int:
+    """Completion tokens in the rollouts the run trained on."""
+    from rlax_tasks.controller import read_rollouts
+
+    rows = read_rollouts(run_dir)
+    return int(sum(len(t) for t in rows["tokens"])) if len(rows) else 0
+
+
 def run_ours(
     label: str,
     overrides: dict[str, Any],
@@ -186,6 +242,7 @@ def run_ours(
     keep: bool = False,
     stop_when: Callable[[list[dict[str, Any]], float], str | None] | None = None,
     pause_for_eval: bool = False,
+    pins: CorePins | None = None,
 ) -> dict[str, Any]:
     """One ``run_local`` of the preset in a fresh run root; returns what the benchmark reports.
     ``stop_when(progress_rows, seconds_since_start)`` may return a reason to end the run early
@@ -205,6 +262,8 @@ def run_ours(
 
     def hook(sup: Any) -> None:
         pauses.supervisor = sup
+        if pins is not None:
+            pins.apply(sup)
         if not started:
             started.append(time.monotonic())
         if stop_when is not None:
@@ -258,12 +317,16 @@ def run_ours(
             for r in curve(progress)
         ],
         "restarts": report.get("restarts"),
+        "rollout_tokens": rollout_tokens(cfg.run_dir),
         "reward_last10": (
             statistics.fmean(m["reward_mean"] for m in metrics[-10:] if "reward_mean" in m)
             if metrics
             else None
         ),
     }
+    result["rollout_tokens_per_s"] = (
+        result["rollout_tokens"] / train_s if train_s and result["rollout_tokens"] else None
+    )
     if keep:
         result["run_dir"] = cfg.run_dir
     else:
@@ -333,6 +396,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-j", type=int, default=2, help="reload_every of the async run")
     ap.add_argument("--async-k", type=int, default=4, help="max_staleness of the async run")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument(
+        "--compare",
+        choices=("lockstep", "interrupt"),
+        default="lockstep",
+        help="async against lockstep, or async with interruptible workers against workers "
+        "that finish their sequences on the old version",
+    )
+    ap.add_argument(
+        "--pin",
+        default=None,
+        help="WORKER_CORES:OTHER_CORES, e.g. 1:0 (default for --compare interrupt on 2+ cores)",
+    )
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=None, help="rollout.max_new_tokens of every run"
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     setup_logging()
@@ -347,21 +425,38 @@ def main(argv: list[str] | None = None) -> int:
         "workers.count": 2,
         "workers.slots": 64,
     }
-    modes = [
-        ("lockstep", {"staleness.reload_every": 1, "staleness.max_staleness": 1}),
-        (
-            "async",
-            {"staleness.reload_every": args.async_j, "staleness.max_staleness": args.async_k},
-        ),
-    ]
+    if args.max_new_tokens is not None:
+        common["rollout.max_new_tokens"] = args.max_new_tokens
+    asynchronous = {"staleness.reload_every": args.async_j, "staleness.max_staleness": args.async_k}
+    if args.compare == "interrupt":
+        modes = [
+            ("finish-on-old", {**asynchronous, "workers.interrupt_on_reload": False}),
+            ("interruptible", {**asynchronous, "workers.interrupt_on_reload": True}),
+        ]
+        names = ["finish on old version", "interruptible"]
+    else:
+        modes = [
+            ("lockstep", {"staleness.reload_every": 1, "staleness.max_staleness": 1}),
+            ("async", asynchronous),
+        ]
+        names = ["lockstep j=k=1", f"async j={args.async_j},k={args.async_k}"]
+    pin = args.pin or ("1:0" if args.compare == "interrupt" and (os.cpu_count() or 1) > 1 else None)
+    pins = CorePins(*parse_pin(pin)) if pin else None
+    if pins is not None:
+        log.info("workers pinned to cores %s, the other jobs to %s", pins.workers, pins.rest)
     results = {}
     for label, overrides in modes:
         results[label] = run_ours(
-            label, {**overrides, **common}, args.steps, model_dir=model_dir, keep=args.keep
+            label,
+            {**overrides, **common},
+            args.steps,
+            model_dir=model_dir,
+            keep=args.keep,
+            pins=pins,
         )
     load_after = machine_load(log, when="after")
     mark = contended_mark(load_before, load_after)
-    sync, asyn = results["lockstep"], results["async"]
+    sync, asyn = (results[label] for label, _ in modes)
     base = (sync["before"] or {}).get("pass@1")
     target = args.target if args.target is not None else (base or 0.0) + args.gain
     for r in results.values():
@@ -381,13 +476,15 @@ def main(argv: list[str] | None = None) -> int:
         f"tiny-arith, {args.steps} steps per run, eval every {args.eval_every} steps, "
         f"{os.cpu_count()} CPUs (before: {describe_load(load_before)}; after: "
         f"{describe_load(load_after)}){mark}; target held-out pass@1 {target:.3f}"
+        + (
+            f"; workers on cores {sorted(pins.workers)}, others on {sorted(pins.rest)}"
+            if pins
+            else ""
+        )
         + (f" (base {base:.3f} + {args.gain})" if args.target is None and base is not None else "")
     )
     print_table(
-        [
-            ("lockstep j=k=1", sync),
-            (f"async j={args.async_j},k={args.async_k}", asyn),
-        ],
+        [(names[0], sync), (names[1], asyn)],
         [
             ("steps done", lambda r: str(r["steps"])),
             ("s/step (median interval)", lambda r: fmt_value(r["step_interval_median"])),
@@ -401,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             ("pass@8 before", lambda r: fmt_value((r["before"] or {}).get("pass@8"))),
             ("pass@8 after", lambda r: fmt_value((r["after"] or {}).get("pass@8"))),
             ("mean reward, last 10 steps", lambda r: fmt_value(r["reward_last10"])),
+            ("rollout tokens trained on", lambda r: str(r["rollout_tokens"])),
+            ("  per second of training", lambda r: fmt_value(r["rollout_tokens_per_s"], "{:.1f}")),
             ("time to target", ttt),
             ("  of which after the 1st step", ttt_after_first),
         ],
@@ -409,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     print_curves(results, "held-out pass@1 by step (seconds since the start of the run):")
     print()
     ratios: dict[str, float | None] = {}
+    first, second = (label for label, _ in modes)
     for key, name in (
         ("step_interval_median", "median interval"),
         ("step_interval_mean", "mean interval"),
@@ -417,15 +517,21 @@ def main(argv: list[str] | None = None) -> int:
         a, s = asyn[key], sync[key]
         ratios[key] = (s / a) if a and s else None
         ratio = fmt_value(ratios[key], "{:.2f}x")
-        print(f"async speed-up per step ({name}): lockstep / async = {ratio}{mark}")
+        print(f"{second} speed-up per step ({name}): {first} / {second} = {ratio}{mark}")
+    a, s = asyn["rollout_tokens_per_s"], sync["rollout_tokens_per_s"]
+    ratios["rollout_tokens_per_s"] = a / s if a and s else None
+    print(
+        f"rollout tokens trained on per second: {second} / {first} = "
+        f"{fmt_value(ratios['rollout_tokens_per_s'], '{:.2f}x')}{mark}"
+    )
     ta, ts = asyn["time_to_target"], sync["time_to_target"]
     ratios["time_to_target"] = ts["seconds"] / ta["seconds"] if ta and ts else None
     print(
-        "async speed-up to the target: lockstep time / async time = "
+        f"{second} speed-up to the target: {first} time / {second} time = "
         + (
             fmt_value(ratios["time_to_target"], "{:.2f}x")
             if ratios["time_to_target"] is not None
-            else f"n/a (lockstep {ttt(sync)}, async {ttt(asyn)})"
+            else f"n/a ({first} {ttt(sync)}, {second} {ttt(asyn)})"
         )
         + mark
     )
@@ -434,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         "preset": PRESET,
         "steps": args.steps,
         "eval_every": args.eval_every,
+        "compare": args.compare,
+        "pin": pin,
         "target": target,
         "cpu_count": os.cpu_count(),
         "busy_cores_before": busy,

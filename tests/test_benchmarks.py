@@ -380,3 +380,48 @@ def test_vs_trl_rounds_alternate_the_sides_and_report_the_median(monkeypatch, ca
         pytest.approx(3.0),
         pytest.approx(20 / 12),
     ]
+
+
+def test_core_pins_put_each_job_on_its_cores():
+    """async_vs_sync --pin: every process of a worker job on the workers' cores, the others'
+    on theirs (here a job that starts a child, as the job runner does)."""
+    from benchmarks.async_vs_sync import CorePins, parse_pin
+
+    assert parse_pin("1:0") == ({1}, {0}) and parse_pin("2-3:0,1") == ({2, 3}, {0, 1})
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")  # (CI and every user's first machine have two)
+    cmd = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)",
+    ]
+    procs = {name: subprocess.Popen(cmd, start_new_session=True) for name in ("worker-0", "ps")}
+    try:
+        time.sleep(1.0)  # the children started
+        sup = types.SimpleNamespace(
+            components={n: types.SimpleNamespace(proc=p) for n, p in procs.items()}
+        )
+        CorePins({cores[1]}, {cores[0]}).apply(sup)
+        for name, proc in procs.items():
+            want = {cores[1]} if name.startswith("worker") else {cores[0]}
+            group = [
+                int(pid)
+                for pid in os.listdir("/proc")
+                if pid.isdigit() and _pgrp(int(pid)) == proc.pid
+            ]
+            assert len(group) == 2, group  # the job and its child
+            assert all(os.sched_getaffinity(pid) == want for pid in group), name
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _pgrp(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError):
+        return None
