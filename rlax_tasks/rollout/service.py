@@ -51,7 +51,8 @@ MAX_GROUPS = 4096  # groups in one submission (and results in one answer)
 MAX_GROUP_SIZE = 1024  # completions of one prompt
 MAX_SAMPLES = 65536  # completions in one submission
 GRACEFUL_S = 2.0  # requests still open this long after a SIGTERM are cancelled
-PROGRESS_WAIT_S = 10.0  # GET /v1/progress waits this long for the generation thread
+PROGRESS_WAIT_S = 2.0  # GET /v1/progress waits this long for the generation thread (a
+# busy one, compiling, is asked again at the next snapshot: the records it had stand)
 
 
 def check_groups(raw: Any) -> list[GroupRequest]:

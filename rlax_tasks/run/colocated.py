@@ -30,7 +30,7 @@ from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
-from rlax_tasks.rollout.service import worker_mesh
+from rlax_tasks.rollout.service import PROGRESS_WAIT_S, worker_mesh
 from rlax_tasks.run.compilation_cache import enable_in_process
 from rlax_tasks.run.trainer_process import load_trainer_policy
 from rlax_tasks.rundir import lock as run_lock
@@ -121,7 +121,7 @@ class InProcessWorkers:
         self.workers[worker_id].reset()
 
     def progress(self, worker_id: str) -> dict[str, Any]:
-        return self.workers[worker_id].progress()
+        return self.workers[worker_id].progress(timeout_s=PROGRESS_WAIT_S)
 
 
 def publish_steps(cfg: Any, steps: int) -> set[int]:
