@@ -64,11 +64,13 @@ if [[ -d /opt/wheels ]]; then find_links=(--find-links /opt/wheels); fi
 
 echo "[setup] installing pinned packages (constraints.txt)${extras:+ with $extras}"
 .venv/bin/python -m pip install -q --disable-pip-version-check pip==26.3 setuptools==84.2.1 wheel==0.48.0
-# bytecode compiled afterwards on every core (pip compiles on one); a file of a package that does
-# not compile (Python 2 test data, templates) is skipped, as pip skips it
+# bytecode compiled afterwards on every core (pip compiles on one), this checkout's packages too
+# (where PYTHONDONTWRITEBYTECODE is set, every process would compile them again); a file of a
+# package that does not compile (Python 2 test data, templates) is skipped, as pip skips it
 .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "${find_links[@]}" \
   --no-build-isolation -c constraints.txt -e ".${extras}"
-.venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages >/dev/null 2>&1 || true
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python*/site-packages rlax_tasks dags plugins tests \
+  >/dev/null 2>&1 || true
 echo "[setup] done: $(.venv/bin/python -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}")')"
 if [[ "$extras" == *gpu* || "$extras" == *tpu* ]]; then  # what JAX finds here now
   echo "[setup] JAX sees: $(.venv/bin/python -c 'import jax; print(jax.default_backend(), jax.device_count(), "device(s)")')"
