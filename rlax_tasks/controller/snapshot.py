@@ -210,6 +210,19 @@ class SnapshotStore:
         notices.post(self.run_dir, "fatal", message, source="controller")
         raise NoIntactSnapshotError(message)
 
+    def read_latest(self) -> Snapshot | None:
+        """The snapshot ``LATEST`` names, read only (nothing set aside or committed, unlike
+        ``load_latest``): for a reader beside a live controller, which may have moved on and
+        pruned what it read; None when there is none or it does not verify as read."""
+        data, _ = storage.read_versioned(self.pointer)
+        if data is None:
+            return None
+        try:
+            pointer = json.loads(data)
+            return self._load_file(str(pointer["file"]), str(pointer["sha256"]))
+        except (_Damaged, SnapshotError, ValueError, UnicodeDecodeError, KeyError, TypeError):
+            return None
+
     def _rel(self, path: str) -> str:
         """``path`` relative to the run directory (for notices)."""
         root = self.run_dir.rstrip("/") + "/"

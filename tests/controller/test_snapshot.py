@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
 from rlax_tasks.controller import Snapshot, SnapshotError, SnapshotStore
@@ -103,3 +106,36 @@ def test_old_snapshots_are_pruned(tmp_path):
     names = storage.list_children(storage.join(str(tmp_path), "snapshots"))
     assert [n for n in names if n.endswith(".json")] == ["3.json", "4.json"]
     assert store.load_latest().step == 4
+
+
+def test_partial_rollouts_round_trip_and_are_pruned_with_their_snapshot(tmp_path):
+    rows = [
+        {"prompt_id": "b/0/1", "sample": 0, "tokens": [5, 6], "logprobs": [-0.5, -0.25],
+         "versions": [3, 4], "support": None, "finish_reason": None},
+        {"prompt_id": "b/0/1", "sample": 2, "tokens": [7], "logprobs": [-1.0],
+         "versions": [4], "support": [[7, 9]], "finish_reason": "eos"},
+    ]  # fmt: skip
+    store = SnapshotStore(str(tmp_path), keep=1)
+    store.write(dataclasses.replace(snap(2), partials=rows))
+    assert SnapshotStore(str(tmp_path)).load_latest().partials == rows
+    store.write(snap(3))  # none held: no file, and step 2's files are pruned
+    names = storage.list_children(storage.join(str(tmp_path), "snapshots"))
+    assert sorted(n for n in names if n != "LATEST.lock") == [
+        "3.buffer.parquet",
+        "3.json",
+        "LATEST",
+    ]
+    assert store.load_latest().partials == []
+
+
+def test_a_reader_beside_a_live_controller_changes_nothing(tmp_path):
+    """``read_latest`` of a snapshot the controller pruned meanwhile gives None and leaves the
+    files as they are (``load_latest`` would set them aside as damaged)."""
+    store = SnapshotStore(str(tmp_path), keep=1)
+    store.write(dataclasses.replace(snap(2), partials=[]))
+    assert SnapshotStore(str(tmp_path)).read_latest() == snap(2)
+    folder = storage.join(str(tmp_path), "snapshots")
+    os.remove(os.path.join(folder, "2.buffer.parquet"))  # as a prune under the reader would
+    before = sorted(storage.list_children(folder))
+    assert SnapshotStore(str(tmp_path)).read_latest() is None
+    assert sorted(storage.list_children(folder)) == before

@@ -44,7 +44,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def snapshot_partials(run_dir: str) -> tuple[object, dict[tuple[str, int], dict]]:
     """The run's last committed snapshot and its partial rollouts by (prompt id, sample)."""
-    snap = SnapshotStore(run_dir).load_latest()
+    snap = SnapshotStore(run_dir).read_latest()  # (read only: the run is alive)
     if snap is None:
         return None, {}
     return snap, {(r["prompt_id"], r["sample"]): r for r in snap.partials}
@@ -80,12 +80,12 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     # sampling at T 0.8 with top-k 5: the trainer's log-probs must be those of the tempered
     # distribution over the ids the workers' top-k kept (sampling-mask replay); completions of
-    # 3 decode chunks, so snapshots catch unfinished ones; no staleness bound, so every one is
-    # resumed (one with a token older than the bound is left out: its group would be stale)
+    # 3 decode chunks and one group at a time per worker (4 slots), so a worker with work holds
+    # an unfinished group whenever a snapshot asks; no staleness bound, so every one is resumed
+    # (one with a token older than the bound is left out: its group would be stale)
     sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5, "rollout.max_new_tokens": 20}
-    cfg = small_config(
-        tmp_path, **{"eval.every_steps": 3, "staleness.max_staleness": 1000, **sampling}
-    )
+    extra = {"eval.every_steps": 3, "staleness.max_staleness": 1000, "workers.slots": 4}
+    cfg = small_config(tmp_path, **extra, **sampling)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
     steps = 12  # steps can come in bursts after a restart: room for the kills before the end
@@ -106,7 +106,7 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
             return
         sup.kill("controller")  # first: its last snapshot is then the one the run restores
         snap, records = snapshot_partials(cfg.run_dir)
-        tries.append(snap.step)
+        tries.append(None if snap is None else snap.step)
         if records:  # (else a newer snapshot without any came first: the controller restarts)
             for name in list(sup.components):
                 sup.kill(name)
