@@ -120,7 +120,6 @@ class Controller:
             issued = [*snap.in_flight_ids, *(q["prompt_id"] for q in snap.queued)]
             self.partials.load(snap.partials)
             self.partials.gather(self.pool, {w: issued for w in live})
-            self.partials.only(issued)
         for w in live:
             self._reset_worker(w)
         if snap is None:

@@ -20,14 +20,6 @@ class PartialRollouts:
     def __init__(self) -> None:
         self._held: dict[str, list[SampleProgress]] = {}
 
-    def __len__(self) -> int:
-        return len(self._held)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens held, over every record."""
-        return sum(len(r.tokens) for records in self._held.values() for r in records)
-
     def gather(self, pool: WorkerPool, holders: dict[str, Iterable[str]]) -> None:
         """Asks each worker in ``holders`` (worker -> the prompt ids it holds) what its groups
         hold now; a worker that does not answer keeps its older records."""
@@ -51,11 +43,6 @@ class PartialRollouts:
     def drop(self, prompt_id: str) -> None:
         """Forgets a prompt's records (its group came back, or it was skipped)."""
         self._held.pop(prompt_id, None)
-
-    def only(self, prompt_ids: Iterable[str]) -> None:
-        """Keeps the records of ``prompt_ids`` only."""
-        wanted = set(prompt_ids)
-        self._held = {p: r for p, r in self._held.items() if p in wanted}
 
     def rows(self, prompt_ids: Iterable[str]) -> list[dict[str, Any]]:
         """The records of ``prompt_ids`` as snapshot rows (one per sample)."""

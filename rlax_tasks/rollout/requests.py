@@ -8,7 +8,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -125,7 +125,7 @@ def per_prompt_params(seed: int, count: int, **settings: Any) -> list[SamplingPa
 
 
 # --------------------------------------------------------------------------- worker messages
-FINISH_REASONS = ("eos", "stop", "length")
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 @dataclasses.dataclass(frozen=True)

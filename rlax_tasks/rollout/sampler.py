@@ -184,17 +184,13 @@ class Sampler:
         preemption): its prompt and tokens are prefilled, and it draws on from the same random
         stream, as after ``interrupt``."""
         self.validate(partial.request)
-        vocab = self.policy.config.vocab_size
         budget = partial.request.params.max_new_tokens
         if len(partial.tokens) >= budget:
             raise ValueError(
                 f"request {partial.request.request_id!r}: {len(partial.tokens)} tokens so far "
                 f"leave nothing to generate (max_new_tokens {budget})"
             )
-        if partial.tokens and (min(partial.tokens) < 0 or max(partial.tokens) >= vocab):
-            raise ValueError(
-                f"request {partial.request.request_id!r}: token ids must lie in [0, {vocab})"
-            )
+        self.check_token_ids(partial.tokens, f"request {partial.request.request_id!r}: token")
         self._waiting.append(partial)
 
     def in_progress(self) -> list[Partial]:
@@ -217,17 +213,19 @@ class Sampler:
             for p in held
         ]
 
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        """ValueError "<what> ids must lie in [0, vocab)" unless every id in ``ids`` does."""
+        vocab = self.policy.config.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"{what} ids must lie in [0, {vocab})")
+
     def validate(self, request: Request) -> None:
         """Raises ValueError naming what is wrong with a request for this sampler."""
         request.params.validate(self.policy.config.vocab_size)
         n = len(request.prompt)
         if n == 0:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        vocab = self.policy.config.vocab_size
-        if min(request.prompt) < 0 or max(request.prompt) >= vocab:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt token ids must lie in [0, {vocab})"
-            )
+        self.check_token_ids(request.prompt, f"request {request.request_id!r}: prompt token")
         if n + request.params.max_new_tokens > self.max_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt ({n} tokens) + max_new_tokens "

@@ -138,16 +138,13 @@ class InferenceWorker:
     def submit(self, groups: Sequence[GroupRequest]) -> None:
         """Queues groups (validated first: nothing is queued if one is invalid); a group's
         ``resume`` records go on from their tokens."""
-        vocab = self.sampler.policy.config.vocab_size
         for g in groups:
             for i in range(g.group_size):
                 self.sampler.validate(self._request(g, i))
             for r in g.resume:
-                if r.tokens and (min(r.tokens) < 0 or max(r.tokens) >= vocab):
-                    raise ValueError(
-                        f"{g.prompt_id!r} resume sample {r.sample}: token ids must lie in "
-                        f"[0, {vocab})"
-                    )
+                self.sampler.check_token_ids(
+                    r.tokens, f"{g.prompt_id!r} resume sample {r.sample}: token"
+                )
         with self._lock:
             known = set(self._pending) | {g.prompt_id for g in self._queue}
             for g in groups:

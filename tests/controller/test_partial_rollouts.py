@@ -3,10 +3,10 @@ last reported goes into each snapshot and back to the worker a group is issued t
 
 from __future__ import annotations
 
-from rlax_tasks.controller import Controller, SnapshotStore
+from rlax_tasks.controller import SnapshotStore
 from rlax_tasks.rollout.requests import SampleProgress
 from rlax_tasks.rundir import storage
-from tests.controller.fakes import FakePool, World, encode, mixture, settings
+from tests.controller.fakes import FakePool, World, controller
 
 
 class ReportingPool(FakePool):
@@ -38,16 +38,10 @@ def world() -> World:
     return w
 
 
-def make(run_dir: str, w: World) -> Controller:
-    return Controller(
-        settings(), mixture(seed=3), w.pool, w.scorer, w.trainer, encode, run_dir, idle_sleep_s=0.0
-    )
-
-
 def test_snapshots_hold_partial_rollouts_and_groups_issued_again_resume_them(tmp_path):
     run_dir = str(tmp_path / "run")
     w = world()
-    c = make(run_dir, w)
+    c = controller(run_dir, w)
     c.start()
     c.run(2, max_iterations=500)
     w.pool.hung.add("w0")  # w0 takes groups and finishes none: they stay in flight
@@ -78,7 +72,7 @@ def test_snapshots_hold_partial_rollouts_and_groups_issued_again_resume_them(tmp
 def test_a_restarted_controller_resumes_the_snapshots_partial_rollouts(tmp_path):
     run_dir = str(tmp_path / "run")
     w = world()
-    first = make(run_dir, w)
+    first = controller(run_dir, w)
     first.start()
     first.run(2, max_iterations=500)
     w.pool.hung.add("w0")
@@ -94,7 +88,7 @@ def test_a_restarted_controller_resumes_the_snapshots_partial_rollouts(tmp_path)
         worker.queue.clear()
     w.pool.down.clear()
     before = len(w.pool.requests)
-    second = make(run_dir, w)
+    second = controller(run_dir, w)
     assert second.start() is True
     again = {g.prompt_id: g for _, g in w.pool.requests[before:]}
     assert set(on_w0) <= set(again)
@@ -104,7 +98,7 @@ def test_a_restarted_controller_resumes_the_snapshots_partial_rollouts(tmp_path)
 def test_records_older_than_the_staleness_bound_are_not_resumed(tmp_path):
     """A record with a token older than min_version would make the group too stale to train:
     the group is generated afresh instead."""
-    c = make(str(tmp_path / "run"), world())
+    c = controller(str(tmp_path / "run"), world())
     c.start()
     c.version = 5  # max_staleness 2: min_version 4
     old = SampleProgress(0, (7, 8), (-0.5, -0.25), (3, 4))
@@ -170,16 +164,13 @@ def test_tokens_a_snapshot_holds_are_not_generated_again_after_a_worker_is_kille
     stalling = StallingSampler(policy, max_slots=8, max_len=64, decode_chunk=1, steps=6)
     samplers = {"w0": stalling, "w1": Sampler(policy, max_slots=8, max_len=64, decode_chunk=4)}
     workers = {w: InferenceWorker(s, weights, poll_interval_s=0.01) for w, s in samplers.items()}
-    pool = KillablePool(workers)
     w = World()
+    w.pool = KillablePool(workers)
     run_dir = str(tmp_path / "run")
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True)
     overrides = dict(group_size=2, prompts_per_step=2, groups_per_worker=2, sampling=sampling)
     overrides |= dict(max_staleness=1000, dynamic_sampling=False, max_outstanding_groups=4)
-    c = Controller(
-        settings(**overrides), mixture(seed=3), pool, w.scorer, w.trainer, encode, run_dir,
-        idle_sleep_s=0.01,
-    )  # fmt: skip
+    c = controller(run_dir, w, **overrides, idle_sleep_s=0.01)
     for worker in workers.values():
         worker.start()
     try:
@@ -193,7 +184,7 @@ def test_tokens_a_snapshot_holds_are_not_generated_again_after_a_worker_is_kille
         on_w0 = {e["prompt_id"] for e in snap.in_flight if e["worker"] == "w0"}
         held = {(r["prompt_id"], r["sample"]): r for r in snap.partials if r["prompt_id"] in on_w0}
         assert held and all(0 < len(r["tokens"]) < 24 for r in held.values())
-        pool.dead.add("w0")  # kill -9 of w0: what it held is gone with it
+        w.pool.dead.add("w0")  # kill -9 of w0: what it held is gone with it
         workers["w0"].stop()
         c.run(8, max_iterations=20000)
     finally:
