@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rlax_tasks.config import load_config
-from rlax_tasks.controller import SnapshotStore, read_rollouts
+from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
@@ -42,75 +42,30 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def snapshot_partials(run_dir: str) -> tuple[object, dict[tuple[str, int], dict]]:
-    """The run's last committed snapshot and its partial rollouts by (prompt id, sample)."""
-    snap = SnapshotStore(run_dir).read_latest()  # (read only: the run is alive)
-    if snap is None:
-        return None, {}
-    return snap, {(r["prompt_id"], r["sample"]): r for r in snap.partials}
-
-
-def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int, int]:
-    """(tokens ``held`` by a snapshot that were trained on, how many of them were generated
-    again): each held sample must end in rollouts/ with its tokens and versions first."""
-    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
-    consumed = {p for r in lineage for p in r["prompt_ids"]}
-    dropped = {d["prompt_id"] for r in lineage for d in r["dropped_zero_variance"]}
-    rows = read_rollouts(run_dir).set_index(["prompt_id", "sample"])
-    counted = regenerated = 0
-    for key, record in held.items():
-        n = len(record["tokens"])
-        if key not in rows.index:  # its group trained no step: all its rewards were equal
-            assert key[0] in dropped or key[0] not in consumed, key
-            continue
-        row = rows.loc[key]
-        counted += n
-        regenerated += max(0, n - int(row["resumed_tokens"]))
-        assert list(row["tokens"])[:n] == record["tokens"], key
-        assert list(row["token_versions"])[:n] == record["versions"], key
-    return counted, regenerated
-
-
 @pytest.mark.slow
 def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
-    """kill -9 of the trainer, the controller, a worker and the parameter server during one run,
-    then of the whole run while its last snapshot holds unfinished groups: the run finishes,
-    every step is in the lineage exactly once, in order, the report is written, and no token
-    the snapshot held is generated again (counted: each is resumed)."""
+    """kill -9 of the trainer, the controller, a worker and the parameter server during one run:
+    the run finishes, every step is in the lineage exactly once, in order, and the report is
+    written."""
     monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the components need one device each
     # sampling at T 0.8 with top-k 5: the trainer's log-probs must be those of the tempered
-    # distribution over the ids the workers' top-k kept (sampling-mask replay); completions of
-    # 3 decode chunks and one group at a time per worker (4 slots), so a worker with work holds
-    # an unfinished group whenever a snapshot asks; no staleness bound, so every one is resumed
-    # (one with a token older than the bound is left out: its group would be stale)
-    sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5, "rollout.max_new_tokens": 20}
-    extra = {"eval.every_steps": 3, "staleness.max_staleness": 1000, "workers.slots": 4}
-    cfg = small_config(tmp_path, **extra, **sampling)
+    # distribution over the ids the workers' top-k kept (sampling-mask replay)
+    sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5}
+    cfg = small_config(tmp_path, **{"eval.every_steps": 3, **sampling})
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "trainer"), (3, "controller"), (4, "worker-0"), (5, "ps")]
     steps = 12  # steps can come in bursts after a restart: room for the kills before the end
-    killed, held, tries = [], {}, []
+    killed = []
 
     def hook(sup):
-        if not os.path.exists(metrics_path):
+        if not schedule or not os.path.exists(metrics_path):
             return
         done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
-        if schedule:
-            at, name = schedule[0]
-            if done >= at:
-                sup.kill(name)
-                killed.append((done, name))
-                schedule.pop(0)
-            return
-        if held or len(tries) >= 20 or not snapshot_partials(cfg.run_dir)[1]:
-            return
-        sup.kill("controller")  # first: its last snapshot is then the one the run restores
-        snap, records = snapshot_partials(cfg.run_dir)
-        tries.append(None if snap is None else snap.step)
-        if records:  # (else a newer snapshot without any came first: the controller restarts)
-            for name in list(sup.components):
-                sup.kill(name)
-            held.update(records)
+        at, name = schedule[0]
+        if done >= at:
+            sup.kill(name)
+            killed.append((done, name))
+            schedule.pop(0)
 
     report = run_local(cfg, steps=steps, evaluate=True, supervisor_hook=hook)
     assert [name for _, name in killed] == ["trainer", "controller", "worker-0", "ps"]
@@ -135,11 +90,6 @@ def test_run_survives_kill_9_of_every_component(tmp_path, monkeypatch):
     rows = read_jsonl(metrics_path)
     assert max(r["logprob_mismatch_p95"] for r in rows) < 1e-3
     assert all(r["support_replayed_frac"] == 1.0 for r in rows)
-    # the whole run killed: what its last snapshot held was resumed, not generated again
-    assert held, f"no snapshot with unfinished groups was caught ({len(tries)} tries)"
-    counted, regenerated = count_resumed(cfg.run_dir, held)
-    print(f"{counted} tokens held by the snapshot were trained on, {regenerated} generated again")
-    assert counted > 0 and regenerated == 0
 
 
 @pytest.mark.slow
