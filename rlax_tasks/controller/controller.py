@@ -16,8 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-import numpy as np
-
 from rlax_tasks.controller import recovery
 from rlax_tasks.controller.buffer import Batch, RolloutBuffer
 from rlax_tasks.controller.lineage import LineageWriter, lineage_record
@@ -35,6 +33,7 @@ from rlax_tasks.controller.rollouts import write_step as write_rollouts
 from rlax_tasks.controller.scoring import scored_group
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
+from rlax_tasks.controller.worker_health import WorkerHealth
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult
 from rlax_tasks.services.protocol import TrainerBehindError
 
@@ -91,10 +90,7 @@ class Controller:
         self.partials = PartialRollouts()  # what in-flight groups held when last asked
         self._skipped_in_a_row = 0
         self._steps_since_snapshot: list[dict[str, Any]] = []
-        self._last_progress: dict[str, float] = {}
-        self._down_until: dict[str, float] = {}
-        self._failures: collections.Counter[str] = collections.Counter()  # in a row, per worker
-        self._answered: set[str] = set()  # workers that took work from this process
+        self.health = WorkerHealth(settings.worker_retry_s, clock)
         self.counters: collections.Counter[str] = collections.Counter()
         self.phases = PhaseClock(clock)  # seconds per phase in this process
         self._idle_since: float | None = None  # clock when the last iterate() ended
@@ -229,8 +225,7 @@ class Controller:
 
     # ------------------------------------------------------------------ dispatch
     def _live_workers(self) -> list[str]:
-        now = self.clock()
-        return [w for w in self.pool.worker_ids() if self._down_until.get(w, -np.inf) <= now]
+        return self.health.live(self.pool.worker_ids())
 
     @property
     def outstanding(self) -> int:
@@ -356,11 +351,11 @@ class Controller:
             self._skip(prompts[0], f"worker {worker} rejected it: {e}")
             return
         except WORKER_ERRORS as e:
-            if worker not in self._answered:  # still starting (its address is planned ahead)
+            if not self.health.has_answered(worker):  # still starting (address planned ahead)
                 self._not_up_yet(worker, prompts, e)
                 return
             log.log(
-                logging.WARNING if self._failures[worker] == 0 else logging.INFO,
+                logging.WARNING if self.health.failures[worker] == 0 else logging.INFO,
                 "worker %s refused %d groups: %s",
                 worker,
                 len(prompts),
@@ -368,11 +363,9 @@ class Controller:
             )
             self._worker_failed(worker, also=prompts)
             return
+        idle = not any(e.worker == worker for e in self._in_flight.values())
+        self.health.took_work(worker, was_idle=idle)
         now = self.clock()
-        self._failures.pop(worker, None)
-        self._answered.add(worker)
-        if not any(e.worker == worker for e in self._in_flight.values()):
-            self._last_progress[worker] = now
         for p in prompts:
             self._in_flight[p.id] = _InFlight(p, worker, now)
         self.counters["issued"] += len(prompts)
@@ -382,19 +375,11 @@ class Controller:
         """Puts prompts back at the queue front: re-issued first, earliest draw first."""
         self._queue = collections.deque(sorted([*prompts, *self._queue], key=lambda p: p.seq))
 
-    def _back_off(self, worker: str) -> float:
-        """Skips a worker for a while: soon at first (a worker starting up or restarting is back
-        in seconds), then less and less often, up to worker_retry_s. Returns the delay."""
-        self._failures[worker] += 1
-        delay = min(self.settings.worker_retry_s, 0.25 * 2 ** (self._failures[worker] - 1))
-        self._down_until[worker] = self.clock() + delay
-        return delay
-
     def _not_up_yet(self, worker: str, prompts: Sequence[Prompt], error: Exception) -> None:
         """A worker that has not taken work yet refused a submission: it is starting, not failed
         (nothing of it to reset, nothing lost); a warning once the retries reach their cap."""
         self._requeue(prompts)
-        delay = self._back_off(worker)
+        delay = self.health.back_off(worker)
         log.log(
             logging.WARNING if delay >= self.settings.worker_retry_s else logging.INFO,
             "worker %s is not up yet (%s): next try in %.2gs",
@@ -413,11 +398,10 @@ class Controller:
         self._requeue(back)  # (whichever worker held them)
         self.counters["worker_failures"] += 1
         self.counters["reissued"] += len(back)
-        delay = self._back_off(worker)
-        self._last_progress.pop(worker, None)
+        delay = self.health.failed(worker)
         self._reset_worker(worker)
         log.log(
-            logging.WARNING if lost or self._failures[worker] == 1 else logging.INFO,
+            logging.WARNING if lost or self.health.failures[worker] == 1 else logging.INFO,
             "worker %s failed: %d prompts go back to the queue front; next try in %.2gs",
             worker,
             len(back),
@@ -441,10 +425,8 @@ class Controller:
                 log.warning("worker %s: %s", w, e)
                 self._worker_failed(w)
                 continue
-            now = self.clock()
             if results:
-                self._last_progress[w] = now
-                self._failures.pop(w, None)
+                self.health.returned(w)
             for r in results:
                 entry = self._in_flight.get(r.prompt_id)
                 if entry is None or entry.worker != w:
@@ -462,7 +444,7 @@ class Controller:
                 self._unscored.append((entry.prompt, r))
                 got += 1
             if not results and any(e.worker == w for e in self._in_flight.values()):
-                idle = now - self._last_progress.get(w, now)
+                idle = self.health.idle_s(w)
                 if idle > self.settings.worker_timeout_s:
                     log.warning("worker %s returned nothing for %.0fs", w, idle)
                     self.counters["worker_timeouts"] += 1

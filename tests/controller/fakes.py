@@ -267,3 +267,12 @@ def controller(run_dir: str, world: World, mix: PromptMixture | None = None, **k
         run_dir,
         **extra,
     )
+
+
+def trained(tmp_path, world: World, steps: int, **kwargs) -> tuple[str, Controller]:
+    """A started ``controller`` on ``world`` in ``tmp_path/run`` after ``steps`` steps."""
+    run_dir = str(tmp_path / "run")
+    c = controller(run_dir, world, **kwargs)
+    c.start()
+    c.run(steps, max_iterations=500)
+    return run_dir, c

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rlax_tasks.controller import SnapshotStore
 from rlax_tasks.rollout.requests import SampleProgress
 from rlax_tasks.rundir import storage
-from tests.controller.fakes import FakePool, World, controller
+from tests.controller.fakes import FakePool, World, controller, trained
 
 
 class ReportingPool(FakePool):
@@ -39,11 +39,8 @@ def world() -> World:
 
 
 def test_snapshots_hold_partial_rollouts_and_groups_issued_again_resume_them(tmp_path):
-    run_dir = str(tmp_path / "run")
     w = world()
-    c = controller(run_dir, w)
-    c.start()
-    c.run(2, max_iterations=500)
+    run_dir, c = trained(tmp_path, w, 2)
     w.pool.hung.add("w0")  # w0 takes groups and finishes none: they stay in flight
     for _ in range(3):
         c.iterate()
@@ -70,11 +67,8 @@ def test_snapshots_hold_partial_rollouts_and_groups_issued_again_resume_them(tmp
 
 
 def test_a_restarted_controller_resumes_the_snapshots_partial_rollouts(tmp_path):
-    run_dir = str(tmp_path / "run")
     w = world()
-    first = controller(run_dir, w)
-    first.start()
-    first.run(2, max_iterations=500)
+    run_dir, first = trained(tmp_path, w, 2)
     w.pool.hung.add("w0")
     for _ in range(3):
         first.iterate()

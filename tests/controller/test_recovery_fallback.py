@@ -16,8 +16,8 @@ from rlax_tasks.controller.snapshot import NoIntactSnapshotError
 from rlax_tasks.rewards.scoring import SampleScore
 from rlax_tasks.rundir import notices, storage
 from rlax_tasks.services.protocol import StepConflictError
-from tests.controller.fakes import FakeTrainer, World
-from tests.controller.test_controller import N, full_run, make
+from tests.controller.fakes import FakeTrainer, World, controller
+from tests.controller.test_controller import N, full_run
 from tests.controller.test_snapshot import snap
 
 
@@ -42,7 +42,7 @@ def _stopped_at(run_dir: str, steps: int) -> World:
     """A run of the fakes stopped (kill -9 of the controller) after ``steps`` steps; the
     trainer and the workers live on."""
     world = _world()
-    c = make(run_dir, world)
+    c = controller(run_dir, world)
     c.start()
     c.run(steps, max_iterations=500)
     return world
@@ -82,7 +82,7 @@ def test_a_damaged_newest_snapshot_falls_back_to_the_previous_one(tmp_path, dama
     else:
         os.remove(newest)
 
-    c = make(run_dir, world)
+    c = controller(run_dir, world)
     assert c.start() is True
     # the write-ahead snapshot before step 6 verifies: step 6 is re-sent, answered as a replay
     assert c.step == 6 and world.trainer.replays == 1
@@ -100,7 +100,7 @@ def test_a_damaged_newest_snapshot_falls_back_to_the_previous_one(tmp_path, dama
     (message,) = _notices(run_dir, "fallback")
     assert "6.json" in message and "5.pending.json (step 5)" in message
     # LATEST was moved to the snapshot used: a second restart is clean, no second notice
-    again = make(run_dir, world)
+    again = controller(run_dir, world)
     assert again.start() is True and again.step == N
     assert len(_notices(run_dir, "fallback")) == 1
 
@@ -114,7 +114,7 @@ def test_a_fallback_past_steps_the_trainer_applied_rolls_forward_without_resendi
     _truncate(storage.join(run_dir, "snapshots", "6.json"))
     _truncate(storage.join(run_dir, "snapshots", "5.pending.json"))
 
-    c = make(run_dir, world)
+    c = controller(run_dir, world)
     assert c.start() is True
     assert c.step == 6 and world.trainer.replays == 0  # nothing re-sent (StrictTrainer)
     assert SnapshotStore(run_dir).load_latest().step == 6  # the rolled-forward state, committed
@@ -137,7 +137,7 @@ def test_a_torn_committed_lineage_line_is_restored_not_dropped(tmp_path):
     last = data[:-1].rfind(b"\n") + 1
     storage.write_bytes(path, data[: last + (len(data) - last) // 2])  # step 6's line, torn
 
-    c = make(run_dir, world)
+    c = controller(run_dir, world)
     assert c.start() is True and c.step == 6
     c.run(N, max_iterations=500)
     lineage = _assert_every_step_once(run_dir, world)
@@ -158,7 +158,7 @@ def test_without_its_rollouts_file_a_lost_line_comes_from_the_snapshot(tmp_path)
     lines = storage.read_bytes(path).splitlines(keepends=True)
     storage.write_bytes(path, b"".join(lines[:4] + lines[5:]))  # step 5's line is gone
     os.remove(os.path.join(run_dir, "rollouts", "step-00000005.parquet"))
-    c = make(run_dir, world)
+    c = controller(run_dir, world)
     c.start()
     lineage = read_lineage(run_dir)
     assert [r["step"] for r in lineage] == [1, 2, 3, 4, 5, 6]

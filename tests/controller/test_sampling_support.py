@@ -12,18 +12,15 @@ from rlax_tasks.controller import SnapshotStore, read_rollouts
 from rlax_tasks.controller.buffer import ScoredGroup, support_width
 from rlax_tasks.controller.rollouts import read_step_batch
 from rlax_tasks.rollout.requests import Completion, GroupResult, Request, SamplingParams
-from tests.controller.fakes import World, controller
+from tests.controller.fakes import World, controller, trained
 
 STEPS = 4
 TOP_K = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=3)
 
 
 def test_kept_ids_reach_the_batch_rollouts_and_snapshots(tmp_path):
-    run_dir = str(tmp_path / "run")
     world = World()
-    c = controller(run_dir, world, sampling=TOP_K)
-    c.start()
-    c.run(STEPS, max_iterations=500)
+    run_dir, c = trained(tmp_path, world, STEPS, sampling=TOP_K)
     assert len(world.trainer.batches) == STEPS
     rows = read_rollouts(run_dir)
     assert rows["support"].notna().all()

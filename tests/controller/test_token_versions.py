@@ -15,7 +15,7 @@ from rlax_tasks.controller.lineage import read_lineage
 from rlax_tasks.controller.rollouts import read_step_batch
 from rlax_tasks.rollout.requests import Completion, GroupResult, Request, SamplingParams
 from rlax_tasks.trainer.scalar_export import lineage_scalars
-from tests.controller.fakes import World, controller
+from tests.controller.fakes import World, controller, trained
 
 STEPS = 5
 
@@ -67,11 +67,8 @@ def test_token_versions_reach_the_batch_rollouts_snapshots_and_lineage(tmp_path)
 
 
 def test_without_per_token_versions_the_group_version_stands_for_every_token(tmp_path):
-    run_dir = str(tmp_path / "run")
     world = World()
-    c = controller(run_dir, world)
-    c.start()
-    c.run(2, max_iterations=500)
+    run_dir, c = trained(tmp_path, world, 2)
     assert all("token_versions" not in b.arrays() for b in world.trainer.batches)
     assert read_rollouts(run_dir)["token_versions"].isna().all()
     record, batch = read_lineage(run_dir)[0], world.trainer.batches[0]
