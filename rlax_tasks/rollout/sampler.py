@@ -62,8 +62,9 @@ class Sampler:
     ``generate`` is the one-call API; ``add_request`` / ``step`` / ``abort`` drive it step by
     step; ``interrupt`` sends the requests in flight back to the queue with their tokens, to
     continue on the weights set next (their prefix prefilled again). ``decode_chunk``: decode
-    steps per device call (8: the tiny preset's completions in one); ``precompile``:
-    ``Precompiler``."""
+    steps per device call (8: the tiny preset's completions in one); ``precompile``: a serving
+    sampler's ``Precompiler`` (off for a fixed workload, e.g. an evaluation: it repeats its own
+    sizes, and the compiles would only take a core from the run beside it)."""
 
     def __init__(
         self,
@@ -74,7 +75,7 @@ class Sampler:
         decode_chunk: int = 8,
         batching: Literal["continuous", "static"] = "continuous",
         max_stop_ids: int = 8,
-        precompile: bool = True,
+        precompile: bool = False,
         support_capacity: int = 0,
     ) -> None:
         error = field_error(ValueError)

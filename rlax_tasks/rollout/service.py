@@ -267,6 +267,7 @@ def _worker_command(args: argparse.Namespace) -> int:
         args.max_slots,
         args.max_len,
         decode_chunk=args.decode_chunk,
+        precompile=True,
         support_capacity=args.support_capacity,
     )
     if args.ps_url:

@@ -210,6 +210,7 @@ class ColocatedRun:
             spolicy,
             cfg.workers.slots,
             cfg.workers.max_len,
+            precompile=True,
             support_capacity=cfg.rollout.support_size,
         )
         shardings = jax.tree.map(lambda a: a.sharding, sampler.params)

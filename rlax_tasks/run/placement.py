@@ -1,8 +1,9 @@
 """Devices per job (DESIGN §12): the environment that gives each job of a run its own devices.
 
 ``job_envs(cfg)``, used by both launchers, follows the run's ``placement``: on gpu the job's GPUs
-and a memory share, on tpu libtpu's per-process variables, on cpu n forced host devices, on auto
-nothing; ps, controller and verifier always get JAX_PLATFORMS=cpu. Importable without JAX."""
+and a memory share, on tpu libtpu's per-process variables, on cpu n forced host devices and
+CPU_XLA_FLAGS, on auto nothing; ps, controller and verifier always get JAX_PLATFORMS=cpu.
+Importable without JAX."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ CPU_JOBS = ("ps", "controller", "verifier")
 # share of a GPU's memory the processes on it preallocate together when memory_fraction is unset
 # (split evenly: JAX would preallocate 75% in every process, and a second one would fail)
 GPU_MEMORY_TOTAL = 0.9
+# XLA:CPU flags of every job on cpu devices, unless its XLA_FLAGS set them: the classic fusion
+# pipeline compiles a run's programs faster at the same step time (benchmarks/README.md)
+CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 # first libtpu port of the processes on a TPU host (libtpu's own default), one per process
 TPU_PORT_BASE = 8476
 
@@ -112,15 +116,22 @@ def _tpu_env(cfg: Any, job: str, devices: Sequence[int]) -> dict[str, str]:
     }
 
 
-def _cpu_devices_flags(count: int, inherited: str) -> str:
-    kept = [f for f in shlex.split(inherited) if "xla_force_host_platform_device_count" not in f]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
+def _cpu_xla_flags(count: int | None, inherited: str) -> str:
+    """``inherited`` XLA_FLAGS with ``count`` forced host devices (None: as inherited) and the
+    CPU_XLA_FLAGS it does not set itself."""
+    kept = shlex.split(inherited)
+    if count is not None:
+        kept = [f for f in kept if "xla_force_host_platform_device_count" not in f]
+    named = {f.split("=", 1)[0] for f in kept}
+    extra = [f for f in CPU_XLA_FLAGS if f.split("=", 1)[0] not in named]
+    count_flag = [] if count is None else [f"--xla_force_host_platform_device_count={count}"]
+    return " ".join([*kept, *extra, *count_flag])
 
 
 def job_env(cfg: Any, job: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The device variables of ``job`` (ps, trainer, worker-<i>, controller, verifier).
 
-    ``environ`` (default os.environ) only supplies the XLA_FLAGS a cpu device count is added to.
+    ``environ`` (default os.environ) only supplies the XLA_FLAGS a cpu job's flags are added to.
     """
     p = cfg.placement
     devices = job_devices(cfg, job)
@@ -129,11 +140,9 @@ def job_env(cfg: Any, job: str, environ: Mapping[str, str] | None = None) -> dic
     # what the job checks its devices against at start (rlax_tasks.process.device_check)
     expected = expectation_env(p.platform, None if devices is None else len(devices))
     if p.platform == "cpu":
-        env = {"JAX_PLATFORMS": "cpu", **expected}
-        if devices is not None:
-            inherited = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
-            env["XLA_FLAGS"] = _cpu_devices_flags(len(devices), inherited)
-        return env
+        inherited = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+        count = None if devices is None else len(devices)
+        return {"JAX_PLATFORMS": "cpu", **expected, "XLA_FLAGS": _cpu_xla_flags(count, inherited)}
     if p.platform == "auto" or devices is None:
         return expected
     if p.platform == "gpu":

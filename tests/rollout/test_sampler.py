@@ -429,7 +429,7 @@ from rlax_tasks.models import Policy
 from rlax_tasks.rollout import Sampler
 from tests.tiny_model import tiny_model_config
 policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
-sampler = Sampler(policy, max_slots=64, max_len=96)
+sampler = Sampler(policy, max_slots=64, max_len=96, precompile=True)
 sampler.generate([[5, 6, 7]] * 8, max_new_tokens=4, temperature=1.0)
 sampler.generate([[5, 6, 7]] * 3, max_new_tokens=4, temperature=1.0)  # a second size
 sampler.generate([[5, 6, 7]] * 12, max_new_tokens=4, temperature=1.0)  # a third: 32, 64 follow

@@ -87,13 +87,25 @@ def test_tpu_jobs_get_their_own_chips_as_single_process_slices():
 def test_cpu_forces_cpu_and_auto_forces_nothing():
     tiny = load_config("tiny-arith")  # the embedded default behaves as before
     assert tiny.placement.platform == "cpu"
+    fast_compile = "--xla_cpu_use_fusion_emitters=false"
     assert job_envs(tiny, environ={}) == {
-        "colocated": {"JAX_PLATFORMS": "cpu", "RLAX_EXPECTED_DEVICES": "cpu any"}
+        "colocated": {
+            "JAX_PLATFORMS": "cpu",
+            "RLAX_EXPECTED_DEVICES": "cpu any",
+            "XLA_FLAGS": fast_compile,
+        }
     }
     devices = config({"platform": "cpu", "trainer": [0, 1]})
     inherited = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"}
     env = job_env(devices, "trainer", environ=inherited)
-    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    assert env["XLA_FLAGS"] == (
+        f"--xla_dump_to=/tmp/x {fast_compile} --xla_force_host_platform_device_count=2"
+    )
+    # a flag the user set wins; a device count stays when the placement names no devices
+    mine = {
+        "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true --xla_force_host_platform_device_count=4"
+    }
+    assert job_env(tiny, "colocated", environ=mine)["XLA_FLAGS"] == mine["XLA_FLAGS"]
     auto = config({"platform": "auto"})
     envs = job_envs(auto, environ={})
     assert envs["trainer"] == envs["worker-1"] == {}  # and nothing to check against
