@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlax_tasks.controller.ports import WORKER_ERRORS, WorkerPool
 from rlax_tasks.rollout.requests import SampleProgress
 
 log = logging.getLogger(__name__)
+
+GATHER_THREADS = 32  # workers asked at once for their progress at a snapshot
 
 
 class PartialRollouts:
@@ -22,14 +25,25 @@ class PartialRollouts:
 
     def gather(self, pool: WorkerPool, holders: dict[str, Iterable[str]]) -> None:
         """Asks each worker in ``holders`` (worker -> the prompt ids it holds) what its groups
-        hold now; a worker that does not answer keeps its older records."""
-        for worker, prompt_ids in holders.items():
+        hold now, all at once (slow answers delay a snapshot once, not once per worker); a
+        worker that does not answer keeps its older records."""
+
+        def ask(worker: str) -> dict[str, Any] | None:
             try:
-                report = pool.progress(worker)
+                return pool.progress(worker)
             except WORKER_ERRORS as e:  # busy (a compile) or down: the older records stand
                 log.info("no progress report from worker %s (%s)", worker, e)
-                continue
-            for prompt_id in prompt_ids:
+                return None
+
+        workers = list(holders)
+        if len(workers) > 1:
+            threads = min(len(workers), GATHER_THREADS)
+            with ThreadPoolExecutor(threads, thread_name_prefix="rlax-progress") as pool_threads:
+                reports = list(pool_threads.map(ask, workers))
+        else:
+            reports = [ask(w) for w in workers]
+        for worker, report in zip(workers, reports, strict=True):
+            for prompt_id in holders[worker] if report else ():
                 if report.get(prompt_id):
                     self._held[prompt_id] = list(report[prompt_id])
 

@@ -3,7 +3,10 @@ last reported goes into each snapshot and back to the worker a group is issued t
 
 from __future__ import annotations
 
+import threading
+
 from rlax_tasks.controller import SnapshotStore
+from rlax_tasks.controller.partials import PartialRollouts
 from rlax_tasks.rollout.requests import SampleProgress
 from rlax_tasks.rundir import storage
 from tests.controller.fakes import FakePool, World, controller, trained
@@ -87,6 +90,26 @@ def test_a_restarted_controller_resumes_the_snapshots_partial_rollouts(tmp_path)
     again = {g.prompt_id: g for _, g in w.pool.requests[before:]}
     assert set(on_w0) <= set(again)
     assert all([r.tokens for r in again[pid].resume] == [(7, 8)] for pid in on_w0)
+
+
+def test_every_worker_is_asked_at_once_and_one_that_fails_keeps_its_older_records():
+    """A snapshot's progress reports are asked together: each answer below waits for all the
+    others (a barrier), so asking one worker after another would never get past the first."""
+    workers = [f"w{i}" for i in range(6)]
+    everyone_asked = threading.Barrier(len(workers), timeout=10)
+    old = SampleProgress(0, (1,), (-0.1,), (0,))
+
+    class Pool:
+        def progress(self, worker):  # noqa: ANN001, ANN201
+            everyone_asked.wait()
+            if worker == "w5":
+                raise ConnectionError("w5 is down")
+            return {f"{worker}/p": [SampleProgress(0, (7, 8), (-0.5, -0.25), (1, 1))]}
+
+    partials = PartialRollouts()
+    partials.load([{"prompt_id": "w5/p", **old.to_dict()}])
+    partials.gather(Pool(), {w: [f"{w}/p"] for w in workers})
+    assert [len(partials.resume(f"{w}/p", 0)[0].tokens) for w in workers] == [2] * 5 + [1]
 
 
 def test_records_older_than_the_staleness_bound_are_not_resumed(tmp_path):
