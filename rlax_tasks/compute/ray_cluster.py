@@ -17,13 +17,14 @@ import logging
 import os
 import re
 import socket
+import tempfile
 import threading
 import time
 from typing import Any
 
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
-from rlax_tasks.compute.ray_host import HostProcess
+from rlax_tasks.compute.ray_host import HostProcess, sees_path
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 from rlax_tasks.compute.types import (
     COORDINATOR_ADDRESS_ENV,
@@ -140,10 +141,10 @@ def _same_gcs(address: str, gcs: str) -> bool:
 class RayBackend:
     """Slices as Ray placement groups, jobs as runner processes in actors on their bundles.
 
-    ``address``: the cluster's GCS address (host:port), ``ray://`` or ``auto`` (default: the
-    RAY_ADDRESS variable, else auto); ``namespace``: where its slices and actors are named;
-    ``cpus_per_host``: the CPUs each host's bundle reserves; ``entrypoint``: the rlax command
-    (default: ``python -m rlax_tasks.cli`` in each node's Python)."""
+    ``run_root``: gs:// or a path every node sees (checked); ``address``: the GCS address
+    (host:port), ``ray://`` or ``auto`` (default: RAY_ADDRESS, else auto); ``namespace``: where
+    slices and actors are named; ``cpus_per_host``: CPUs per host's bundle; ``entrypoint``: the
+    rlax command (default: ``python -m rlax_tasks.cli`` in each node's Python)."""
 
     name = "ray"
 
@@ -172,6 +173,7 @@ class RayBackend:
         self.stop_grace_s = float(stop_grace_s)
         self.start_timeout_s = float(start_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
+        self._shared_with: frozenset[str] = frozenset()  # node ids seen to share the run root
 
     # ------------------------------------------------------------------ connection
     def _ray(self):  # noqa: ANN202 - the ray module, connected to this backend's cluster
@@ -204,6 +206,7 @@ class RayBackend:
         """Creates the slice's placement group (idempotent: a live slice of that name and run is
         returned); RayBackendError when the cluster's nodes cannot hold it."""
         ray = self._ray()
+        self._check_shared_run_root(ray)
         spec = SliceSpec.from_dict(
             {**spec.to_dict(), "labels": {**spec.labels, MANAGED_LABEL: "true"}}
         )
@@ -228,6 +231,42 @@ class RayBackend:
             "ray slice %s: placement group %s, %d x %s", spec.name, pg.id.hex(), shape.hosts, bundle
         )
         return self._handle(pg.id.hex(), spec)
+
+    def _check_shared_run_root(self, ray: Any) -> None:
+        """RayBackendError when the run root is a local path that an alive node does not see
+        (every host of a slice reads and writes it): checked with a file written here and looked
+        for by a task on each node, again whenever a node joins."""
+        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        if storage.is_gcs(self.run_root) or len(nodes) < 2 or set(nodes) <= self._shared_with:
+            return
+        # lazy: Ray (see _import_ray)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        os.makedirs(self.run_root, exist_ok=True)
+        fd, marker = tempfile.mkstemp(prefix=".rlax-shared-check-", dir=self.run_root)
+        os.close(fd)
+        probe = ray.remote(num_cpus=0, max_retries=0)(sees_path)
+        try:
+            refs = [
+                probe.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(marker)
+                for node in nodes
+            ]
+            seen = ray.get(refs, timeout=self.start_timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            log.warning("could not check that every Ray node sees %s: %s", self.run_root, e)
+            return  # (a node left meanwhile: checked again at the next slice)
+        finally:
+            os.remove(marker)
+        blind = [ip for ip, ok in zip(nodes.values(), seen, strict=True) if not ok]
+        if blind:
+            raise RayBackendError(
+                f"ray backend: run_root {self.run_root} is a local path that Ray node(s) "
+                f"{', '.join(blind)} cannot see ({len(blind)} of {len(nodes)}): put the run "
+                "root on gs:// or on a path every node mounts (NFS, Filestore)"
+            )
+        self._shared_with = frozenset(nodes)
 
     def _handle(self, pg_id: str, spec: SliceSpec) -> SliceHandle:
         root = storage.join(self.run_root, spec.run_id, SLICES, spec.name, pg_id)

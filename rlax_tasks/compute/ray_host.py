@@ -144,6 +144,12 @@ class HostProcess:
         return True
 
 
+def sees_path(path: str) -> bool:
+    """Whether this node's file system holds ``path`` (the ray backend's shared run root check,
+    run as a task on every node)."""
+    return os.path.exists(path)
+
+
 def _tied_to_parent(argv: list[str], pass_on: bool) -> list[str]:
     """``argv`` run with SIGKILL as its parent-death signal (Linux), so that a job's processes
     end with the process that started them, even a SIGKILLed one: Ray ends the children of a

@@ -1,6 +1,7 @@
 """The ray backend on a real local Ray cluster: a head node and two worker nodes with a (fake)
 GPU each; slices are placement groups, jobs runner processes in actors on their bundles."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -251,6 +252,40 @@ def test_connection_errors_say_what_to_do(backend, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as where the ray extra is not installed
     with pytest.raises(RayBackendError, match=r"install the ray extra .*'\.\[ray\]'.*setup\.sh"):
         backend.list_slices()
+
+
+def alive_nodes():
+    return sum(n["Alive"] for n in ray.nodes())
+
+
+def test_a_local_run_root_a_node_cannot_see_is_refused_naming_the_node(backend, tmp_path):
+    """A node whose file system lacks the run root (started in a mount namespace of its own,
+    an empty tmpfs over this test's directory: another machine's disk) makes a local run root
+    an error naming that node; once the node has left, the same backend provisions."""
+    before = alive_nodes()
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    start = (
+        f"mount -t tmpfs none {tmp_path} && exec {ray_cli} start --address={backend.address} "
+        f"--num-cpus=1 --num-gpus=0 --object-store-memory={80 * MB} --block"
+    )
+    node = subprocess.Popen(["unshare", "-m", "sh", "-c", start], start_new_session=True)
+    try:
+        wait_for(lambda: alive_nodes() == before + 1, timeout_s=SLOW_S)
+        blind = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+        with pytest.raises(RayBackendError, match=r"cannot see \(1 of \d\): put the run root") as e:
+            backend.provision(SliceSpec(name="blind", accelerator_type="cpu", labels=RUN))
+        assert any(ip in str(e.value) for ip in blind)
+        assert backend.list_slices() == []
+    finally:
+        processes = [node, *psutil.Process(node.pid).children(recursive=True)]
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        node.wait()
+    wait_for(lambda: alive_nodes() == before, timeout_s=SLOW_S)
+    handle = backend.provision(SliceSpec(name="seen", accelerator_type="cpu", labels=RUN))
+    assert not [f for f in os.listdir(backend.run_root) if f.startswith(".rlax-shared-check")]
+    backend.teardown(handle)
 
 
 def test_a_lost_node_preempts_the_job_and_the_slice_is_placed_again(backend, cluster):
