@@ -143,7 +143,7 @@ def test_a_whole_run_killed_mid_generation_does_not_generate_what_its_snapshot_h
     workers = ["worker-0", "worker-1"]
     held: dict[tuple[str, int], dict] = {}
     tries: list[int] = []
-    steps = 10
+    steps = 16  # room for a later snapshot when an early one holds nothing
 
     def records() -> dict[tuple[str, int], dict]:
         snap = store.read_latest()
