@@ -36,14 +36,15 @@ class PartialRollouts:
                 return None
 
         workers = list(holders)
-        if len(workers) > 1:
-            threads = min(len(workers), GATHER_THREADS)
-            with ThreadPoolExecutor(threads, thread_name_prefix="rlax-progress") as pool_threads:
-                reports = list(pool_threads.map(ask, workers))
-        else:
-            reports = [ask(w) for w in workers]
+        if not workers:
+            return
+        threads = min(len(workers), GATHER_THREADS)
+        with ThreadPoolExecutor(threads, thread_name_prefix="rlax-progress") as executor:
+            reports = list(executor.map(ask, workers))
         for worker, report in zip(workers, reports, strict=True):
-            for prompt_id in holders[worker] if report else ():
+            if not report:
+                continue
+            for prompt_id in holders[worker]:
                 if report.get(prompt_id):
                     self._held[prompt_id] = list(report[prompt_id])
 
