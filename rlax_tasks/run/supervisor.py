@@ -250,13 +250,11 @@ class Supervisor:
         c.last_failure = (line, progress)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Sends ``sig`` to a component's process group (chaos tests, preemption drills) and
-        waits for it to end, unless ``sig`` only pauses or resumes it (SIGSTOP, SIGCONT)."""
+        """Sends ``sig`` to a component's process group (chaos tests, preemption drills)."""
         c = self.components[name]
         if c.proc and c.proc.poll() is None:
             os.killpg(c.proc.pid, sig)
-            if sig not in (signal.SIGSTOP, signal.SIGCONT):
-                c.proc.wait()
+            c.proc.wait()
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
         """SIGTERM to every running component's process group, then SIGKILL after

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import numpy as np
 import pytest
 
 from rlax_tasks.config import load_config
-from rlax_tasks.controller import SnapshotStore, read_rollouts
+from rlax_tasks.controller import read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
@@ -99,82 +98,6 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     rows = read_jsonl(metrics_path)
     assert max(r["logprob_mismatch_p95"] for r in rows) < 1e-3
     assert all(r["support_replayed_frac"] == 1.0 for r in rows)
-
-
-def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int, int]:
-    """(tokens ``held`` by a snapshot that were trained on, how many of them were generated
-    again): each held sample must end in rollouts/ with its tokens and versions first."""
-    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
-    consumed = {p for r in lineage for p in r["prompt_ids"]}
-    dropped = {d["prompt_id"] for r in lineage for d in r["dropped_zero_variance"]}
-    rows = read_rollouts(run_dir).set_index(["prompt_id", "sample"])
-    counted = regenerated = 0
-    for key, record in held.items():
-        n = len(record["tokens"])
-        if key not in rows.index:  # its group trained no step: all its rewards were equal
-            assert key[0] in dropped or key[0] not in consumed, key
-            continue
-        row = rows.loc[key]
-        counted += n
-        regenerated += max(0, n - int(row["resumed_tokens"]))
-        assert list(row["tokens"])[:n] == record["tokens"], key
-        assert list(row["token_versions"])[:n] == record["versions"], key
-    return counted, regenerated
-
-
-@pytest.mark.slow
-def test_a_whole_run_killed_mid_generation_does_not_generate_what_its_snapshot_held(
-    tmp_path, monkeypatch
-):
-    """kill -9 of every job while the run's last snapshot holds unfinished groups: the run
-    resumes and finishes with every step once, and no token the snapshot held is generated
-    again (counted: each held sample is trained with those tokens first, counted as resumed).
-
-    The workers are stopped (SIGSTOP) and the controller killed first, so the snapshot read
-    afterwards is the one the run restores; when it holds nothing the workers go on and the
-    next snapshot is tried."""
-    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
-    # completions of 3 decode chunks, one group at a time per worker (4 slots) and no staleness
-    # bound (k): a worker with work holds an unfinished group whenever a snapshot asks, and
-    # every held record is resumed (one with a token older than k allows is left out)
-    extra = {"rollout.max_new_tokens": 20, "staleness.max_staleness": 1000, "workers.slots": 4}
-    cfg = small_config(tmp_path, **extra)
-    store = SnapshotStore(cfg.run_dir)  # read only (read_latest): the run is alive
-    workers = ["worker-0", "worker-1"]
-    held: dict[tuple[str, int], dict] = {}
-    tries: list[int] = []
-    steps = 16  # room for a later snapshot when an early one holds nothing
-
-    def records() -> dict[tuple[str, int], dict]:
-        snap = store.read_latest()
-        return {} if snap is None else {(r["prompt_id"], r["sample"]): r for r in snap.partials}
-
-    def hook(sup):
-        if held or not records():
-            return
-        for name in workers:
-            sup.kill(name, signal.SIGSTOP)
-        sup.kill("controller")  # its last committed snapshot is the one the run restores
-        found = records()
-        tries.append(len(found))
-        if found:
-            for name in list(sup.components):
-                sup.kill(name)
-            held.update(found)
-        else:  # a newer snapshot without records came first: go on to the next
-            for name in workers:
-                sup.kill(name, signal.SIGCONT)
-
-    report = run_local(cfg, steps=steps, evaluate=False, supervisor_hook=hook)
-    assert held, f"no snapshot held unfinished groups (tries: {tries})"
-    assert all(report["restarts"][name] >= 1 for name in report["restarts"])
-    lineage = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
-    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
-    consumed = [p for r in lineage for p in r["prompt_ids"]]
-    assert len(consumed) == len(set(consumed))
-    counted, regenerated = count_resumed(cfg.run_dir, held)
-    print(f"{counted} tokens held by the snapshot were trained on, {regenerated} generated again")
-    assert counted > 0 and regenerated == 0
 
 
 @pytest.mark.slow
