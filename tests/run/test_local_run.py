@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from rlax_tasks.config import load_config
-from rlax_tasks.controller import read_rollouts
+from rlax_tasks.controller import SnapshotStore, read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
@@ -98,6 +102,96 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     rows = read_jsonl(metrics_path)
     assert max(r["logprob_mismatch_p95"] for r in rows) < 1e-3
     assert all(r["support_replayed_frac"] == 1.0 for r in rows)
+
+
+def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int, int]:
+    """(tokens ``held`` by a snapshot that were trained on, how many of them were generated
+    again): each held sample must end in rollouts/ with its tokens and versions first."""
+    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    consumed = {p for r in lineage for p in r["prompt_ids"]}
+    dropped = {d["prompt_id"] for r in lineage for d in r["dropped_zero_variance"]}
+    rows = read_rollouts(run_dir).set_index(["prompt_id", "sample"])
+    counted = regenerated = 0
+    for key, record in held.items():
+        n = len(record["tokens"])
+        if key not in rows.index:  # its group trained no step: all its rewards were equal
+            assert key[0] in dropped or key[0] not in consumed, key
+            continue
+        row = rows.loc[key]
+        counted += n
+        regenerated += max(0, n - int(row["resumed_tokens"]))
+        assert list(row["tokens"])[:n] == record["tokens"], key
+        assert list(row["token_versions"])[:n] == record["versions"], key
+    return counted, regenerated
+
+
+@pytest.mark.slow
+def test_rlax_run_killed_mid_generation_does_not_generate_what_its_snapshot_held(tmp_path):
+    """kill -9 of `rlax run` itself (every job dies with it) while its last snapshot holds
+    part-generated groups; `rlax run` again resumes and finishes with every step once, and no
+    token that snapshot held is generated again (counted: each held sample is trained with
+    those tokens first, counted as resumed).
+
+    A test shim (tests/run/slow_decode) pauses the workers after each decode chunk until the
+    kill, so every snapshot finds groups mid-generation; the kill is tried again on a resumed
+    run when a snapshot without records was committed between the look and the kill."""
+    save_char_model(str(tmp_path / "model"))
+    steps = 12
+    settings = {
+        "model.path": str(tmp_path / "model"),
+        "model.warmup_if_missing": "false",
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "eval.num_prompts": 16,
+        "placement.mode": "disaggregated",
+        "workers.count": 2,
+        # completions of 3 decode chunks, one group at a time per worker, and no staleness
+        # bound (k): every held record is resumed (one with a token older than k would not be)
+        "rollout.max_new_tokens": 20,
+        "workers.slots": 4,
+        "staleness.max_staleness": 1000,
+    }
+    argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--run-root", str(tmp_path / "runs")]
+    argv += ["--steps", str(steps), "--no-eval"]
+    argv += [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    slow = tmp_path / "slow-decode"
+    slow.touch()
+    env = {
+        **os.environ,
+        "XLA_FLAGS": TEST_XLA_FLAGS,
+        "PYTHONPATH": os.path.join(os.path.dirname(__file__), "slow_decode"),
+        "RLAX_TEST_SLOW_DECODE": str(slow),
+    }
+    run_dir = str(tmp_path / "runs" / "tiny-arith")
+    store = SnapshotStore(run_dir)  # read only (read_latest)
+
+    def records() -> dict[tuple[str, int], dict]:
+        snap = store.read_latest() if os.path.exists(run_dir) else None
+        return {} if snap is None else {(r["prompt_id"], r["sample"]): r for r in snap.partials}
+
+    held: dict[tuple[str, int], dict] = {}
+    tries = 0
+    with open(tmp_path / "rlax-run.log", "ab") as log:
+        while not held and tries < 3:
+            tries += 1
+            run = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            while run.poll() is None and not records():
+                time.sleep(0.05)
+            assert run.poll() is None, f"rlax run ended before a snapshot held records ({tries})"
+            run.send_signal(signal.SIGKILL)  # its jobs die with it (parent-death signal)
+            run.wait()
+            held = records()  # the snapshot the next `rlax run` restores
+        slow.unlink()
+        done = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+    assert held, f"no snapshot held records at the kill in {tries} tries"
+    assert done.returncode == 0, (tmp_path / "rlax-run.log").read_text()[-3000:]
+    lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
+    consumed = [p for r in lineage for p in r["prompt_ids"]]
+    assert len(consumed) == len(set(consumed)) == steps * 4
+    counted, regenerated = count_resumed(run_dir, held)
+    print(f"{counted} tokens held by the snapshot were trained on, {regenerated} generated again")
+    assert counted > 0 and regenerated == 0
 
 
 @pytest.mark.slow
