@@ -125,16 +125,33 @@ def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int,
     return counted, regenerated
 
 
+def job_pid(parent: int, job: str) -> int | None:
+    """The pid of the job ``job`` (its RLAX_JOB_NAME) that process ``parent`` started."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                named = f"RLAX_JOB_NAME={job}".encode() in f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and named:
+            return int(entry)
+    return None
+
+
 @pytest.mark.slow
-def test_rlax_run_killed_mid_generation_does_not_generate_what_its_snapshot_held(tmp_path):
-    """kill -9 of `rlax run` itself (every job dies with it) while its last snapshot holds
-    part-generated groups; `rlax run` again resumes and finishes with every step once, and no
-    token that snapshot held is generated again (counted: each held sample is trained with
-    those tokens first, counted as resumed).
+def test_kill_9_of_a_worker_then_of_rlax_run_regenerates_no_token_a_snapshot_held(tmp_path):
+    """Mid-generation, kill -9 of a worker, then of `rlax run` itself (every job dies with it),
+    each while the run's last snapshot holds part-generated groups; `rlax run` again resumes
+    and finishes with every step once, and no token those snapshots held is generated again
+    (counted: each held sample is trained with those tokens first, counted as resumed).
 
     A test shim (tests/run/slow_decode) pauses the workers after each decode chunk until the
-    kill, so every snapshot finds groups mid-generation; the kill is tried again on a resumed
-    run when a snapshot without records was committed between the look and the kill."""
+    run is killed, so every snapshot finds groups mid-generation, and freezes worker-0 once a
+    snapshot has its part-generated groups, so what that snapshot holds is what it held when
+    killed. The run's kill is tried again on a resumed run when a snapshot without records came
+    between the look and the kill."""
     save_char_model(str(tmp_path / "model"))
     steps = 12
     settings = {
@@ -154,44 +171,65 @@ def test_rlax_run_killed_mid_generation_does_not_generate_what_its_snapshot_held
     argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--run-root", str(tmp_path / "runs")]
     argv += ["--steps", str(steps), "--no-eval"]
     argv += [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-    slow = tmp_path / "slow-decode"
+    slow, freeze = tmp_path / "slow-decode", tmp_path / "freeze-worker-0"
     slow.touch()
+    freeze.touch()
     env = {
         **os.environ,
         "XLA_FLAGS": TEST_XLA_FLAGS,
         "PYTHONPATH": os.path.join(os.path.dirname(__file__), "slow_decode"),
         "RLAX_TEST_SLOW_DECODE": str(slow),
+        "RLAX_TEST_FREEZE_FILE": str(freeze),
+        "RLAX_TEST_FREEZE_WORKER": "worker-0",
     }
     run_dir = str(tmp_path / "runs" / "tiny-arith")
     store = SnapshotStore(run_dir)  # read only (read_latest)
 
-    def records() -> dict[tuple[str, int], dict]:
+    def records(worker: str | None = None) -> dict[tuple[str, int], dict]:
+        """The last snapshot's records (of the groups in flight at ``worker``)."""
         snap = store.read_latest() if os.path.exists(run_dir) else None
-        return {} if snap is None else {(r["prompt_id"], r["sample"]): r for r in snap.partials}
+        if snap is None:
+            return {}
+        at = {e["prompt_id"] for e in snap.in_flight if worker in (None, e["worker"])}
+        return {(r["prompt_id"], r["sample"]): r for r in snap.partials if r["prompt_id"] in at}
 
-    held: dict[tuple[str, int], dict] = {}
+    def wait_for(run: subprocess.Popen, worker: str | None = None) -> None:
+        while run.poll() is None and not records(worker):
+            time.sleep(0.05)
+        assert run.poll() is None, f"rlax run ended before a snapshot held records ({worker})"
+
+    held_by_worker: dict[tuple[str, int], dict] = {}
+    held_by_run: dict[tuple[str, int], dict] = {}
     tries = 0
     with open(tmp_path / "rlax-run.log", "ab") as log:
-        while not held and tries < 3:
+        while not held_by_run and tries < 3:
             tries += 1
             run = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-            while run.poll() is None and not records():
-                time.sleep(0.05)
-            assert run.poll() is None, f"rlax run ended before a snapshot held records ({tries})"
+            if not held_by_worker:
+                wait_for(run, "worker-0")  # frozen: what it holds stays as recorded
+                held_by_worker = records("worker-0")
+                pid = job_pid(run.pid, "worker-0")
+                assert pid is not None, "no worker-0 process under rlax run"
+                os.kill(pid, signal.SIGKILL)
+                freeze.unlink()  # its restart goes on
+                time.sleep(1.0)  # the next snapshot may still be the one above
+            wait_for(run)
             run.send_signal(signal.SIGKILL)  # its jobs die with it (parent-death signal)
             run.wait()
-            held = records()  # the snapshot the next `rlax run` restores
+            held_by_run = records()  # the snapshot the next `rlax run` restores
         slow.unlink()
         done = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
-    assert held, f"no snapshot held records at the kill in {tries} tries"
+    assert held_by_run, f"no snapshot held records when rlax run was killed ({tries} tries)"
     assert done.returncode == 0, (tmp_path / "rlax-run.log").read_text()[-3000:]
     lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
     assert [r["step"] for r in lineage] == list(range(1, steps + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
     assert len(consumed) == len(set(consumed)) == steps * 4
-    counted, regenerated = count_resumed(run_dir, held)
-    print(f"{counted} tokens held by the snapshot were trained on, {regenerated} generated again")
-    assert counted > 0 and regenerated == 0
+    for what, held in (("worker-0", held_by_worker), ("rlax run", held_by_run)):
+        counted, regenerated = count_resumed(run_dir, held)
+        print(f"kill -9 of {what}: {counted} tokens its snapshot held were trained on, "
+              f"{regenerated} generated again")  # fmt: skip
+        assert counted > 0 and regenerated == 0, what
 
 
 @pytest.mark.slow
