@@ -59,6 +59,17 @@ import signal  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jax_backend_started_with_the_forced_devices():
+    """JAX fixes its CPU device count when its backend starts: start it now, with the 8 forced
+    devices above, before a test that sets XLA_FLAGS for its subprocesses (monkeypatch) builds a
+    model in this process and starts it with one. (`rlax run` no longer starts a backend in the
+    tests' process, so nothing else starts it first.)"""
+    import jax
+
+    jax.devices()
+
+
 @pytest.fixture(autouse=True)
 def _drop_cli_log_handlers():
     """`rlax` commands called in-process install a root handler on the stream pytest captures for

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env
 from rlax_tasks.run.memory_plan import MemoryPlan, memory_plan
-from rlax_tasks.run.placement import describe, is_colocated
+from rlax_tasks.run.placement import COLOCATED, describe, is_colocated, job_env
 from rlax_tasks.run.preflight import check_datasets
 from rlax_tasks.run.topology import (
     Ports,
@@ -48,11 +50,23 @@ def ensure_model(cfg: RunConfig) -> None:
         return
     if not cfg.model.warmup_if_missing:
         return
-    from rlax_tasks.warmup import ensure_base_model  # loads JAX: only when a model is built
+    from rlax_tasks.warmup.base_model import is_cached
 
     # reuses the cached model when its recipe fingerprint matches, rebuilds it otherwise
     parent, name = os.path.split(os.path.abspath(cfg.model.path))
-    ensure_base_model(parent, name=name)
+    if is_cached(parent, name):
+        log.info("base model %s is cached: reusing it", cfg.model.path)
+        return
+    # the warm-up trains with JAX: in a process of its own on the trainer's devices, gone before
+    # the run's jobs start, so that the caller (rlax run, a DAG task) never starts a backend
+    env = {**os.environ, **job_env(cfg, COLOCATED if is_colocated(cfg) else "trainer")}
+    argv = [sys.executable, "-m", "rlax_tasks.warmup.base_model", parent, name]
+    code = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
+    if code != 0:
+        raise ValueError(
+            f"model.path {cfg.model.path}: the base model's warm-up failed (exit {code}; its "
+            "error is printed above)"
+        )
 
 
 def prepare_run_dir(cfg: RunConfig, allow_config_change: bool) -> str:

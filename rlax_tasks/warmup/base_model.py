@@ -17,7 +17,6 @@ from typing import Any
 
 from rlax_tasks.utils.file_lock import exclusive
 from rlax_tasks.warmup.recipe import WarmupRecipe
-from rlax_tasks.warmup.supervised import train_base_policy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,15 @@ def read_marker(path: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) else None
+
+
+def is_cached(cache_dir: str, name: str, recipe: WarmupRecipe | None = None) -> bool:
+    """Whether ``cache_dir/name`` holds the recipe's base model, built and complete (JAX-free:
+    a caller that only needs the check starts no backend)."""
+    marker = read_marker(os.path.join(cache_dir, name))
+    return (
+        marker is not None and marker.get("fingerprint") == (recipe or WarmupRecipe()).fingerprint()
+    )
 
 
 def ensure_base_model(
@@ -92,6 +100,9 @@ def _build(
     log_every_s: float | None,
     on_step: Callable[[int, float], None] | None,
 ) -> None:
+    # lazy: checking the cache (``is_cached``) loads no JAX
+    from rlax_tasks.warmup.supervised import train_base_policy
+
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
     try:
         policy, stats = train_base_policy(recipe, log_every_s=log_every_s, on_step=on_step)
@@ -136,3 +147,31 @@ def _remove_leftovers(cache_dir: str, name: str) -> None:
         if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
             log.info("removing a crashed build's leftovers %s", entry)
             shutil.rmtree(os.path.join(cache_dir, entry), ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rlax_tasks.warmup.base_model CACHE_DIR NAME``: ``ensure_base_model`` in a
+    process of its own (`rlax run` and the DAG's plan task start no JAX backend themselves);
+    a user error is one line on stderr and exit 2."""
+    import sys
+
+    from rlax_tasks.process.device_check import check_job_devices
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m rlax_tasks.warmup.base_model CACHE_DIR NAME", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        check_job_devices("warm-up")
+        ensure_base_model(args[0], name=args[1])
+    except ValueError as e:
+        print(f"base model warm-up: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
