@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -95,29 +95,42 @@ class StopRun(Exception):
 
 
 class EvalPauses:
-    """Holds a run's processes still (SIGSTOP) from after the evaluation pulls the weights until
-    it is recorded, and takes those pauses (unix start, end) off the run's clock, as TRL's clock
-    pauses for its evaluation; otherwise the evaluation, in the supervisor, would compete with
-    training for the cores, which only ours pays for."""
+    """Holds a run's training processes still (SIGSTOP) while its held-out job evaluates a
+    version during the run, from the job's "evaluating" mark until its result is written, and
+    takes those pauses (unix start, end) off the run's clock, as TRL's clock pauses for its
+    evaluation; otherwise the held-out job would compete with training for the cores, which
+    only ours pays for. ``follow`` is called from the supervisor hook (every 0.2 s); an
+    evaluation over before a hook saw it start is not a pause (ours paid for it)."""
 
-    def __init__(self) -> None:
-        self.supervisor: Any = None  # set by the supervisor hook once the processes run
+    def __init__(self, run_dir: str) -> None:
+        from rlax_tasks.run.heldout import scores_offset
+
+        self.run_dir = run_dir
+        self.offset = scores_offset(run_dir)
         self.pauses: list[tuple[float, float]] = []
         self._held: tuple[float, list[int]] | None = None  # (unix start, stopped groups)
-        self._evaluating = False  # inside a periodic evaluation (HeldOutProgress.maybe_evaluate)
 
-    def _groups(self) -> list[int]:
-        if self.supervisor is None:
-            return []
-        procs = [c.proc for c in self.supervisor.components.values()]
-        return [p.pid for p in procs if p is not None and p.poll() is None]
+    def follow(self, supervisor: Any) -> None:
+        """Holds or releases the run after the held-out job's rows written since the last call."""
+        from rlax_tasks.run.heldout import JOB, is_result, read_scores
 
-    def hold(self) -> None:
-        """Stops every live process of the run, unless they are held already."""
-        groups = self._groups()
+        rows, self.offset = read_scores(self.run_dir, self.offset)
+        evaluating = None
+        for row in rows:
+            if not is_result(row):
+                evaluating = int(row["evaluating"])
+            else:
+                evaluating = None
+                self.release()
+        if evaluating:  # a version of the run (not the starting weights), still evaluating
+            procs = [c.proc for n, c in supervisor.components.items() if n != JOB]
+            self.hold([p.pid for p in procs if p is not None and p.poll() is None])
+
+    def hold(self, groups: list[int]) -> None:
+        """Stops ``groups`` (each component leads its own), unless the run is held already."""
         if self._held is None and groups:
             t0 = time.time()
-            for pgid in groups:  # each component leads its own process group
+            for pgid in groups:
                 _signal_group(pgid, signal.SIGSTOP)
             self._held = (t0, groups)
 
@@ -129,38 +142,6 @@ class EvalPauses:
             for pgid in groups:
                 _signal_group(pgid, signal.SIGCONT)
             self.pauses.append((t0, time.time()))
-
-    @contextlib.contextmanager
-    def around_evaluation(self) -> Iterator[None]:
-        """While the ``with`` block runs, each held-out evaluation during the run holds the
-        run still from its sampling until its row is recorded (the base model's and the final
-        evaluation hold nothing: the run's processes have not started or are stopping)."""
-        from rlax_tasks.run.progress import HeldOutProgress
-        from rlax_tasks.run.report import HeldOutEvaluator
-
-        sample, maybe_evaluate = HeldOutEvaluator.sample, HeldOutProgress.maybe_evaluate
-        pauses = self
-
-        def held_sample(evaluator: Any, params: Any) -> Any:
-            if pauses._evaluating:  # after the pull: the parameter server may be in a held process
-                pauses.hold()
-            return sample(evaluator, params)
-
-        def released(progress: Any, every: int) -> None:
-            pauses._evaluating = True
-            try:
-                maybe_evaluate(progress, every)
-            finally:
-                pauses._evaluating = False
-                pauses.release()
-
-        HeldOutEvaluator.sample = held_sample  # type: ignore[method-assign]
-        HeldOutProgress.maybe_evaluate = released  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            HeldOutEvaluator.sample = sample  # type: ignore[method-assign]
-            HeldOutProgress.maybe_evaluate = maybe_evaluate  # type: ignore[method-assign]
 
     def paused_before(self, t: float) -> float:
         """Seconds the run was held still before unix time ``t``."""
@@ -258,10 +239,11 @@ def run_ours(
     progress_path = os.path.join(cfg.run_dir, "eval", "progress.jsonl")
     started: list[float] = []
     stopped = "steps"
-    pauses = EvalPauses()
+    pauses = EvalPauses(cfg.run_dir)
 
     def hook(sup: Any) -> None:
-        pauses.supervisor = sup
+        if pause_for_eval:
+            pauses.follow(sup)
         if pins is not None:
             pins.apply(sup)
         if not started:
@@ -269,13 +251,13 @@ def run_ours(
         if stop_when is not None:
             why = stop_when(read_jsonl(progress_path), time.monotonic() - started[0])
             if why:
+                pauses.release()  # stopped processes would not take the supervisor's SIGTERM
                 raise StopRun(why)
 
     log.info("[%s] run_local: %d steps, overrides %s, run dir %s", label, steps, overrides, root)
     t0 = time.monotonic()
     try:
-        with pauses.around_evaluation() if pause_for_eval else contextlib.nullcontext():
-            report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
+        report = run_local(cfg, steps, supervisor_hook=hook, status_every_s=20.0)
     except StopRun as e:
         stopped, report = str(e), {}
         log.info("[%s] stopped early: %s", label, stopped)

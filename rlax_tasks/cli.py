@@ -28,6 +28,7 @@ COMMANDS = {
     "run": ("rlax_tasks.run.cli", "add_run_parser"),
     "controller": ("rlax_tasks.controller.service", "add_controller_parser"),
     "colocated": ("rlax_tasks.run.colocated", "add_colocated_parser"),
+    "heldout": ("rlax_tasks.run.heldout", "add_heldout_parser"),
     "export": ("rlax_tasks.run.export", "add_export_parser"),
     "import": ("rlax_tasks.models.gguf_import", "add_import_parser"),
     "doctor": ("rlax_tasks.run.doctor", "add_doctor_parser"),

@@ -242,49 +242,59 @@ def _stopped(pid: int, want: bool) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
-def test_eval_pauses_hold_the_run_from_sampling_until_the_evaluation_is_recorded(monkeypatch):
-    """vs_trl's clock excludes evaluation as TRL's does: a periodic evaluation holds the run's
-    processes still (after pulling the weights) until its row is recorded, not only while it
-    samples; the base model's evaluation, outside a run, holds nothing."""
+def test_eval_pauses_hold_the_training_jobs_while_the_heldout_job_evaluates(tmp_path):
+    """vs_trl's clock excludes evaluation as TRL's does: from the held-out job's mark of a run
+    version's evaluation until its result, the run's other jobs are held still (the held-out job
+    is not) and the pause is taken off the clock; the starting weights' evaluation (before the
+    run) and one already over when the hook first sees it hold nothing."""
+    import json
+
     from benchmarks.async_vs_sync import EvalPauses
-    from rlax_tasks.run.progress import HeldOutProgress
-    from rlax_tasks.run.report import HeldOutEvaluator
+    from rlax_tasks.rundir.paths import run_paths
 
-    run = subprocess.Popen(
-        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
-        start_new_session=True,  # leads its own process group, as the supervisor's jobs do
-    )
-    seen: list[tuple[str, bool]] = []
+    def job():
+        return subprocess.Popen(
+            [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+            start_new_session=True,  # leads its own process group, as the supervisor's jobs do
+        )
 
-    def sample(evaluator, params):
-        seen.append(("sampling", _stopped(run.pid, True)))
-        return [[params]]
+    trainer, heldout = job(), job()
+    sup = types.SimpleNamespace(components={
+        "trainer": types.SimpleNamespace(proc=trainer),
+        "heldout": types.SimpleNamespace(proc=heldout),
+    })  # fmt: skip
+    scores = run_paths(str(tmp_path)).heldout_scores
+    os.makedirs(os.path.dirname(scores))
 
-    def maybe_evaluate(progress, every):  # the pull, then sampling, scoring, recording
-        seen.append(("pull", _stopped(run.pid, True)))
-        HeldOutEvaluator.sample(None, "weights")
-        seen.append(("recording", _stopped(run.pid, True)))
+    def write(*rows):
+        with open(scores, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    monkeypatch.setattr(HeldOutEvaluator, "sample", sample)
-    monkeypatch.setattr(HeldOutProgress, "maybe_evaluate", maybe_evaluate)
-    pauses = EvalPauses()
+    pauses = EvalPauses(str(tmp_path))
     try:
-        with pauses.around_evaluation():
-            HeldOutEvaluator.sample(None, "base")  # before the run: nothing to hold
-            pauses.supervisor = types.SimpleNamespace(
-                components={"colocated": types.SimpleNamespace(proc=run)}
-            )
-            HeldOutProgress.maybe_evaluate(None, 10)
-            running_after = not _stopped(run.pid, False)
+        write({"evaluating": 0, "time": 1.0})  # the starting weights: the run has not started
+        pauses.follow(sup)
+        held_for_base = _stopped(trainer.pid, True)
+        write({"version": 0, "pass@1": 0.1})
+        write({"evaluating": 10, "time": 2.0})
+        pauses.follow(sup)
+        held = _stopped(trainer.pid, True), _stopped(heldout.pid, True)
+        write({"version": 10, "pass@1": 0.2})
+        pauses.follow(sup)
+        released = not _stopped(trainer.pid, False)
+        write({"evaluating": 20, "time": 3.0}, {"version": 20, "pass@1": 0.3})  # over already
+        pauses.follow(sup)
+        held_after_done = _stopped(trainer.pid, True)
     finally:
-        run.kill()
-        run.wait()
-    assert seen == [("sampling", False), ("pull", False), ("sampling", True), ("recording", True)]
-    assert running_after
+        for p in (trainer, heldout):
+            p.kill()
+            p.wait()
+    assert not held_for_base
+    assert held == (True, False)
+    assert released and not held_after_done
     assert len(pauses.pauses) == 1
     start, end = pauses.pauses[0]
     assert pauses.paused_before(end + 1) == pytest.approx(end - start)
-    assert HeldOutProgress.maybe_evaluate is maybe_evaluate  # restored on leaving
 
 
 _PARENT_ONLY: list[str] = []  # set in the test's process; a fresh interpreter starts without it

@@ -133,6 +133,7 @@ CONCRETE_LIGHT_MODULES = (
     "rlax_tasks.controller.snapshot",
     "rlax_tasks.compute.local",
     "rlax_tasks.compute.cloud_tpu",
+    "rlax_tasks.run.heldout",
     "rlax_tasks.rundir.lock",
     "rlax_tasks.rundir.notices",
     "rlax_tasks.services.endpoints",

@@ -13,10 +13,10 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig
 from rlax_tasks.run import launch
-from rlax_tasks.run.compilation_cache import enable_in_process
-from rlax_tasks.run.placement import is_colocated
+from rlax_tasks.run.heldout import JOB as HELDOUT_JOB
+from rlax_tasks.run.heldout import HeldOutJobs
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
-from rlax_tasks.run.report import HeldOutEvaluator, MirroredWeights, write_report
+from rlax_tasks.run.report import write_report
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
 from rlax_tasks.run.topology import free_ports
 from rlax_tasks.rundir import lock as run_lock
@@ -59,27 +59,30 @@ def run_local(
             return {"run_dir": run_dir, "steps": steps, "already_at": done}
         config_path = launch.prepare_run_dir(cfg, allow_config_change)
         report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
-        enable_in_process(cfg)
-        evaluator = None
-        if evaluate:
-            evaluator = HeldOutEvaluator(cfg)
-            report["before"] = evaluator.evaluate()
-        token = run_token()
-        # every job's environment names this lock's holder: the controller finds the lock held
-        # for it (run_lock.for_job)
-        topology = launch.plan_jobs(
-            cfg, steps, config_path, plan, token, free_ports(cfg), run_lock.holder_env(lock)
-        )
-        ps_url = topology.ps_url
         sup = Supervisor(run_paths(run_dir).logs)
         sup.progress = lambda: trained_step(run_dir)  # a failure repeated without a step trained
-        t0 = time.monotonic()
-        progress = None
-        if evaluator is not None and cfg.eval.every_steps:
-            progress = HeldOutProgress(evaluator, run_dir, ps_url, token, time.time())
-            progress.record(0, report["before"])
-        _, seen = notices.read_since(run_dir)  # a resume prints only the notices of this run
+        # held-out pass@k runs as a job of its own (this process never loads a model): the
+        # starting weights first, alone on the devices, then beside training where it can
+        heldout = HeldOutJobs(cfg, config_path, steps) if evaluate else None
+        every = heldout.every if heldout is not None else 0
+        progress: HeldOutProgress | None = None
         try:
+            if heldout is not None:
+                heldout.start(sup, base=True, every=every, last=steps if every else None,
+                              after=done)  # fmt: skip
+                report["before"] = heldout.wait(sup, 0)
+            token = run_token()
+            # every job's environment names this lock's holder: the controller finds the lock
+            # held for it (run_lock.for_job)
+            topology = launch.plan_jobs(
+                cfg, steps, config_path, plan, token, free_ports(cfg), run_lock.holder_env(lock)
+            )
+            t0 = time.monotonic()
+            if every:
+                progress = HeldOutProgress(run_dir, time.time())
+                progress.record(0, report["before"])
+            _, seen = notices.read_since(run_dir)  # a resume prints only the notices of this run
+            training = [name for name, _, _ in topology.processes()]
             for name, job, env in topology.processes():
                 # exit 0 of the controller = done (a crash is still restarted); the hosts of a
                 # multi-host trainer restart together
@@ -101,30 +104,24 @@ def run_local(
                 if supervisor_hook is not None:
                     supervisor_hook(sup)
                 if progress is not None:
-                    progress.maybe_evaluate(cfg.eval.every_steps)
+                    for row in heldout.results():
+                        progress.record_result(row)
                 if time.monotonic() - last >= status_every_s:
                     last = time.monotonic()
                     log.info("%s", status_line(run_dir, steps, t0))
                 time.sleep(0.2)
             _print_notices(run_dir, seen)
             report["train_seconds"] = time.monotonic() - t0
-            report["restarts"] = {n: c.restarts for n, c in sup.components.items()}
-            if evaluator is not None and is_colocated(cfg):  # its PS ended with it
-                report["after"] = evaluator.evaluate(MirroredWeights(run_dir, evaluator.policy))
-            elif evaluator is not None:
-                # the client loads JAX: only a run that evaluates needs it
-                from rlax_tasks.paramserver import ParameterServerClient
-
-                client = ParameterServerClient(ps_url, token=token)
-                report["after"] = evaluator.evaluate(client)
-                client.close()
-            if progress is not None:
-                progress.record(report["after"]["version"], report["after"])
-                progress.close()
+            report["restarts"] = {n: sup.components[n].restarts for n in training}
+            if heldout is not None:
+                sup.stop(training)  # the parameter server flushes its mirror as it stops
+                running = HELDOUT_JOB in sup.components and every > 0
+                record = None if progress is None else progress.record_result
+                report["after"] = heldout.finish(sup, running, record)
         finally:
             signals.stopping()  # a second Ctrl-C must not cut the stopping short
             sup.stop()
-        if evaluator is not None:
+        if heldout is not None:
             report.update(write_report(cfg, report))
     return report
 

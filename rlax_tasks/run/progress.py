@@ -140,19 +140,18 @@ def status_line(run_dir: str, steps: int, started: float, *, now: float | None =
 
 
 class HeldOutProgress:
-    """Held-out pass@k every ``eval.every_steps`` training steps while the run goes (supervisor).
+    """Held-out pass@k every ``eval.every_steps`` training steps while the run goes, as the
+    held-out job (rlax_tasks.run.heldout) measures it.
 
     Appended to run_dir/eval/progress.jsonl: {"step", "version", "seconds" (wall seconds from this
     launch until the trainer produced that version), "pass@k"..., "eval_seconds"}."""
 
-    def __init__(self, evaluator: Any, run_dir: str, ps_url: str, token: str, t0: float) -> None:
-        self.evaluator, self.run_dir, self.t0 = evaluator, run_dir, t0
-        self.ps_url, self.token = ps_url, token
+    def __init__(self, run_dir: str, t0: float) -> None:
+        self.run_dir, self.t0 = run_dir, t0
         self.paths = run_paths(run_dir)
         self.path = self.paths.eval_progress
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.done_step = trained_step(run_dir)  # a resumed run evaluates new steps only
-        self.client: Any = None
+        self.recorded: set[int] = set()
 
     def _version_time(self, version: int) -> float | None:
         for row in storage.read_jsonl(self.paths.metrics):
@@ -172,32 +171,12 @@ class HeldOutProgress:
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.recorded.add(int(result["version"]))
         # TensorBoard (tb/eval/, "heldout/pass@k") and W&B when configured
         scores = {k: v for k, v in row.items() if k.startswith("pass@") or k == "mean_reward"}
         log_scalars(self.run_dir, step, scores, HELDOUT)
 
-    def maybe_evaluate(self, every: int) -> None:
-        step = trained_step(self.run_dir)
-        if step < (self.done_step // every + 1) * every:
-            return
-        # lazy: Airflow's light dag_watch imports this module; the client loads JAX
-        from rlax_tasks.paramserver import ParameterServerClient, ParameterServerError
-
-        if self.client is None:
-            self.client = ParameterServerClient(self.ps_url, token=self.token)
-        target = step // every * every
-        try:  # that step's version (or a newer one), else whatever is newest
-            result = self.evaluator.evaluate(self.client, version=target)
-        except ParameterServerError:
-            try:
-                result = self.evaluator.evaluate(self.client)
-            except ParameterServerError as e:
-                log.warning("held-out evaluation at step %d skipped: %s", step, e)
-                self.done_step = step
-                return
-        self.done_step = max(step, result["version"])
-        self.record(result["version"], result)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+    def record_result(self, result: dict[str, Any]) -> None:
+        """Records one result of the held-out job at its version, once per version."""
+        if int(result["version"]) not in self.recorded:
+            self.record(int(result["version"]), result)

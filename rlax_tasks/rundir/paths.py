@@ -26,6 +26,7 @@ EVAL_RESULTS = "results.json"  # eval/v<version>/results.json: one evaluation's 
 EVAL_PROGRESS = "progress.jsonl"  # eval/progress.jsonl: the in-training evaluations
 EVAL_HISTORY = "history.jsonl"  # eval/history.jsonl: one row per nightly evaluation
 HELDOUT = "heldout.jsonl"  # eval/heldout.jsonl: the held-out prompts
+HELDOUT_SCORES = "heldout_scores.jsonl"  # eval/heldout_scores.jsonl: `rlax heldout`'s results
 REPORT_JSON = "report.json"  # eval/report.json: the run report's numbers
 REPORT_MD = "report.md"  # eval/report.md: the run report
 STATUS = "status.json"  # the Airflow run's status record
@@ -62,6 +63,7 @@ class RunPaths:
     eval_progress: str
     eval_history: str
     heldout: str
+    heldout_scores: str
     report_json: str
     report_md: str
     status: str
@@ -95,7 +97,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "rollouts": (ROLLOUTS,), "lineage": (LINEAGE,), "metrics": (METRICS,),
     "weight_sync": (WEIGHT_SYNC,), "tb": (TB,), "eval": (EVAL,),
     "eval_progress": (EVAL, EVAL_PROGRESS), "eval_history": (EVAL, EVAL_HISTORY),
-    "heldout": (EVAL, HELDOUT),
+    "heldout": (EVAL, HELDOUT), "heldout_scores": (EVAL, HELDOUT_SCORES),
     "report_json": (EVAL, REPORT_JSON), "report_md": (EVAL, REPORT_MD), "status": (STATUS,),
     "workers": (WORKERS,), "services": (SERVICES,), "logs": (LOGS,), "done": (DONE,),
     "slices": (SLICES,), "notices": (NOTICES,),

@@ -21,24 +21,26 @@ from tests.conftest import TEST_XLA_FLAGS
 from tests.tiny_model import save_char_model
 
 
-def small_config(tmp_path, **extra):
+def small_settings(tmp_path, **extra) -> dict:
+    """The tests' overrides of tiny-arith, with a tiny model written under ``tmp_path``."""
     save_char_model(str(tmp_path / "model"))
-    return load_config(
-        "tiny-arith",
-        {
-            "run_root": str(tmp_path / "runs"),
-            "model.path": str(tmp_path / "model"),
-            "model.warmup_if_missing": False,
-            "rollout.prompts_per_step": 4,
-            "rollout.group_size": 4,
-            "workers.slots": 16,
-            "eval.num_prompts": 16,
-            # the tiny preset runs colocated; these tests exercise the separate jobs
-            "placement.mode": "disaggregated",
-            "workers.count": 2,
-            **extra,
-        },
-    )
+    return {
+        "run_root": str(tmp_path / "runs"),
+        "model.path": str(tmp_path / "model"),
+        "model.warmup_if_missing": False,
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "workers.slots": 16,
+        "eval.num_prompts": 16,
+        # the tiny preset runs colocated; these tests exercise the separate jobs
+        "placement.mode": "disaggregated",
+        "workers.count": 2,
+        **extra,
+    }
+
+
+def small_config(tmp_path, **extra):
+    return load_config("tiny-arith", small_settings(tmp_path, **extra))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -104,6 +106,37 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     assert all(r["support_replayed_frac"] == 1.0 for r in rows)
 
 
+NO_BACKEND_RUN = """
+import json, sys
+from rlax_tasks.config import load_config
+from rlax_tasks.run.local_run import run_local
+report = run_local(load_config("tiny-arith", json.loads(sys.argv[1])), steps=4, evaluate=True)
+bridge = sys.modules.get("jax._src.xla_bridge")
+print(json.dumps({"backends": sorted(bridge._backends) if bridge else [],
+                  "before": report["before"]["version"], "after": report["after"]["version"]}))
+"""
+
+
+@pytest.mark.slow
+def test_rlax_run_evaluates_in_a_job_of_its_own_and_loads_no_jax_backend(tmp_path):
+    """`rlax run` with held-out evaluation before, during and after: the evaluations run as the
+    heldout job (its log), and the supervisor's own process never starts a JAX backend (on a
+    GPU host it would take the devices' memory before the jobs start)."""
+    settings = small_settings(tmp_path, **{"eval.num_prompts": 8, "eval.every_steps": 2})
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
+    out = subprocess.run([sys.executable, "-c", NO_BACKEND_RUN, json.dumps(settings)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"backends": [], "before": 0, "after": 4}
+    run_dir = tmp_path / "runs" / "tiny-arith"
+    progress = read_jsonl(str(run_dir / "eval" / "progress.jsonl"))
+    assert [r["version"] for r in progress][0] == 0 and progress[-1]["version"] == 4
+    log = (run_dir / "logs" / "heldout.log").read_text()
+    assert "at version 0:" in log and "at version 4:" in log
+    assert (run_dir / "eval" / "report.md").exists()
+
+
 def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int, int]:
     """(tokens ``held`` by a snapshot that were trained on, how many of them were generated
     again): each held sample must end in rollouts/ with its tokens and versions first."""
@@ -152,24 +185,12 @@ def test_kill_9_of_a_worker_then_of_rlax_run_regenerates_no_token_a_snapshot_hel
     snapshot has its part-generated groups, so what that snapshot holds is what it held when
     killed. The run's kill is tried again on a resumed run when a snapshot without records came
     between the look and the kill."""
-    save_char_model(str(tmp_path / "model"))
     steps = 12
-    settings = {
-        "model.path": str(tmp_path / "model"),
-        "model.warmup_if_missing": "false",
-        "rollout.prompts_per_step": 4,
-        "rollout.group_size": 4,
-        "eval.num_prompts": 16,
-        "placement.mode": "disaggregated",
-        "workers.count": 2,
-        # completions of 3 decode chunks, one group at a time per worker, and no staleness
-        # bound (k): every held record is resumed (one with a token older than k would not be)
-        "rollout.max_new_tokens": 20,
-        "workers.slots": 4,
-        "staleness.max_staleness": 1000,
-    }
-    argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--run-root", str(tmp_path / "runs")]
-    argv += ["--steps", str(steps), "--no-eval"]
+    # completions of 3 decode chunks, one group at a time per worker, and no staleness bound
+    # (k): every held record is resumed (one with a token older than k would not be)
+    extra = {"rollout.max_new_tokens": 20, "workers.slots": 4, "staleness.max_staleness": 1000}
+    settings = small_settings(tmp_path, **extra)
+    argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--steps", str(steps), "--no-eval"]
     argv += [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
     slow, freeze = tmp_path / "slow-decode", tmp_path / "freeze-worker-0"
     slow.touch()

@@ -74,7 +74,7 @@ def test_evaluations_go_to_tb_eval_once_per_group_and_step(tmp_path):
     from rlax_tasks.run.progress import HeldOutProgress
 
     run_dir = str(tmp_path)
-    progress = HeldOutProgress(None, run_dir, "http://unused", "token", 0.0)
+    progress = HeldOutProgress(run_dir, 0.0)
     progress.record(0, {"version": 0, "pass@1": 0.25, "pass@8": 0.5, "mean_reward": 0.2})
     progress.record(5, {"version": 5, "pass@1": 0.5, "pass@8": 0.75, "mean_reward": 0.4})
     assert log_scalars(run_dir, 5, {"pass@1": 0.625}, "eval")
