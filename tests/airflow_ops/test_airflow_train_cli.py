@@ -192,6 +192,11 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(XLA_FLAGS=TEST_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env.update(RLAX_RETRY_DELAY_S="1", RLAX_SIBLING_GRACE_S="20", RLAX_POLL_INTERVAL_S="1")
+    # every task runs in this one process (dag.test): at its exit it says which JAX backends it
+    # started (tests/shims/report_backends): none, the jobs do the accelerator work
+    backends = tmp_path / "backends.jsonl"
+    shim = os.path.join(REPO, "tests", "shims", "report_backends")
+    env.update(PYTHONPATH=f"{shim}{os.pathsep}{REPO}", RLAX_TEST_BACKENDS_FILE=str(backends))
     argv = [
         sys.executable, "-m", "rlax_tasks.cli", "airflow", "train", "--steps", "8",
         "--run-id", "cli", "--run-root", runs, "--airflow-home", str(tmp_path / "airflow"),
@@ -207,16 +212,19 @@ def test_rlax_airflow_train_shows_progress_a_retry_and_a_before_after_table(tmp_
     )
     killer.start()
     try:
-        proc = subprocess.run(
-            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1100, check=False
-        )
+        proc = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        out, err = proc.communicate(timeout=1100)
     finally:
         done.set()
         killer.join(timeout=5)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    assert proc.returncode == 0, out + err
+    seen = [json.loads(line) for line in backends.read_text().splitlines()]
+    assert [r["backends"] for r in seen if r["pid"] == proc.pid] == [[]], seen
     assert killed, "the job was never killed"
-    assert proc.stderr == ""  # nothing reached the terminal behind the command's back
+    assert err == ""  # nothing reached the terminal behind the command's back
     transitions = re.findall(STAMP + r"(\w+(?:\[\d+\])?)\s+(running|success|skipped|failed|"
                              r"up_for_retry|upstream_failed)$", out, re.M)  # fmt: skip
     # one line per transition; the killed try: up_for_retry, why, and running again
