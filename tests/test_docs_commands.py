@@ -219,6 +219,9 @@ RUN = {
     "export AIRFLOW__CORE__LOAD_EXAMPLES=False "
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True": Run(),
     "export RLAX_RUN_ROOT=$PWD/runs RLAX_RUN_ROOTS=$PWD/runs": Run(),
+    "export AIRFLOW_CONN_RLAX_COMPUTE='{\"conn_type\": \"google_cloud_platform\", \"extra\": "
+    "{\"project\": \"PROJECT\", \"zone\": \"us-central2-b\", \"key_path\": "
+    "\"/keys/rlax.json\", \"image\": \"us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG\"}}'": Run(),
     # docs/development.md
     ".venv/bin/pip freeze --exclude-editable | grep -v '^rlax-tasks' > constraints.txt": Run(
         lambda cwd, out: _says("jax==", "flax==")(

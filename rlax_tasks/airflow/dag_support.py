@@ -17,6 +17,7 @@ from typing import Any
 
 from airflow.sdk import Asset, Param, dag
 
+from rlax_tasks.airflow.compute_connection import compute_backend
 from rlax_tasks.airflow.operators import (
     ProvisionSliceOperator,
     ProvisionSlicesOperator,
@@ -82,19 +83,14 @@ def run_roots() -> list[str]:
 
 
 def backend_name() -> str:
-    return os.environ.get("RLAX_BACKEND", "").strip() or "local"
+    """The compute backend of a task running now (``compute_connection.compute_backend``)."""
+    return compute_backend(default_run_root())[0]
 
 
 def backend_settings(run_root: str) -> dict[str, Any]:
-    """Settings for ``rlax_tasks.compute.get_backend``: RLAX_BACKEND_SETTINGS plus run_root."""
-    text = os.environ.get("RLAX_BACKEND_SETTINGS", "").strip()
-    try:
-        settings = json.loads(text) if text else {}
-    except ValueError as e:
-        raise PlanError(f"RLAX_BACKEND_SETTINGS is not a JSON object: {e}") from None
-    if not isinstance(settings, dict):
-        raise PlanError("RLAX_BACKEND_SETTINGS must be a JSON object")
-    return {**settings, "run_root": run_root}
+    """Settings for ``rlax_tasks.compute.get_backend`` of a task running now, with ``run_root``:
+    the compute Connection's, else RLAX_BACKEND_SETTINGS."""
+    return compute_backend(run_root)[1]
 
 
 def slice_name(run_id: str, role: str) -> str:
@@ -208,8 +204,8 @@ def plan_training(
     from rlax_tasks.run.topology import Job
     from rlax_tasks.services.http import run_token
 
-    backend = backend_name()
     run_root = params.get("run_root") or default_run_root()
+    backend, settings = compute_backend(run_root)
     run_id = params.get("run_id") or dag_run_run_id(dag_run_id)
     if not re.match(RUN_ID_PATTERN, run_id):
         raise PlanError(f"run_id: {run_id!r} must be lowercase letters, digits, '_', '-'")
@@ -233,7 +229,7 @@ def plan_training(
     if storage.is_gcs(cfg.run_root) and backend == "local":
         raise PlanError("run_root: the local backend needs a local run root, not gs://")
     if backend == "cloud_tpu":  # refused here, before anything is written or provisioned
-        endpoint = backend_settings(cfg.run_root).get("api_endpoint")
+        endpoint = settings.get("api_endpoint")
         if (unreadable := local_run_root_error(cfg.run_root, endpoint)) is not None:
             raise PlanError(f"run_root: {unreadable}")
     if cfg.trainer.hosts > 1 and backend == "local":
@@ -405,11 +401,13 @@ def provision_slices(task_id: str, run_root: str, slices: Any, run_id: Any, **kw
 
 def _managed_slice_args(run_root: str, run_id: Any) -> dict[str, Any]:
     """The backend of ``run_root`` and the labels by which the janitor finds a run's slices."""
-    return {
-        "backend": backend_name(),
-        "backend_settings": backend_settings(run_root),
-        "labels": {MANAGED_LABEL: "true", RUN_ID_LABEL: run_id},
-    }
+    return {**_at_run_time(run_root), "labels": {MANAGED_LABEL: "true", RUN_ID_LABEL: run_id}}
+
+
+def _at_run_time(run_root: Any) -> dict[str, Any]:
+    """An operator's backend, resolved from the compute Connection when its task runs (not when
+    the scheduler parses the DAG): ``run_root`` may be an XComArg of the plan."""
+    return {"backend": None, "backend_settings": {"run_root": run_root}}
 
 
 def sibling_grace_s() -> float:
@@ -428,8 +426,7 @@ def job(task_id: str, run_root: str, slice_handle: Any, argv: Any, env: Any = No
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator(
         task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
+        **_at_run_time(run_root),
         slice_handle=slice_handle,
         argv=argv,
         env=env or {},
@@ -441,8 +438,7 @@ def teardown(task_id: str, run_root: str, slice_handle: Any, **kw):
     """A TeardownSliceOperator (idempotent) for ``slice_handle``."""
     return TeardownSliceOperator(
         task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
+        **_at_run_time(run_root),
         slice_handle=slice_handle,
         **kw,
     )
@@ -455,8 +451,7 @@ def mapped_jobs(
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator.partial(
         task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
+        **_at_run_time(run_root),
         slice_handle=slice_handle,
         env=env or {},
         **kw,
@@ -469,8 +464,7 @@ def mapped_jobs_with_env(task_id: str, run_root: str, jobs: Any, **kw: Any):
     kw.setdefault("sibling_grace_s", sibling_grace_s())
     return RlaxJobOperator.partial(
         task_id=task_id,
-        backend=backend_name(),
-        backend_settings=backend_settings(run_root),
+        **_at_run_time(run_root),
         **kw,
     ).expand_kwargs(jobs)
 
@@ -506,8 +500,7 @@ def start_services(plan: dict[str, Any], slices: dict[str, Any]) -> dict[str, An
             continue
         started.update(
             start_jobs(
-                backend_name(),
-                backend_settings(plan["run_root"]),
+                *compute_backend(plan["run_root"]),
                 slices[where[planned]["slice"]],
                 {name: job_argv},
                 envs[planned],

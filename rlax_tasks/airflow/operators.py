@@ -20,6 +20,7 @@ from airflow.sdk.exceptions import (
     AirflowSkipException,
 )
 
+from rlax_tasks.airflow.compute_connection import compute_backend
 from rlax_tasks.airflow.triggers import JobStateTrigger, SliceReadyTrigger
 from rlax_tasks.compute import (
     JobSpec,
@@ -99,31 +100,40 @@ class _BackendOperator(BaseOperator):
     def __init__(
         self,
         *,
-        backend: str = "local",
+        backend: str | None = "local",
         backend_settings: dict[str, Any] | None = None,
         deferrable: bool = True,
         poll_interval_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # None: the compute Connection's backend (rlax_tasks.airflow.compute_connection), found
+        # when the task runs, with backend_settings' run_root
         self.backend = backend
         self.backend_settings = dict(backend_settings or {})
         self.deferrable = deferrable
         self.poll_interval_s = float(poll_interval_s)
 
+    def _resolved(self) -> tuple[str, dict[str, Any]]:
+        """(backend name, settings) this task runs with (its triggers are given the same)."""
+        if self.backend is not None:
+            return self.backend, self.backend_settings
+        if "run_root" not in self.backend_settings:
+            raise AirflowFailException(f"{self.task_id}: backend_settings needs a run_root")
+        return compute_backend(self.backend_settings["run_root"])
+
     def _backend(self):  # noqa: ANN202 - rlax_tasks.compute.Backend
         try:
-            return get_backend(self.backend, **self.backend_settings)
-        except (ValueError, TypeError) as e:
+            name, settings = self._resolved()
+            return get_backend(name, **settings)
+        except (ValueError, TypeError) as e:  # PlanError (a Connection's field) is a ValueError
             raise AirflowFailException(f"{self.task_id}: backend configuration: {e}") from None
 
     def _defer_on_slice(self, handle: dict[str, Any], method_name: str) -> None:
         """Defers to SliceReadyTrigger until ``handle`` leaves PROVISIONING, then resumes in
         ``method_name`` (each subclass sets ``provision_timeout_s``)."""
         self.defer(
-            trigger=SliceReadyTrigger(
-                self.backend, self.backend_settings, handle, self.poll_interval_s
-            ),
+            trigger=SliceReadyTrigger(*self._resolved(), handle, self.poll_interval_s),
             method_name=method_name,
             timeout=timedelta(seconds=self.provision_timeout_s),
         )
@@ -435,8 +445,7 @@ class RlaxJobOperator(_BackendOperator):
             done_when = None
         siblings = [h for name, h in started.items() if name != job["name"]]
         trigger = JobStateTrigger(
-            self.backend,
-            self.backend_settings,
+            *self._resolved(),
             job,
             self.poll_interval_s,
             done_when=done_when,

@@ -34,6 +34,7 @@ from rlax_tasks.rundir.paths import SLICES
 
 log = logging.getLogger(__name__)
 
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 DEFAULT_STARTUP_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "infra/tpu/startup.sh"
 # node metadata keys read by the startup script / the node agent
 MD_SLICE_ROOT = "rlax-slice-root"
@@ -80,6 +81,8 @@ class CloudTpuBackend:
         startup_script_path: str | None = None,
         operation_timeout_s: float = 300.0,
         agent_poll_s: float = 2.0,
+        credentials_file: str | None = None,
+        credentials_info: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(run_root, str) or not run_root:
             raise ValueError("cloud_tpu backend: run_root must be a gs://bucket/prefix URI")
@@ -88,7 +91,8 @@ class CloudTpuBackend:
         self.run_root = run_root if storage.is_gcs(run_root) else os.path.abspath(run_root)
         if not isinstance(image, str) or not image.strip():
             raise ValueError(
-                'cloud_tpu backend: set "image" in RLAX_BACKEND_SETTINGS to the runtime image '
+                'cloud_tpu backend: set "image" (an extra of the compute Connection, or in '
+                "RLAX_BACKEND_SETTINGS) to the runtime image "
                 "TPU VMs pull (e.g. us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG)"
             )
         self.project, self.zone = project, zone
@@ -99,6 +103,11 @@ class CloudTpuBackend:
         self.startup_script_path = startup_script_path or str(DEFAULT_STARTUP_SCRIPT)
         self.operation_timeout_s = float(operation_timeout_s)
         self.agent_poll_s = float(agent_poll_s)
+        if credentials_info is not None and not isinstance(credentials_info, dict):
+            raise ValueError("cloud_tpu backend: credentials_info must be a service account key")
+        # a service account key (a Google Cloud Connection's key_path / keyfile_dict); neither:
+        # Application Default Credentials
+        self.credentials_file, self.credentials_info = credentials_file, credentials_info
 
     # ------------------------------------------------------------------ client
     @functools.cached_property
@@ -115,6 +124,18 @@ class CloudTpuBackend:
             from google.auth.credentials import AnonymousCredentials
 
             credentials = AnonymousCredentials()
+        elif self.credentials_info is not None or self.credentials_file:
+            from google.oauth2 import service_account  # lazy: as above
+
+            credentials = (
+                service_account.Credentials.from_service_account_info(
+                    self.credentials_info, scopes=[CLOUD_PLATFORM_SCOPE]
+                )
+                if self.credentials_info is not None
+                else service_account.Credentials.from_service_account_file(
+                    self.credentials_file, scopes=[CLOUD_PLATFORM_SCOPE]
+                )
+            )
         return tpu_v2.TpuClient(transport="rest", client_options=options, credentials=credentials)
 
     def _where(self, spec: SliceSpec) -> tuple[str, str]:

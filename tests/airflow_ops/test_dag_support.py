@@ -116,7 +116,9 @@ def test_provision_passes_the_runtime_version_to_the_operator(monkeypatch):
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
     op = rc.provision("provision", "gs://b/runs", "rlax-r1-main", "r1", "v4-8", "v2-alpha-x")
     assert (op.accelerator_type, op.runtime_version) == ("v4-8", "v2-alpha-x")
-    assert op.backend == "cloud_tpu"
+    # the backend is resolved when the task runs (compute Connection, else the environment)
+    assert op.backend is None and op.backend_settings == {"run_root": "gs://b/runs"}
+    assert op._resolved()[0] == "cloud_tpu"
     assert "runtime_version" in op.template_fields  # an XComArg from plan is resolved at runtime
 
 

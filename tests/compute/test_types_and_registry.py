@@ -88,7 +88,7 @@ def test_cloud_tpu_backend_requires_an_image():
     with pytest.raises(ValueError, match="image") as err:
         get_backend("cloud_tpu", run_root="gs://b/x", project="p", zone="z")
     message = str(err.value)
-    assert '"image" in RLAX_BACKEND_SETTINGS' in message and "\n" not in message
+    assert '"image" (an extra of the compute Connection' in message and "\n" not in message
     backend = get_backend("cloud_tpu", run_root="gs://b/x", image="us-docker.pkg.dev/p/r/i:t")
     assert backend.image == "us-docker.pkg.dev/p/r/i:t"
 

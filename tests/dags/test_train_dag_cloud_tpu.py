@@ -63,8 +63,12 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     save_char_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
         settings = fake_backend_settings(url)  # run_root: the run's, added by dag_support
-        monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
-        monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps(settings))
+        # the backend and its settings come from a Google Cloud Connection (the environment's
+        # RLAX_BACKEND / RLAX_BACKEND_SETTINGS are only the fallback without one)
+        monkeypatch.delenv("RLAX_BACKEND", raising=False)
+        monkeypatch.delenv("RLAX_BACKEND_SETTINGS", raising=False)
+        connection = {"conn_type": "google_cloud_platform", "extra": settings}
+        monkeypatch.setenv("AIRFLOW_CONN_RLAX_COMPUTE", json.dumps(connection))
         # the run_root Param, not the environment the DAG file was parsed in, places the run
         # and its slices' control directories
         elsewhere = tmp_path / "parse-time-root"
