@@ -85,6 +85,11 @@ NOT_RUN = {
     "docker compose up -d --build": (
         "needs a Docker engine; tests/dags/test_compose.py validates the compose file"
     ),
+    "RLAX_COMPUTE_CONN_ID=rlax_ray docker compose --profile ray up -d --build": (
+        "needs a Docker engine; tests/dags/test_compose.py validates the ray profile and reads "
+        "its Connection with the tasks' code; tests/compute/test_ray_cluster.py runs the ray "
+        "backend on a real local multi-node Ray cluster"
+    ),
     ".venv/bin/airflow standalone": (
         "a server that runs until stopped: tests/dags/test_browser.py starts it "
         "(tests/dags/standalone.py) and drives its UI"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -80,6 +81,39 @@ def test_healthchecks_and_start_order(compose):
                 assert src in declared
 
 
+def test_the_ray_profile_adds_a_head_and_a_worker_on_airflows_run_root(compose):
+    """`docker compose --profile ray up`: a Ray head (client port 10001) and a worker node from
+    the Airflow services' image (one Ray version on both sides, the ray extra installed), the
+    run root mounted at the same path; the Airflow services reach it as the rlax_ray
+    Connection, read by the same code the tasks use."""
+    from airflow.sdk import Connection
+
+    from rlax_tasks.airflow.compute_connection import backend_from_connection
+
+    services = compose["services"]
+    airflow = services["airflow-scheduler"]
+    root = airflow["environment"]["RLAX_RUN_ROOT"]
+    runs = next(v for v in airflow["volumes"] if v.endswith(f":{root}"))
+    head, worker = services["ray-head"], services["ray-worker"]
+    for svc in (head, worker):
+        assert svc["profiles"] == ["ray"]
+        assert (svc["image"], svc["build"]) == (airflow["image"], airflow["build"])
+        assert runs in svc["volumes"]
+    assert airflow["build"]["args"]["RLAX_EXTRAS"] == "[ray]"
+    assert head["command"][:3] == ["ray", "start", "--head"]
+    assert "--ray-client-server-port=10001" in head["command"] and "--block" in head["command"]
+    assert head["healthcheck"]["test"][:3] == ["CMD", "ray", "status"]
+    assert "--address=ray-head:6379" in worker["command"]
+    assert worker["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    assert "profiles" not in airflow  # Airflow itself runs in every profile
+    conn = Connection(
+        conn_id="rlax_ray", **json.loads(airflow["environment"]["AIRFLOW_CONN_RLAX_RAY"])
+    )
+    assert backend_from_connection(conn) == ("ray", {"address": "ray://ray-head:10001"})
+    # rlax_compute unless the command line names rlax_ray (compose interpolates it)
+    assert airflow["environment"]["RLAX_COMPUTE_CONN_ID"] == "${RLAX_COMPUTE_CONN_ID:-rlax_compute}"
+
+
 def test_dockerfile_targets_and_pins():
     with open(os.path.join(REPO, "infra", "Dockerfile")) as f:
         text = f.read()
@@ -88,6 +122,7 @@ def test_dockerfile_targets_and_pins():
     for accelerator in ("tpu", "gpu"):  # each variant installs its pinned extra
         assert f'pip install -c constraints.txt ".[{accelerator}]"' in text
     assert "-c constraints.txt" in text and "COPY rlax_tasks" in text
+    assert 'pip install -c constraints.txt ".${RLAX_EXTRAS}"' in text  # compose: "[ray]"
     # every path the Dockerfile copies exists in the build context (the repository root)
     for line in text.splitlines():
         if line.startswith("COPY ") and "--from" not in line:
@@ -103,11 +138,8 @@ def test_dockerfile_targets_and_pins():
     reason="no docker compose binary on this machine (the YAML checks above still ran)",
 )
 def test_docker_compose_config_validates():
-    cmd = (["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]) + [
-        "-f",
-        COMPOSE,
-        "config",
-        "--quiet",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0, result.stderr
+    compose = ["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]
+    for profile in ([], ["--profile", "ray"]):
+        cmd = [*compose, "-f", COMPOSE, *profile, "config", "--quiet"]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, (profile, result.stderr)
