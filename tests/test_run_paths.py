@@ -30,6 +30,7 @@ LAYOUT = {
     "eval_progress": "eval/progress.jsonl",
     "eval_history": "eval/history.jsonl",
     "heldout": "eval/heldout.jsonl",
+    "heldout_scores": "eval/heldout_scores.jsonl",
     "report_json": "eval/report.json",
     "report_md": "eval/report.md",
     "status": "status.json",
