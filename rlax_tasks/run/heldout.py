@@ -45,8 +45,8 @@ def heldout_argv(config_path: str, *, base: bool, every: int, last: int | None,
 
 
 def read_scores(run_dir: str, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """(the result rows appended to eval/heldout_scores.jsonl since byte ``offset``, the new
-    offset); a line not yet complete is left for the next read."""
+    """(the rows appended to eval/heldout_scores.jsonl since byte ``offset``: results and
+    ``is_result``'s marks, the new offset); a line not yet complete is left for the next read."""
     path = run_paths(run_dir).heldout_scores
     try:
         with open(path, "rb") as f:
