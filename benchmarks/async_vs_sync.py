@@ -35,6 +35,7 @@ from benchmarks._timing import (  # noqa: E402
     peak_rss_bytes,
     setup_logging,
 )
+from rlax_tasks.run.heldout import JOB, is_result, read_scores, scores_offset  # noqa: E402
 from rlax_tasks.rundir.storage import read_jsonl  # noqa: E402
 
 log = logging.getLogger("benchmarks.async_vs_sync")
@@ -103,8 +104,6 @@ class EvalPauses:
     evaluation over before a hook saw it start is not a pause (ours paid for it)."""
 
     def __init__(self, run_dir: str) -> None:
-        from rlax_tasks.run.heldout import scores_offset
-
         self.run_dir = run_dir
         self.offset = scores_offset(run_dir)
         self.pauses: list[tuple[float, float]] = []
@@ -112,8 +111,6 @@ class EvalPauses:
 
     def follow(self, supervisor: Any) -> None:
         """Holds or releases the run after the held-out job's rows written since the last call."""
-        from rlax_tasks.run.heldout import JOB, is_result, read_scores
-
         rows, self.offset = read_scores(self.run_dir, self.offset)
         evaluating = None
         for row in rows:

@@ -12,13 +12,13 @@ docker-compose stack."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from typing import Any
 
 from airflow.sdk import BaseHook
 
+from rlax_tasks.compute import setting_names
 from rlax_tasks.run.slices import PlanError
 
 CONN_ID_ENV = "RLAX_COMPUTE_CONN_ID"
@@ -52,20 +52,13 @@ def env_backend(run_root: str) -> tuple[str, dict[str, Any]]:
     return name, {**settings, "run_root": run_root}
 
 
-def _backend_keys(name: str) -> set[str]:
-    from rlax_tasks.compute import CloudTpuBackend, LocalBackend, RayBackend
-
-    cls = {"cloud_tpu": CloudTpuBackend, "ray": RayBackend, "local": LocalBackend}[name]
-    return set(inspect.signature(cls.__init__).parameters) - {"self", "run_root"}
-
-
 def backend_from_connection(conn: Any) -> tuple[str, dict[str, Any]]:
     """(backend name, settings without run_root) of a compute Connection; PlanError names the
     Connection and the field it cannot use."""
     extra = dict(conn.extra_dejson or {})
     where = f"Connection {conn.conn_id!r}"
     if conn.conn_type == GOOGLE_CONN_TYPE:
-        keys = _backend_keys("cloud_tpu")
+        keys = setting_names("cloud_tpu") - {"run_root"}
         settings: dict[str, Any] = {}
         for key, value in extra.items():
             plain = key.removeprefix(_GOOGLE_PREFIX)
@@ -86,17 +79,15 @@ def backend_from_connection(conn: Any) -> tuple[str, dict[str, Any]]:
             except ValueError as e:
                 raise PlanError(f"{where}: keyfile_dict is not JSON: {e}") from None
         return "cloud_tpu", settings
-    if conn.conn_type == RAY_CONN_TYPE:
-        keys = _backend_keys("ray")
+    if conn.conn_type in (RAY_CONN_TYPE, LOCAL_CONN_TYPE):
+        name = "ray" if conn.conn_type == RAY_CONN_TYPE else "local"
+        keys = setting_names(name) - {"run_root"}
         unknown = sorted(set(extra) - keys)
         if unknown:
-            raise PlanError(f"{where}: extra {unknown} not ray settings; known: {sorted(keys)}")
-        settings = dict(extra)
-        if not settings.get("address") and conn.host:
-            settings["address"] = f"ray://{conn.host}:{conn.port or RAY_CLIENT_PORT}"
-        return "ray", settings
-    if conn.conn_type == LOCAL_CONN_TYPE:
-        return "local", {k: v for k, v in extra.items() if k in _backend_keys("local")}
+            raise PlanError(f"{where}: extra {unknown} not {name} settings; known: {sorted(keys)}")
+        if name == "ray" and not extra.get("address") and conn.host:
+            extra["address"] = f"ray://{conn.host}:{conn.port or RAY_CLIENT_PORT}"
+        return name, extra
     raise PlanError(
         f"{where}: connection type {conn.conn_type!r} names no compute backend; use "
         f"{GOOGLE_CONN_TYPE} (cloud_tpu), {RAY_CONN_TYPE} (ray) or {LOCAL_CONN_TYPE} (local)"
@@ -163,4 +154,3 @@ class LocalComputeHook(_ComputeHook):
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
         return {"hidden_fields": ["host", "port", "schema", "login", "password"]}
-

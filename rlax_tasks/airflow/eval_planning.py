@@ -145,8 +145,7 @@ def newest_version(run_dir: str) -> int | None:
     # lazy: loads in the task, not when the scheduler parses the DAGs
     from rlax_tasks.paramserver import mirror
 
-    committed, _ = mirror.mirrored_versions(run_dir)
-    return committed[-1] if committed else None
+    return mirror.newest_committed(run_dir)
 
 
 def write_run_report(run_dir: str) -> str:

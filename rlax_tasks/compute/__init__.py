@@ -16,9 +16,10 @@ from rlax_tasks.compute.local import LocalBackend
 from rlax_tasks.compute.ray_cluster import RayBackend
 from rlax_tasks.compute.types import *  # noqa: F403  (the specs, handles, states, env names)
 
-__all__ = [*_types.__all__, "BACKENDS", "Backend", "get_backend"]
+__all__ = [*_types.__all__, "BACKENDS", "Backend", "get_backend", "setting_names"]
 
 BACKENDS = ("local", "cloud_tpu", "ray")
+_CLASSES = {"local": LocalBackend, "cloud_tpu": CloudTpuBackend, "ray": RayBackend}
 
 
 @runtime_checkable
@@ -46,14 +47,17 @@ class Backend(Protocol):
     ) -> list[_types.SliceHandle]: ...
 
 
+def setting_names(name: str) -> set[str]:
+    """The settings backend ``name`` (one of BACKENDS) takes: its constructor's parameters."""
+    if name not in _CLASSES:
+        raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
+    return set(inspect.signature(_CLASSES[name].__init__).parameters) - {"self"}
+
+
 def get_backend(name: str = "local", **settings: Any) -> Backend:
     """The backend called ``name`` (one of BACKENDS) built from its settings."""
-    classes = {"local": LocalBackend, "cloud_tpu": CloudTpuBackend, "ray": RayBackend}
-    if name not in classes:
-        raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
-    cls = classes[name]
-    known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    known = setting_names(name)
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"{name} backend: unknown setting(s) {unknown}; known: {sorted(known)}")
-    return cls(**settings)
+    return _CLASSES[name](**settings)

@@ -80,6 +80,13 @@ def mirrored_versions(run_root: str) -> tuple[list[int], list[int]]:
     return sorted(committed), sorted(partial)
 
 
+def newest_committed(run_root: str) -> int | None:
+    """The newest committed version under run_root/weights (None: none yet); read only, so a
+    version being written stays."""
+    committed, _ = mirrored_versions(run_root)
+    return committed[-1] if committed else None
+
+
 def read_version(run_root: str, version: int) -> WeightVersion:
     """Loads a committed version, checking every block's CRC32C (sha256 in a format-1 mirror)
     and the version digest; ChecksumError names the block and its array."""

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from rlax_tasks.config import RunConfig
-from rlax_tasks.run.placement import COLOCATED, is_colocated, job_env
+from rlax_tasks.paramserver import mirror
+from rlax_tasks.run.placement import job_env, trainer_job
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor
 from rlax_tasks.rundir.paths import run_paths
 
@@ -81,13 +82,6 @@ def _append(run_dir: str, row: dict[str, Any]) -> None:
         f.write(json.dumps(row, default=float) + "\n")
 
 
-def _newest_committed(run_dir: str) -> int | None:
-    from rlax_tasks.paramserver import mirror  # lazy: the job's own imports
-
-    committed, _ = mirror.mirrored_versions(run_dir)
-    return committed[-1] if committed else None
-
-
 def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, after: int = 0,
                 poll_s: float = POLL_S) -> int:  # fmt: skip
     """The job's loop (see the module docstring); returns how many versions it evaluated."""
@@ -103,7 +97,7 @@ def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, aft
         done += 1
     target = next_target(after, every) if every else None
     while last is not None or target is not None:
-        newest = _newest_committed(cfg.run_dir)
+        newest = mirror.newest_committed(cfg.run_dir)
         due = [v for v in (last, target) if v is not None]
         if newest is None or newest < min(due):
             time.sleep(poll_s)
@@ -162,24 +156,20 @@ class HeldOutJobs:
 
     def __init__(self, cfg: RunConfig, config_path: str, steps: int) -> None:
         self.cfg, self.config_path, self.steps = cfg, config_path, steps
-        self.env = job_env(cfg, COLOCATED if is_colocated(cfg) else "trainer")
+        self.env = job_env(cfg, trainer_job(cfg))
         self.offset = scores_offset(cfg.run_dir)
         self.newest: dict[str, Any] | None = None  # the newest result read in this launch
-
-    @property
-    def every(self) -> int:
-        """eval.every_steps where the job can evaluate beside training: on cpu devices. On a
-        gpu or tpu it would share the trainer's devices, so it evaluates before and after."""
-        every = self.cfg.eval.every_steps
-        if every and self.cfg.placement.platform != "cpu":
+        # eval.every_steps where the job can evaluate beside training: on cpu devices. On a gpu
+        # or tpu it would share the trainer's devices, so it evaluates before and after only.
+        self.every = cfg.eval.every_steps
+        if self.every and cfg.placement.platform != "cpu":
             log.warning(
                 "eval.every_steps: on %s the held-out job would share the trainer's devices; "
                 "this run is evaluated before and after training (evaluate versions meanwhile "
                 "with `rlax eval --weights-from RUN_DIR@VERSION` or the rlax_nightly_eval DAG)",
-                self.cfg.placement.platform,
+                cfg.placement.platform,
             )
-            return 0
-        return every
+            self.every = 0
 
     def start(self, sup: Supervisor, *, base: bool, every: int, last: int | None,
               after: int = 0) -> None:  # fmt: skip
@@ -219,7 +209,7 @@ class HeldOutJobs:
     def finish(self, sup: Supervisor, running: bool, on_result: Any = None) -> dict[str, Any]:
         """After training (its jobs stopped): the result of the run's newest mirrored version,
         from the running job when it will evaluate it, else from a job started for it."""
-        newest = _newest_committed(self.cfg.run_dir)
+        newest = mirror.newest_committed(self.cfg.run_dir)
         if newest is None:
             raise FileNotFoundError(f"{self.cfg.run_dir}/weights: no version mirrored to evaluate")
         if running and newest < self.steps:  # it waits for a version that will not come

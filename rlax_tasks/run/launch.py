@@ -14,7 +14,7 @@ import sys
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.run.compilation_cache import cache_env
 from rlax_tasks.run.memory_plan import MemoryPlan, memory_plan
-from rlax_tasks.run.placement import COLOCATED, describe, is_colocated, job_env
+from rlax_tasks.run.placement import describe, is_colocated, job_env, trainer_job
 from rlax_tasks.run.preflight import check_datasets
 from rlax_tasks.run.topology import (
     Ports,
@@ -59,7 +59,7 @@ def ensure_model(cfg: RunConfig) -> None:
         return
     # the warm-up trains with JAX: in a process of its own on the trainer's devices, gone before
     # the run's jobs start, so that the caller (rlax run, a DAG task) never starts a backend
-    env = {**os.environ, **job_env(cfg, COLOCATED if is_colocated(cfg) else "trainer")}
+    env = {**os.environ, **job_env(cfg, trainer_job(cfg))}
     argv = [sys.executable, "-m", "rlax_tasks.warmup.base_model", parent, name]
     code = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
     if code != 0:

@@ -13,7 +13,6 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig
 from rlax_tasks.run import launch
-from rlax_tasks.run.heldout import JOB as HELDOUT_JOB
 from rlax_tasks.run.heldout import HeldOutJobs
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
 from rlax_tasks.run.report import write_report
@@ -115,9 +114,9 @@ def run_local(
             report["restarts"] = {n: sup.components[n].restarts for n in training}
             if heldout is not None:
                 sup.stop(training)  # the parameter server flushes its mirror as it stops
-                running = HELDOUT_JOB in sup.components and every > 0
                 record = None if progress is None else progress.record_result
-                report["after"] = heldout.finish(sup, running, record)
+                # a job evaluating during training goes on to the last version itself
+                report["after"] = heldout.finish(sup, every > 0, record)
         finally:
             signals.stopping()  # a second Ctrl-C must not cut the stopping short
             sup.stop()

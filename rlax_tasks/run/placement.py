@@ -46,6 +46,11 @@ def is_colocated(cfg: Any) -> bool:
     return cfg.placement.mode == COLOCATED
 
 
+def trainer_job(cfg: Any) -> str:
+    """The job on the trainer's devices: ``trainer``, or a colocated run's one job."""
+    return COLOCATED if is_colocated(cfg) else "trainer"
+
+
 def job_names(cfg: Any) -> list[str]:
     """The jobs a launcher starts, in start order: ps, trainer, worker-0..N-1, controller (a
     colocated run: the one job ``colocated``)."""
@@ -251,4 +256,5 @@ __all__ = [
     "job_mesh",
     "job_names",
     "resolve_mesh",
+    "trainer_job",
 ]

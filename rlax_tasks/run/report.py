@@ -21,7 +21,7 @@ from rlax_tasks.data.prompts import PromptRenderer
 from rlax_tasks.evaluation import mean_pass_at_k
 from rlax_tasks.evaluation.checkpoints import mirror_arrays, with_named_arrays
 from rlax_tasks.evaluation.generation import encode_prompts
-from rlax_tasks.paramserver.mirror import mirrored_versions
+from rlax_tasks.paramserver.mirror import newest_committed
 from rlax_tasks.rollout.requests import GroupResult, per_prompt_params
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
@@ -150,10 +150,10 @@ class MirroredWeights:
 
     def pull(self, min_version: int | None = None, *, like: Any = None,
              timeout_s: float | None = None) -> tuple[int, Any]:  # fmt: skip
-        committed, _ = mirrored_versions(self.run_dir)  # read only: a version being written stays
-        if not committed:
+        newest = newest_committed(self.run_dir)  # read only: a version being written stays
+        if newest is None:
             raise FileNotFoundError(f"{self.run_dir}/weights: no committed weight version")
-        version, arrays = mirror_arrays(self.run_dir, committed[-1])
+        version, arrays = mirror_arrays(self.run_dir, newest)
         if min_version is not None and version < min_version:
             raise FileNotFoundError(
                 f"{self.run_dir}/weights: the newest mirrored version is {version}, "

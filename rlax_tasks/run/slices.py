@@ -23,7 +23,7 @@ from rlax_tasks.run.memory_plan import (
     worker_bytes,
 )
 from rlax_tasks.run.model_shapes import resolve_model
-from rlax_tasks.run.placement import ACCELERATORS, COLOCATED, is_colocated, job_devices
+from rlax_tasks.run.placement import ACCELERATORS, is_colocated, job_devices, trainer_job
 from rlax_tasks.run.topology import TRAINER_SLICE, WorkerSlices, worker_slice
 from rlax_tasks.utils.byte_sizes import format_bytes
 
@@ -261,8 +261,7 @@ def _fitting_trainer_type(cfg: Any, model: Any, trainer_type: Any, worker_chips:
             derived = _slice_config(cfg, t, worker_chips)
         except ConfigError:  # e.g. a fixed trainer.mesh_shape these chips do not split
             continue
-        job = COLOCATED if is_colocated(derived) else "trainer"
-        if sum(job_bytes(derived, model, job)[0].values()) <= memory:
+        if sum(job_bytes(derived, model, trainer_job(derived))[0].values()) <= memory:
             return t
     return None
 
@@ -360,7 +359,7 @@ def slice_memory_plan(
             ),
         )  # fmt: skip
 
-    lead = COLOCATED if is_colocated(derived) else "trainer"  # the job on the trainer slice
+    lead = trainer_job(derived)  # the job on the trainer slice
     slices = {lead: trainer}
     slices.update({f"worker-{i}": worker(n) for i, n in enumerate(worker_chips)})
     plan = plan_for(derived, model, source, slices)

@@ -73,10 +73,10 @@ def ensure_base_model(
     os.makedirs(cache_dir, exist_ok=True)
     target = os.path.join(cache_dir, name)
     with exclusive(os.path.join(cache_dir, f".{name}.lock")):
-        marker = read_marker(target) if os.path.isdir(target) else None
-        if marker is not None and marker.get("fingerprint") == fingerprint:
+        if is_cached(cache_dir, name, recipe):
             log.info("base model %s is cached (recipe %s): reusing it", target, fingerprint)
             return target
+        marker = read_marker(target) if os.path.isdir(target) else None
         if os.path.exists(target):
             if marker is None and os.path.exists(os.path.join(target, "config.json")):
                 raise ValueError(

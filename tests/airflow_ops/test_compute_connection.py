@@ -108,6 +108,7 @@ def test_without_the_connection_the_environment_decides(monkeypatch):
     [
         ({"conn_type": "http", "host": "x"}, "connection type 'http' names no compute backend"),
         ({"conn_type": "rlax_ray", "extra": {"adress": "x"}}, "extra ['adress'] not ray settings"),
+        ({"conn_type": "rlax_local", "extra": {"ent": "x"}}, "extra ['ent'] not local settings"),
         ({"conn_type": "google_cloud_platform", "extra": {"zonee": "z"}},
          "extra 'zonee' is not a cloud_tpu setting"),
         ({"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": "{no"}},
