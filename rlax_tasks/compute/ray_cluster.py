@@ -24,10 +24,11 @@ from typing import Any
 
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
-from rlax_tasks.compute.ray_host import HostProcess, sees_path
+from rlax_tasks.compute.ray_host import HostProcess, free_port, sees_path
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 from rlax_tasks.compute.types import (
     COORDINATOR_ADDRESS_ENV,
+    COORDINATOR_PORT_ENV,
     HOST_ADDRESS_ENV,
     MANAGED_LABEL,
     NUM_PROCESSES_ENV,
@@ -344,6 +345,12 @@ class RayBackend:
             hosts=job.hosts,
         )
         nodes = _node_addresses(ray, row, job.hosts)
+        if len(job.hosts) > 1 and COORDINATOR_PORT_ENV not in job.env:
+            # a node may hold the hosts of several jobs (of several runs): the coordinator takes
+            # a port free on its node now, not a fixed one another group may listen on
+            port = self._free_port(ray, nodes[job.hosts[0]][0])
+            job = JobSpec.from_dict({**job.to_dict(), "env": {**job.env,
+                                     COORDINATOR_PORT_ENV: str(port)}})  # fmt: skip
         command = self._start_actors(ray, handle, job, job_handle, nodes)
         jobstatus.write_json(
             storage.join(job_handle.status_dir, jobstatus.SPEC),
@@ -356,6 +363,16 @@ class RayBackend:
         )
         log.info("started job %s on ray slice %s, hosts %s", job.name, handle.name, list(job.hosts))
         return job_handle
+
+    def _free_port(self, ray: Any, node_id: str) -> int:
+        """A TCP port free on Ray node ``node_id`` now (asked of a task on that node)."""
+        # lazy: Ray (see _import_ray)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = ray.remote(num_cpus=0, max_retries=0)(free_port)
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        return int(ray.get(probe.options(scheduling_strategy=strategy).remote(),
+                           timeout=self.start_timeout_s))  # fmt: skip
 
     def _next_attempt(self, handle: SliceHandle, job_name: str) -> int | JobHandle:
         """The next attempt number of ``job_name`` on the slice, or the handle of the last

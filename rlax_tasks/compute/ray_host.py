@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -142,6 +143,13 @@ class HostProcess:
         except subprocess.TimeoutExpired:
             return False
         return True
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (a Ray task's answer: where a job's coordinator listens)."""
+    with socket.socket(socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def sees_path(path: str) -> bool:

@@ -26,6 +26,7 @@ from rlax_tasks.compute import (
 )
 from rlax_tasks.compute.jobstatus import host_status_dir
 from rlax_tasks.compute.ray_cluster import ACTOR_PREFIX, PG_PREFIX, RayBackendError
+from rlax_tasks.compute.types import DEFAULT_COORDINATOR_PORT
 from tests.compute.helpers import ENTRYPOINT, REPO, read_vars, wait_for
 
 pytestmark = pytest.mark.slow
@@ -157,6 +158,19 @@ def test_a_two_host_job_runs_on_two_nodes_with_its_process_group(backend):
         capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
     assert out.stdout.strip() == "SUCCEEDED"
+    # without a port of its own the coordinator takes one free on its node, not the fixed
+    # default another group there (another run's) may listen on: both hosts are told the same
+    job = backend.start_job(handle, JobSpec(name="group2", argv=["group", "0"], hosts=(0, 1)))
+    assert ended(backend, job).state is JobState.SUCCEEDED
+    addresses = {
+        read_vars(os.path.join(host_status_dir(job.status_dir, h), "stdout.log"))[
+            COORDINATOR_ADDRESS_ENV
+        ]
+        for h in (0, 1)
+    }
+    (address,) = addresses
+    host, port = address.rsplit(":", 1)
+    assert host == ip[node[0]] and int(port) != DEFAULT_COORDINATOR_PORT
 
     backend.teardown(handle)
     backend.teardown(handle)  # idempotent
