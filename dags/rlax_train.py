@@ -25,8 +25,9 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    picks the services' addresses. On `cloud_tpu` it also refuses, before anything is
    provisioned, an `accelerator_type` that is not a Cloud TPU type, a malformed
    `runtime_version` (empty = the default image of the accelerator's family) and a type whose
-   hosts differ from the run config's `trainer.hosts`. When the run was triggered by the
-   **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
+   hosts differ from the run config's `trainer.hosts`; on `ray` a type that is not a Ray slice
+   type (`cpu`, `gpu-8`, `2xgpu-8`, a Cloud TPU type) or whose hosts differ. When the run was
+   triggered by the **rlax_curated_dataset** Asset, the curated file replaces the preset's data.
 2. **provision** (setup) — the run's slices at once: the trainer slice (the trainer over all
    its hosts, the parameter server and the controller beside host 0) and, with
    `worker_accelerator_type`, `worker_slices` slices of that type with one worker per host
@@ -84,7 +85,8 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
         ),
         "accelerator_type": Param(
             "cpu", type="string", minLength=1,
-            description="slice accelerator, e.g. v5litepod-8 (cpu for the local backend)",
+            description="slice accelerator: a Cloud TPU type on cloud_tpu (e.g. v5litepod-8), a "
+            "Ray slice type on ray (cpu, gpu-8, 2xgpu-8: hosts x GPUs), cpu for the local backend",
         ),
         "runtime_version": Param(
             None, type=["null", "string"], pattern=RUNTIME_VERSION_PATTERN,
@@ -108,7 +110,8 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
         ),
         "worker_accelerator_type": Param(
             None, type=["null", "string"], minLength=1,
-            description="workers on slices of their own, one worker per host (e.g. v5litepod-4); "
+            description="workers on slices of their own, one worker per host (e.g. v5litepod-4, "
+            "or gpu-4 on ray); "
             "empty = the workers run on the trainer slice",
         ),
         "worker_slices": Param(

@@ -28,6 +28,7 @@ from rlax_tasks.airflow.operators import (
 )
 from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL, SliceSpec
 from rlax_tasks.compute.cloud_tpu import local_run_root_error
+from rlax_tasks.compute.types import slice_name
 from rlax_tasks.run.slices import PlanError, run_slices
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
@@ -91,15 +92,6 @@ def backend_settings(run_root: str) -> dict[str, Any]:
     """Settings for ``rlax_tasks.compute.get_backend`` of a task running now, with ``run_root``:
     the compute Connection's, else RLAX_BACKEND_SETTINGS."""
     return compute_backend(run_root)[1]
-
-
-def slice_name(run_id: str, role: str) -> str:
-    """A valid slice/job name (lowercase letters, digits, hyphens; ≤ 63) for ``role`` of a run."""
-    base = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-") or "run"
-    name = f"rlax-{base}"[: 62 - len(role)].rstrip("-") + f"-{role}"
-    if not name[0].isalpha():
-        name = "r" + name[1:]
-    return name
 
 
 def dag_run_run_id(dag_run_id: str) -> str:

@@ -317,3 +317,13 @@ def _known_fields(cls: type, d: dict[str, Any], what: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{what} has unknown field(s) {unknown}; known: {sorted(names)}")
     return dict(d)
+
+
+def slice_name(run_id: str, role: str) -> str:
+    """A valid slice/job name (lowercase letters, digits, hyphens; ≤ 63) for ``role`` of a run:
+    ``rlax-<run id>-<role>``, shortened to fit."""
+    base = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-") or "run"
+    name = f"rlax-{base}"[: 62 - len(role)].rstrip("-") + f"-{role}"
+    if not name[0].isalpha():
+        name = "r" + name[1:]
+    return name

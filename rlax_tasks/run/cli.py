@@ -12,6 +12,7 @@ import yaml
 from rlax_tasks.config import load_config
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
+from rlax_tasks.run.slice_supervisor import node_plan
 from rlax_tasks.run.supervisor import Interrupted
 
 
@@ -29,14 +30,25 @@ def _run_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
         overrides[key] = yaml.safe_load(value)
     cfg = load_config(args.config or args.preset, overrides)
+    if args.address and args.backend != "ray":
+        raise ValueError("--address: the Ray cluster's address goes with --backend ray")
     if args.dry_run:
-        return _dry_run(cfg, args.model_config)
+        return _dry_run(cfg, args.model_config, args.backend)
     steps = args.steps if args.steps is not None else cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the run config has no trainer.total_steps)")
+    backend = None
+    if args.backend == "ray":
+        from rlax_tasks.compute import get_backend  # (Ray itself is imported when it connects)
+
+        backend = get_backend("ray", run_root=cfg.run_root, address=args.address or "")
     try:
         report = run_local(
-            cfg, steps, evaluate=not args.no_eval, allow_config_change=args.allow_config_change
+            cfg,
+            steps,
+            evaluate=not args.no_eval,
+            allow_config_change=args.allow_config_change,
+            backend=backend,
         )
     except Interrupted as e:
         print(
@@ -54,10 +66,15 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(cfg: Any, model_config: str | None) -> int:
-    """Prints the placement and the memory plan; starts nothing, reads nothing remote.
-    A plan that does not fit raises PlanDoesNotFit (exit 2, the message says what to change)."""
+def _dry_run(cfg: Any, model_config: str | None, backend: str) -> int:
+    """Prints the placement and the memory plan (on ray: what runs on each node first); starts
+    nothing, reads nothing remote. A plan that does not fit raises PlanDoesNotFit (exit 2, the
+    message says what to change)."""
     plan = memory_plan(cfg, model_config, offline=True)
+    if backend == "ray":
+        print("Ray nodes (one per host of a slice; each slice a placement group):", flush=True)
+        for line in node_plan(cfg):
+            print(f"  {line}", flush=True)
     print(dry_run_text(cfg, plan), flush=True)
     plan.check()
     return 0
@@ -72,6 +89,18 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", help="run name (default: the preset name); same id = resume")
     p.add_argument("--steps", type=int, help="training steps (default trainer.total_steps)")
     p.add_argument("--set", action="append", help="override a config field: dotted.key=value")
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every job a process on this machine (default); ray: every job on a Ray "
+        "cluster's nodes (slices as placement groups; the run root a path every node mounts)",
+    )
+    p.add_argument(
+        "--address",
+        help="with --backend ray: the cluster's address (host:port of its head, ray://host:port "
+        "or auto; default RAY_ADDRESS, else auto)",
+    )
     p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
     p.add_argument(
         "--allow-config-change",

@@ -1,4 +1,5 @@
-"""`rlax run`: every component as a local process under a supervisor, then a report.
+"""`rlax run`: every component as a local process under a supervisor, then a report; with a
+compute backend (`--backend ray`), every job on the backend's slices instead.
 
 The launch steps are the DAG's (rlax_tasks.run.launch), under the run lock; the supervisor
 restarts a component that dies (all resume from the run's files), prints status and notices,
@@ -16,6 +17,7 @@ from rlax_tasks.run import launch
 from rlax_tasks.run.heldout import HeldOutJobs
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
 from rlax_tasks.run.report import write_report
+from rlax_tasks.run.slice_supervisor import SliceSupervisor, run_slices
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
 from rlax_tasks.run.topology import free_ports
 from rlax_tasks.rundir import lock as run_lock
@@ -34,8 +36,10 @@ def run_local(
     status_every_s: float = 10.0,
     supervisor_hook: Any = None,
     allow_config_change: bool = False,
+    backend: Any = None,
 ) -> dict[str, Any]:
-    """Runs ``steps`` training steps (in total, across resumes) of ``cfg`` on this machine.
+    """Runs ``steps`` training steps (in total, across resumes) of ``cfg`` on this machine, or
+    on ``backend``'s slices (a ``rlax_tasks.compute`` backend: ``ray``).
 
     A run already at ``steps`` starts nothing and returns ``{"already_at": step, ...}``. Raises
     ValueError (a user mistake: a bad plan or dataset, a refused settings change), RunLocked,
@@ -43,12 +47,17 @@ def run_local(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: give a positive number of training steps, got {steps!r}")
     if "://" in cfg.run_root:
-        raise ValueError("rlax run with local processes needs a local run_root")
-    if cfg.placement.hosts > 1:
+        raise ValueError(
+            "run_root: rlax run needs a local run root (with --backend ray: a path every node "
+            "mounts); run a gs:// run root with the rlax_train DAG"
+        )
+    if cfg.placement.hosts > 1 and backend is None:
         raise ValueError(
             f"placement.hosts: rlax run starts every job on this machine, the placement spans "
-            f"{cfg.placement.hosts} hosts (run it with the rlax_train DAG on a multi-host backend)"
+            f"{cfg.placement.hosts} hosts (run it on a Ray cluster with --backend ray, or with "
+            "the rlax_train DAG on a multi-host backend)"
         )
+    slices = run_slices(cfg) if backend is not None else None
     plan = launch.check_run(cfg)  # refused before anything starts, naming what to change
     run_dir = cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -58,7 +67,11 @@ def run_local(
             return {"run_dir": run_dir, "steps": steps, "already_at": done}
         config_path = launch.prepare_run_dir(cfg, allow_config_change)
         report: dict[str, Any] = {"run_dir": run_dir, "steps": steps}
-        sup = Supervisor(run_paths(run_dir).logs)
+        logs = run_paths(run_dir).logs
+        if slices is None:
+            sup: Any = Supervisor(logs)
+        else:
+            sup = SliceSupervisor(backend, cfg.run_id, logs, slices.types, run_root=cfg.run_root)
         sup.progress = lambda: trained_step(run_dir)  # a failure repeated without a step trained
         # held-out pass@k runs as a job of its own (this process never loads a model): the
         # starting weights first, alone on the devices, then beside training where it can
@@ -66,6 +79,8 @@ def run_local(
         every = heldout.every if heldout is not None else 0
         progress: HeldOutProgress | None = None
         try:
+            if slices is not None:
+                sup.provision()  # (a resume finds the run's slices if they are still there)
             if heldout is not None:
                 heldout.start(sup, base=True, every=every, last=steps if every else None,
                               after=done)  # fmt: skip
@@ -74,19 +89,17 @@ def run_local(
             # every job's environment names this lock's holder: the controller finds the lock
             # held for it (run_lock.for_job)
             topology = launch.plan_jobs(
-                cfg, steps, config_path, plan, token, free_ports(cfg), run_lock.holder_env(lock)
-            )
+                cfg, steps, config_path, plan, token,
+                None if slices is not None else free_ports(cfg),  # slices: published addresses
+                run_lock.holder_env(lock),
+                worker_slices=None if slices is None else slices.workers,
+            )  # fmt: skip
             t0 = time.monotonic()
             if every:
                 progress = HeldOutProgress(run_dir, time.time())
                 progress.record(0, report["before"])
             _, seen = notices.read_since(run_dir)  # a resume prints only the notices of this run
-            training = [name for name, _, _ in topology.processes()]
-            for name, job, env in topology.processes():
-                # exit 0 of the controller = done (a crash is still restarted); the hosts of a
-                # multi-host trainer restart together
-                group = job.name if len(job.hosts) > 1 else None
-                sup.add(Component(name, job.argv, env, restart=job.service, group=group))
+            training = _add_jobs(sup, topology, on_slices=slices is not None)
             # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
             ending = next(job.name for job in topology.jobs if not job.service)
             last = 0.0
@@ -123,6 +136,21 @@ def run_local(
         if heldout is not None:
             report.update(write_report(cfg, report))
     return report
+
+
+def _add_jobs(sup: Any, topology: Any, on_slices: bool) -> list[str]:
+    """Starts every job of ``topology`` under ``sup``; returns the names of its components.
+    Exit 0 of the controller = done (a crash is still restarted). Local processes: a multi-host
+    job is one process per host, restarted together; on slices, one job over its hosts."""
+    if on_slices:
+        for job in topology.jobs:
+            component = Component(job.name, job.argv, job.env, restart=job.service)
+            sup.add(component, job.slice, job.hosts)
+        return [job.name for job in topology.jobs]
+    for name, job, env in topology.processes():
+        group = job.name if len(job.hosts) > 1 else None
+        sup.add(Component(name, job.argv, env, restart=job.service, group=group))
+    return [name for name, _, _ in topology.processes()]
 
 
 def _print_notices(run_dir: str, offset: int) -> int:

@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any
 
+from rlax_tasks.compute.ray_cluster import RayBackendError, slice_shape
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, slice_hosts, tpu_type
 from rlax_tasks.run.memory_plan import (
     MemoryPlan,
@@ -45,8 +46,16 @@ def check_slice(
     """The runtime version to provision the trainer slice with ("": none needed); PlanError.
 
     cloud_tpu: a Cloud TPU type with trainer.hosts hosts; None is its family's default runtime.
-    local: any type (every job runs on this machine), no default. A given runtime_version must
-    look like one on any backend."""
+    ray: a Ray slice type (``compute.ray_cluster.slice_shape``) with trainer.hosts hosts, no
+    default. local: any type (every job runs on this machine), no default. A given
+    runtime_version must look like one on any backend."""
+    if backend == "ray":
+        hosts = _ray_hosts("accelerator_type", accelerator_type)
+        kind = accelerator_type.rpartition("x")[2] if "x" in accelerator_type else accelerator_type
+        other = kind if trainer_hosts == 1 else f"{trainer_hosts}x{kind}"
+        if accelerator_type.startswith("v"):  # a Cloud TPU type
+            other = _type_with_hosts(accelerator_type, trainer_hosts)
+        _check_hosts(accelerator_type, hosts, trainer_hosts, other)
     if backend == "cloud_tpu":
         try:
             default = tpu_type(accelerator_type).runtime_version
@@ -63,15 +72,31 @@ def check_slice(
     if backend != "cloud_tpu":
         return runtime_version or ""
     hosts = slice_hosts(accelerator_type)
-    if hosts != trainer_hosts:
-        other = _type_with_hosts(accelerator_type, trainer_hosts)
-        pick = f" or pick a {trainer_hosts}-host type ({other})" if other else ""
-        fix = json.dumps({"trainer.hosts": hosts})
-        raise PlanError(
-            f"accelerator_type: {accelerator_type} has {_hosts(hosts)} but trainer.hosts is "
-            f"{trainer_hosts}: set overrides {fix}{pick}"
-        )
+    _check_hosts(
+        accelerator_type, hosts, trainer_hosts, _type_with_hosts(accelerator_type, trainer_hosts)
+    )
     return runtime_version or default
+
+
+def _check_hosts(accelerator_type: str, hosts: int, trainer_hosts: int, other: str | None) -> None:
+    """PlanError unless the trainer slice type has trainer.hosts hosts (``other``: a type of
+    trainer.hosts hosts to suggest)."""
+    if hosts == trainer_hosts:
+        return
+    pick = f" or pick a {trainer_hosts}-host type ({other})" if other else ""
+    fix = json.dumps({"trainer.hosts": hosts})
+    raise PlanError(
+        f"accelerator_type: {accelerator_type} has {_hosts(hosts)} but trainer.hosts is "
+        f"{trainer_hosts}: set overrides {fix}{pick}"
+    )
+
+
+def _ray_hosts(param: str, accelerator_type: str) -> int:
+    """The hosts of a Ray slice type; PlanError naming ``param``."""
+    try:
+        return slice_shape(accelerator_type).hosts
+    except RayBackendError as e:
+        raise PlanError(f"{param}: {e}") from None
 
 
 def _hosts(n: int) -> str:
@@ -130,6 +155,8 @@ def worker_slice_layout(
     count = worker_slices or 1
     if not isinstance(count, int) or count < 1:
         raise PlanError(f"worker_slices: give a number of slices >= 1, got {count!r}")
+    if backend == "ray":
+        return WorkerSlices(count, _ray_hosts("worker_accelerator_type", kind))
     if backend != "cloud_tpu":
         return WorkerSlices(count, 1)  # a local slice is this machine, one host, whatever type
     try:

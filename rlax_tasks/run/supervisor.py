@@ -229,25 +229,11 @@ class Supervisor:
         """Raises ComponentFailed when restarting ``c`` (exited with ``code``) will not help."""
         path = self.log_path(c.name)
         line = error_line(path, c.log_offset)
-        detail = _CLI_ERROR.sub("", line) if line else f"exited with code {code}"
+        detail = error_detail(line) or f"exited with code {code}"
         if code == 2:  # rlax's exit code for a user error: restarting won't help
             raise ComponentFailed(c.name, f"{c.name} failed: {detail} (log: {path})")
-        if c.restarts >= self.max_restarts:
-            raise ComponentFailed(
-                c.name, f"{c.name} died {c.restarts + 1} times; giving up; last: {detail} "
-                f"(log: {path})",
-            )  # fmt: skip
-        if code < 0 or code == 0 or not line or _TRANSIENT.search(line):
-            c.last_failure = None  # killed by a signal, or not its own fault: not a streak
-            return
-        progress = self.progress() if self.progress is not None else None
-        if c.last_failure == (line, progress):
-            raise ComponentFailed(
-                c.name,
-                f"{c.name} failed twice in a row with the same error and no progress in "
-                f"between: {detail} (log: {path})",
-            )
-        c.last_failure = (line, progress)
+        own = code > 0  # killed by a signal, or exit 0: not a streak
+        judge_restart(c, line if own else "", detail, path, self.max_restarts, self.progress)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to a component's process group (chaos tests, preemption drills)."""
@@ -272,6 +258,40 @@ class Supervisor:
             # (only groups whose leader was running just now: a long-gone leader's id may be
             # another process's by now)
             _kill_group(c.proc)
+
+
+def judge_restart(
+    c: Component,
+    line: str,
+    detail: str,
+    path: str,
+    max_restarts: int,
+    progress: Callable[[], Any] | None,
+) -> None:
+    """Raises ComponentFailed when ``c`` ended ``max_restarts`` times, or ended with the same
+    error ``line`` twice in a row with the same ``progress()`` in between; ``line`` "": an end
+    that is not its own failure, which ends a streak, as does an error that depends on another
+    component's timing. ``detail``: the error for the message."""
+    if c.restarts >= max_restarts:
+        raise ComponentFailed(
+            c.name, f"{c.name} died {c.restarts + 1} times; giving up; last: {detail} (log: {path})"
+        )
+    if not line or _TRANSIENT.search(line):
+        c.last_failure = None
+        return
+    now = progress() if progress is not None else None
+    if c.last_failure == (line, now):
+        raise ComponentFailed(
+            c.name,
+            f"{c.name} failed twice in a row with the same error and no progress in between: "
+            f"{detail} (log: {path})",
+        )
+    c.last_failure = (line, now)
+
+
+def error_detail(line: str) -> str:
+    """An error line of a log as a message says it: without its ``rlax <cmd>: error:`` prefix."""
+    return _CLI_ERROR.sub("", line)
 
 
 def error_line(path: str, offset: int = 0) -> str:

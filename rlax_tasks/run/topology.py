@@ -40,6 +40,21 @@ class WorkerSlices:
         return worker_slice(worker // self.hosts), (worker % self.hosts,)
 
 
+def worker_place(
+    cfg: Any, worker: int, worker_slices: WorkerSlices | None = None
+) -> tuple[str, tuple[int, ...]]:
+    """(slice role, hosts) of worker ``worker``: on its own slice (``worker_slices``), else on
+    the trainer slice: with placement.hosts H > 1 on its host (one per device list of
+    placement.workers on each), else on host 0."""
+    if worker_slices is not None:
+        return worker_slices.place(worker)
+    p = cfg.placement
+    if p.hosts > 1:
+        per_host = len(p.workers) if p.workers else max(1, cfg.workers.count // p.hosts)
+        return TRAINER_SLICE, (min(worker // per_host, p.hosts - 1),)
+    return TRAINER_SLICE, (0,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ports:
     """The ports the run's services listen on (chosen by the launcher)."""
@@ -189,11 +204,7 @@ def plan_topology(
         ),
     ]  # fmt: skip
     for i, wid in enumerate(wids):
-        where = (
-            {}
-            if worker_slices is None
-            else dict(zip(("slice", "hosts"), worker_slices.place(i), strict=True))
-        )
+        where = dict(zip(("slice", "hosts"), worker_place(cfg, i, worker_slices), strict=True))
         jobs.append(
             Job(
                 wid,

@@ -12,6 +12,7 @@ from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning
 from rlax_tasks.compute import tpu_types
 from rlax_tasks.run import slices
+from rlax_tasks.run.topology import WorkerSlices
 
 
 def _refusal(*args) -> str:
@@ -72,6 +73,24 @@ def test_trainer_hosts_must_match_the_hosts_of_the_type():
     assert _refusal("v5litepod-16", None, 2, "cloud_tpu").endswith(
         'set overrides {"trainer.hosts": 4}'
     )
+
+
+def test_ray_slice_types_are_checked_against_trainer_hosts():
+    assert slices.check_slice("2xcpu", None, 2, "ray") == ""
+    assert slices.check_slice("8xgpu-8", None, 8, "ray") == ""
+    assert slices.check_slice("v5litepod-16", None, 4, "ray") == ""  # a TPU type: 4 hosts
+    assert _refusal("2xgpu-8", None, 4, "ray") == (
+        "accelerator_type: 2xgpu-8 has 2 hosts but trainer.hosts is 4: set overrides "
+        '{"trainer.hosts": 2} or pick a 4-host type (4xgpu-8)'
+    )
+    assert _refusal("cpu", None, 2, "ray").endswith("or pick a 2-host type (2xcpu)")
+    assert _refusal("h100", None, 1, "ray").startswith(
+        "accelerator_type: accelerator_type='h100' is not a Ray slice type: use cpu, gpu-G"
+    )
+    # worker slices: one worker per host of each
+    assert slices.worker_slice_layout("2xgpu-4", 3, "ray") == WorkerSlices(3, 2)
+    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: "):
+        slices.worker_slice_layout("gpu", 1, "ray")
 
 
 def test_local_backend_keeps_ignoring_the_accelerator_type():

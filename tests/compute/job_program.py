@@ -1,6 +1,8 @@
 """A stand-in for `rlax <argv>` in backend tests: cheap to start, with controllable outcomes.
 
 ``job_program.py exit K``          exits with code K
+``job_program.py fail MESSAGE``    ends as an uncaught error does: "RuntimeError: MESSAGE" as the
+                                   last line of its stderr, exit code 1
 ``job_program.py env NAME``        prints NAME=<its value in the environment>
 ``job_program.py sleep S``         sleeps S seconds, then exits 0
 ``job_program.py group S [P K]``   prints the variables the node agent sets (worker, host address,
@@ -38,6 +40,9 @@ def main(argv: list[str]) -> int:
     if cmd == "exit":
         print(f"exiting with {argv[1]}", file=sys.stderr)
         return int(argv[1])
+    if cmd == "fail":
+        print(f"Traceback (most recent call last):\nRuntimeError: {argv[1]}", file=sys.stderr)
+        return 1
     if cmd == "env":
         print(f"{argv[1]}={os.environ.get(argv[1], '')}")
         return 0

@@ -3,7 +3,12 @@ the first import of airflow anywhere in the session)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -28,3 +33,58 @@ def read_jsonl(path: str) -> list[dict]:
             return [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
+
+
+# the rlax_train drills' run: a 2-host trainer (2 forced CPU devices per host: a 1 x 4 mesh) and
+# one worker on a slice of its own, 4 prompts of 4 samples a step, a checkpoint every step
+DRILL_OVERRIDES = {
+    "placement.mode": "disaggregated",
+    "trainer.hosts": 2,
+    "placement.trainer": [0, 1],
+    "trainer.checkpoint_every": 1,
+    "rollout.prompts_per_step": 4,
+    "rollout.group_size": 4,
+    "workers.slots": 16,
+    "eval.num_prompts": 8,
+    "eval.num_samples": 2,
+    "eval.ks": [1, 2],
+}
+
+
+def drill_dag(monkeypatch, tmp_path, connection: dict):
+    """The rlax_train DAG as a task runs it with ``connection`` as its compute Connection (the
+    environment's RLAX_BACKEND / RLAX_BACKEND_SETTINGS are only the fallback without one),
+    retries after 1 s, slices and jobs checked every second, devices from placement only."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from rlax_tasks.airflow import dag_support
+    from tests.conftest import TEST_XLA_FLAGS
+
+    monkeypatch.delenv("RLAX_BACKEND", raising=False)
+    monkeypatch.delenv("RLAX_BACKEND_SETTINGS", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_RLAX_COMPUTE", json.dumps(connection))
+    monkeypatch.setenv("RLAX_RETRY_DELAY_S", "1")
+    monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "10")
+    monkeypatch.setenv("RLAX_POLL_INTERVAL_S", "1")
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
+    monkeypatch.chdir(tmp_path)
+    importlib.reload(dag_support)  # re-read the settings above
+    return DagBag(dag_folder=DAGS).dags["rlax_train"]
+
+
+def when_trained(run_dir: str, step: int, action: Callable[[int], None]) -> threading.Thread:
+    """A started thread that calls ``action(last step)`` once the run has trained ``step``
+    steps (join it after the run)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            steps = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+            if steps and max(steps) >= step:
+                action(max(steps))
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

@@ -7,18 +7,13 @@ step applied once, the services found again at their new addresses."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import threading
-import time
 
 import pytest
 
-from rlax_tasks.rundir import storage
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
-from tests.conftest import TEST_XLA_FLAGS
-from tests.dags.conftest import DAGS, read_jsonl
+from tests.dags.conftest import DRILL_OVERRIDES, drill_dag, read_jsonl, when_trained
 
 STEPS = 4
 RUN_ID = "tpurun"
@@ -34,27 +29,11 @@ def _published(run_dir: str, job: str) -> str | None:
         return None
 
 
-def _preempt_when_training(url: str, run_dir: str, seen: dict) -> None:
-    """Preempts the trainer slice once the run applied 2 steps, noting where the PS was."""
-    deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline:
-        steps = [r["step"] for r in storage.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
-        if steps and max(steps) >= 2:
-            seen["ps_before"] = _published(run_dir, "ps")
-            seen["trainer_before"] = _published(run_dir, "trainer")
-            seen["step"] = max(steps)
-            preempt(url, TRAINER_SLICE)
-            return
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypatch, airflow_db):
-    from airflow.dag_processing.dagbag import DagBag
     from airflow.utils.state import DagRunState
 
-    from rlax_tasks.airflow import dag_support
     from tests.tiny_model import save_char_model
 
     run_root = str(tmp_path / "runs")
@@ -63,28 +42,22 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     save_char_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
         settings = fake_backend_settings(url)  # run_root: the run's, added by dag_support
-        # the backend and its settings come from a Google Cloud Connection (the environment's
-        # RLAX_BACKEND / RLAX_BACKEND_SETTINGS are only the fallback without one)
-        monkeypatch.delenv("RLAX_BACKEND", raising=False)
-        monkeypatch.delenv("RLAX_BACKEND_SETTINGS", raising=False)
-        connection = {"conn_type": "google_cloud_platform", "extra": settings}
-        monkeypatch.setenv("AIRFLOW_CONN_RLAX_COMPUTE", json.dumps(connection))
         # the run_root Param, not the environment the DAG file was parsed in, places the run
         # and its slices' control directories
         elsewhere = tmp_path / "parse-time-root"
         monkeypatch.setenv("RLAX_RUN_ROOT", str(elsewhere))
-        monkeypatch.setenv("RLAX_RETRY_DELAY_S", "1")
-        monkeypatch.setenv("RLAX_SIBLING_GRACE_S", "10")
-        monkeypatch.setenv("RLAX_POLL_INTERVAL_S", "1")  # slices and jobs checked every second
-        monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # devices: from placement only
-        monkeypatch.chdir(tmp_path)
-        importlib.reload(dag_support)  # re-read the settings above
-        dag = DagBag(dag_folder=DAGS).dags["rlax_train"]
+        # the backend and its settings come from a Google Cloud Connection
+        connection = {"conn_type": "google_cloud_platform", "extra": settings}
+        dag = drill_dag(monkeypatch, tmp_path, connection)
         seen: dict = {}
-        preempter = threading.Thread(
-            target=_preempt_when_training, args=(url, run_dir, seen), daemon=True
-        )
-        preempter.start()
+
+        def preempt_trainer_slice(step: int) -> None:
+            seen["ps_before"] = _published(run_dir, "ps")
+            seen["trainer_before"] = _published(run_dir, "trainer")
+            seen["step"] = step
+            preempt(url, TRAINER_SLICE)
+
+        preempter = when_trained(run_dir, 2, preempt_trainer_slice)
         conf = {
             "run_root": run_root,
             "run_id": RUN_ID,
@@ -93,18 +66,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
             "accelerator_type": "v4-16",  # 2 hosts
             "worker_accelerator_type": "v4-8",  # 1 host: 1 worker
             "worker_slices": 1,
-            "overrides": {
-                "placement.mode": "disaggregated",  # separate jobs on two kinds of slice
-                "trainer.hosts": 2,
-                "placement.trainer": [0, 1],  # 2 forced CPU devices per host: a 1 x 4 mesh
-                "trainer.checkpoint_every": 1,
-                "rollout.prompts_per_step": 4,
-                "rollout.group_size": 4,
-                "workers.slots": 16,
-                "eval.num_prompts": 8,
-                "eval.num_samples": 2,
-                "eval.ks": [1, 2],
-            },
+            "overrides": DRILL_OVERRIDES,
         }
         dr = dag.test(run_conf=conf)
         preempter.join(timeout=5)

@@ -31,7 +31,7 @@ LOCKSTEP = {  # on-policy (j = k = 1): the rollouts, hence the weights, do not d
 STEPS = 5  # past the last periodic checkpoint (4): the final one is the trainer's clean stop
 
 
-def _exported(run_dir: str, out: str, capsys) -> dict[str, np.ndarray]:
+def exported(run_dir: str, out: str, capsys) -> dict[str, np.ndarray]:
     """The tensors `rlax export` writes for the run's newest checkpoint: its final step's."""
     assert is_complete_checkpoint(os.path.join(run_dir, "checkpoints", str(STEPS)))
     capsys.readouterr()
@@ -77,8 +77,8 @@ def test_two_trainer_hosts_match_one_and_survive_a_host_kill(tmp_path, monkeypat
     ref_lineage = read_jsonl(os.path.join(one.run_dir, "lineage.jsonl"))
     assert [r["prompt_ids"] for r in lineage] == [r["prompt_ids"] for r in ref_lineage]
 
-    a = _exported(one.run_dir, str(tmp_path / "export-one"), capsys)
-    b = _exported(two.run_dir, str(tmp_path / "export-two"), capsys)
+    a = exported(one.run_dir, str(tmp_path / "export-one"), capsys)
+    b = exported(two.run_dir, str(tmp_path / "export-two"), capsys)
     assert a.keys() == b.keys() and a
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
