@@ -225,10 +225,13 @@ def rlax_train():
     # the trainer slice and the worker slices, as plan checked them (types, runtime versions)
     slices = rc.provision_slices("provision", root, p["slices"], p["run_id"])
     everything, h = slices.output, slices.output["trainer"]
+    # the trainer slice's host 0, or under a trainer over several TPU hosts the first worker
+    # slice's (libtpu runs no process on one host of a multi-host slice alone)
+    on = slices.output["evaluation"]
     base = base_eval(p)  # beside provisioning: it needs no slice
     # the starting weights on the trainer's devices, before training takes them
     evaluate_base = rc.job(
-        "evaluate_base", root, h, base["argv"], p["env"], poll_interval_s=EVAL_POLL_S
+        "evaluate_base", root, on, base["argv"], p["env"], poll_interval_s=EVAL_POLL_S
     )
     started = start_services(p, everything)
     evaluate_base >> record_base_eval(base) >> started
@@ -241,7 +244,7 @@ def rlax_train():
     controller = rc.job("controller", root, h, p["argv_controller"], p["env_controller"], **watch)
     stop = finish(p, everything["all"])
     final_eval = eval_argv(p)
-    evaluate = rc.job("evaluate", root, h, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
+    evaluate = rc.job("evaluate", root, on, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
     p >> slices >> started >> [ps, trainer, workers, controller]
     controller >> stop >> final_eval >> evaluate >> report(p) >> cleanup

@@ -54,6 +54,11 @@ def key(command: str) -> str:
 # Commands that cannot run on a CI machine, with the reason (and the test that covers the same
 # thing where one does).
 NOT_RUN = {
+    ".venv/bin/rlax run --preset qwq-32b-code --run-root /mnt/shared/runs --backend ray "
+    "--address 10.0.0.2:6379": (
+        "needs a Ray cluster of 8 GPU nodes; the same command on a local multi-node Ray cluster "
+        "runs in tests/run/test_ray_run.py (a 2-host trainer, its weights equal the local run's)"
+    ),
     "bash scripts/setup.sh && .venv/bin/rlax airflow train": (
         "setup.sh installs into this machine (.ci/run runs it, with --test); the main job's "
         "300 steps run in tests/airflow_ops/test_airflow_train_cli.py (`rlax airflow train "
@@ -213,6 +218,12 @@ RUN = {
     ".venv/bin/rlax run --preset qwq-32b-code --dry-run": Run(FITS),
     ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo-tpu --dry-run": Run(
         _says("verdict: fits v5p", "TPU_VISIBLE_CHIPS=0,1")
+    ),
+    ".venv/bin/rlax run --preset qwen2.5-math-1.5b-grpo-tpu-2host --dry-run": Run(
+        _says("verdict: fits v5p", "tpu 0-3 × 2 hosts")
+    ),
+    ".venv/bin/rlax run --preset qwq-32b-code --dry-run --backend ray": Run(
+        _says("slice trainer (8xgpu-8) host 7: trainer (host 7 of 8)", "verdict: fits")
     ),
     ".venv/bin/rlax run --config my.yaml --dry-run --model-config path/to/config.json": Run(
         _says("verdict: fits", "path/to/config.json"), _my_config

@@ -193,7 +193,7 @@ def plan_training(
     from rlax_tasks.run.memory_plan import PlanDoesNotFit
     from rlax_tasks.run.placement import COLOCATED, is_colocated
     from rlax_tasks.run.preflight import DatasetError
-    from rlax_tasks.run.topology import Job
+    from rlax_tasks.run.topology import TRAINER_SLICE, Job
     from rlax_tasks.services.http import run_token
 
     run_root = params.get("run_root") or default_run_root()
@@ -262,9 +262,16 @@ def plan_training(
         run_slices(trainer_type, runtime_version, worker_type, layout, backend),
         provisioning,
     )
-    return _plan_xcoms(
+    evaluation = slices.evaluation_slice(cfg, backend, layout)
+    for s in planned:  # ProvisionSlicesOperator's output["evaluation"]: that slice's handle
+        if s["role"] == evaluation and evaluation != TRAINER_SLICE:
+            s["evaluation"] = True
+    xcoms = _plan_xcoms(
         cfg, int(steps), config_path, topology, jobs, runtime_version, planned, is_colocated(cfg)
     )
+    if evaluation != TRAINER_SLICE:  # the evaluations take the first worker's devices
+        xcoms["env"] = xcoms["envs"]["worker-0"]
+    return xcoms
 
 
 def _plan_xcoms(

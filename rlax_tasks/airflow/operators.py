@@ -237,10 +237,11 @@ class ProvisionSliceOperator(_BackendOperator):
 
 class ProvisionSlicesOperator(_BackendOperator):
     """Provisions the slices of a run at once (idempotent by name) and returns, once every one
-    is READY, ``{role: handle dict, ..., "all": [handle dicts]}`` (``multiple_outputs``: each
-    role is an XCom key). ``slices``: [{"role", "name", "accelerator_type", "runtime_version"}]
-    (``rlax_tasks.airflow.dag_support.plan_slices``); a slice that fails fails the task
-    (retryable)."""
+    is READY, ``{role: handle dict, ..., "all": [handle dicts], "evaluation": handle dict}``
+    (``multiple_outputs``: each role is an XCom key; ``evaluation``: the slice marked
+    ``"evaluation": true``, else the first). ``slices``: [{"role", "name", "accelerator_type",
+    "runtime_version"}] (``rlax_tasks.airflow.dag_support.plan_slices``); a slice that fails
+    fails the task (retryable)."""
 
     template_fields = ("slices", "labels", "backend_settings")
 
@@ -271,7 +272,9 @@ class ProvisionSlicesOperator(_BackendOperator):
                 handles[s["role"]] = backend.provision(spec).to_dict()
             except (ValueError, FileNotFoundError, KeyError) as e:
                 raise AirflowFailException(f"{self.task_id}: slice {s!r}: {e}") from None
-        return self._wait(context, backend, handles)
+        out = self._wait(context, backend, handles)
+        marked = [handles[s["role"]] for s in slices if s.get("evaluation")]
+        return {**out, "evaluation": (marked or out["all"])[0]}
 
     def _wait(self, context: Any, backend: Any, handles: dict[str, dict]) -> dict[str, Any]:
         """Defers on the first slice still PROVISIONING until none is; fails on a lost one."""

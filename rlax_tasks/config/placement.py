@@ -220,8 +220,12 @@ def resolve_placement(run: RunConfig) -> None:
         except ConfigError as e:
             raise e.under("placement") from None
         set_field(run, "placement", p)
+    # a trainer over several TPU hosts leaves them no chip: each worker takes every chip of a
+    # host of its own slice (placement.workers null)
+    multi_host_tpu = p.platform == "tpu" and run.trainer.hosts > 1
     if p.mode == "disaggregated" and p.platform in ("gpu", "tpu") and p.workers is None:
-        raise ConfigError("placement.workers", _missing_worker_devices(run))
+        if not multi_host_tpu:
+            raise ConfigError("placement.workers", _missing_worker_devices(run))
     if run.workers.count is None:
         if p.mode == "colocated":
             count = 1
@@ -265,6 +269,8 @@ def check_run_placement(run: RunConfig) -> None:
             f"lists {per_host} worker(s) but workers.count is {run.workers.count}: give "
             f"one device list per worker{' of a host' if p.hosts > 1 else ''}",
         )
+    if p.platform == "tpu" and run.trainer.hosts > 1:
+        _check_multi_host_tpu(run)
     if p.trainer is not None:
         n = run.trainer.hosts * len(p.trainer)
         try:
@@ -283,6 +289,26 @@ def check_run_placement(run: RunConfig) -> None:
                 "workers.mesh_shape",
                 f"{e}: worker list placement.workers[{i}] has {len(devices)} device(s)",
             ) from None
+
+
+# the chips of each host of a multi-host Cloud TPU slice (every family: rlax_tasks/compute/
+# tpu_types.py)
+TPU_MULTI_HOST_CHIPS = (0, 1, 2, 3)
+
+
+def _check_multi_host_tpu(run: RunConfig) -> None:
+    """A trainer over several TPU hosts is one libtpu slice over every chip of its hosts (libtpu
+    reads the slice's shape from the TPU VM; a process cannot take part of a multi-host slice):
+    it lists all the chips of a host. Its workers run on slices of their own (the DAG's plan
+    checks: ``rlax_tasks.run.slices.evaluation_slice``)."""
+    p = run.placement
+    if p.trainer != TPU_MULTI_HOST_CHIPS:
+        raise ConfigError(
+            "placement.trainer",
+            f"is {list(p.trainer or ())}, but a trainer over {run.trainer.hosts} TPU hosts is one "
+            f"libtpu slice over every chip of its hosts: give all of a host's, "
+            f"{list(TPU_MULTI_HOST_CHIPS)} (the workers run on slices of their own)",
+        )
 
 
 def _missing_worker_devices(run: RunConfig) -> str:

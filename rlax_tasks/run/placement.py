@@ -150,6 +150,10 @@ def job_env(cfg: Any, job: str, environ: Mapping[str, str] | None = None) -> dic
         return {"JAX_PLATFORMS": "cpu", **expected, "XLA_FLAGS": _cpu_xla_flags(count, inherited)}
     if p.platform == "auto" or devices is None:
         return expected
+    if p.platform == "tpu" and job == "trainer" and cfg.trainer.hosts > 1:
+        # one libtpu slice over every chip of every host: libtpu reads its shape (bounds, this
+        # host's task id, its peers) from the TPU VM, the same on each host
+        return expected
     if p.platform == "gpu":
         return {
             "CUDA_VISIBLE_DEVICES": _ids(devices),

@@ -166,6 +166,30 @@ def worker_slice_layout(
     return WorkerSlices(count, hosts)
 
 
+def evaluation_slice(cfg: Any, backend: str, layout: WorkerSlices | None) -> str:
+    """The role of the slice the held-out evaluation runs on (on its host 0): the trainer's,
+    except under a trainer over several TPU hosts, which is one libtpu slice over every chip of
+    them (a process on one host alone waits for the others): the first worker slice's. Such a
+    trainer needs its workers on slices of their own, each on every chip of its host: PlanError
+    naming ``worker_accelerator_type`` or ``placement.workers`` otherwise."""
+    p = cfg.placement
+    on_tpu = p.platform == "tpu" or (p.platform == "auto" and backend == "cloud_tpu")
+    if cfg.trainer.hosts == 1 or not on_tpu:
+        return TRAINER_SLICE
+    if layout is None:
+        raise PlanError(
+            f"worker_accelerator_type: a trainer over {cfg.trainer.hosts} TPU hosts takes every "
+            "chip of its slice: give the workers slices of their own (e.g. v5p-8; the held-out "
+            "evaluation runs on the first)"
+        )
+    if p.workers is not None:
+        raise PlanError(
+            f"placement.workers: under a trainer over {cfg.trainer.hosts} TPU hosts each worker "
+            "takes every chip of a host of its own slice: leave placement.workers out (null)"
+        )
+    return worker_slice(0)
+
+
 def run_slices(
     accelerator_type: str,
     trainer_runtime: str,

@@ -214,6 +214,34 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
         rc.plan_training({**params, "worker_accelerator_type": "cpu"}, "manual__c")
 
 
+def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slice(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps({"api_endpoint": "http://127.0.0.1:1"}))
+    overrides = {
+        "placement.mode": "disaggregated",
+        "placement.platform": "tpu",
+        "trainer.hosts": 2,
+        "placement.trainer": [0, 1, 2, 3],
+        "trainer.mesh_shape": [1, -1, 1],
+        "workers.count": 2,
+    }
+    params = tiny_params(tmp_path, "r1", accelerator_type="v5p-16", overrides=overrides)
+    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: a trainer over 2 TPU hosts"):
+        rc.plan_training(params, "manual__a")
+    listed = {**overrides, "placement.workers": [[4], [5]]}
+    with pytest.raises(rc.PlanError, match="^placement.workers: under a trainer over 2 TPU hosts"):
+        rc.plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
+                          "worker_slices": 2}, "manual__c")  # fmt: skip
+    p = rc.plan_training(
+        {**params, "worker_accelerator_type": "v5p-8", "worker_slices": 2}, "manual__b"
+    )
+    assert [s["role"] for s in p["slices"] if s.get("evaluation")] == ["workers-0"]
+    assert p["env"] == p["envs"]["worker-0"] != p["envs"]["trainer"]
+    assert not [k for k in p["env_trainer"] if k.startswith("TPU_")]  # libtpu: the whole slice
+
+
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
     params = tiny_params(
         tmp_path, "r2", num_workers=2, overrides={"placement.mode": "disaggregated"}

@@ -409,6 +409,13 @@ def test_a_runs_slices_are_provisioned_together_and_torn_down_together(local):
     out = run_deferrable(op, context())
     assert [out["trainer"]["name"], out["workers-0"]["name"]] == [s["name"] for s in slices]
     assert out["all"] == [out["trainer"], out["workers-0"]]
+    assert out["evaluation"] == out["trainer"]  # no slice marked: the first
+    marked = [slices[0], {**slices[1], "evaluation": True}]
+    again = ProvisionSlicesOperator(
+        task_id="provision", backend="local", backend_settings=local, slices=marked,
+        labels={"rlax-run-id": "r1"}, poll_interval_s=0.1,
+    )  # fmt: skip
+    assert run_deferrable(again, context())["evaluation"] == out["workers-0"]  # (idempotent)
     backend = get_backend("local", **local)
     assert {backend.slice_state(h) for h in out["all"]} == {SliceState.READY}
     # a worker on its own slice, on the host its plan names

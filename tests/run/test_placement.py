@@ -84,6 +84,36 @@ def test_tpu_jobs_get_their_own_chips_as_single_process_slices():
     assert envs["ps"] == envs["controller"] == {"JAX_PLATFORMS": "cpu"}
 
 
+def test_a_trainer_over_tpu_hosts_is_one_slice_over_every_chip_of_them():
+    """libtpu reads a multi-host slice's shape from the TPU VM: the trainer's hosts get none of
+    the one-host sub-slice variables (each its own slice of 1,1,1 would be H slices), and the
+    workers, on slices of their own, take every chip of their host."""
+    two = load_config("qwen2.5-math-1.5b-grpo-tpu-2host")
+    envs = job_envs(two, environ={})
+    for job in ("trainer", "worker-0", "worker-1"):
+        assert not [k for k in envs[job] if k.startswith(("TPU_", "CLOUD_TPU_"))], envs[job]
+    assert envs["trainer"]["RLAX_EXPECTED_DEVICES"] == "tpu 4"  # checked on each host
+    assert envs["worker-0"]["RLAX_EXPECTED_DEVICES"] == "tpu any"
+    one = job_envs(load_config("qwen2.5-math-1.5b-grpo-tpu"), environ={})
+    assert one["trainer"]["TPU_PROCESS_BOUNDS"] == "1,1,1"  # one host split between processes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"placement.trainer": [0, 1]},
+         r"^placement.trainer: is \[0, 1\], but a trainer over 2 TPU hosts is one libtpu slice"),
+        ({"placement.workers": [[0, 1, 2, 3]]},
+         r"^placement.workers\[0\]: TPU chip 0 is also the trainer's"),
+        ({"placement.workers": [[0]], "placement.trainer": [0, 1, 2, 3]},
+         r"^placement.workers\[0\]: TPU chip 0 is also the trainer's"),
+    ],
+)  # fmt: skip
+def test_a_trainer_over_tpu_hosts_cannot_share_them(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("qwen2.5-math-1.5b-grpo-tpu-2host", overrides)
+
+
 def test_cpu_forces_cpu_and_auto_forces_nothing():
     tiny = load_config("tiny-arith")  # the embedded default behaves as before
     assert tiny.placement.platform == "cpu"
