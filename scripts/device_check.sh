@@ -50,16 +50,19 @@ else
 fi
 if [[ "$platform" == gpu ]]; then
   # the tiny preset end to end on GPU 0: trainer and worker as two processes sharing the one GPU
-  # (each XLA_PYTHON_CLIENT_MEM_FRACTION 0.45), then colocated in one process
+  # (each XLA_PYTHON_CLIENT_MEM_FRACTION 0.45), then colocated in one process with the held-out
+  # evaluation before and after, as a job of its own on the GPU (`rlax heldout`)
   runs=$(mktemp -d)
   gpu_run() {  # gpu_run NAME SETTINGS...: 4 steps of tiny-arith, its metrics and logs kept
     local name=$1; shift
     step "$name" 150 $py -m rlax_tasks.cli run --run-root "$runs" --run-id "$name" --steps 4 \
-      --no-eval --set placement.platform=gpu --set 'placement.trainer=[0]' "$@"
+      --set placement.platform=gpu --set 'placement.trainer=[0]' "$@"
     cp "$runs/$name/metrics.jsonl" "$out/$name-metrics.jsonl" 2>/dev/null
+    cp "$runs/$name/eval/heldout_scores.jsonl" "$out/$name-heldout.jsonl" 2>/dev/null
     tail -n 20 "$runs/$name"/logs/*.log > "$out/$name-jobs.log" 2>/dev/null
   }
-  gpu_run e2e-shared-gpu --set placement.mode=disaggregated --set 'placement.workers=[[0]]'
+  gpu_run e2e-shared-gpu --no-eval --set placement.mode=disaggregated \
+    --set 'placement.workers=[[0]]'
   gpu_run e2e-colocated
 else
   skipped+=("tiny-arith end to end on one GPU (the suite runs it on $platform)")
