@@ -28,6 +28,7 @@ from rlax_tasks.compute import (
     SliceState,
     jobstatus,
 )
+from rlax_tasks.compute.ray_cluster import slice_shape
 from rlax_tasks.compute.types import RUN_ID_LABEL, slice_name
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_devices
 from rlax_tasks.run.supervisor import (
@@ -94,7 +95,7 @@ def node_plan(cfg: Any) -> list[str]:
     devices (`rlax run --backend ray --dry-run`)."""
     slices = run_slices(cfg)
     jobs: dict[tuple[str, int], list[str]] = {
-        (role, h): [] for role, kind in slices.types.items() for h in range(slice_hosts(kind))
+        (role, h): [] for role, kind in slices.types.items() for h in range(slice_shape(kind).hosts)
     }
     main = COLOCATED if is_colocated(cfg) else "trainer"
     for h in range(cfg.trainer.hosts):
@@ -110,12 +111,6 @@ def node_plan(cfg: Any) -> list[str]:
         f"slice {role} ({slices.types[role]}) host {h}: " + ", ".join(names)
         for (role, h), names in jobs.items()
     ]
-
-
-def slice_hosts(accelerator_type: str) -> int:
-    """The hosts of a slice type ``run_slices`` names (``NxKIND`` or ``KIND``)."""
-    count, sep, _ = accelerator_type.partition("x")
-    return int(count) if sep else 1
 
 
 def _devices(cfg: Any, job: str) -> str:
