@@ -43,7 +43,9 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    the worker index) and **controller** watch them — long-running `rlax` jobs watched by
    deferrable triggers. A preempted or killed job is retried and resumes from the newest
    checkpoint, controller snapshot and weight mirror; a configuration error fails without
-   retries. The service watchers end (stopping their job) once the controller has succeeded.
+   retries. The service watchers end (stopping their job) once the controller has succeeded,
+   and fail (stopping it too) once another job's task has failed for good: the run does not
+   wait forever, holding its slices, for a job nobody will restart.
    A colocated run (`placement.mode: colocated`, the tiny preset's) is one job — trainer,
    sampler, parameter server and controller in one process — watched by **controller**; the
    ps, trainer and worker tasks are skipped.

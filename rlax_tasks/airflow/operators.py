@@ -7,6 +7,7 @@ rebuild them anywhere (``rlax_tasks.compute.get_backend``). A retry re-provision
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from datetime import UTC, datetime, timedelta
@@ -33,6 +34,8 @@ from rlax_tasks.compute import (
 from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE
 from rlax_tasks.rundir import storage
 
+log = logging.getLogger(__name__)
+
 
 class JobPreemptedError(AirflowException):
     """The job or its slice was taken away; a retry resumes it (retryable)."""
@@ -58,6 +61,27 @@ def _as_handle_dict(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AirflowFailException(f"{field} must be a slice handle dict, got {type(value)}")
     return value
+
+
+def failed_sibling_tasks(context: Any, siblings: list[str]) -> list[str]:
+    """The tasks of this DAG run that run the jobs named ``siblings`` and failed for good (their
+    retries spent), as Airflow keys them (``task``, ``task_<map index>``); [] where the run's
+    task states cannot be read."""
+    ti, dag_run = context.get("ti"), context.get("dag_run")
+    if ti is None or dag_run is None or not hasattr(ti, "get_task_states"):
+        return []
+    try:
+        runs = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id])
+    except Exception as e:  # noqa: BLE001 - a watcher that cannot tell goes on watching
+        log.warning("could not read the task states of run %s: %s", dag_run.run_id, e)
+        return []
+    failed = []
+    for key, state in (runs.get(dag_run.run_id) or {}).items():
+        mapped = re.fullmatch(r"(.+)_(\d+)", key)
+        name = job_name_for(mapped[1], int(mapped[2])) if mapped else job_name_for(key)
+        if state == "failed" and name in siblings:
+            failed.append(key)
+    return sorted(failed)
 
 
 def job_name_for(task_id: str, map_index: int = -1) -> str:
@@ -469,6 +493,15 @@ class RlaxJobOperator(_BackendOperator):
             self.log.info("job %s stopped: %s", event["job"]["name"], event["message"])
             return {"job": event["job"], "exit_code": None, "message": event["message"]}
         if event.get("state") == "SIBLING_LOST":
+            siblings = [name for name in self._started() if name != event["job"].get("name")]
+            if failed := failed_sibling_tasks(context, siblings):
+                # nobody will restart it: waiting would hold the run (and its slices) forever
+                self._backend().stop_job(event["job"])
+                raise AirflowFailException(
+                    f"{self.task_id}: {event['message']}, and task(s) {', '.join(failed)} of "
+                    f"this run failed for good: stopped job {event['job'].get('name')} (clear "
+                    "the failed tasks to run again)"
+                )
             # give way without using a retry: the task comes back and watches its job again
             self.log.warning("%s; rescheduling so that its task can restart it", event["message"])
             raise AirflowRescheduleException(

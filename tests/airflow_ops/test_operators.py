@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import signal
+import types
 from typing import Any
 
 import pytest
@@ -41,13 +42,24 @@ from tests.compute.helpers import (
 
 
 class _TI:
-    def __init__(self, map_index: int = -1) -> None:
+    """What an operator reads of its task instance (the task runner's RuntimeTaskInstance):
+    its map index, try number and, with ``states``, the run's task states."""
+
+    def __init__(self, map_index: int = -1, states: dict[str, str] | None = None) -> None:
         self.map_index = map_index
         self.try_number = 1
+        self.states = states
+
+    def get_task_states(self, dag_id: str, run_ids: list[str]) -> dict[str, dict[str, str]]:
+        assert dag_id == "rlax_train"
+        return {run_ids[0]: dict(self.states or {})}
 
 
-def context(map_index: int = -1) -> dict[str, Any]:
-    return {"ti": _TI(map_index)}
+def context(map_index: int = -1, states: dict[str, str] | None = None) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"ti": _TI(map_index, states)}
+    if states is not None:
+        ctx["dag_run"] = types.SimpleNamespace(dag_id="rlax_train", run_id="manual__1")
+    return ctx
 
 
 def rebuild(trigger):
@@ -305,9 +317,15 @@ def test_a_sibling_down_past_the_grace_time_makes_the_watcher_give_way(local):
     op = job_op(
         local, handle, ["sleep", "120"], task_id="ps", started_jobs=started, sibling_grace_s=0.5
     )
-    with pytest.raises(AirflowRescheduleException):  # gives way without using a retry
-        run_deferrable(op, context())
+    # its task is still retrying (up_for_retry): give way without using a retry
+    with pytest.raises(AirflowRescheduleException):
+        run_deferrable(op, context(states={"trainer": "up_for_retry", "worker_0": "failed"}))
     assert get_backend("local", **local).job_state(started["ps"]).state is JobState.RUNNING
+    # its task failed for good: nobody restarts it, so the watcher fails and stops its own job
+    # instead of holding the run (and its slices) forever
+    with pytest.raises(AirflowFailException, match=r"task\(s\) trainer of this run failed"):
+        run_deferrable(op, context(states={"trainer": "failed", "ps": "running"}))
+    assert get_backend("local", **local).job_state(started["ps"]).state is not JobState.RUNNING
     get_backend("local", **local).teardown(handle)
 
 
