@@ -21,8 +21,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from infra.fakes.tpu_catalog import Refused, check_node
 from infra.fakes.tpu_vm import FakeTpuVm, allocate_host_addresses, kill_hosts
-from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 from rlax_tasks.services.http import send_json
 
 log = logging.getLogger("fake_cloud_tpu")
@@ -105,9 +105,10 @@ class FakeCloudTpu:
         for field in ("acceleratorType", "runtimeVersion"):
             if not node.get(field):
                 raise ApiError(400, "INVALID_ARGUMENT", f"tpu.nodeSpec[0].node.{field} is required")
-        try:
-            tpu_type(node["acceleratorType"])
-        except UnknownAcceleratorError as e:
+        zone = parent.rsplit("/locations/", 1)[-1]
+        try:  # the fake's own catalogue (Google's documentation), not the product's table
+            check_node(node["acceleratorType"], zone, node["runtimeVersion"])
+        except Refused as e:
             raise ApiError(400, "INVALID_ARGUMENT", str(e)) from None
         scheduling = node.get("schedulingConfig", {})
         if scheduling.get("spot") and scheduling.get("reserved"):
@@ -266,7 +267,9 @@ class FakeCloudTpu:
                     node_name = self._node_name(qr)
                     node = dict(qr["tpu"]["nodeSpec"][0]["node"])
                     # a new VM per host, each with an address of its own (new ones every time)
-                    addresses = allocate_host_addresses(tpu_type(node["acceleratorType"]).hosts)
+                    zone = node_name.split("/locations/", 1)[1].split("/", 1)[0]
+                    hosts = check_node(node["acceleratorType"], zone, node["runtimeVersion"])
+                    addresses = allocate_host_addresses(hosts)
                     node.update(
                         name=node_name,
                         state="READY",

@@ -121,9 +121,12 @@ def read_vars(path: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
-def tpu_slice_spec(name: str, accelerator_type: str, runtime_version: str) -> Any:
-    """A ``SliceSpec`` of Cloud TPU type ``accelerator_type`` for run "r1"."""
+def tpu_slice_spec(name: str, accelerator_type: str, runtime_version: str, zone: str = "") -> Any:
+    """A ``SliceSpec`` of Cloud TPU type ``accelerator_type`` for run "r1" (``zone`` "": the
+    backend's)."""
     from rlax_tasks.compute import SliceSpec
 
     labels = {"rlax-run-id": "r1"}
-    return SliceSpec(name, accelerator_type, runtime_version=runtime_version, labels=labels)
+    return SliceSpec(
+        name, accelerator_type, runtime_version=runtime_version, labels=labels, zone=zone
+    )

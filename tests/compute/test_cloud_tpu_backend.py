@@ -3,6 +3,7 @@ of the Cloud TPU API; the slice control directory on a local GCS emulator (real 
 
 import dataclasses
 import os
+import re
 
 import pytest
 import requests
@@ -25,6 +26,7 @@ from tests.paramserver.helpers import gcs_emulator
 pytestmark = pytest.mark.slow
 
 SPEC = tpu_slice_spec("w0", "v5litepod-8", "v2-alpha-tpuv5-lite")
+ZONE = "us-west4-a"  # one that offers v5e (the helpers' default, us-central2-b, has v4 only)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,9 @@ def tpu(tmp_path_factory):
     test tears down the slices it provisioned."""
     logs = tmp_path_factory.mktemp("fake-logs")
     with gcs_emulator() as bucket, fake_cloud_tpu(str(logs)) as url:
-        settings = fake_backend_settings(url, run_root=f"{bucket}/runs", entrypoint=ENTRYPOINT)
+        settings = fake_backend_settings(
+            url, zone=ZONE, run_root=f"{bucket}/runs", entrypoint=ENTRYPOINT
+        )
         backend = get_backend("cloud_tpu", **settings)
         yield backend, url
 
@@ -56,7 +60,7 @@ def addresses(backend, handle):
 def test_lifecycle_and_outcomes(tpu):
     backend, url = tpu
     handle = backend.provision(SPEC)
-    assert handle.resource == "projects/proj/locations/us-central2-b/queuedResources/w0"
+    assert handle.resource == "projects/proj/locations/us-west4-a/queuedResources/w0"
     assert handle.root.startswith("gs://") and handle.root.endswith(handle.instance_id)
     assert backend.provision(SPEC) == handle  # idempotent by name
     assert backend.slice_state(handle) in (SliceState.PROVISIONING, SliceState.READY)
@@ -161,6 +165,28 @@ def test_reserved_capacity_service_account_and_network_reach_the_node(tpu):
                           timeout=5)  # fmt: skip
     assert reply.status_code == 400 and "both spot and reserved" in reply.text, reply.text
     backend.teardown(handle)
+
+
+@pytest.mark.parametrize(
+    ("accelerator_type", "runtime", "zone", "says"),
+    [
+        ("v5litepod-8", "v2-alpha-tpuv5-lite", "us-central2-b",
+         "Accelerator type v5litepod-8 is not available in zone us-central2-b"),
+        ("v4-8", "v2-alpha-tpuv5", "us-central2-b",
+         "Runtime version 'v2-alpha-tpuv5' is not supported for accelerator type v4-8"),
+        ("v6e-2", "v2-alpha-tpuv6e", "us-east5-a", "Invalid accelerator type: 'v6e-2'"),
+    ],
+)  # fmt: skip
+def test_what_the_real_api_refuses_the_fake_refuses_from_its_own_table(
+    tpu, accelerator_type, runtime, zone, says
+):
+    """The fake checks types, zones and runtimes against Google's documentation (its own
+    catalogue), not the product's table: the product learns of such a mistake as from the API."""
+    backend, _ = tpu
+    spec = tpu_slice_spec("w7", accelerator_type, runtime, zone=zone)
+    with pytest.raises(Exception, match=re.escape(says)):
+        backend.provision(spec)
+    assert "w7" not in [h.name for h in backend.list_slices({"rlax-run-id": "r1"})]
 
 
 def test_startup_script_is_sent_as_node_metadata(tpu):

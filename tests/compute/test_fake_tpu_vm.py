@@ -138,7 +138,7 @@ def test_every_host_of_every_node_creation_gets_an_address_of_its_own():
 
 def test_the_api_gives_each_host_its_address_and_a_re_created_node_new_ones(tmp_path):
     fake = FakeCloudTpu(provision_delay_s=0.0, run_agents=False, log_dir=str(tmp_path))
-    parent = "projects/p/locations/z"
+    parent = "projects/p/locations/us-central2-b"
     node = f"{parent}/nodes/n"
     body = {
         "tpu": {
