@@ -110,6 +110,7 @@ class ParameterServerClient:
         self.timeout_s, self.chunk_bytes, self.retries = timeout_s, chunk_bytes, retries
         self.push_wait_s = push_wait_s
         self._local = shm.host_identity() if shared_memory else ""
+        self._transport = ""  # how the last pull came: "shared memory" or "TCP"
         self._segments = shm.SegmentReader()  # the server's segments, mapped between pulls
         self.delta = delta
         self._held: HeldVersion | None = None  # taken by a pull while it rebuilds or replaces it
@@ -460,6 +461,10 @@ class ParameterServerClient:
             log.debug(
                 "pulled version %s through %s in %.2fs", version, how, time.perf_counter() - t0
             )
+            transport = how.split(" (", 1)[0]
+            if transport != self._transport:  # said once, and again when it changes
+                self._transport = transport
+                log.info("pulling weights from %s by %s", self.url, transport)
         finally:
             conn.close()
             if not consumed:  # no body used it (no version yet, refused, shared memory)

@@ -24,6 +24,7 @@ import google_crc32c
 import numpy as np
 
 from rlax_tasks.paramserver.wire import WireError
+from rlax_tasks.services.endpoints import HOST_ADDRESS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ _IDENTITY: str | None = None
 
 
 def host_identity() -> str:
-    """Who can open this process's segments: kernel boot id + pid and mount namespaces
+    """Who can open this process's segments: kernel boot id + pid and mount namespaces, and the
+    slice host this process is on (``RLAX_HOST_ADDRESS``, set by the node agent: hosts of a slice
+    never share memory, even where they share a kernel, as the fake Cloud TPU's hosts do)
     ('' where segments cannot be shared)."""
     global _IDENTITY
     if _IDENTITY is None:
@@ -57,7 +60,8 @@ def host_identity() -> str:
                 boot = fh.read().strip()
             pid_ns = os.stat("/proc/self/ns/pid").st_ino
             mnt_ns = os.stat("/proc/self/ns/mnt").st_ino
-            _IDENTITY = f"{boot}:{pid_ns}:{mnt_ns}" if available() else ""
+            host = os.environ.get(HOST_ADDRESS_ENV, "")
+            _IDENTITY = f"{boot}:{pid_ns}:{mnt_ns}:{host}" if available() else ""
         except OSError:
             _IDENTITY = ""
     return _IDENTITY

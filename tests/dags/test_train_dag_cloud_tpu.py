@@ -3,7 +3,8 @@ trainer slice (v4-16: the trainer as one jax.distributed group over both hosts, 
 controller beside host 0) and one worker slice (v4-8), every host running the real
 infra/tpu/startup.sh through the docker stand-in and real `rlax` jobs; the trainer slice is
 preempted mid-run (spot reclaim), re-provisioned by the jobs' retries, and the run resumes: every
-step applied once, the services found again at their new addresses."""
+step applied once, the services found again at their new addresses, the worker's weights pulled
+over TCP (its slice is another VM)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,17 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         if name == "stderr.log" and "trainer" in root
     ]
     assert any("process 0 of 2" in text for text in logs), slice_root
+    # the worker's slice is another VM than the PS's: it pulls the weights over TCP, never
+    # through the PS's shared memory, though the fake's hosts share this machine's kernel
+    pulls = [
+        line
+        for root, _, names in os.walk(run_root)
+        for name in names
+        if name == "stderr.log" and "worker-0." in root
+        for line in open(os.path.join(root, name))
+        if "pulling weights from" in line
+    ]
+    assert pulls and all(line.rstrip().endswith(" by TCP") for line in pulls), pulls
     assert any("process 1 of 2" in text for text in logs), slice_root
     # the final evaluation and the recorded state; the slices are gone
     assert os.path.exists(os.path.join(run_dir, "eval", f"v{STEPS}", "results.json"))
