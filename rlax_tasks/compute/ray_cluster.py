@@ -24,7 +24,7 @@ from typing import Any
 
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
-from rlax_tasks.compute.ray_host import HostProcess, free_port, sees_path
+from rlax_tasks.compute.ray_host import HostProcess, free_coordinator_port, sees_path
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 from rlax_tasks.compute.types import (
     COORDINATOR_ADDRESS_ENV,
@@ -369,7 +369,7 @@ class RayBackend:
         # lazy: Ray (see _import_ray)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        probe = ray.remote(num_cpus=0, max_retries=0)(free_port)
+        probe = ray.remote(num_cpus=0, max_retries=0)(free_coordinator_port)
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return int(ray.get(probe.options(scheduling_strategy=strategy).remote(),
                            timeout=self.start_timeout_s))  # fmt: skip

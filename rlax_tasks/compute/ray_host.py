@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import default_entrypoint
 from rlax_tasks.compute.runner import runner_argv
 from rlax_tasks.compute.types import JobState, JobStatus
+from rlax_tasks.process.ports import free_port
 from rlax_tasks.rundir import storage
 
 # set by Ray for its worker processes, not meant for the job (OMP_NUM_THREADS=1: a 0-CPU actor)
@@ -145,11 +145,10 @@ class HostProcess:
         return True
 
 
-def free_port() -> int:
-    """A TCP port free on this node now (a Ray task's answer: where a job's coordinator listens)."""
-    with socket.socket(socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def free_coordinator_port() -> int:
+    """A port free on this node now for a multi-host job's coordinator, which listens on every
+    interface (a Ray task's answer; ``process.ports.free_port``)."""
+    return free_port(host="")
 
 
 def sees_path(path: str) -> bool:

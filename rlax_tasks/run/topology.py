@@ -12,8 +12,8 @@ from typing import Any
 
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from rlax_tasks.process.ports import free_port
 from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
-from rlax_tasks.run.supervisor import free_port
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.endpoints import service_file

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from rlax_tasks.run.supervisor import free_port
+from rlax_tasks.process.ports import free_port
 from tests.conftest import TEST_XLA_FLAGS
 from tests.dags.conftest import DAGS, PLUGINS
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 # below the ephemeral range, as `rlax run` draws its services' ports: a bind(0) port could be
 # taken by one of the test's own outgoing connections before the server listens on it
-from rlax_tasks.run.supervisor import free_port
+from rlax_tasks.process.ports import free_port
 
 TOKEN = "test-token"
 

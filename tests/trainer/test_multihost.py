@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlax_tasks.run.supervisor import free_port
+from rlax_tasks.process.ports import free_port
 from tests.conftest import TEST_XLA_FLAGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
