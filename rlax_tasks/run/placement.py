@@ -179,8 +179,18 @@ def job_mesh(cfg: Any, job: str) -> tuple[int, int, int] | None:
     return resolve_mesh(cfg.workers.mesh_shape, len(devices))
 
 
-def describe_devices(cfg: Any, job: str) -> str:
-    """``job``'s devices in words, e.g. "gpu 0,1,2,3", "gpu 0-3 × 8 hosts", "cpu"."""
+def worker_host(cfg: Any, worker: int) -> int:
+    """The host of worker ``worker`` under a placement over placement.hosts hosts (one worker
+    per device list of placement.workers on each); 0 on one host."""
+    p = cfg.placement
+    if p.hosts == 1:
+        return 0
+    per_host = len(p.workers) if p.workers else max(1, cfg.workers.count // p.hosts)
+    return min(worker // per_host, p.hosts - 1)
+
+
+def host_devices(cfg: Any, job: str) -> str:
+    """``job``'s devices on its host in words, e.g. "gpu 0,1", "gpu 0-3", "cpu"."""
     p = cfg.placement
     devices = job_devices(cfg, job)
     if job in CPU_JOBS:
@@ -193,11 +203,19 @@ def describe_devices(cfg: Any, job: str) -> str:
         if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1))
         else _ids(ids)
     )
-    text = f"{p.platform} {text}"
+    return f"{p.platform} {text}"
+
+
+def describe_devices(cfg: Any, job: str) -> str:
+    """``job``'s devices in words, e.g. "gpu 0,1,2,3", "gpu 0-3 × 8 hosts", "cpu"."""
+    p = cfg.placement
+    text = host_devices(cfg, job)
+    if job_devices(cfg, job) is None or job in CPU_JOBS:
+        return text
     if job == "trainer" and cfg.trainer.hosts > 1:
         text += f" × {cfg.trainer.hosts} hosts"
     elif p.hosts > 1 and p.workers:
-        text += f" of host {int(job.rsplit('-', 1)[1]) // len(p.workers)}"
+        text += f" of host {worker_host(cfg, int(job.rsplit('-', 1)[1]))}"
     return text
 
 

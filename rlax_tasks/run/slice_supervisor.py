@@ -30,7 +30,7 @@ from rlax_tasks.compute import (
 )
 from rlax_tasks.compute.ray_cluster import slice_shape
 from rlax_tasks.compute.types import RUN_ID_LABEL, slice_name
-from rlax_tasks.run.placement import COLOCATED, is_colocated, job_devices
+from rlax_tasks.run.placement import COLOCATED, host_devices, is_colocated
 from rlax_tasks.run.supervisor import (
     JOB_NAME_ENV,
     Component,
@@ -100,25 +100,17 @@ def node_plan(cfg: Any) -> list[str]:
     main = COLOCATED if is_colocated(cfg) else "trainer"
     for h in range(cfg.trainer.hosts):
         jobs[TRAINER_SLICE, h].append(
-            f"{main} (host {h} of {cfg.trainer.hosts}) {_devices(cfg, main)}"
+            f"{main} (host {h} of {cfg.trainer.hosts}, {host_devices(cfg, main)})"
         )
     if not is_colocated(cfg):
         jobs[TRAINER_SLICE, 0] += ["ps (cpu)", "controller (cpu)"]
         for i in range(cfg.workers.count):
             role, (host,) = worker_place(cfg, i, slices.workers)
-            jobs[role, host].append(f"worker-{i} {_devices(cfg, f'worker-{i}')}")
+            jobs[role, host].append(f"worker-{i} ({host_devices(cfg, f'worker-{i}')})")
     return [
         f"slice {role} ({slices.types[role]}) host {h}: " + ", ".join(names)
         for (role, h), names in jobs.items()
     ]
-
-
-def _devices(cfg: Any, job: str) -> str:
-    devices = job_devices(cfg, job)
-    if cfg.placement.platform != "gpu":
-        return f"(cpu, {len(devices)} devices)" if devices else "(cpu)"
-    ids = ",".join(str(d) for d in devices) if devices else "every GPU"
-    return f"(GPUs {ids})"
 
 
 @dataclasses.dataclass
@@ -254,7 +246,7 @@ class SliceSupervisor:
                 jobstatus.host_status_dir(job.handle.status_dir, host), jobstatus.STDERR
             )
             link = os.path.join(self.log_dir, f"{name}.log")
-            if os.path.islink(link) or os.path.exists(link):
+            if os.path.lexists(link):
                 os.remove(link)
             os.symlink(target, link)
 
@@ -298,8 +290,8 @@ class SliceSupervisor:
         detail = error_detail(line) or status.message
         if status.state is JobState.FAILED and status.is_config_error:
             raise ComponentFailed(c.name, f"{c.name} failed: {detail} (log: {path})")
-        own = status.state is JobState.FAILED  # preempted, or exited 0: not a streak
-        judge_restart(c, line if own else "", detail, path, self.max_restarts, self.progress)
+        # (line is "" unless it FAILED: preempted, or exited 0, is not a streak)
+        judge_restart(c, line, detail, path, self.max_restarts, self.progress)
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
         """Stops the named jobs (every one when None, then tears the run's slices down)."""

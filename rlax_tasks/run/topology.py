@@ -13,7 +13,7 @@ from typing import Any
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.process.ports import free_port
-from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs
+from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs, worker_host
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.endpoints import service_file
@@ -48,11 +48,7 @@ def worker_place(
     placement.workers on each), else on host 0."""
     if worker_slices is not None:
         return worker_slices.place(worker)
-    p = cfg.placement
-    if p.hosts > 1:
-        per_host = len(p.workers) if p.workers else max(1, cfg.workers.count // p.hosts)
-        return TRAINER_SLICE, (min(worker // per_host, p.hosts - 1),)
-    return TRAINER_SLICE, (0,)
+    return TRAINER_SLICE, (worker_host(cfg, worker),)
 
 
 @dataclasses.dataclass(frozen=True)

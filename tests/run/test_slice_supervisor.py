@@ -30,9 +30,8 @@ def test_cpu_hosts_give_the_trainer_a_slice_and_each_worker_its_own():
     assert slices.types == {"trainer": "2xcpu", "workers-0": "cpu", "workers-1": "cpu"}
     assert slices.workers == WorkerSlices(2, 1)
     assert node_plan(cfg) == [
-        "slice trainer (2xcpu) host 0: trainer (host 0 of 2) (cpu, 2 devices), ps (cpu), "
-        "controller (cpu)",
-        "slice trainer (2xcpu) host 1: trainer (host 1 of 2) (cpu, 2 devices)",
+        "slice trainer (2xcpu) host 0: trainer (host 0 of 2, cpu 0,1), ps (cpu), controller (cpu)",
+        "slice trainer (2xcpu) host 1: trainer (host 1 of 2, cpu 0,1)",
         "slice workers-0 (cpu) host 0: worker-0 (cpu)",
         "slice workers-1 (cpu) host 0: worker-1 (cpu)",
     ]
@@ -46,12 +45,11 @@ def test_gpu_hosts_are_whole_nodes_each_with_its_share_of_trainer_and_workers():
     lines = node_plan(cfg)
     assert len(lines) == 8
     assert lines[0] == (
-        "slice trainer (8xgpu-8) host 0: trainer (host 0 of 8) (GPUs 0,1,2,3), ps (cpu), "
-        "controller (cpu), worker-0 (GPUs 4,5,6,7)"
+        "slice trainer (8xgpu-8) host 0: trainer (host 0 of 8, gpu 0-3), ps (cpu), "
+        "controller (cpu), worker-0 (gpu 4-7)"
     )
     assert lines[7] == (
-        "slice trainer (8xgpu-8) host 7: trainer (host 7 of 8) (GPUs 0,1,2,3), "
-        "worker-7 (GPUs 4,5,6,7)"
+        "slice trainer (8xgpu-8) host 7: trainer (host 7 of 8, gpu 0-3), worker-7 (gpu 4-7)"
     )
 
 
@@ -59,7 +57,7 @@ def test_rlax_run_dry_run_on_ray_prints_each_node_then_the_memory_plan(capsys):
     assert main(["run", "--preset", "qwq-32b-code", "--dry-run", "--backend", "ray"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Ray nodes (one per host of a slice; each slice a placement group):\n")
-    assert "  slice trainer (8xgpu-8) host 7: trainer (host 7 of 8)" in out
+    assert "  slice trainer (8xgpu-8) host 7: trainer (host 7 of 8, gpu 0-3)" in out
     assert "memory per device" in out  # the plan follows, per job as on any backend
 
 
