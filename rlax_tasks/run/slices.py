@@ -51,10 +51,12 @@ def check_slice(
     runtime_version must look like one on any backend."""
     if backend == "ray":
         hosts = _ray_hosts("accelerator_type", accelerator_type)
-        kind = accelerator_type.rpartition("x")[2] if "x" in accelerator_type else accelerator_type
-        other = kind if trainer_hosts == 1 else f"{trainer_hosts}x{kind}"
-        if accelerator_type.startswith("v"):  # a Cloud TPU type
+        try:  # a Cloud TPU type: one of its family; else NxKIND
+            tpu_type(accelerator_type)
             other = _type_with_hosts(accelerator_type, trainer_hosts)
+        except UnknownAcceleratorError:
+            kind = accelerator_type.rpartition("x")[2]
+            other = kind if trainer_hosts == 1 else f"{trainer_hosts}x{kind}"
         _check_hosts(accelerator_type, hosts, trainer_hosts, other)
     if backend == "cloud_tpu":
         try:
