@@ -69,6 +69,7 @@ class FakeCloudTpu:
             self.add_image(image)
         self._write_registry()
         self._created_at: dict[str, float] = {}
+        self._vms: dict[str, int] = {}  # queued resource → VMs of its node (the catalogue)
         self._op_counter = 0
         self._boots = 0
         self._stop = threading.Event()
@@ -107,7 +108,7 @@ class FakeCloudTpu:
                 raise ApiError(400, "INVALID_ARGUMENT", f"tpu.nodeSpec[0].node.{field} is required")
         zone = parent.rsplit("/locations/", 1)[-1]
         try:  # the fake's own catalogue (Google's documentation), not the product's table
-            check_node(node["acceleratorType"], zone, node["runtimeVersion"])
+            hosts = check_node(node["acceleratorType"], zone, node["runtimeVersion"])
         except Refused as e:
             raise ApiError(400, "INVALID_ARGUMENT", str(e)) from None
         scheduling = node.get("schedulingConfig", {})
@@ -130,6 +131,7 @@ class FakeCloudTpu:
             }
             self.qrs[name] = qr
             self._created_at[name] = time.monotonic()
+            self._vms[name] = hosts
             return self._operation(
                 parent, "create", name, {"@type": _TYPE + "QueuedResource", **qr}
             )
@@ -267,9 +269,7 @@ class FakeCloudTpu:
                     node_name = self._node_name(qr)
                     node = dict(qr["tpu"]["nodeSpec"][0]["node"])
                     # a new VM per host, each with an address of its own (new ones every time)
-                    zone = node_name.split("/locations/", 1)[1].split("/", 1)[0]
-                    hosts = check_node(node["acceleratorType"], zone, node["runtimeVersion"])
-                    addresses = allocate_host_addresses(hosts)
+                    addresses = allocate_host_addresses(self._vms[name])
                     node.update(
                         name=node_name,
                         state="READY",
