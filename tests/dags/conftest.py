@@ -51,6 +51,28 @@ DRILL_OVERRIDES = {
 }
 
 
+def drill_conf(
+    tmp_path, run_id: str, steps: int, accelerator_type: str, worker_accelerator_type: str
+) -> dict:
+    """rlax_train's run conf for a drill: the DRILL_OVERRIDES run of ``steps`` steps on a tiny
+    char model (written under ``tmp_path``), run root ``tmp_path/runs``, the trainer on a slice
+    of ``accelerator_type`` and one worker slice of ``worker_accelerator_type``."""
+    from tests.tiny_model import save_char_model
+
+    model = str(tmp_path / "model")
+    save_char_model(model)
+    return {
+        "run_root": str(tmp_path / "runs"),
+        "run_id": run_id,
+        "steps": steps,
+        "model_path": model,
+        "accelerator_type": accelerator_type,
+        "worker_accelerator_type": worker_accelerator_type,
+        "worker_slices": 1,
+        "overrides": DRILL_OVERRIDES,
+    }
+
+
 def drill_dag(monkeypatch, tmp_path, connection: dict):
     """The rlax_train DAG as a task runs it with ``connection`` as its compute Connection (the
     environment's RLAX_BACKEND / RLAX_BACKEND_SETTINGS are only the fallback without one),

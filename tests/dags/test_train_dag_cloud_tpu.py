@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.compute.helpers import fake_backend_settings, fake_cloud_tpu, fake_state, preempt
-from tests.dags.conftest import DRILL_OVERRIDES, drill_dag, read_jsonl, when_trained
+from tests.dags.conftest import drill_conf, drill_dag, read_jsonl, when_trained
 
 STEPS = 4
 RUN_ID = "tpurun"
@@ -35,12 +35,10 @@ def _published(run_dir: str, job: str) -> str | None:
 def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypatch, airflow_db):
     from airflow.utils.state import DagRunState
 
-    from tests.tiny_model import save_char_model
-
-    run_root = str(tmp_path / "runs")
+    # the trainer over a 2-host v4-16, the worker on a 1-host v4-8
+    conf = drill_conf(tmp_path, RUN_ID, STEPS, "v4-16", "v4-8")
+    run_root = conf["run_root"]
     run_dir = os.path.join(run_root, RUN_ID)
-    model = str(tmp_path / "model")
-    save_char_model(model)
     with fake_cloud_tpu(str(tmp_path / "fake")) as url:
         settings = fake_backend_settings(url)  # run_root: the run's, added by dag_support
         # the run_root Param, not the environment the DAG file was parsed in, places the run
@@ -59,16 +57,6 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
             preempt(url, TRAINER_SLICE)
 
         preempter = when_trained(run_dir, 2, preempt_trainer_slice)
-        conf = {
-            "run_root": run_root,
-            "run_id": RUN_ID,
-            "steps": STEPS,
-            "model_path": model,
-            "accelerator_type": "v4-16",  # 2 hosts
-            "worker_accelerator_type": "v4-8",  # 1 host: 1 worker
-            "worker_slices": 1,
-            "overrides": DRILL_OVERRIDES,
-        }
         dr = dag.test(run_conf=conf)
         preempter.join(timeout=5)
         state = fake_state(url)

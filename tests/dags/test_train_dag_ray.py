@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.dags.conftest import DRILL_OVERRIDES, drill_dag, read_jsonl, when_trained
+from tests.dags.conftest import drill_conf, drill_dag, read_jsonl, when_trained
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -52,12 +52,10 @@ def _job_nodes(run_dir: str, job: str) -> list[dict[int, str]]:
 def test_rlax_train_on_a_ray_cluster_survives_a_lost_node(tmp_path, monkeypatch, airflow_db):
     from airflow.utils.state import DagRunState
 
-    from tests.tiny_model import save_char_model
-
-    run_root = str(tmp_path / "runs")
+    # the trainer's 2 hosts each on a Ray node of its own, the worker on a 1-host slice
+    conf = drill_conf(tmp_path, RUN_ID, STEPS, "2xcpu", "cpu")
+    run_root = conf["run_root"]
     run_dir = os.path.join(run_root, RUN_ID)
-    model = str(tmp_path / "model")
-    save_char_model(model)
     head = {"num_cpus": 0, "object_store_memory": 80 * MB, "_system_config": HEALTH_CHECK}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
@@ -81,16 +79,6 @@ def test_rlax_train_on_a_ray_cluster_survives_a_lost_node(tmp_path, monkeypatch,
             cluster.remove_node(lost, allow_graceful=False)
 
         remover = when_trained(run_dir, 2, remove_node_of_trainer_host_1)
-        conf = {
-            "run_root": run_root,
-            "run_id": RUN_ID,
-            "steps": STEPS,
-            "model_path": model,
-            "accelerator_type": "2xcpu",  # 2 hosts, each on a Ray node of its own
-            "worker_accelerator_type": "cpu",  # 1 host: 1 worker
-            "worker_slices": 1,
-            "overrides": DRILL_OVERRIDES,
-        }
         dr = dag.test(run_conf=conf)
         remover.join(timeout=5)
         tis = {(ti.task_id, ti.map_index): ti for ti in dr.get_task_instances()}
