@@ -212,6 +212,8 @@ def plan_training(
     runtime_version = slices.check_slice(
         trainer_type, params.get("runtime_version"), cfg.trainer.hosts, backend
     )
+    slices.check_worker_slices(cfg, backend, layout)
+    evaluation = slices.evaluation_slice(cfg, backend, layout)
     provisioning = slice_provisioning(params)
     if backend == "cloud_tpu":
         slices.check_slice_memory(cfg, trainer_type, worker_type)
@@ -262,7 +264,6 @@ def plan_training(
         run_slices(trainer_type, runtime_version, worker_type, layout, backend),
         provisioning,
     )
-    evaluation = slices.evaluation_slice(cfg, backend, layout)
     for s in planned:  # ProvisionSlicesOperator's output["evaluation"]: that slice's handle
         if s["role"] == evaluation and evaluation != TRAINER_SLICE:
             s["evaluation"] = True

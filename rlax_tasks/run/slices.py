@@ -168,6 +168,26 @@ def worker_slice_layout(
     return WorkerSlices(count, hosts)
 
 
+def _on_tpu(cfg: Any, backend: str) -> bool:
+    """Whether the run's accelerator jobs initialize the TPU runtime (libtpu)."""
+    p = cfg.placement
+    return p.platform == "tpu" or (p.platform == "auto" and backend == "cloud_tpu")
+
+
+def check_worker_slices(cfg: Any, backend: str, layout: WorkerSlices | None) -> None:
+    """PlanError naming ``worker_accelerator_type`` when the workers' own TPU slices have several
+    hosts: a worker is one process on one host, and libtpu on a host of a multi-host slice waits
+    for every host of it (DESIGN §10: nothing runs on a subset of a multi-host slice)."""
+    if layout is None or layout.hosts == 1 or not _on_tpu(cfg, backend):
+        return
+    total = layout.count * layout.hosts
+    raise PlanError(
+        f"worker_accelerator_type: a worker runs on one TPU host, and a slice of {layout.hosts} "
+        "hosts is one TPU runtime over all of them: pick a 1-host type (e.g. v5p-8, v4-8) with "
+        f"worker_slices: {total} for {total} workers"
+    )
+
+
 def evaluation_slice(cfg: Any, backend: str, layout: WorkerSlices | None) -> str:
     """The role of the slice the held-out evaluation runs on (on its host 0): the trainer's,
     except under a trainer over several TPU hosts, which is one libtpu slice over every chip of
@@ -175,8 +195,7 @@ def evaluation_slice(cfg: Any, backend: str, layout: WorkerSlices | None) -> str
     trainer needs its workers on slices of their own, each on every chip of its host: PlanError
     naming ``worker_accelerator_type`` or ``placement.workers`` otherwise."""
     p = cfg.placement
-    on_tpu = p.platform == "tpu" or (p.platform == "auto" and backend == "cloud_tpu")
-    if cfg.trainer.hosts == 1 or not on_tpu:
+    if cfg.trainer.hosts == 1 or not _on_tpu(cfg, backend):
         return TRAINER_SLICE
     if layout is None:
         raise PlanError(

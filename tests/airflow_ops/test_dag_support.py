@@ -234,6 +234,11 @@ def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slic
     with pytest.raises(rc.PlanError, match="^placement.workers: under a trainer over 2 TPU hosts"):
         rc.plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
                           "worker_slices": 2}, "manual__c")  # fmt: skip
+    # a worker alone on a host of a 2-host TPU slice would wait for the other host
+    with pytest.raises(rc.PlanError, match=r"^worker_accelerator_type: a worker runs on one TPU "
+                       r"host.* \(e.g. v5p-8, v4-8\) with worker_slices: 2 for 2 workers$"):
+        rc.plan_training({**params, "worker_accelerator_type": "v5p-16"}, "manual__d")
+    assert not (tmp_path / "runs" / "r1").exists()
     p = rc.plan_training(
         {**params, "worker_accelerator_type": "v5p-8", "worker_slices": 2}, "manual__b"
     )
