@@ -2,7 +2,10 @@
 
 ``python -m infra.fakes.cloud_tpu --port 0`` prints its URL, then serves queued resources,
 nodes and operations; READY nodes run the real ``startup.sh`` on fake hosts (``tpu_vm.py``).
-``/fake/*`` control endpoints preempt, fail capacity, register images and dump the state."""
+Each host has a metadata server (``/fake/metadata/...``: its worker number, ``tpu-env``, the
+slice's endpoints) and a slice-wide rendezvous for the fake libtpu (``/fake/libtpu/...``,
+``tpu_image/``). ``/fake/*`` control endpoints preempt, fail capacity, register images and dump
+the state."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from infra.fakes import docker_cli, tpu_catalog
 from infra.fakes.tpu_catalog import Refused, check_node
 from infra.fakes.tpu_vm import FakeTpuVm, allocate_host_addresses, kill_hosts
 from rlax_tasks.services.http import send_json
@@ -63,6 +67,8 @@ class FakeCloudTpu:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.ops: dict[str, dict[str, Any]] = {}
         self.hosts: dict[str, list[FakeTpuVm]] = {}
+        # the fake libtpu's slice-wide runtimes: first host's key (one per boot) → host → pids
+        self.libtpu: dict[str, dict[int, set[int]]] = {}
         self.images: list[str] = []
         self.registry_path = os.path.join(self.log_dir, "registry.json")
         for image in images:
@@ -177,10 +183,15 @@ class FakeCloudTpu:
             node = self.nodes.get(node_name)
             if node is None or host >= len(node.get("networkEndpoints", [])):
                 raise ApiError(404, "NOT_FOUND", f"no host {host} of {node_name}")
+            endpoints = node["networkEndpoints"]
             attributes = {
                 **node.get("metadata", {}),
                 "agent-worker-number": str(host),
                 "accelerator-type": node["acceleratorType"],
+                "tpu-env": tpu_catalog.tpu_env(node["acceleratorType"], host),
+                "worker-network-endpoints": ",".join(
+                    f"unknown:unknown:{e['ipAddress']}" for e in endpoints
+                ),
             }
             if path.startswith("instance/attributes/"):
                 key = path[len("instance/attributes/") :]
@@ -189,6 +200,19 @@ class FakeCloudTpu:
             elif path == "instance/network-interfaces/0/ip":
                 return node["networkEndpoints"][host]["ipAddress"]
             raise ApiError(404, "NOT_FOUND", f"metadata {path!r} not found")
+
+    def libtpu_join(self, node_name: str, host: int, pid: int) -> dict:
+        """The fake libtpu of process ``pid`` on host ``host`` joins its node's slice-wide
+        runtime; returns the node's host count and the hosts whose joined process still runs
+        (this boot's hosts only: a re-created node starts with none)."""
+        with self.lock:
+            hosts = self.hosts.get(node_name)
+            if not hosts or host >= len(hosts):
+                raise ApiError(404, "NOT_FOUND", f"no host {host} of {node_name}")
+            joined = self.libtpu.setdefault(hosts[0].key, {})
+            joined.setdefault(host, set()).add(pid)
+            live = sorted(h for h, pids in joined.items() if any(map(docker_cli.alive, pids)))
+            return {"hosts": len(hosts), "joined": live}
 
     # ------------------------------------------------------------------ control
     def add_image(self, image: str) -> dict:
@@ -295,6 +319,7 @@ class FakeCloudTpu:
                 endpoint["ipAddress"],
                 os.path.join(self.log_dir, f"{short}-{self._boots}", f"host-{k}"),
                 f"{self.url}/fake/metadata/{node_name}/hosts/{k}/computeMetadata/v1",
+                f"{self.url}/fake/libtpu/{node_name}/hosts/{k}/join",
                 self.registry_path,
                 self.python,
             )
@@ -334,6 +359,9 @@ _ROUTES = [
 ]
 
 
+_LIBTPU_JOIN = re.compile(
+    rf"^/fake/libtpu/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)/join$"
+)
 _METADATA = re.compile(
     rf"^/fake/metadata/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)"
     r"/computeMetadata/v1/(?P<path>.*)$"
@@ -406,6 +434,16 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
             self._dispatch("GET")
 
         def do_POST(self) -> None:  # noqa: N802
+            m = _LIBTPU_JOIN.match(urllib.parse.urlsplit(self.path).path)
+            if m is not None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                try:
+                    out = fake.libtpu_join(m["node"], int(m["host"]), int(body.get("pid", 0)))
+                    self._reply(200, out)
+                except ApiError as e:
+                    self._reply(e.code, {"error": {"code": e.code, "message": e.message}})
+                return
             self._dispatch("POST")
 
         def do_DELETE(self) -> None:  # noqa: N802

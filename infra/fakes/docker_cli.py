@@ -25,7 +25,17 @@ from typing import Any
 import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(__file__).resolve().parent / "bin"
+# on the containers' Python path: what the TPU image adds to the runtime one, its libtpu (here
+# the fake's, a JAX plugin: infra/fakes/tpu_image/jax_plugins/rlax_fake_libtpu)
+TPU_IMAGE_SITE = pathlib.Path(__file__).resolve().parent / "tpu_image"
 CONTAINER_VAR = "RLAX_FAKE_CONTAINER"
+# names (comma-separated) of the test process's variables every host and container of the fake
+# sees: what stands for the world outside a VM (STORAGE_EMULATOR_HOST: the route to GCS) and test
+# speed-ups (a JAX compilation cache); nothing else of the test process reaches them
+PASS_ENV_VAR = "RLAX_FAKE_PASS_ENV"
+# the PATH of the image's base (python:3.11-slim-bookworm) and of a TPU VM's host
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # `docker run` options the stand-in knows: those that take a value, and flags
 _VALUE_OPTS = {
     "--name",
@@ -321,14 +331,8 @@ def run(argv: list[str]) -> None:
             f'already in use by container "{existing["Id"]}". You have to remove (or rename) '
             "that container to be able to reuse that name."
         )
-    env = {**os.environ, **config.env}
-    for item in opts["env"]:
-        key, eq, value = item.partition("=")
-        if eq:
-            env[key] = value
-        elif key in os.environ:  # `-e KEY`: the client's value, as docker does
-            env[key] = os.environ[key]
     container_id = uuid.uuid4().hex + uuid.uuid4().hex
+    env = container_env(config, opts["env"], _state_dir() / "homes" / name)
     env[CONTAINER_VAR] = container_id
     if shutil.which(command[0], path=env.get("PATH")) is None and "/" not in command[0]:
         raise DockerError(
@@ -373,6 +377,32 @@ def run(argv: list[str]) -> None:
             break
         time.sleep(0.01)
     print(container_id)
+
+
+def passed_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """What a fake host or container keeps of ``environ``: the fake's own variables
+    (``RLAX_FAKE_*``) and those PASS_ENV_VAR names."""
+    names = {n for n in environ.get(PASS_ENV_VAR, "").split(",") if n}
+    return {k: v for k, v in environ.items() if k.startswith("RLAX_FAKE_") or k in names}
+
+
+def container_env(config: ImageConfig, dash_e: list[str], home: pathlib.Path) -> dict[str, str]:
+    """A container's environment as docker builds it: the image's ENV, then ``-e`` (``-e KEY``:
+    the client's value), never the host's (only ``passed_env``). Its PATH is the image's, whose
+    Python is the fake's virtualenv (RLAX_FAKE_PYTHON) with the TPU image's libtpu
+    (TPU_IMAGE_SITE); ``home``: its own file system's."""
+    python_bin = os.path.dirname(os.environ.get("RLAX_FAKE_PYTHON") or sys.executable)
+    home.mkdir(parents=True, exist_ok=True)
+    env = {"PATH": f"{python_bin}{os.pathsep}{BIN}{os.pathsep}{SYSTEM_PATH}", "HOME": str(home)}
+    env.update(config.env)
+    for item in dash_e:
+        key, eq, value = item.partition("=")
+        if eq:
+            env[key] = value
+        elif key in os.environ:
+            env[key] = os.environ[key]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TPU_IMAGE_SITE), env.get("PYTHONPATH")]))
+    return {**env, **passed_env(os.environ)}
 
 
 def _dash_e(opts: dict[str, Any]) -> dict[str, str]:

@@ -25,6 +25,10 @@ class Generation:
         chips = size // self.cores_per_chip
         return 1 if chips in self.single_host_chips else chips // 4
 
+    def chips_per_host(self, size: int) -> int:
+        """The chips each VM of a slice of ``size`` has."""
+        return size // self.cores_per_chip // self.hosts(size)
+
 
 def _powers(first: int, last: int) -> tuple[int, ...]:
     out, n = [], first
@@ -58,6 +62,33 @@ GENERATIONS = (
 )  # fmt: skip
 
 
+# a host's chip grid (libtpu's CHIPS_PER_HOST_BOUNDS) by its number of chips
+CHIP_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+
+
+def tpu_env(accelerator_type: str, worker: int) -> str:
+    """The ``tpu-env`` metadata attribute of host ``worker`` of a node (as TPU VMs serve it:
+    ``KEY: 'value'`` lines): its type, its host's chip grid, the slice's grid of hosts (stacked
+    along z in the fake), its worker id."""
+    gen, size = _generation(accelerator_type)
+    hosts, chips = gen.hosts(size), gen.chips_per_host(size)
+    values = {
+        "ACCELERATOR_TYPE": accelerator_type,
+        "CHIPS_PER_HOST_BOUNDS": ",".join(map(str, CHIP_BOUNDS[chips])),
+        "HOST_BOUNDS": f"1,1,{hosts}",
+        "WORKER_ID": str(worker),
+    }
+    return "".join(f"{k}: '{v}'\n" for k, v in values.items())
+
+
+def _generation(accelerator_type: str) -> tuple[Generation, int]:
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type or "")
+    gen = next((g for g in GENERATIONS if m and g.prefix == m[1]), None)
+    if gen is None or int(m[2]) not in gen.sizes:
+        raise Refused(f"Invalid accelerator type: {accelerator_type!r}")
+    return gen, int(m[2])
+
+
 class Refused(ValueError):
     """A node the real API would refuse (INVALID_ARGUMENT); the message as it says it."""
 
@@ -66,10 +97,7 @@ def check_node(accelerator_type: str, zone: str, runtime_version: str) -> int:
     """The hosts (VMs) of a node of ``accelerator_type`` in ``zone`` booting
     ``runtime_version``; Refused when the API has no such type, not in that zone, or the runtime
     does not boot on it."""
-    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", accelerator_type or "")
-    gen = next((g for g in GENERATIONS if m and g.prefix == m[1]), None)
-    if gen is None or int(m[2]) not in gen.sizes:
-        raise Refused(f"Invalid accelerator type: {accelerator_type!r}")
+    gen, size = _generation(accelerator_type)
     if zone not in gen.zones:
         raise Refused(
             f"Accelerator type {accelerator_type} is not available in zone {zone} (offered in "
@@ -80,4 +108,4 @@ def check_node(accelerator_type: str, zone: str, runtime_version: str) -> int:
             f"Runtime version {runtime_version!r} is not supported for accelerator type "
             f"{accelerator_type} (supported: {', '.join(gen.runtime_versions)})"
         )
-    return gen.hosts(int(m[2]))
+    return gen.hosts(size)

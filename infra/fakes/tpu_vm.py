@@ -2,7 +2,9 @@
 
 A host runs the ``startup-script`` metadata with bash, its own metadata server, stand-ins for
 docker/tini/gcloud first on ``PATH`` and its own loopback address; every process it starts is
-marked (``RLAX_FAKE_HOST``) so a preemption SIGKILLs them all. Network namespaces are shared."""
+marked (``RLAX_FAKE_HOST``) so a preemption SIGKILLs them all. A host's environment is its own
+(``docker_cli.passed_env``: nothing of the test process but what stands for the world outside
+a VM); network namespaces, the kernel and /tmp are shared."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from infra.fakes import docker_cli
 
-BIN = pathlib.Path(__file__).resolve().parent / "bin"
+BIN = docker_cli.BIN
 HOST_VAR = "RLAX_FAKE_HOST"
 
 # /24 blocks of 127.0.0.0/8 handed out so far in this process (see allocate_host_addresses)
@@ -58,6 +60,7 @@ class FakeTpuVm:
         address: str,
         state_dir: str,
         metadata_url: str,
+        libtpu_url: str,
         registry_path: str,
         python: str = sys.executable,
     ) -> None:
@@ -67,6 +70,7 @@ class FakeTpuVm:
         self.key = f"{node_name}/hosts/{index}/{uuid.uuid4().hex[:12]}"
         self.state_dir = pathlib.Path(state_dir)
         self.metadata_url = metadata_url
+        self.libtpu_url = libtpu_url  # where this host's fake libtpu joins its slice
         self.registry_path = registry_path
         self.python = python
         self.startup: subprocess.Popen | None = None
@@ -80,10 +84,18 @@ class FakeTpuVm:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / "startup-script"
         path.write_text(script)
+        # a VM's own environment: nothing of the test process's but docker_cli.passed_env
+        home = self.state_dir / "home"
+        home.mkdir(exist_ok=True)
         env = {
-            **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+            **docker_cli.passed_env(os.environ),
+            "PATH": f"{BIN}{os.pathsep}{docker_cli.SYSTEM_PATH}",
+            "HOME": str(home),
+            "LANG": "C.UTF-8",
             "RLAX_METADATA_URL": self.metadata_url,
+            # read by the fake libtpu in the containers (infra/fakes/tpu_image)
+            "RLAX_FAKE_METADATA_URL": self.metadata_url,
+            "RLAX_FAKE_LIBTPU_URL": self.libtpu_url,
             "RLAX_FAKE_PYTHON": self.python,
             "RLAX_FAKE_DOCKER_STATE": str(self.docker_state),
             "RLAX_FAKE_REGISTRY": self.registry_path,

@@ -17,6 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # the image the fake Cloud TPU API's registry holds (the cloud_tpu backend's `image` setting):
 # its hosts pull it and run it through the docker stand-in, as TPU VMs do
 FAKE_IMAGE = "us-docker.pkg.dev/rlax-test/rlax/rlax-tasks:test"
+# all the fake's hosts and containers see of the test process: the GCS emulator's address (the
+# route to GCS) and the shared JAX compilation cache (a speed-up)
+FAKE_PASS_ENV = (
+    "STORAGE_EMULATOR_HOST,JAX_COMPILATION_CACHE_DIR,JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+)
 
 
 def wait_for(fn: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.1) -> Any:
@@ -53,6 +58,8 @@ def fake_cloud_tpu(
             image,
         ],
         cwd=REPO,
+        # a process of a multi-host slice waits 5 s for the others in the fake libtpu
+        env={**os.environ, "RLAX_FAKE_PASS_ENV": FAKE_PASS_ENV, "RLAX_FAKE_LIBTPU_WAIT_S": "5"},
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -12,6 +12,8 @@
 ``job_program.py count PATH N S``  a resumable job: continues counting from the last step saved
                                    in PATH (its "checkpoint") up to N, one step every S seconds,
                                    then exits 0; prints "resumed from step K" first
+``job_program.py tpu``             sets up JAX's backends (where a TPU VM's libtpu loads) and
+                                   prints platform=<JAX's default backend>
 """
 
 import os
@@ -67,6 +69,11 @@ def main(argv: list[str]) -> int:
             with open(path + ".tmp", "w") as fh:
                 fh.write(str(step))
             os.replace(path + ".tmp", path)
+        return 0
+    if cmd == "tpu":
+        import jax
+
+        print(f"platform={jax.default_backend()}", flush=True)
         return 0
     print(f"unknown command {cmd!r}", file=sys.stderr)
     return 2

@@ -136,6 +136,65 @@ def test_a_group_job_runs_on_both_hosts_and_a_default_job_on_host_0(tpu):
     assert not os.path.exists(os.path.join(later.status_dir, "runner.json"))  # not on host 0
 
 
+def stderr(job, host):
+    sub = "" if host == 0 else f"worker-{host}"
+    with open(os.path.join(job.status_dir, sub, "stderr.log")) as f:
+        return f.read()
+
+
+def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
+    """Processes that load the TPU runtime (JAX_PLATFORMS unset, as on a TPU VM): one on each
+    host of the 2-host slice join it; one on host 0 alone waits for host 1, then fails;
+    inconsistent process bounds fail at once; the variables the product's placement gives a
+    process of some chips of a host pass."""
+    from rlax_tasks.config import load_config
+    from rlax_tasks.run.placement import job_env
+
+    backend, _, handle = tpu
+
+    def run(name, hosts, env=None):
+        job = backend.start_job(
+            handle, JobSpec(name=name, argv=["tpu"], hosts=hosts, env=env or {})
+        )
+        return job, wait_for(lambda: finished(backend, job), timeout_s=60)
+
+    whole, status = run("tpu-whole", (0, 1))
+    assert status.state is JobState.SUCCEEDED, status.message
+    for host in (0, 1):
+        assert f"fake libtpu: host {host} of v4-16: the slice's 2 hosts joined" in stderr(
+            whole, host
+        )
+        assert output(whole, host)["platform"] == "cpu"  # there is no TPU: JAX runs on the CPU
+
+    _, status = run("tpu-partial", (0,))
+    assert status.state is JobState.FAILED
+    assert "TPU initialization failed: host 0 of v4-16 waited 5 s" in status.message
+    assert "host(s) 1 never started the TPU runtime" in status.message
+
+    bounds = {"TPU_PROCESS_BOUNDS": "1,1,1", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1"}
+    _, status = run("tpu-bounds", (0,), {**bounds, "TPU_VISIBLE_CHIPS": "0,1"})
+    assert status.state is JobState.FAILED
+    assert "TPU_VISIBLE_CHIPS=0,1 names 2 chip(s) but TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 is 4" in (
+        status.message
+    )
+    _, status = run("tpu-two", (0,), {**bounds, "TPU_PROCESS_BOUNDS": "1,2,1"})
+    assert status.state is JobState.FAILED and "need 8 chips; this host has 4" in status.message
+
+    # a worker of two chips beside the trainer on one host, as rlax_tasks.run.placement says
+    overrides = {
+        "placement.platform": "tpu",
+        "placement.mode": "disaggregated",
+        "placement.trainer": [0, 1],
+        "placement.workers": [[2, 3]],
+    }
+    env = job_env(load_config("tiny-arith", overrides), "worker-0")
+    some, status = run("tpu-some", (1,), env)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert "fake libtpu: host 1 of v4-16: a slice of its chips 2,3 as process 0 of 1" in stderr(
+        some, 1
+    )
+
+
 @pytest.mark.parametrize(
     ("how", "state", "why"),
     [
