@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
 
+from rlax_tasks.rundir import storage
+from rlax_tasks.rundir.storage import read_jsonl
 from tests.conftest import DAGS, PLUGINS, REPO
 
-__all__ = ["DAGS", "PLUGINS", "REPO"]
+__all__ = ["DAGS", "PLUGINS", "REPO", "read_jsonl"]
 
 
 @pytest.fixture
@@ -24,15 +25,6 @@ def airflow_db():
 
     db.resetdb()
     yield
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a run's JSONL file (metrics, lineage); [] while it does not exist."""
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
 
 
 # the rlax_train drills' run: a 2-host trainer (2 forced CPU devices per host: a 1 x 4 mesh) and
@@ -95,15 +87,18 @@ def drill_dag(monkeypatch, tmp_path, connection: dict):
 
 
 def when_trained(run_dir: str, step: int, action: Callable[[int], None]) -> threading.Thread:
-    """A started thread that calls ``action(last step)`` once the run has trained ``step``
-    steps (join it after the run)."""
+    """A started thread that calls ``action(step)`` once the checkpoint of ``step`` is complete
+    (the trainer's own record: on GCS, metrics.jsonl is written only every few seconds); join it
+    after the run."""
+    from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
+
+    checkpoint = storage.join(run_dir, "checkpoints", str(step))
 
     def watch() -> None:
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
-            steps = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
-            if steps and max(steps) >= step:
-                action(max(steps))
+            if is_complete_checkpoint(checkpoint):
+                action(step)
                 return
             time.sleep(0.2)
 
