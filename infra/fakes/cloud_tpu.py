@@ -356,12 +356,14 @@ _ROUTES = [
     ("POST", re.compile(r"^/fake/fail-capacity$"), "fail_capacity"),
     ("POST", re.compile(r"^/fake/images$"), "add_image"),
     ("GET", re.compile(r"^/fake/state$"), "state"),
+    (
+        "POST",
+        re.compile(rf"^/fake/libtpu/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)/join$"),
+        "libtpu_join",
+    ),
 ]
 
 
-_LIBTPU_JOIN = re.compile(
-    rf"^/fake/libtpu/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)/join$"
-)
 _METADATA = re.compile(
     rf"^/fake/metadata/(?P<node>{_PARENT}/nodes/[^/]+)/hosts/(?P<host>\d+)"
     r"/computeMetadata/v1/(?P<path>.*)$"
@@ -399,6 +401,8 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
                         out = fake.add_image(body.get("image", ""))
                     elif action == "state":
                         out = fake.state()
+                    elif action == "libtpu_join":
+                        out = fake.libtpu_join(g["node"], int(g["host"]), int(body.get("pid", 0)))
                     else:
                         out = getattr(fake, action)(g["name"])
                     self._reply(200, out)
@@ -434,16 +438,6 @@ def _make_handler(fake: FakeCloudTpu) -> type[BaseHTTPRequestHandler]:
             self._dispatch("GET")
 
         def do_POST(self) -> None:  # noqa: N802
-            m = _LIBTPU_JOIN.match(urllib.parse.urlsplit(self.path).path)
-            if m is not None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
-                try:
-                    out = fake.libtpu_join(m["node"], int(m["host"]), int(body.get("pid", 0)))
-                    self._reply(200, out)
-                except ApiError as e:
-                    self._reply(e.code, {"error": {"code": e.code, "message": e.message}})
-                return
             self._dispatch("POST")
 
         def do_DELETE(self) -> None:  # noqa: N802
