@@ -63,6 +63,10 @@ class PlacementSettings:
     hosts: int = 1
     trainer: tuple[int, ...] | None = None
     workers: tuple[tuple[int, ...], ...] | None = None
+    # the held-out evaluation job's device indices on host 0 (gpu, tpu, cpu): it then evaluates
+    # during training too (eval.every_steps); null = the trainer's devices, before and after
+    # training only on gpu and tpu
+    evaluator: tuple[int, ...] | None = None
     # gpu: XLA_PYTHON_CLIENT_MEM_FRACTION of every process; null = 0.9 split between the
     # processes that share a GPU
     memory_fraction: float | None = None
@@ -97,6 +101,8 @@ class PlacementSettings:
                 "workers",
                 tuple(_device_list(w, f"workers[{i}]") for i, w in enumerate(self.workers)),
             )
+        if self.evaluator is not None:
+            set_field(self, "evaluator", _device_list(self.evaluator, "evaluator"))
         if self.memory_fraction is not None:
             check_float(self, "memory_fraction", low=0.0, high=1.0, open_low=True)
             if self.platform != "gpu":
@@ -143,6 +149,8 @@ class PlacementSettings:
     def _check_devices(self, tpu_bounds: Mapping[int, str]) -> None:
         lists = {"trainer": self.trainer}
         lists.update({f"workers[{i}]": w for i, w in enumerate(self.workers or ())})
+        if self.evaluator is not None:
+            lists["evaluator"] = self.evaluator
         if self.platform == "auto":
             for name, devices in lists.items():
                 if devices is not None:
@@ -289,6 +297,15 @@ def check_run_placement(run: RunConfig) -> None:
                 "workers.mesh_shape",
                 f"{e}: worker list placement.workers[{i}] has {len(devices)} device(s)",
             ) from None
+    if p.evaluator is not None:
+        try:
+            resolve_mesh(run.workers.mesh_shape, len(p.evaluator))
+        except ValueError as e:
+            raise ConfigError(
+                "workers.mesh_shape",
+                f"{e}: the held-out evaluation samples with it over placement.evaluator's "
+                f"{len(p.evaluator)} device(s)",
+            ) from None
 
 
 # the chips of each host of a multi-host Cloud TPU slice (every family: rlax_tasks/compute/
@@ -308,6 +325,12 @@ def _check_multi_host_tpu(run: RunConfig) -> None:
             f"is {list(p.trainer or ())}, but a trainer over {run.trainer.hosts} TPU hosts is one "
             f"libtpu slice over every chip of its hosts: give all of a host's, "
             f"{list(TPU_MULTI_HOST_CHIPS)} (the workers run on slices of their own)",
+        )
+    if p.evaluator is not None:
+        raise ConfigError(
+            "placement.evaluator",
+            f"under a trainer over {run.trainer.hosts} TPU hosts the held-out evaluation runs on "
+            "the first worker slice (every chip of its host): leave placement.evaluator out",
         )
 
 

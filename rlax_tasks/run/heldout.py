@@ -17,13 +17,13 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig
 from rlax_tasks.paramserver import mirror
-from rlax_tasks.run.placement import job_env, trainer_job
+from rlax_tasks.run.placement import HELDOUT, job_env, trainer_job
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor
 from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 
-JOB = "heldout"  # its name among the run's jobs (logs/heldout.log)
+JOB = HELDOUT  # its name among the run's jobs (logs/heldout.log)
 POLL_S = 0.5  # how often the job looks for a newly mirrored version
 WAIT_POLL_S = 0.2  # how often `rlax run` looks for the job's results while it waits for one
 
@@ -151,22 +151,25 @@ def add_heldout_parser(sub: argparse._SubParsersAction) -> None:
 
 
 class HeldOutJobs:
-    """`rlax run`'s side of the held-out job: started under its supervisor on the trainer's
-    devices (a colocated run: its one job's), its results read from the run's files."""
+    """`rlax run`'s side of the held-out job: started under its supervisor on its own devices
+    (placement.evaluator), else on the trainer's (a colocated run: its one job's), its results
+    read from the run's files."""
 
     def __init__(self, cfg: RunConfig, config_path: str, steps: int) -> None:
         self.cfg, self.config_path, self.steps = cfg, config_path, steps
-        self.env = job_env(cfg, trainer_job(cfg))
+        own = cfg.placement.evaluator is not None
+        self.env = job_env(cfg, JOB if own else trainer_job(cfg))
         self.offset = scores_offset(cfg.run_dir)
         self.newest: dict[str, Any] | None = None  # the newest result read in this launch
-        # eval.every_steps where the job can evaluate beside training: on cpu devices. On a gpu
-        # or tpu it would share the trainer's devices, so it evaluates before and after only.
+        # eval.every_steps where the job can evaluate beside training: on devices of its own, or
+        # on cpu devices. On the trainer's gpu or tpu it evaluates before and after only.
         self.every = cfg.eval.every_steps
-        if self.every and cfg.placement.platform != "cpu":
+        if self.every and cfg.placement.platform != "cpu" and not own:
             log.warning(
                 "eval.every_steps: on %s the held-out job would share the trainer's devices; "
-                "this run is evaluated before and after training (evaluate versions meanwhile "
-                "with `rlax eval --weights-from RUN_DIR@VERSION` or the rlax_nightly_eval DAG)",
+                "this run is evaluated before and after training (give the job devices of its "
+                "own with placement.evaluator, or evaluate versions meanwhile with `rlax eval "
+                "--weights-from RUN_DIR@VERSION` or the rlax_nightly_eval DAG)",
                 cfg.placement.platform,
             )
             self.every = 0

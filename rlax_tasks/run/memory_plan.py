@@ -14,6 +14,7 @@ from rlax_tasks.run.placement import (
     ACCELERATORS,
     COLOCATED,
     CPU_JOBS,
+    HELDOUT,
     describe,
     describe_devices,
     gpu_memory_fraction,
@@ -404,6 +405,8 @@ def job_advice(cfg: Any, job: str, devices: str | None = None) -> str:
             "workers.slots, a smaller trainer.micro_batch_size, or placement.mode: "
             "disaggregated (the sampler on devices of its own)"
         )
+    if job == HELDOUT:
+        devices = devices or "give the held-out evaluation more devices (placement.evaluator)"
     devices = devices or "give each worker more devices (placement.workers)"
     return (
         f"{devices} with tensor/fsdp shards (workers.mesh_shape), fewer workers.slots, or a "
@@ -424,7 +427,9 @@ def plan_for(
     memory, device words and advice (slice_memory_plan), the others take them from placement."""
     slices = slices or {}
     jobs, notes, problems, warnings = [], [], [], []
-    for job in job_names(cfg):
+    # the held-out evaluation on devices of its own samples as a worker does
+    own_evaluator = [HELDOUT] if cfg.placement.evaluator is not None else []
+    for job in [*job_names(cfg), *own_evaluator]:
         if job in CPU_JOBS:
             continue
         parts, note = job_bytes(cfg, model, job)

@@ -39,6 +39,7 @@ TPU_PORT_BASE = 8476
 
 # --------------------------------------------------------------------------- jobs and devices
 COLOCATED = "colocated"  # the one job of a colocated run (trainer, sampler, PS, controller)
+HELDOUT = "heldout"  # the held-out evaluation job (`rlax heldout`, started by `rlax run`)
 
 
 def is_colocated(cfg: Any) -> bool:
@@ -68,6 +69,8 @@ def job_devices(cfg: Any, job: str) -> tuple[int, ...] | None:
         return None
     if job in ("trainer", COLOCATED):
         return p.trainer
+    if job == HELDOUT:  # on devices of its own, else the trainer's (when it is not training)
+        return p.trainer if p.evaluator is None else p.evaluator
     m = re.fullmatch(r"worker-(\d+)", job)
     if m is None:
         raise ValueError(f"unknown job {job!r}: expected ps, trainer, worker-<i>, controller")
@@ -79,7 +82,7 @@ def job_devices(cfg: Any, job: str) -> tuple[int, ...] | None:
 def _host_lists(cfg: Any) -> list[tuple[int, ...]]:
     """The device lists of the accelerator jobs of one host (trainer first)."""
     p = cfg.placement
-    return [x for x in (p.trainer, *(p.workers or ())) if x is not None]
+    return [x for x in (p.trainer, *(p.workers or ()), p.evaluator) if x is not None]
 
 
 def sharers(cfg: Any, devices: Sequence[int]) -> int:
@@ -109,7 +112,12 @@ def _tpu_env(cfg: Any, job: str, devices: Sequence[int]) -> dict[str, str]:
     libtpu would open every chip of the host as one process of the slice, so a second process
     could not start: each becomes a one-process slice of its own chips (a box of the chip grid,
     see TPU_CHIP_BOUNDS) with a libtpu port of its own (all would take the default otherwise)."""
-    slot = 0 if job in ("trainer", COLOCATED) else 1 + int(job.rsplit("-", 1)[1])
+    if job in ("trainer", COLOCATED):
+        slot = 0
+    elif job == HELDOUT:  # on chips of its own: after every worker's port
+        slot = 0 if cfg.placement.evaluator is None else 1 + cfg.workers.count
+    else:
+        slot = 1 + int(job.rsplit("-", 1)[1])
     port = TPU_PORT_BASE + slot
     return {
         "TPU_VISIBLE_CHIPS": _ids(devices),
@@ -232,7 +240,10 @@ def describe(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
     if p.hosts > 1:
         head += " (the trainer spans them all; each host runs the workers listed)"
     rows = [("job", "devices", "mesh (data,fsdp,tensor)", "environment")]
-    for job, env in job_envs(cfg, environ).items():
+    envs = job_envs(cfg, environ)
+    if p.evaluator is not None:  # the held-out evaluation on devices of its own
+        envs[HELDOUT] = job_env(cfg, HELDOUT, environ)
+    for job, env in envs.items():
         mesh = job_mesh(cfg, job)
         rows.append(
             (
@@ -263,6 +274,7 @@ __all__ = [
     "COLOCATED",
     "CPU_JOBS",
     "GPU_MEMORY_TOTAL",
+    "HELDOUT",
     "MODES",
     "PLATFORMS",
     "TPU_CHIP_BOUNDS",

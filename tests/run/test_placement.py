@@ -98,6 +98,46 @@ def test_a_trainer_over_tpu_hosts_is_one_slice_over_every_chip_of_them():
     assert one["trainer"]["TPU_PROCESS_BOUNDS"] == "1,1,1"  # one host split between processes
 
 
+def test_the_held_out_evaluation_on_devices_of_its_own():
+    """placement.evaluator: the held-out job's own GPUs (the ones it shares split their memory)
+    or TPU chips (a slice of its own, its own libtpu port), a row of the placement table, and
+    `rlax run` evaluates during training on them; without it, on a GPU, before and after only."""
+    from rlax_tasks.run.heldout import HeldOutJobs
+
+    placement = {"platform": "gpu", "trainer": [0, 1, 2, 3], "workers": [[4], [5], [6]]}
+    every = {"workers.count": 3, "eval.every_steps": 5}
+    cfg = config({**placement, "evaluator": [6, 7]}, **every)
+    assert job_env(cfg, "heldout", environ={}) == {
+        "CUDA_VISIBLE_DEVICES": "6,7",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45",  # GPU 6 is worker-2's too
+        "RLAX_EXPECTED_DEVICES": "gpu 2",
+    }
+    assert job_env(cfg, "worker-2", environ={})["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
+    assert "  heldout     gpu 6,7" in describe(cfg, environ={})
+    own = HeldOutJobs(cfg, "config.yaml", 10)
+    assert (own.every, own.env["CUDA_VISIBLE_DEVICES"]) == (5, "6,7")
+    shared = HeldOutJobs(config(placement, **every), "config.yaml", 10)
+    assert (shared.every, shared.env["CUDA_VISIBLE_DEVICES"]) == (0, "0,1,2,3")
+
+    tpu = config(
+        {"platform": "tpu", "trainer": [0, 1, 2, 3], "workers": [[4, 5]], "evaluator": [6, 7]},
+        **{"workers.count": 1},
+    )  # fmt: skip
+    envs = {job: job_env(tpu, job, environ={}) for job in ("trainer", "worker-0", "heldout")}
+    assert envs["heldout"]["TPU_VISIBLE_CHIPS"] == "6,7"
+    assert len({env["TPU_PROCESS_PORT"] for env in envs.values()}) == 3
+    with pytest.raises(ConfigError, match=r"^placement.evaluator: TPU chip 5 is also placement"):
+        config({"platform": "tpu", "trainer": [0, 1, 2, 3], "workers": [[4, 5]],
+                "evaluator": [5]}, **{"workers.count": 1})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^placement.evaluator: under a trainer over 2 TPU"):
+        load_config("qwen2.5-math-1.5b-grpo-tpu-2host", {"placement.evaluator": [4]})
+    with pytest.raises(ConfigError, match=r"^placement.evaluator: device lists need platform"):
+        config({"platform": "auto", "evaluator": [0]})
+    with pytest.raises(ConfigError, match=r"^workers.mesh_shape: .* over placement.evaluator's"):
+        config({"platform": "gpu", "trainer": [0], "workers": [[1, 2]], "evaluator": [3]},
+               **{"workers.count": 1, "workers.mesh_shape": [1, 1, 2]})  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

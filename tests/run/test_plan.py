@@ -207,6 +207,19 @@ def test_dry_run_prints_each_job_its_devices_and_gib_per_device(preset, lines, c
     assert "--keep-bytes 435.9 GiB" in out and "verdict: fits h100-80gb" in out
 
 
+def test_a_held_out_evaluation_on_its_own_gpu_is_planned_there(capsys, no_network):
+    """placement.evaluator [7] beside worker-3 on GPU 7: a row of the placement table and of
+    the memory plan, each of the two with half of the 0.9 of GPU 7."""
+    argv = ["run", "--preset", "qwen2.5-math-1.5b-grpo", "--dry-run"]
+    assert main([*argv, "--set", "placement.evaluator=[7]"]) == 0
+    out = capsys.readouterr().out
+    assert "  heldout     gpu 7 " in out and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.45" in out
+    table = out[out.index("memory per device") :].splitlines()
+    for job in ("heldout", "worker-3"):
+        row = next(r for r in table if r.strip().startswith(job))
+        assert row.rstrip().endswith("35.84   yes"), row  # 0.45 × h100-80gb
+
+
 def test_a_plan_that_cannot_fit_exits_2_before_anything_starts(tmp_path, capsys, no_network):
     one_gpu = [
         "--set", "placement={hosts: 1, trainer: [0], workers: [[0]]}",
