@@ -222,6 +222,8 @@ def describe_devices(cfg: Any, job: str) -> str:
         return text
     if job == "trainer" and cfg.trainer.hosts > 1:
         text += f" × {cfg.trainer.hosts} hosts"
+    elif p.hosts > 1 and job == HELDOUT:
+        text += " of host 0"
     elif p.hosts > 1 and p.workers:
         text += f" of host {worker_host(cfg, int(job.rsplit('-', 1)[1]))}"
     return text

@@ -218,6 +218,12 @@ def test_a_held_out_evaluation_on_its_own_gpu_is_planned_there(capsys, no_networ
     for job in ("heldout", "worker-3"):
         row = next(r for r in table if r.strip().startswith(job))
         assert row.rstrip().endswith("35.84   yes"), row  # 0.45 × h100-80gb
+    # on GPU nodes it runs on host 0
+    assert main(["run", "--preset", "qwq-32b-code", "--dry-run", "--set",
+                 "placement.evaluator=[7]"]) == 2  # fmt: skip
+    out = capsys.readouterr()
+    assert "  heldout     gpu 7 of host 0 " in out.out
+    assert "give the held-out evaluation more devices (placement.evaluator)" in out.err
 
 
 def test_a_plan_that_cannot_fit_exits_2_before_anything_starts(tmp_path, capsys, no_network):
