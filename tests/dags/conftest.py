@@ -87,17 +87,21 @@ def drill_dag(monkeypatch, tmp_path, connection: dict):
 
 
 def when_trained(run_dir: str, step: int, action: Callable[[int], None]) -> threading.Thread:
-    """A started thread that calls ``action(step)`` once the checkpoint of ``step`` is complete
-    (the trainer's own record: on GCS, metrics.jsonl is written only every few seconds); join it
-    after the run."""
+    """A started thread that calls ``action(step)`` once the run has trained ``step`` steps:
+    metrics.jsonl says so, or the checkpoint of ``step`` is complete (the trainer's own record:
+    on GCS, metrics.jsonl is written only every few seconds); join it after the run."""
     from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
 
     checkpoint = storage.join(run_dir, "checkpoints", str(step))
 
+    def trained() -> bool:
+        steps = [r["step"] for r in read_jsonl(storage.join(run_dir, "metrics.jsonl"))]
+        return (bool(steps) and max(steps) >= step) or is_complete_checkpoint(checkpoint)
+
     def watch() -> None:
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
-            if is_complete_checkpoint(checkpoint):
+            if trained():
                 action(step)
                 return
             time.sleep(0.2)
