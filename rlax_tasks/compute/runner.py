@@ -111,10 +111,13 @@ def run_job(
                     storage.join(status_dir, jobstatus.HEARTBEAT),
                     {"time": time.time(), "pid": child.pid},
                 )
-                if logs is not None:
-                    logs.sync(min_interval_s=log_sync_s)
             except Exception:  # noqa: BLE001 - a missed beat is tolerated; many are preemption
                 log.warning("heartbeat write to %s failed", status_dir, exc_info=True)
+            if logs is not None:
+                try:
+                    logs.sync(min_interval_s=log_sync_s)
+                except Exception:  # noqa: BLE001 - the next sync (or the last) uploads them
+                    log.warning("log upload to %s failed", status_dir, exc_info=True)
             done.wait(heartbeat_interval_s)
 
     beats = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)
