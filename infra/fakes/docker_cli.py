@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psutil
@@ -379,7 +379,7 @@ def run(argv: list[str]) -> None:
     print(container_id)
 
 
-def passed_env(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+def passed_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What a fake host or container keeps of ``environ``: the fake's own variables
     (``RLAX_FAKE_*``) and those PASS_ENV_VAR names."""
     names = {n for n in environ.get(PASS_ENV_VAR, "").split(",") if n}
