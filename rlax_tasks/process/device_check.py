@@ -52,6 +52,24 @@ def check_devices(job: str, expected: str, platform: str, count: int) -> None:
         )
 
 
+# the names JAX's GPU plugins register under (the platform its clients report is "gpu")
+_PLUGIN_PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def found_platform() -> str:
+    """The platform JAX chose for this process: the name its default backend was loaded under
+    (what JAX_PLATFORMS names: "cpu", "tpu", "cuda"/"rocm" as "gpu"), so a runtime that stands
+    in for one (the fake Cloud TPU's libtpu) counts as it."""
+    import jax
+    from jax.extend import backend
+
+    default = backend.get_backend()
+    for name, client in backend.backends().items():
+        if client is default:
+            return _PLUGIN_PLATFORMS.get(name, name)
+    return jax.default_backend()
+
+
 def check_job_devices(job: str, environ: Mapping[str, str] | None = None) -> None:
     """Checks this process's JAX devices against its placement (nothing to check when the
     launcher set no expectation). Call it after jax.distributed.initialize, if any."""
@@ -60,4 +78,4 @@ def check_job_devices(job: str, environ: Mapping[str, str] | None = None) -> Non
         return
     import jax  # only in the JAX jobs that call this
 
-    check_devices(job, expected, jax.default_backend(), jax.local_device_count())
+    check_devices(job, expected, found_platform(), jax.local_device_count())

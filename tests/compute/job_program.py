@@ -13,7 +13,8 @@
                                    in PATH (its "checkpoint") up to N, one step every S seconds,
                                    then exits 0; prints "resumed from step K" first
 ``job_program.py tpu``             sets up JAX's backends (where a TPU VM's libtpu loads) and
-                                   prints platform=<JAX's default backend>
+                                   prints platform=<the platform JAX chose> and
+                                   devices=<its local device count>
 """
 
 import os
@@ -73,7 +74,10 @@ def main(argv: list[str]) -> int:
     if cmd == "tpu":
         import jax
 
-        print(f"platform={jax.default_backend()}", flush=True)
+        from rlax_tasks.process.device_check import found_platform
+
+        print(f"platform={found_platform()}", flush=True)
+        print(f"devices={jax.local_device_count()}", flush=True)
         return 0
     print(f"unknown command {cmd!r}", file=sys.stderr)
     return 2

@@ -164,7 +164,9 @@ def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
         assert f"fake libtpu: host {host} of v4-16: the slice's 2 hosts joined" in stderr(
             whole, host
         )
-        assert output(whole, host)["platform"] == "cpu"  # there is no TPU: JAX runs on the CPU
+        assert "4 TPU device(s), on the CPU" in stderr(whole, host)
+        # JAX's TPU backend: the host's 4 chips (the CPU stands in for them)
+        assert (output(whole, host)["platform"], output(whole, host)["devices"]) == ("tpu", "4")
 
     _, status = run("tpu-partial", (0,))
     assert status.state is JobState.FAILED
@@ -193,6 +195,7 @@ def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
     assert "fake libtpu: host 1 of v4-16: a slice of its chips 2,3 as process 0 of 1" in stderr(
         some, 1
     )
+    assert (output(some, 1)["platform"], output(some, 1)["devices"]) == ("tpu", "2")
 
 
 @pytest.mark.parametrize(

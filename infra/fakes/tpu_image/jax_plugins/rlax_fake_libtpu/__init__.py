@@ -6,7 +6,10 @@ checks the process's TPU variables against its VM (the ``tpu-env`` metadata: its
 slice's hosts) and, for a process that takes a slice of several hosts, waits until every host of
 the slice has started one, as libtpu does. It refuses inconsistent process bounds at once and a
 slice whose other hosts never start after RLAX_FAKE_LIBTPU_WAIT_S: "TPU initialization failed"
-and exit status 1. Then JAX finds no TPU (there is none) and runs on the CPU."""
+and exit status 1. Otherwise it stands the host's CPU in for the chips the process was given:
+JAX's "tpu" backend is a CPU client of that many devices (one process of the jax.distributed
+group, if the process started one), so a job sees the platform and device count a TPU VM's
+libtpu would give it, and computes on the CPU."""
 
 from __future__ import annotations
 
@@ -149,6 +152,44 @@ def join_slice(worker: int, accelerator_type: str, wait_s: float) -> int:
         time.sleep(0.2)
 
 
+def process_chips(environ: Mapping[str, str], chips_per_host: str) -> int:
+    """How many chips libtpu gives the process: those it names, else its whole host."""
+    if environ.get("TPU_VISIBLE_CHIPS"):
+        return len(environ["TPU_VISIBLE_CHIPS"].split(","))
+    if environ.get("TPU_CHIPS_PER_PROCESS_BOUNDS"):
+        return math.prod(
+            _bounds("TPU_CHIPS_PER_PROCESS_BOUNDS", environ["TPU_CHIPS_PER_PROCESS_BOUNDS"])
+        )
+    return math.prod(_bounds("CHIPS_PER_HOST_BOUNDS", chips_per_host))
+
+
+def register_chips(count: int) -> None:
+    """JAX's "tpu" backend (the default: libtpu's priority): a CPU client of ``count`` devices,
+    distributed over the process's jax.distributed group when there is one; its "cpu" backend
+    one local device (two distributed CPU clients would clash in the group's topology)."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax, xla_client
+
+    def tpu_client():
+        state = distributed.global_state
+        collectives = None
+        if state.client is not None:
+            collectives = _jax.make_gloo_tcp_collectives(distributed_client=state.client)
+        return xla_client.make_cpu_client(
+            distributed_client=state.client,
+            node_id=state.process_id,
+            num_nodes=state.num_processes,
+            collectives=collectives,
+            num_devices=count,
+        )
+
+    def cpu_client():
+        return xla_client.make_cpu_client(num_devices=1)
+
+    xla_bridge.register_backend_factory("tpu", tpu_client, priority=300, fail_quietly=False)
+    xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
+
+
 def initialize() -> None:
     """JAX's plugin hook: libtpu's start-up checks (see the module's docstring)."""
     if not wants_tpu(os.environ) or "RLAX_FAKE_METADATA_URL" not in os.environ:
@@ -169,5 +210,7 @@ def initialize() -> None:
         sys.stderr.write(f"fake libtpu: TPU initialization failed: {e}\n")
         sys.stderr.flush()
         os._exit(1)
-    sys.stderr.write(f"fake libtpu: {note}\n")
+    chips = process_chips(os.environ, env["CHIPS_PER_HOST_BOUNDS"])
+    register_chips(chips)
+    sys.stderr.write(f"fake libtpu: {note}; {chips} TPU device(s), on the CPU\n")
     sys.stderr.flush()
