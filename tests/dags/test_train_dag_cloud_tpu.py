@@ -2,11 +2,12 @@
 trainer slice (v4-16: the trainer as one jax.distributed group over both hosts, the PS and the
 controller beside host 0) and one worker slice (v4-8), every host running the real
 infra/tpu/startup.sh through the docker stand-in and real `rlax` jobs, with the run root and the
-model on the GCS emulator and the default placement (each accelerator job in its VM's TPU
-runtime: the fake libtpu's checks, then the CPU). The trainer slice is preempted mid-run (spot
-reclaim), re-provisioned by the jobs' retries, and the run resumes: every step applied once, the
-services found again at their new addresses, the worker's weights pulled over TCP (its slice is
-another VM), the evaluations on the worker slice."""
+model on the GCS emulator and placement.platform tpu (each accelerator job in its VM's TPU
+runtime: the fake libtpu's checks, then its chips as JAX's TPU devices, computing on the CPU; each
+job checks that it found the TPU devices its placement names). The trainer slice is preempted
+mid-run (spot reclaim), re-provisioned by the jobs' retries, and the run resumes: every step
+applied once, the services found again at their new addresses, the worker's weights pulled over
+TCP (its slice is another VM), the evaluations on the worker slice."""
 
 from __future__ import annotations
 
@@ -58,12 +59,12 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
 
     # the trainer over a 2-host v4-16, the worker on a 1-host v4-8
     conf = drill_conf(tmp_path, RUN_ID, STEPS, "v4-16", "v4-8")
-    # the placement a TPU run has by default: each job takes its VM's TPU runtime (the fake
-    # libtpu's checks; then JAX runs on the CPU, one device a host), the ps and controller cpu
+    # the TPU placement: each accelerator job checks that JAX found the TPU and the chips its
+    # placement names (the fake libtpu's, computing on the CPU), the ps and controller cpu
     conf["overrides"] = {
         **conf["overrides"],
-        "placement.platform": "auto",
-        "placement.trainer": None,
+        "placement.platform": "tpu",
+        "placement.trainer": [0, 1, 2, 3],
     }
     with gcs_emulator("rlax-drill") as bucket, fake_cloud_tpu(str(tmp_path / "fake")) as url:
         # the run root and the model on GCS: the slices' hosts share no file system with Airflow
@@ -122,10 +123,13 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
     assert len(slices) == 2, sorted(trainer_logs)
     for text in ("process 0 of 2", "process 1 of 2"):
         assert any(text in log for log in trainer_logs.values()), sorted(trainer_logs)
-    # ... each host's process in the slice-wide TPU runtime of its VM
+    # ... each host's process in the slice-wide TPU runtime of its VM, given the host's 4 chips
+    # (what placement.trainer names: the job's device check passed), one mesh over the 8
     for host in (0, 1):
-        joined = f"fake libtpu: host {host} of v4-16: the slice's 2 hosts joined"
+        joined = f"fake libtpu: host {host} of v4-16: the slice's 2 hosts joined; 4 TPU device(s)"
         assert sum(joined in log for log in trainer_logs.values()) == 2, sorted(trainer_logs)
+    for log in trainer_logs.values():
+        assert "4 of 8 devices here" in log and "'fsdp': 8" in log
     # the evaluations ran on the worker slice, every chip of its one host, not on one host of
     # the trainer's
     assert sorted(path.split("/slices/")[1].split("/")[0] for path in evaluation_logs) == [
@@ -133,7 +137,11 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         WORKER_SLICE,
     ], sorted(evaluation_logs)
     for log in [*evaluation_logs.values(), *worker_logs.values()]:
-        assert "fake libtpu: v4-8: every chip of its one host" in log
+        assert "fake libtpu: v4-8: every chip of its one host; 4 TPU device(s)" in log
+    # the worker took every chip of its host (a trainer over several TPU hosts leaves it none)
+    assert all(
+        "worker mesh {'data': 1, 'fsdp': 1, 'tensor': 4}" in log for log in worker_logs.values()
+    )
     # the worker's slice is another VM than the PS's: it pulls the weights over TCP, never
     # through the PS's shared memory, though the fake's hosts share this machine's kernel
     pulls = [
