@@ -1,7 +1,8 @@
-"""Causal grouped-query attention, one contract and a kernel per platform: cuDNN on GPU, Pallas
-splash on TPU, blocked XLA on CPU. Causality is by position (left padding works); ``valid`` may
-hold segment ids of packed sequences. ``attend`` is the reference, ``attend_cache`` the same over
-the KV cache's layout (decode). ``RLAX_ATTENTION`` (blocked, xla, cudnn, splash) forces a kernel.
+"""Causal grouped-query attention, one contract and a kernel per platform: cuDNN on GPU (its
+packed layout, no dense mask), Pallas splash on TPU, blocked XLA on CPU. Causality is by position
+(left padding works); ``valid`` may hold segment ids of packed sequences. ``attend`` is the
+reference, ``attend_cache`` the same over the KV cache's layout (decode). ``RLAX_ATTENTION``
+(blocked, xla, cudnn, splash) forces a kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ ATTENTION_ENV = "RLAX_ATTENTION"
 ATTENTION_BLOCK = 128
 # sequence block of the splash kernel (its q and kv blocks; sequences are padded to a multiple)
 SPLASH_BLOCK = 128
+# the most sequences a packed row holds (trainer/packing.py keeps to it): cuDNN's packed layout
+# has a static number of sequences per row
+MAX_PACKED_SEGMENTS = 32
 # additive mask value: finite so that fully-masked (padding) query rows stay NaN-free
 MASK_VALUE = -1e30
 
@@ -162,10 +166,76 @@ def dot_product_causal_attend(
     valid: jax.Array,
     implementation: str = "cudnn",
 ) -> jax.Array:
-    """``jax.nn.dot_product_attention`` with our mask: cuDNN's fused flash attention on GPU
-    (bfloat16/float16 only), or its XLA implementation anywhere."""
+    """``jax.nn.dot_product_attention`` with our mask as a dense [B, 1, T, T] array: its XLA
+    implementation anywhere, or cuDNN's fused attention (bfloat16/float16) taking it as a bias
+    (GPUs before Hopper; ``cudnn_causal_attend``)."""
     return jax.nn.dot_product_attention(
         q, k, v, mask=_mask(positions, valid), implementation=implementation
+    )
+
+
+def valid_runs(valid: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's packed layout of rows [B, T]: the length and the start of each run of equal
+    ``valid`` values along a row (a packed sequence, a stretch of padding), [B, max_runs] and
+    [B, max_runs + 1], -1 after a row's last run. Every token is in a run, so the kernel leaves
+    no output undefined; a row of more than ``max_runs`` runs loses its last ones."""
+    b, t = valid.shape
+    m = min(max_runs, t)
+    ids = valid.astype(jnp.int32)
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    ordered = jnp.sort(jnp.where(starts, index, t), axis=1)  # run starts first, then t
+    ordered = jnp.concatenate([ordered, jnp.full((b, 1), t, jnp.int32)], axis=1)
+    first, following = ordered[:, :m], ordered[:, 1 : m + 1]
+    lengths = jnp.where(first < t, following - first, -1)
+    offsets = jnp.where(first < t, first, -1)
+    return lengths, jnp.concatenate([offsets, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+
+
+def max_runs(valid: jax.Array) -> int:
+    """How many runs ``valid_runs`` gives a row: a bool row is one stretch of tokens between
+    padding (left-padded prompts, right-padded completions: 3); a packed row at most
+    MAX_PACKED_SEGMENTS sequences and its padding (the packer's bound)."""
+    return MAX_PACKED_SEGMENTS + 1 if is_packed(valid) else 3
+
+
+def _packed_layout_supported() -> bool:
+    """Whether cuDNN takes the packed layout here: a Hopper or later GPU (compute 9.0)."""
+    device = jax.local_devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return capability is not None and tuple(map(int, capability.split("."))) >= (9, 0)
+
+
+def cudnn_causal_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+) -> jax.Array:
+    """cuDNN's fused flash attention without a dense mask: each run of ``valid`` (``valid_runs``)
+    one sequence of its packed layout, causal within it, so the kernel reads no [B, T, T] bias
+    and computes no gradient for one. Equals ``attend`` for valid queries when each row's tokens
+    are one stretch (bool ``valid``) or packed segments whose positions count from 0. Before
+    Hopper cuDNN has no packed layout: the mask goes in as a bias (``dot_product_causal_attend``).
+    """
+    if not _packed_layout_supported():
+        return dot_product_causal_attend(q, k, v, positions, valid, "cudnn")
+    # the packed layout is only in JAX's cuDNN module (jax.nn.dot_product_attention takes
+    # sequence lengths of one sequence per row)
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    lengths, offsets = valid_runs(valid, max_runs(valid))
+    return dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=MaskType.PADDING_CAUSAL,
     )
 
 
@@ -261,7 +331,9 @@ def causal_self_attend(
     impl = implementation or default_implementation(jax.default_backend(), q.dtype)
     if impl == "blocked":
         return blocked_causal_attend(q, k, v, positions, valid)
-    if impl in ("xla", "cudnn"):
+    if impl == "cudnn":
+        return cudnn_causal_attend(q, k, v, positions, valid)
+    if impl == "xla":
         return dot_product_causal_attend(q, k, v, positions, valid, impl)
     if impl == "splash":
         return _per_shard(splash_causal_attend, q, k, v, positions, valid)

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from rlax_tasks.models.attention import MAX_PACKED_SEGMENTS
+
 # packed row counts are rounded up to a multiple of 1 / ROW_BUCKETS of the padded batch's tokens
 # (and of what the mesh and the micro-batches need): a run compiles the step for at most about
 # this many row counts per width; each new count costs a trace and a compile, against at most
@@ -50,11 +52,14 @@ def row_multiple(batch_size: int, width: int, packed_width: int, divisor: int = 
     return math.lcm(max(1, batch_size * width // ROW_BUCKETS // packed_width), divisor)
 
 
-def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Best-fit decreasing bin packing of sequence lengths into rows of ``width`` tokens:
-    (row, offset, segment) per sequence and the number of rows. Longest first, each into the
-    fullest row it still fits (ties: the oldest row), so the result is deterministic; segments
-    are numbered 1, 2, ... along a row; zero-length sequences take no space (row 0, offset 0, 0)."""
+def assign_rows(
+    lengths: np.ndarray, width: int, max_segments: int = MAX_PACKED_SEGMENTS
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Best-fit decreasing bin packing of sequence lengths into rows of ``width`` tokens and at
+    most ``max_segments`` sequences (the attention kernels' bound): (row, offset, segment) per
+    sequence and the number of rows. Longest first, each into the fullest row it still fits
+    (ties: the oldest row), so the result is deterministic; segments are numbered 1, 2, ...
+    along a row; zero-length sequences take no space (row 0, offset 0, 0)."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and lengths.max() > width:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit width {width}")
@@ -78,7 +83,7 @@ def assign_rows(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
         count[r] += 1
         row[i], offset[i], segment[i] = r, used[r], count[r]
         used[r] += n
-        if used[r] < width:
+        if used[r] < width and count[r] < max_segments:
             bisect.insort(free, (width - used[r], r))
     return row, offset, segment, len(used)
 

@@ -12,6 +12,7 @@ import pytest
 
 from rlax_tasks.models import Policy
 from rlax_tasks.models.attention import causal_self_attend, default_implementation
+from rlax_tasks.models.forward import positions_from_mask, positions_from_segments
 from rlax_tasks.rollout import Sampler
 from tests.tiny_model import tiny_model_config
 
@@ -22,21 +23,46 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("length", [128, 1000])
-def test_the_platforms_attention_kernel_matches_the_xla_reference(length):
+def test_the_platforms_attention_kernel_matches_the_xla_reference(length, layout):
+    """cuDNN's packed layout (Hopper) or the mask as a bias, splash on TPU: padded rows and
+    packed training rows."""
     kernel = default_implementation(jax.default_backend(), jnp.bfloat16)
     assert kernel in ("cudnn", "splash")
     rng = np.random.default_rng(0)
     b, h, kv, d = 2, 8, 2, 128
     q = jnp.asarray(rng.standard_normal((b, length, h, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, length, kv, d)), jnp.bfloat16) for _ in "kv")
-    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-    valid = jnp.ones((b, length), bool).at[1, length - 7 :].set(False)  # a padded row
+    if layout == "padded":
+        valid = np.ones((b, length), bool)
+        valid[0, : length // 4] = False  # a left-padded prompt
+        valid[1, length - 7 :] = False  # a right-padded completion
+        positions = positions_from_mask(jnp.asarray(valid))
+    else:  # sequences of the packer's rows: segments 1, 2, ..., then padding
+        cuts = np.sort(rng.choice(np.arange(1, length - 5), size=6, replace=False))
+        valid = np.zeros((b, length), np.int32)
+        for i, (start, end) in enumerate(zip([0, *cuts[:-1]], cuts, strict=True)):
+            valid[0, start:end] = i + 1
+        valid[1, : length // 2] = 1
+        positions = positions_from_segments(jnp.asarray(valid))
+    valid = jnp.asarray(valid)
     out = causal_self_attend(q, k, v, positions, valid, implementation=kernel)
     ref = causal_self_attend(q, k, v, positions, valid, implementation="xla")
-    keep = np.asarray(valid)[..., None, None]
+    keep = (np.asarray(valid) > 0)[..., None, None]
     diff = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)) * keep
     assert diff.max() < 2e-2, (kernel, diff.max())
+
+    # and the gradients training takes through it
+    def loss(impl, q, k, v):  # noqa: ANN001, ANN202
+        out = causal_self_attend(q, k, v, positions, valid, implementation=impl)
+        return (out.astype(jnp.float32) * jnp.asarray(keep)).sum()
+
+    grads = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.abs(g - r).max() < 5e-2 * np.abs(r).max(), (kernel, name)
 
 
 def _top2_margin(logits: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tasks.models import attention
+from rlax_tasks.models import attention, forward
 from rlax_tasks.models.forward import positions_from_mask
 
 
@@ -28,7 +28,7 @@ def _inputs(t: int, dtype, seed: int = 0):  # noqa: ANN001, ANN202
 
 
 def _kernels(q, k, v, positions, valid):  # noqa: ANN001, ANN202
-    return {
+    return {  # cudnn_causal_attend (the GPU's): test_cudnn_packed_layout_equals_the_reference
         "blocked": attention.blocked_causal_attend(q, k, v, positions, valid, block=64),
         "xla": attention.dot_product_causal_attend(q, k, v, positions, valid, "xla"),
         "splash": attention.splash_causal_attend(q, k, v, positions, valid, interpret=True),
@@ -48,6 +48,50 @@ def test_kernels_equal_the_reference(t, dtype, tol) -> None:  # noqa: ANN001
         assert out.shape == q.shape and out.dtype == q.dtype, name
         err = np.abs(np.asarray(out.astype(jnp.float32)) - np.asarray(reference))[rows].max()
         assert err <= tol, (name, err)
+
+
+def _cudnn_packed(q, k, v, lengths, offsets) -> np.ndarray:  # noqa: ANN001
+    """What cuDNN's packed layout computes (PADDING_CAUSAL): each (start, length) of a row an
+    independent sequence, causal by index from its start; a token in none gets zeros."""
+    out = np.zeros(q.shape, np.float32)
+    for b in range(q.shape[0]):
+        for start, n in zip(np.asarray(offsets[b]), np.asarray(lengths[b]), strict=False):
+            if n < 0:
+                continue
+            span, index = slice(start, start + n), jnp.arange(n)[None]
+            one = attention.attend(
+                q[b : b + 1, span], k[b : b + 1, span], v[b : b + 1, span],
+                index, index, jnp.ones((1, n), bool),
+            )  # fmt: skip
+            out[b, span] = np.asarray(one[0], np.float32)
+    return out
+
+
+def _packed_inputs(t: int = 40):  # noqa: ANN202
+    q, k, v, _, _ = _inputs(t, jnp.float32)
+    segments = np.zeros((3, t), np.int32)
+    segments[0, :17] = [1] * 5 + [2] * 9 + [3] * 3  # three sequences, then padding
+    segments[2, :32] = np.arange(1, 33)  # the packer's most: 32 one-token sequences
+    # row 1: all padding (a row the packer adds to round the row count)
+    segments = jnp.asarray(segments)
+    return q, k, v, forward.positions_from_segments(segments), segments
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_cudnn_packed_layout_equals_the_reference(layout) -> None:  # noqa: ANN001
+    """The sequences cudnn_causal_attend hands cuDNN's packed layout (``valid_runs``): with the
+    kernel's semantics they give every valid query ``attend``'s output, and cover every token."""
+    q, k, v, positions, valid = _inputs(40, jnp.float32) if layout == "padded" else _packed_inputs()
+    lengths, offsets = attention.valid_runs(valid, attention.max_runs(valid))
+    assert lengths.shape[1] + 1 == offsets.shape[1] == attention.max_runs(valid) + 1
+    assert (np.where(lengths > 0, lengths, 0).sum(axis=1) == 40).all()  # every token in a run
+    out = _cudnn_packed(q, k, v, lengths, offsets)
+    reference = attention.attend(q, k, v, positions, positions, valid, valid)
+    rows = np.asarray(valid) > 0
+    assert np.abs(out - np.asarray(reference))[rows].max() <= 1e-5
+    if layout == "packed":  # one run more than the bound: the row's last run is dropped
+        lengths, _ = attention.valid_runs(valid, attention.max_runs(valid) - 1)
+        assert int(np.where(lengths[2] > 0, lengths[2], 0).sum()) == 32
 
 
 def test_splash_runs_per_shard_on_a_mesh() -> None:

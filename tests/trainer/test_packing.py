@@ -71,6 +71,15 @@ def test_rows_are_rounded_and_packing_that_saves_nothing_is_skipped() -> None:
         pack_batch(ids, attn, 4)
 
 
+def test_a_row_holds_at_most_the_attention_kernels_segments() -> None:
+    # 100 one-token sequences: 32 a row of 64 (cuDNN's packed layout has a static bound), not 64
+    row, _, segment, n = assign_rows(np.ones(100, np.int64), 64)
+    assert attention.MAX_PACKED_SEGMENTS == 32 and n == 4
+    assert np.bincount(row).max() == 32 and segment.max() == 32
+    _, _, segment, n = assign_rows(np.ones(100, np.int64), 64, max_segments=64)
+    assert n == 2 and segment.max() == 64
+
+
 def test_best_fit_decreasing_fills_the_fullest_row_first() -> None:
     row, offset, segment, n = assign_rows(np.array([5, 3, 4, 2, 2, 0]), 8)
     # 5 -> row 0 (3 free); 4 -> row 1 (4 free); 3 -> row 0 (full); 2 -> row 1; 2 -> row 1
