@@ -135,6 +135,8 @@ def _overrides(
                 "worker_slices"
             )
         out["workers.count"] = count
+        # each worker on every device of a host of its own slice, none of the trainer's
+        out["placement.separate_worker_hosts"] = True
     elif params.get("num_workers"):
         out["workers.count"] = params["num_workers"]
     if dataset:

@@ -20,6 +20,7 @@ from rlax_tasks.compute.devices import (
 from rlax_tasks.config.checks import (
     ConfigError,
     build,
+    check_bool,
     check_float,
     check_int,
     check_str,
@@ -63,6 +64,10 @@ class PlacementSettings:
     hosts: int = 1
     trainer: tuple[int, ...] | None = None
     workers: tuple[tuple[int, ...], ...] | None = None
+    # the workers run on hosts of their own (rlax_train's worker slices: its plan sets this),
+    # each on every device of its host: placement.workers stays null and no chip or GPU of the
+    # trainer's host is theirs
+    separate_worker_hosts: bool = False
     # the held-out evaluation job's device indices on host 0 (gpu, tpu, cpu): it then evaluates
     # during training too (eval.every_steps); null = the trainer's devices, before and after
     # training only on gpu and tpu
@@ -79,6 +84,7 @@ class PlacementSettings:
             check_str(self, "mode", MODES)
         check_str(self, "platform", PLATFORMS)
         check_int(self, "hosts", low=1)
+        check_bool(self, "separate_worker_hosts")
         if self.accelerator is not None:
             check_str(self, "accelerator", tuple(ACCELERATORS))
             kind = ACCELERATORS[self.accelerator].platform
@@ -101,6 +107,12 @@ class PlacementSettings:
                 "workers",
                 tuple(_device_list(w, f"workers[{i}]") for i, w in enumerate(self.workers)),
             )
+            if self.separate_worker_hosts:
+                raise ConfigError(
+                    "workers",
+                    "the workers run on hosts of their own (separate_worker_hosts: the worker "
+                    "slices), each on every device of its host: leave placement.workers out",
+                )
         if self.evaluator is not None:
             set_field(self, "evaluator", _device_list(self.evaluator, "evaluator"))
         if self.memory_fraction is not None:
@@ -127,6 +139,7 @@ class PlacementSettings:
             and self.trainer is not None
             and len(self.trainer) == 1
             and self.workers is None
+            and not self.separate_worker_hosts
             and workers_count in (None, 1)
         )
         return "colocated" if single else "disaggregated"
@@ -138,6 +151,12 @@ class PlacementSettings:
                 "hosts",
                 "a colocated run is one process on one host; use mode: disaggregated for "
                 "several hosts",
+            )
+        if self.separate_worker_hosts:
+            raise ConfigError(
+                "mode",
+                "a colocated run samples on the trainer's devices, but its workers have hosts of "
+                "their own (separate_worker_hosts: worker slices): use mode: disaggregated",
             )
         if self.workers is not None:
             raise ConfigError(
@@ -228,11 +247,11 @@ def resolve_placement(run: RunConfig) -> None:
         except ConfigError as e:
             raise e.under("placement") from None
         set_field(run, "placement", p)
-    # a trainer over several TPU hosts leaves them no chip: each worker takes every chip of a
-    # host of its own slice (placement.workers null)
-    multi_host_tpu = p.platform == "tpu" and run.trainer.hosts > 1
+    # workers on hosts of their own (worker slices; a trainer over several TPU hosts leaves
+    # them no chip) take every device of their host: placement.workers null
+    own_hosts = p.separate_worker_hosts or (p.platform == "tpu" and run.trainer.hosts > 1)
     if p.mode == "disaggregated" and p.platform in ("gpu", "tpu") and p.workers is None:
-        if not multi_host_tpu:
+        if not own_hosts:
             raise ConfigError("placement.workers", _missing_worker_devices(run))
     if run.workers.count is None:
         if p.mode == "colocated":

@@ -192,9 +192,9 @@ def evaluation_slice(cfg: Any, backend: str, layout: WorkerSlices | None) -> str
     """The role of the slice the held-out evaluation runs on (on its host 0): the trainer's,
     except under a trainer over several TPU hosts, which is one libtpu slice over every chip of
     them (a process on one host alone waits for the others): the first worker slice's. Such a
-    trainer needs its workers on slices of their own, each on every chip of its host: PlanError
-    naming ``worker_accelerator_type`` or ``placement.workers`` otherwise."""
-    p = cfg.placement
+    trainer needs its workers on slices of their own (each on every chip of its host:
+    ``placement.separate_worker_hosts``): PlanError naming ``worker_accelerator_type``
+    otherwise."""
     if cfg.trainer.hosts == 1 or not _on_tpu(cfg, backend):
         return TRAINER_SLICE
     if layout is None:
@@ -202,11 +202,6 @@ def evaluation_slice(cfg: Any, backend: str, layout: WorkerSlices | None) -> str
             f"worker_accelerator_type: a trainer over {cfg.trainer.hosts} TPU hosts takes every "
             "chip of its slice: give the workers slices of their own (e.g. v5p-8; the held-out "
             "evaluation runs on the first)"
-        )
-    if p.workers is not None:
-        raise PlanError(
-            f"placement.workers: under a trainer over {cfg.trainer.hosts} TPU hosts each worker "
-            "takes every chip of a host of its own slice: leave placement.workers out (null)"
         )
     return worker_slice(0)
 
@@ -299,6 +294,7 @@ def _slice_config(cfg: Any, trainer_type: Any, worker_chips: list[int]) -> Any:
             "hosts": 1,
             "trainer": list(range(trainer_type.chips_per_host)),
             "workers": blocks or None,  # (none: a colocated sampler on the trainer's chips)
+            "separate_worker_hosts": False,  # (the blocks above count each worker's chips)
             "memory_fraction": None,
         },
     }

@@ -231,7 +231,9 @@ def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slic
     with pytest.raises(rc.PlanError, match="^worker_accelerator_type: a trainer over 2 TPU hosts"):
         rc.plan_training(params, "manual__a")
     listed = {**overrides, "placement.workers": [[4], [5]]}
-    with pytest.raises(rc.PlanError, match="^placement.workers: under a trainer over 2 TPU hosts"):
+    with pytest.raises(
+        rc.PlanError, match="^run config: placement.workers: the workers run on hosts of their own"
+    ):
         rc.plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
                           "worker_slices": 2}, "manual__c")  # fmt: skip
     # a worker alone on a host of a 2-host TPU slice would wait for the other host
@@ -245,6 +247,45 @@ def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slic
     assert [s["role"] for s in p["slices"] if s.get("evaluation")] == ["workers-0"]
     assert p["env"] == p["envs"]["worker-0"] != p["envs"]["trainer"]
     assert not [k for k in p["env_trainer"] if k.startswith("TPU_")]  # libtpu: the whole slice
+
+
+def test_workers_on_slices_of_their_own_take_every_chip_of_their_host(tmp_path, monkeypatch):
+    """platform tpu, a one-host trainer slice and worker slices: the workers' chips are another
+    VM's, not the trainer's (no device lists for them, none refused as shared), and a trainer
+    of one chip is not made colocated with a sampler the worker slices would never run."""
+    from rlax_tasks.process.device_check import EXPECTED_ENV
+
+    monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
+    monkeypatch.setenv("RLAX_BACKEND_SETTINGS", json.dumps({"api_endpoint": "http://127.0.0.1:1"}))
+    overrides = {
+        "placement.mode": None,  # the default: disaggregated, whatever the trainer's chips
+        "placement.platform": "tpu",
+        "placement.trainer": [0, 1, 2, 3],
+    }
+    params = tiny_params(
+        tmp_path, "r1", accelerator_type="v4-8", worker_accelerator_type="v4-8",
+        worker_slices=2, overrides=overrides,
+    )  # fmt: skip
+    p = rc.plan_training(params, "manual__a")
+    assert p["num_workers"] == 2 and [w["slice"] for w in p["worker_jobs"]] == [
+        "workers-0",
+        "workers-1",
+    ]
+    for worker in ("worker-0", "worker-1"):  # libtpu gives the process every chip of its VM
+        env = p["envs"][worker]
+        assert env[EXPECTED_ENV] == "tpu any" and not [k for k in env if k.startswith("TPU_")]
+    assert p["envs"]["trainer"][EXPECTED_ENV] == "tpu 4"
+    one_chip = {**overrides, "placement.trainer": [0]}
+    p = rc.plan_training(
+        {**params, "run_id": "r2", "worker_slices": 1, "overrides": one_chip}, "manual__b"
+    )
+    assert sorted(p["envs"]) == ["controller", "ps", "trainer", "worker-0"]  # disaggregated
+    listed = {**overrides, "placement.workers": [[0, 1, 2, 3]]}
+    with pytest.raises(rc.PlanError, match="^run config: placement.workers: the workers run on"):
+        rc.plan_training({**params, "run_id": "r3", "overrides": listed}, "manual__c")
+    colocated = {**overrides, "placement.mode": "colocated"}
+    with pytest.raises(rc.PlanError, match="^run config: placement.mode: a colocated run samples"):
+        rc.plan_training({**params, "run_id": "r4", "overrides": colocated}, "manual__d")
 
 
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
