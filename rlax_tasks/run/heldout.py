@@ -19,6 +19,7 @@ from rlax_tasks.config import RunConfig
 from rlax_tasks.paramserver import mirror
 from rlax_tasks.run.placement import HELDOUT, job_env, trainer_job
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor
+from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,12 @@ def read_scores(run_dir: str, offset: int = 0) -> tuple[list[dict[str, Any]], in
     ``is_result``'s marks, the new offset); a line not yet complete is left for the next read."""
     path = run_paths(run_dir).heldout_scores
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
+        if storage.is_gcs(path):  # a small object: read whole
+            data = storage.read_bytes(path)[offset:]
+        else:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
     except FileNotFoundError:
         return [], offset
     end = data.rfind(b"\n") + 1
@@ -68,18 +72,25 @@ def is_result(row: dict[str, Any]) -> bool:
 
 def scores_offset(run_dir: str) -> int:
     """Where rows of a job started now will begin in eval/heldout_scores.jsonl."""
-    try:
-        with open(run_paths(run_dir).heldout_scores, "rb") as f:
-            return f.seek(0, 2)
-    except FileNotFoundError:
-        return 0
+    info = storage.stat(run_paths(run_dir).heldout_scores)
+    return 0 if info is None else info.size
 
 
-def _append(run_dir: str, row: dict[str, Any]) -> None:
+def append_row(run_dir: str, row: dict[str, Any]) -> None:
+    """Adds ``row`` to eval/heldout_scores.jsonl, local or gs:// (an object cannot be appended
+    to: rewritten whole, a few rows an evaluation; the job is its one writer)."""
     path = run_paths(run_dir).heldout_scores
+    line = (json.dumps(row, default=float) + "\n").encode()
+    if storage.is_gcs(path):
+        try:
+            before = storage.read_bytes(path)
+        except FileNotFoundError:
+            before = b""
+        storage.write_bytes(path, before + line)
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=float) + "\n")
+    with open(path, "ab") as f:
+        f.write(line)
 
 
 def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, after: int = 0,
@@ -92,8 +103,8 @@ def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, aft
     weights = MirroredWeights(cfg.run_dir, evaluator.policy)
     done = 0
     if base:
-        _append(cfg.run_dir, {"evaluating": 0, "time": time.time()})
-        _append(cfg.run_dir, evaluator.evaluate())
+        append_row(cfg.run_dir, {"evaluating": 0, "time": time.time()})
+        append_row(cfg.run_dir, evaluator.evaluate())
         done += 1
     target = next_target(after, every) if every else None
     while last is not None or target is not None:
@@ -102,13 +113,13 @@ def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, aft
         if newest is None or newest < min(due):
             time.sleep(poll_s)
             continue
-        _append(cfg.run_dir, {"evaluating": newest, "time": time.time()})
+        append_row(cfg.run_dir, {"evaluating": newest, "time": time.time()})
         try:
             result = evaluator.evaluate(weights, version=newest)
         except FileNotFoundError as e:  # collected by the mirror's GC meanwhile: the next one
             log.warning("held-out evaluation of version %d skipped: %s", newest, e)
             continue
-        _append(cfg.run_dir, result)
+        append_row(cfg.run_dir, result)
         done += 1
         if last is not None and result["version"] >= last:
             break  # the run's last version: the job ends
