@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -79,18 +78,8 @@ def scores_offset(run_dir: str) -> int:
 def append_row(run_dir: str, row: dict[str, Any]) -> None:
     """Adds ``row`` to eval/heldout_scores.jsonl, local or gs:// (an object cannot be appended
     to: rewritten whole, a few rows an evaluation; the job is its one writer)."""
-    path = run_paths(run_dir).heldout_scores
-    line = (json.dumps(row, default=float) + "\n").encode()
-    if storage.is_gcs(path):
-        try:
-            before = storage.read_bytes(path)
-        except FileNotFoundError:
-            before = b""
-        storage.write_bytes(path, before + line)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "ab") as f:
-        f.write(line)
+    line = json.dumps(row, default=float) + "\n"
+    storage.append_line(run_paths(run_dir).heldout_scores, line.encode())
 
 
 def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, after: int = 0,
@@ -161,6 +150,26 @@ def add_heldout_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_heldout_command)
 
 
+def every_during_training(cfg: RunConfig) -> tuple[int, str | None]:
+    """(how often the held-out job evaluates beside training: eval.every_steps where it has
+    devices of its own, placement.evaluator, or cpu devices; else 0, and why in a line). On the
+    trainer's gpu or tpu devices it evaluates before and after training only."""
+    every = cfg.eval.every_steps
+    if not every or cfg.placement.platform == "cpu" or cfg.placement.evaluator is not None:
+        return every, None
+    return 0, (
+        f"eval.every_steps: on {cfg.placement.platform} the held-out job would share the "
+        "trainer's devices; this run is evaluated before and after training (give the job "
+        "devices of its own with placement.evaluator, or evaluate versions meanwhile with `rlax "
+        "eval --weights-from RUN_DIR@VERSION` or the rlax_nightly_eval DAG)"
+    )
+
+
+def heldout_env(cfg: RunConfig) -> dict[str, str]:
+    """The held-out job's devices: its own (placement.evaluator), else the trainer's."""
+    return job_env(cfg, JOB if cfg.placement.evaluator is not None else trainer_job(cfg))
+
+
 class HeldOutJobs:
     """`rlax run`'s side of the held-out job: started under its supervisor on its own devices
     (placement.evaluator), else on the trainer's (a colocated run: its one job's), its results
@@ -168,22 +177,12 @@ class HeldOutJobs:
 
     def __init__(self, cfg: RunConfig, config_path: str, steps: int) -> None:
         self.cfg, self.config_path, self.steps = cfg, config_path, steps
-        own = cfg.placement.evaluator is not None
-        self.env = job_env(cfg, JOB if own else trainer_job(cfg))
+        self.env = heldout_env(cfg)
         self.offset = scores_offset(cfg.run_dir)
         self.newest: dict[str, Any] | None = None  # the newest result read in this launch
-        # eval.every_steps where the job can evaluate beside training: on devices of its own, or
-        # on cpu devices. On the trainer's gpu or tpu it evaluates before and after only.
-        self.every = cfg.eval.every_steps
-        if self.every and cfg.placement.platform != "cpu" and not own:
-            log.warning(
-                "eval.every_steps: on %s the held-out job would share the trainer's devices; "
-                "this run is evaluated before and after training (give the job devices of its "
-                "own with placement.evaluator, or evaluate versions meanwhile with `rlax eval "
-                "--weights-from RUN_DIR@VERSION` or the rlax_nightly_eval DAG)",
-                cfg.placement.platform,
-            )
-            self.every = 0
+        self.every, why_not = every_during_training(cfg)
+        if why_not:
+            log.warning("%s", why_not)
 
     def start(self, sup: Supervisor, *, base: bool, every: int, last: int | None,
               after: int = 0) -> None:  # fmt: skip

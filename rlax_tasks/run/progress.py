@@ -4,6 +4,7 @@ while the run goes (eval/progress.jsonl, and TensorBoard's tb/eval/ as "heldout/
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -23,13 +24,21 @@ WINDOW_S = 120.0  # ...of the last 2 minutes; none newer than that: stalled, no 
 
 
 def tail_json_lines(path: str, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
-    """The JSON objects of the last ``max_bytes`` of a local JSONL file, oldest first (a line
-    cut by the window or by a crash is skipped); [] when the file is missing."""
+    """The JSON objects of the last ``max_bytes`` of a JSONL file or gs:// object, oldest first
+    (a line cut by the window or by a crash is skipped); [] when it is missing."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            lines = f.read().splitlines()
+        if storage.is_gcs(path):
+            info = storage.stat(path)
+            if info is None:
+                return []
+            window = io.BytesIO()
+            storage.download_range(path, window, max(0, info.size - max_bytes), info.size)
+            lines = window.getvalue().splitlines()
+        else:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                lines = f.read().splitlines()
     except OSError:
         return []
     rows = []
@@ -150,7 +159,6 @@ class HeldOutProgress:
         self.run_dir, self.t0 = run_dir, t0
         self.paths = run_paths(run_dir)
         self.path = self.paths.eval_progress
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.recorded: set[int] = set()
 
     def _version_time(self, version: int) -> float | None:
@@ -169,8 +177,7 @@ class HeldOutProgress:
             "mean_reward": result.get("mean_reward"),
             "eval_seconds": result.get("seconds"),
         }
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        storage.append_line(self.path, (json.dumps(row) + "\n").encode())
         self.recorded.add(int(result["version"]))
         # TensorBoard (tb/eval/, "heldout/pass@k") and W&B when configured
         scores = {k: v for k, v in row.items() if k.startswith("pass@") or k == "mean_reward"}

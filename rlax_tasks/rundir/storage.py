@@ -178,6 +178,21 @@ def write_bytes(path: str, data: bytes) -> None:
         fh.write(data)
 
 
+def append_line(path: str, line: bytes) -> None:
+    """Adds ``line`` at the end of a local file (its directory made), or of a gs:// object,
+    which cannot be appended to: rewritten whole (for small files with one writer)."""
+    if is_gcs(path):
+        try:
+            before = read_bytes(path)
+        except FileNotFoundError:
+            before = b""
+        write_bytes(path, before + line)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "ab") as fh:
+        fh.write(line)
+
+
 def exists(path: str) -> bool:
     """Whether an object exists at ``path`` (for local paths: a file or a directory)."""
     if is_gcs(path):

@@ -1,12 +1,16 @@
 """The held-out job's results file (eval/heldout_scores.jsonl) under a local or a gs:// run
 directory: the job on a TPU VM appends, `rlax run`'s supervisor on another machine reads the rows
-new since its last read, a line still being written waits for the next read."""
+new since its last read, a line still being written waits for the next read; on gs:// also the
+run's trained step and the per-step held-out curve (eval/progress.jsonl)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rlax_tasks.run.heldout import append_row, is_result, read_scores, scores_offset
+from rlax_tasks.run.progress import TAIL_BYTES, HeldOutProgress, trained_step
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from tests.paramserver.helpers import gcs_emulator
@@ -41,3 +45,13 @@ def test_gcs_run_directory() -> None:
         run_dir = f"{bucket}/runs/r1"
         _roundtrip(run_dir)
         assert storage.exists(f"{run_dir}/eval/heldout_scores.jsonl")
+        # how far the run is (a resumed job's --after), and the per-step curve the report plots
+        rows = [{"step": s, "time": 100.0 + s} for s in range(1, 5000)]
+        metrics = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        storage.write_bytes(f"{run_dir}/metrics.jsonl", metrics)
+        assert len(metrics) > TAIL_BYTES and trained_step(run_dir) == 4999
+        progress = HeldOutProgress(run_dir, t0=100.0)
+        progress.record_result({"version": 4, "pass@1": 0.75, "seconds": 2.0})
+        progress.record_result({"version": 4, "pass@1": 0.75, "seconds": 2.0})  # once a version
+        (row,) = storage.read_jsonl(f"{run_dir}/eval/progress.jsonl")
+        assert row["step"] == 4 and row["seconds"] == 4.0 and row["pass@1"] == 0.75
