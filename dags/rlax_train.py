@@ -49,6 +49,10 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    A colocated run (`placement.mode: colocated`, the tiny preset's) is one job — trainer,
    sampler, parameter server and controller in one process — watched by **controller**; the
    ps, trainer and worker tasks are skipped.
+   **heldout** — with `eval.every_steps` and devices of its own (`placement.evaluator`, or a
+   cpu run), `rlax heldout` evaluates every N-th version beside training on host 0 of the
+   trainer slice (into `<run>/eval/heldout_scores.jsonl`; the report plots pass@k per step);
+   skipped where it would share the trainer's devices.
 5. **finish** — once the controller reached `steps`, stops whatever still runs.
 6. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/` (the "after"; the
    RLAX dashboard shows both, and compares runs).
@@ -244,13 +248,15 @@ def rlax_train():
     )
     workers = rc.mapped_jobs_with_env("worker", root, worker_jobs(p, everything), **watch)
     controller = rc.job("controller", root, h, p["argv_controller"], p["env_controller"], **watch)
+    # held-out pass@k during training, on devices of its own (skipped where it has none)
+    heldout = rc.job("heldout", root, h, p["argv_heldout"], p["env_heldout"], **watch)
     stop = finish(p, everything["all"])
     final_eval = eval_argv(p)
     evaluate = rc.job("evaluate", root, on, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
-    p >> slices >> started >> [ps, trainer, workers, controller]
+    p >> slices >> started >> [ps, trainer, workers, controller, heldout]
     controller >> stop >> final_eval >> evaluate >> report(p) >> cleanup
-    [ps, trainer, workers] >> cleanup
+    [ps, trainer, workers, heldout] >> cleanup
     cleanup >> record_state(p)
 
 

@@ -274,7 +274,33 @@ def plan_training(
     )
     if evaluation != TRAINER_SLICE:  # the evaluations take the first worker's devices
         xcoms["env"] = xcoms["envs"]["worker-0"]
+    xcoms.update(_heldout_during_training(cfg, config_path, int(steps)))
     return xcoms
+
+
+def _heldout_during_training(cfg: Any, config_path: str, steps: int) -> dict[str, Any]:
+    """The heldout task's job: `rlax heldout` every eval.every_steps versions beside training,
+    on host 0 of the trainer slice with devices of its own (placement.evaluator, or cpu); no
+    command line (the task is skipped) where it would share the trainer's devices or no version
+    before the last is due. The evaluations before and after training are evaluate_base's and
+    evaluate's."""
+    from rlax_tasks.run.heldout import (
+        every_during_training,
+        heldout_argv,
+        heldout_env,
+        next_target,
+    )
+    from rlax_tasks.run.progress import trained_step
+
+    every, why_not = every_during_training(cfg)
+    if why_not:
+        log.warning("%s", why_not)
+    after = trained_step(cfg.run_dir)  # a resumed run: the versions after its trained step
+    if not every or next_target(after, every) >= steps:
+        return {"argv_heldout": [], "env_heldout": {}}
+    argv = heldout_argv(config_path, base=False, every=every, last=None, after=after)
+    log.info("held-out pass@k every %d steps during training: rlax %s", every, " ".join(argv))
+    return {"argv_heldout": argv, "env_heldout": heldout_env(cfg)}
 
 
 def _plan_xcoms(
@@ -512,7 +538,7 @@ def start_services(plan: dict[str, Any], slices: dict[str, Any]) -> dict[str, An
     return started
 
 
-SERVICE_COMMANDS = ("ps", "trainer", "worker")
+SERVICE_COMMANDS = ("ps", "trainer", "worker", "heldout")  # the jobs `finish` stops
 
 
 def service_job_handles(slice_handles: Any) -> list[dict[str, Any]]:

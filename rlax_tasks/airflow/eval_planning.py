@@ -171,7 +171,26 @@ def write_run_report(run_dir: str) -> str:
         "steps": metrics[-1]["step"] if metrics else versions[-1],
         "train_seconds": metrics[-1]["time"] - metrics[0]["time"] if metrics else 0.0,
     }
+    _progress_from_heldout_job(run_dir, report, metrics[0]["time"] if metrics else 0.0)
     return str(write_report(load_run_config(run_dir), report)["report"])
+
+
+def _progress_from_heldout_job(run_dir: str, report: dict[str, Any], t0: float) -> None:
+    """eval/progress.jsonl (the report's pass@k per step) rebuilt from the heldout task's
+    results during training, between the evaluations before and after; nothing without any.
+    ``seconds`` counts from ``t0``, the run's first step."""
+    from rlax_tasks.run.heldout import is_result, read_scores
+    from rlax_tasks.run.progress import HeldOutProgress
+
+    rows, _ = read_scores(run_dir)
+    during = [r for r in rows if is_result(r) and 0 < r["version"] < report["after"]["version"]]
+    if not during:
+        return
+    storage.delete_prefix(run_paths(run_dir).eval_progress)  # a retried report writes it anew
+    progress = HeldOutProgress(run_dir, t0)
+    for result in [report["before"], *sorted(during, key=lambda r: r["version"])]:
+        progress.record_result(result)
+    progress.record_result(report["after"])
 
 
 def load_run_config(run_dir: str) -> Any:

@@ -237,8 +237,11 @@ def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slic
         rc.plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
                           "worker_slices": 2}, "manual__c")  # fmt: skip
     # a worker alone on a host of a 2-host TPU slice would wait for the other host
-    with pytest.raises(rc.PlanError, match=r"^worker_accelerator_type: a worker runs on one TPU "
-                       r"host.* \(e.g. v5p-8, v4-8\) with worker_slices: 2 for 2 workers$"):
+    with pytest.raises(
+        rc.PlanError,
+        match=r"^worker_accelerator_type: a worker runs on one TPU "
+        r"host.* \(e.g. v5p-8, v4-8\) with worker_slices: 2 for 2 workers$",
+    ):
         rc.plan_training({**params, "worker_accelerator_type": "v5p-16"}, "manual__d")
     assert not (tmp_path / "runs" / "r1").exists()
     p = rc.plan_training(
@@ -286,6 +289,30 @@ def test_workers_on_slices_of_their_own_take_every_chip_of_their_host(tmp_path, 
     colocated = {**overrides, "placement.mode": "colocated"}
     with pytest.raises(rc.PlanError, match="^run config: placement.mode: a colocated run samples"):
         rc.plan_training({**params, "run_id": "r4", "overrides": colocated}, "manual__d")
+
+
+def test_the_heldout_task_evaluates_during_training_only_on_devices_of_its_own(tmp_path):
+    """The plan's heldout job: `rlax heldout --every N` from the run's trained step on a cpu run
+    (or with placement.evaluator); none when no version before the last is due, or when it
+    would share the trainer's accelerator."""
+    every = {"eval.every_steps": 2}
+    p = rc.plan_training(tiny_params(tmp_path, "r1", steps=5, overrides=every), "manual__a")
+    assert p["argv_heldout"] == [
+        "heldout", "--config", p["config_path"], "--every", "2", "--after", "0"
+    ]  # fmt: skip
+    assert p["env_heldout"]["JAX_PLATFORMS"] == "cpu"
+    p = rc.plan_training(tiny_params(tmp_path, "r2", steps=2, overrides=every), "manual__b")
+    assert p["argv_heldout"] == []  # version 2 is the last: the evaluate task's
+    gpu = {
+        **every, "placement.platform": "gpu", "placement.mode": "colocated",
+        "placement.trainer": [0], "model.dtype": "bfloat16",
+    }  # fmt: skip
+    p = rc.plan_training(tiny_params(tmp_path, "r3", steps=5, overrides=gpu), "manual__c")
+    assert p["argv_heldout"] == []  # on the trainer's GPU: before and after only
+    own = {**gpu, "placement.evaluator": [1]}
+    p = rc.plan_training(tiny_params(tmp_path, "r4", steps=5, overrides=own), "manual__d")
+    assert p["argv_heldout"][:5] == ["heldout", "--config", p["config_path"], "--every", "2"]
+    assert p["env_heldout"]["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
@@ -394,3 +421,17 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
         summary = json.load(f)
     assert summary["before"]["version"] == 0 and summary["after"]["version"] == 6
     assert os.path.isfile(os.path.join(paths.eval, "pass_at_k.png"))
+    assert not os.path.exists(paths.eval_progress)  # no heldout task results: no curve
+
+    # the heldout task's results during training: the report's curve between before and after
+    from rlax_tasks.run.heldout import append_row
+    from rlax_tasks.rundir import storage
+
+    append_row(run_dir, {"evaluating": 2, "time": 1.0})
+    append_row(run_dir, {"version": 2, "pass@1": 0.3, "pass@4": 0.6, "seconds": 1.0})
+    append_row(run_dir, {"version": 4, "pass@1": 0.45, "pass@4": 0.7, "seconds": 1.0})
+    for _ in range(2):  # a retried report task writes the curve anew
+        eval_planning.write_run_report(run_dir)
+    curve = storage.read_jsonl(paths.eval_progress)
+    assert [(r["step"], r["pass@1"]) for r in curve] == [(0, 0.25), (2, 0.3), (4, 0.45), (6, 0.5)]
+    assert curve[-1]["seconds"] == 42.5  # from the first step's time
