@@ -69,6 +69,9 @@ class FakeCloudTpu:
         self.hosts: dict[str, list[FakeTpuVm]] = {}
         # the fake libtpu's slice-wide runtimes: first host's key (one per boot) → host → pids
         self.libtpu: dict[str, dict[int, set[int]]] = {}
+        # ... and the processes that met all the slice's hosts there (libtpu's barrier: once
+        # passed, a process whose peers have finished since is still up)
+        self.libtpu_met: dict[str, set[int]] = {}
         self.images: list[str] = []
         self.registry_path = os.path.join(self.log_dir, "registry.json")
         for image in images:
@@ -211,8 +214,13 @@ class FakeCloudTpu:
                 raise ApiError(404, "NOT_FOUND", f"no host {host} of {node_name}")
             joined = self.libtpu.setdefault(hosts[0].key, {})
             joined.setdefault(host, set()).add(pid)
-            live = sorted(h for h, pids in joined.items() if any(map(docker_cli.alive, pids)))
-            return {"hosts": len(hosts), "joined": live}
+            met = self.libtpu_met.setdefault(hosts[0].key, set())
+            if pid in met:  # its runtime is up: the others may have finished since
+                return {"hosts": len(hosts), "joined": list(range(len(hosts)))}
+            live = {h: [p for p in pids if docker_cli.alive(p)] for h, pids in joined.items()}
+            if len([h for h, pids in live.items() if pids]) == len(hosts):
+                met.update(p for pids in live.values() for p in pids)  # the barrier passed
+            return {"hosts": len(hosts), "joined": sorted(h for h, pids in live.items() if pids)}
 
     # ------------------------------------------------------------------ control
     def add_image(self, image: str) -> dict:

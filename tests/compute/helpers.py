@@ -58,8 +58,9 @@ def fake_cloud_tpu(
             image,
         ],
         cwd=REPO,
-        # a process of a multi-host slice waits 5 s for the others in the fake libtpu
-        env={**os.environ, "RLAX_FAKE_PASS_ENV": FAKE_PASS_ENV, "RLAX_FAKE_LIBTPU_WAIT_S": "5"},
+        # a process of a multi-host slice waits up to 60 s for the others in the fake libtpu
+        # (the hosts' agents start their processes seconds apart on a loaded machine)
+        env={**os.environ, "RLAX_FAKE_PASS_ENV": FAKE_PASS_ENV, "RLAX_FAKE_LIBTPU_WAIT_S": "60"},
         stdout=subprocess.PIPE,
         text=True,
     )

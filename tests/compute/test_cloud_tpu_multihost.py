@@ -168,7 +168,7 @@ def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
         # JAX's TPU backend: the host's 4 chips (the CPU stands in for them)
         assert (output(whole, host)["platform"], output(whole, host)["devices"]) == ("tpu", "4")
 
-    _, status = run("tpu-partial", (0,))
+    _, status = run("tpu-partial", (0,), {"RLAX_FAKE_LIBTPU_WAIT_S": "5"})  # (not 60 s)
     assert status.state is JobState.FAILED
     assert "TPU initialization failed: host 0 of v4-16 waited 5 s" in status.message
     assert "host(s) 1 never started the TPU runtime" in status.message
