@@ -9,6 +9,7 @@ version, so evaluating during a run costs generation only."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import time
@@ -49,15 +50,15 @@ def read_scores(run_dir: str, offset: int = 0) -> tuple[list[dict[str, Any]], in
     """(the rows appended to eval/heldout_scores.jsonl since byte ``offset``: results and
     ``is_result``'s marks, the new offset); a line not yet complete is left for the next read."""
     path = run_paths(run_dir).heldout_scores
+    new = io.BytesIO()
     try:
-        if storage.is_gcs(path):  # a small object: read whole
-            data = storage.read_bytes(path)[offset:]
-        else:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
+        info = storage.stat(path)  # on GCS: a metadata request, the rows only when it grew
+        if info is None:
+            return [], offset
+        storage.download_range(path, new, offset, info.size)
     except FileNotFoundError:
         return [], offset
+    data = new.getvalue()
     end = data.rfind(b"\n") + 1
     rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
     return rows, offset + end

@@ -26,21 +26,15 @@ WINDOW_S = 120.0  # ...of the last 2 minutes; none newer than that: stalled, no 
 def tail_json_lines(path: str, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The JSON objects of the last ``max_bytes`` of a JSONL file or gs:// object, oldest first
     (a line cut by the window or by a crash is skipped); [] when it is missing."""
+    window = io.BytesIO()
     try:
-        if storage.is_gcs(path):
-            info = storage.stat(path)
-            if info is None:
-                return []
-            window = io.BytesIO()
-            storage.download_range(path, window, max(0, info.size - max_bytes), info.size)
-            lines = window.getvalue().splitlines()
-        else:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
-                lines = f.read().splitlines()
-    except OSError:
+        info = storage.stat(path)
+        if info is None:
+            return []
+        storage.download_range(path, window, max(0, info.size - max_bytes), info.size)
+    except (OSError, EOFError):  # (EOFError: cut since the stat, a restarted trainer's torn row)
         return []
+    lines = window.getvalue().splitlines()
     rows = []
     for line in lines:
         try:
