@@ -350,7 +350,7 @@ def run(argv: list[str]) -> None:
             "Image": ref,
             "Entrypoint": config.entrypoint if opts["entrypoint"] is None else [opts["entrypoint"]],
             "Cmd": args or (config.cmd if opts["entrypoint"] is None else []),
-            "Env": [f"{k}={v}" for k, v in sorted({**config.env, **_dash_e(opts)}.items())],
+            "Env": [f"{k}={v}" for k, v in sorted({**config.env, **_dash_e(opts["env"])}.items())],
         },
         "HostConfig": {"RestartPolicy": opts["restart"]},
         "State": {"Running": False, "Pid": 0, "ExitCode": 0, "Status": "created"},
@@ -395,21 +395,21 @@ def container_env(config: ImageConfig, dash_e: list[str], home: pathlib.Path) ->
     home.mkdir(parents=True, exist_ok=True)
     env = {"PATH": f"{python_bin}{os.pathsep}{BIN}{os.pathsep}{SYSTEM_PATH}", "HOME": str(home)}
     env.update(config.env)
-    for item in dash_e:
-        key, eq, value = item.partition("=")
-        if eq:
-            env[key] = value
-        elif key in os.environ:
-            env[key] = os.environ[key]
+    env.update(_dash_e(dash_e))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TPU_IMAGE_SITE), env.get("PYTHONPATH")]))
     return {**env, **passed_env(os.environ)}
 
 
-def _dash_e(opts: dict[str, Any]) -> dict[str, str]:
+def _dash_e(items: list[str]) -> dict[str, str]:
+    """The variables of ``-e`` options: ``KEY=VALUE``, or ``KEY``: the client's value (unset
+    there: not set, as docker does)."""
     out = {}
-    for item in opts["env"]:
+    for item in items:
         key, eq, value = item.partition("=")
-        out[key] = value if eq else os.environ.get(key, "")
+        if eq:
+            out[key] = value
+        elif key in os.environ:
+            out[key] = os.environ[key]
     return out
 
 
