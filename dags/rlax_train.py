@@ -49,10 +49,10 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
    A colocated run (`placement.mode: colocated`, the tiny preset's) is one job — trainer,
    sampler, parameter server and controller in one process — watched by **controller**; the
    ps, trainer and worker tasks are skipped.
-   **heldout** — with `eval.every_steps` and devices of its own (`placement.evaluator`, or a
-   cpu run), `rlax heldout` evaluates every N-th version beside training on host 0 of the
-   trainer slice (into `<run>/eval/heldout_scores.jsonl`; the report plots pass@k per step);
-   skipped where it would share the trainer's devices.
+   **heldout** — with `eval.every_steps` and devices of its own (`placement.evaluator`),
+   `rlax heldout` evaluates every N-th version beside training on host 0 of the trainer slice
+   (into `<run>/eval/heldout_scores.jsonl`; the report plots pass@k per step); skipped
+   without them.
 5. **finish** — once the controller reached `steps`, stops whatever still runs.
 6. **evaluate** — `rlax eval` of the final weights into `<run>/eval/v<N>/` (the "after"; the
    RLAX dashboard shows both, and compares runs).

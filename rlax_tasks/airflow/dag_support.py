@@ -280,10 +280,12 @@ def plan_training(
 
 def _heldout_during_training(cfg: Any, config_path: str, steps: int) -> dict[str, Any]:
     """The heldout task's job: `rlax heldout` every eval.every_steps versions beside training,
-    on host 0 of the trainer slice with devices of its own (placement.evaluator, or cpu); no
-    command line (the task is skipped) where it would share the trainer's devices or no version
-    before the last is due. The evaluations before and after training are evaluate_base's and
-    evaluate's."""
+    on host 0 of the trainer slice on devices of its own (placement.evaluator); no command line
+    (the task is skipped) without them or when no version before the last is due: a cpu run
+    without them, evaluated meanwhile under `rlax run`, is not here by default, as `rlax airflow
+    train` (dag.test) runs one watcher at a time and a second holds the controller's back (its
+    recovery from a killed job waits for the sibling grace). The evaluations before and after
+    training are evaluate_base's and evaluate's."""
     from rlax_tasks.run.heldout import (
         every_during_training,
         heldout_argv,
@@ -295,6 +297,8 @@ def _heldout_during_training(cfg: Any, config_path: str, steps: int) -> dict[str
     every, why_not = every_during_training(cfg)
     if why_not:
         log.warning("%s", why_not)
+    if cfg.placement.evaluator is None:
+        every = 0
     after = trained_step(cfg.run_dir)  # a resumed run: the versions after its trained step
     if not every or next_target(after, every) >= steps:
         return {"argv_heldout": [], "env_heldout": {}}

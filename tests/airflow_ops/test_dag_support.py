@@ -292,10 +292,10 @@ def test_workers_on_slices_of_their_own_take_every_chip_of_their_host(tmp_path, 
 
 
 def test_the_heldout_task_evaluates_during_training_only_on_devices_of_its_own(tmp_path):
-    """The plan's heldout job: `rlax heldout --every N` from the run's trained step on a cpu run
-    (or with placement.evaluator); none when no version before the last is due, or when it
-    would share the trainer's accelerator."""
-    every = {"eval.every_steps": 2}
+    """The plan's heldout job: `rlax heldout --every N` from the run's trained step with
+    placement.evaluator; none when no version before the last is due, or without devices of its
+    own (a cpu run too: under dag.test a second watcher would hold the controller's back)."""
+    every = {"eval.every_steps": 2, "placement.evaluator": [0]}
     p = rc.plan_training(tiny_params(tmp_path, "r1", steps=5, overrides=every), "manual__a")
     assert p["argv_heldout"] == [
         "heldout", "--config", p["config_path"], "--every", "2", "--after", "0"
@@ -303,8 +303,11 @@ def test_the_heldout_task_evaluates_during_training_only_on_devices_of_its_own(t
     assert p["env_heldout"]["JAX_PLATFORMS"] == "cpu"
     p = rc.plan_training(tiny_params(tmp_path, "r2", steps=2, overrides=every), "manual__b")
     assert p["argv_heldout"] == []  # version 2 is the last: the evaluate task's
+    shared = {"eval.every_steps": 2}  # the cpu run's devices: not beside training in the DAG
+    p = rc.plan_training(tiny_params(tmp_path, "r5", steps=5, overrides=shared), "manual__e")
+    assert p["argv_heldout"] == []
     gpu = {
-        **every, "placement.platform": "gpu", "placement.mode": "colocated",
+        **shared, "placement.platform": "gpu", "placement.mode": "colocated",
         "placement.trainer": [0], "model.dtype": "bfloat16",
     }  # fmt: skip
     p = rc.plan_training(tiny_params(tmp_path, "r3", steps=5, overrides=gpu), "manual__c")
