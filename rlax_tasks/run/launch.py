@@ -16,6 +16,7 @@ from rlax_tasks.run.compilation_cache import cache_env
 from rlax_tasks.run.memory_plan import MemoryPlan, memory_plan
 from rlax_tasks.run.placement import describe, is_colocated, job_env, trainer_job
 from rlax_tasks.run.preflight import check_datasets
+from rlax_tasks.run.supervisor import dies_with_parent
 from rlax_tasks.run.topology import (
     Ports,
     Topology,
@@ -60,7 +61,8 @@ def ensure_model(cfg: RunConfig) -> None:
     # the warm-up trains with JAX: in a process of its own on the trainer's devices, gone before
     # the run's jobs start, so that the caller (rlax run, a DAG task) never starts a backend
     env = {**os.environ, **job_env(cfg, trainer_job(cfg))}
-    argv = [sys.executable, "-m", "rlax_tasks.warmup.base_model", parent, name]
+    # (dies with this process: a caller killed meanwhile leaves no warm-up holding the devices)
+    argv = dies_with_parent([sys.executable, "-m", "rlax_tasks.warmup.base_model", parent, name])
     code = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
     if code != 0:
         raise ValueError(

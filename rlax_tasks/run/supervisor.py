@@ -94,7 +94,7 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def _owned(command: list[str]) -> list[str]:
+def dies_with_parent(command: list[str]) -> list[str]:
     """``command`` started so that it dies with this process (Linux; elsewhere as it is)."""
     if not sys.platform.startswith("linux"):
         return command
@@ -138,7 +138,7 @@ class Supervisor:
             out.flush()
             c.log_offset = out.tell()
             c.proc = subprocess.Popen(
-                _owned(c.command or [sys.executable, "-m", "rlax_tasks.cli", *c.argv]),
+                dies_with_parent(c.command or [sys.executable, "-m", "rlax_tasks.cli", *c.argv]),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -208,3 +208,38 @@ def test_kill_9_of_a_disaggregated_run_leaves_no_process(finished):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     _none_left(procs)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_base_models_warm_up_dies_with_rlax_run(tmp_path):
+    """kill -9 of `rlax run` while it builds the base model: the warm-up (a JAX process on the
+    trainer's devices) is not left holding them."""
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
+    argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--preset", "tiny-arith", "--no-eval",
+            "--run-root", str(tmp_path / "runs"),
+            "--set", f"model.path={tmp_path / 'base'}"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+
+        def warm_up() -> psutil.Process | None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if "rlax_tasks.warmup.base_model" in " ".join(child.cmdline()):
+                        return child
+                except psutil.NoSuchProcess:
+                    continue
+            return None
+
+        child = wait_for(warm_up, timeout_s=60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        wait_for(lambda: not _alive(child), timeout_s=15)  # it died with its parent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
