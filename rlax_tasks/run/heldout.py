@@ -191,6 +191,13 @@ class HeldOutJobs:
         argv = heldout_argv(self.config_path, base=base, every=every, last=last, after=after)
         sup.add(Component(JOB, argv, self.env, restart=False))  # restarted only on a failure
 
+    def stop(self, sup: Supervisor) -> None:
+        """Stops the job, waits until it has exited (its devices free) and takes it off the
+        supervisor (which would start it again)."""
+        if JOB in sup.components:
+            sup.stop([JOB])
+            del sup.components[JOB]
+
     def results(self) -> list[dict[str, Any]]:
         """The results written since the last call (none before this launch)."""
         rows, self.offset = read_scores(self.cfg.run_dir, self.offset)
@@ -227,10 +234,10 @@ class HeldOutJobs:
         if newest is None:
             raise FileNotFoundError(f"{self.cfg.run_dir}/weights: no version mirrored to evaluate")
         if running and newest < self.steps:  # it waits for a version that will not come
-            sup.stop([JOB])
+            self.stop(sup)
             running = False
         if not running:
             self.start(sup, base=False, every=0, last=newest)
         result = self.wait(sup, newest, on_result)
-        sup.stop([JOB])
+        self.stop(sup)
         return result

@@ -85,6 +85,8 @@ def run_local(
                 heldout.start(sup, base=True, every=every, last=steps if every else None,
                               after=done)  # fmt: skip
                 report["before"] = heldout.wait(sup, 0)
+                if not every:  # it evaluated the starting weights only: gone (its process and
+                    heldout.stop(sup)  # its GPU memory) before the training jobs start
             token = run_token()
             # every job's environment names this lock's holder: the controller finds the lock
             # held for it (run_lock.for_job)

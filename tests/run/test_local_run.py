@@ -289,3 +289,24 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
     assert va == vb == 6 and wa.keys() == wb.keys()
     for name in wa:
         np.testing.assert_array_equal(wb[name], wa[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_the_heldout_job_before_training_is_gone_before_the_training_jobs_start(tmp_path):
+    """Evaluated before and after only (no version between): the held-out job that evaluated the
+    starting weights has exited (its process, and on a GPU its memory) when training starts."""
+    cfg = load_config("tiny-arith", {
+        **small_settings(tmp_path, **{"eval.num_prompts": 8, "eval.every_steps": 0}),
+        "placement.mode": "colocated", "workers.count": 1,
+    })  # fmt: skip
+    seen: list[tuple[bool, bool]] = []
+
+    def hook(sup) -> None:  # called from the training loop: the jobs have started
+        if not seen:
+            heldout, colocated = sup.components.get("heldout"), sup.components["colocated"]
+            alive = heldout is not None and heldout.proc.poll() is None
+            seen.append((alive, colocated.proc is not None))
+
+    report = run_local(cfg, 2, supervisor_hook=hook)
+    assert seen == [(False, True)]  # the held-out job had exited, the colocated job had started
+    assert report["before"]["version"] == 0
