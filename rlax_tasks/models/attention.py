@@ -86,7 +86,9 @@ def attend_cache(
     k_valid: jax.Array,
 ) -> jax.Array:
     """``attend`` over keys and values in the KV cache's layout (``kv_cache``): k [B,KV,hd,S]
-    (transposed), v [B,KV,S,hd]; both products are plain batched matmuls, no copy of the cache."""
+    (transposed), v [B,KV,S,hd]; both products are plain batched matmuls, no copy of the cache.
+    Decode is memory-bound, so the [.., S] scores are passed over as few times as they can be:
+    the scale is folded into the queries and the softmax's division applied to the output."""
     b, t, h, hd = q.shape
     kv, dtype = k.shape[1], v.dtype
     g = h // kv
@@ -94,24 +96,26 @@ def attend_cache(
     # a kv head's t tokens x g query heads as the rows of one matmul ([B, KV, t*g, hd]): with t
     # a dimension of its own, XLA:CPU chose transposed-operand dots
     rows = q.reshape(b, t, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, hd)
+    rows = rows.astype(jnp.float32) * (hd**-0.5)
     scores = jnp.einsum(
         "bkmd,bkds->bkms",
-        rows.astype(operand),
+        rows.astype(dtype).astype(operand),
         k.astype(operand),
         preferred_element_type=jnp.float32,
-    )
-    scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5)
-    mask = key_mask(q_positions, k_positions, k_valid)
-    scores = jnp.where(mask[:, None, :, None, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(operand)
+    ).reshape(b, kv, t, g, -1)
+    mask = key_mask(q_positions, k_positions, k_valid)[:, None, :, None, :]
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - top)  # unnormalised: the division comes after the product
+    total = jnp.sum(weights, axis=-1)
     out = jnp.einsum(
         "bkms,bksd->bkmd",
-        probs.reshape(b, kv, t * g, -1),
+        weights.astype(dtype).astype(operand).reshape(b, kv, t * g, -1),
         v.astype(operand),
         preferred_element_type=jnp.float32,
     )
-    out = out.reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4)
-    return out.astype(dtype).reshape(b, t, h, hd)
+    out = out.reshape(b, kv, t, g, hd) / total[..., None]
+    return out.transpose(0, 2, 1, 3, 4).astype(dtype).reshape(b, t, h, hd)
 
 
 def _dot_operand_dtype(dtype: jnp.dtype) -> jnp.dtype:

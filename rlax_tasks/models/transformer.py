@@ -136,36 +136,31 @@ class Attention(nnx.Module):
             out = causal_self_attend(q, k, v, positions, valid)
             k_new = keys_to_cache(k.astype(kv.k.dtype))
             v_new = values_to_cache(v.astype(kv.v.dtype))
-            k_all = jax.lax.dynamic_update_index_in_dim(kv.k, k_new, kv.layer, 0)
-            v_all = jax.lax.dynamic_update_index_in_dim(kv.v, v_new, kv.layer, 0)
-            return self.o_proj(out), (k_all, v_all)
-        # scatter only the new tokens into the all-layer cache (in place inside the layer loop;
-        # entries past the end are dropped), then attend over this layer's slice (its first
-        # ``window`` entries); the cache's layout is kv_cache's (keys transposed)
+            return self.o_proj(out), (k_new, v_new)
+        # scatter only the new tokens into this layer's cache (in place; entries past the end are
+        # dropped), then attend over its first ``window`` entries; the cache's layout is
+        # kv_cache's (keys transposed)
         b, t = k.shape[:2]
         rows = jnp.arange(b)[:, None]
         cols = kv.start[:, None] + jnp.arange(t)[None, :]
         # advanced indices [B, T] first, then the sliced (kv_heads, head_dim): k's own layout
-        k_all = kv.k.at[kv.layer, rows, :, :, cols].set(k.astype(kv.k.dtype), mode="drop")
-        v_all = kv.v.at[kv.layer, rows, :, cols].set(v.astype(kv.v.dtype), mode="drop")
-        k_cache = jax.lax.dynamic_index_in_dim(k_all, kv.layer, keepdims=False)
-        v_cache = jax.lax.dynamic_index_in_dim(v_all, kv.layer, keepdims=False)
+        k_layer = kv.k.at[rows, :, :, cols].set(k.astype(kv.k.dtype), mode="drop")
+        v_layer = kv.v.at[rows, :, cols].set(v.astype(kv.v.dtype), mode="drop")
         w = kv.window or kv.positions.shape[1]  # entries past the window are invalid: not read
-        k_cache, v_cache = k_cache[..., :w], v_cache[:, :, :w]
+        k_cache, v_cache = k_layer[..., :w], v_layer[:, :, :w]
         out = attend_cache(q, k_cache, v_cache, positions, kv.positions[:, :w], kv.valid[:, :w])
-        return self.o_proj(out), (k_all, v_all)
+        return self.o_proj(out), (k_layer, v_layer)
 
 
 class LayerKV(NamedTuple):
-    """The cache seen by layer ``layer``: k/v of all layers in kv_cache's layout (carried through
-    the layer loop and updated in place), write offsets [B], entry positions/validity [B, S]."""
+    """The cache seen by one layer: its k and v in kv_cache's layout (updated in place), write
+    offsets [B], entry positions/validity [B, S]."""
 
     k: jax.Array
     v: jax.Array
     start: jax.Array
     positions: jax.Array
     valid: jax.Array
-    layer: jax.Array
     # the cache holds nothing but this call's tokens (a prefill at offset 0 into a cache of their
     # length): attention is then plain causal self-attention, with the platform's fused kernel
     fresh: bool = False
@@ -222,6 +217,11 @@ class Embedding(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+def _layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
+    """Layer ``i``'s weights out of the stacked ones (a copy, where XLA cannot read in place)."""
+    return jax.tree.map(lambda a: a[i], layer_state)
 
 
 class Transformer(nnx.Module):
@@ -313,31 +313,33 @@ class Transformer(nnx.Module):
         kv_valid = write_rows(cache.valid, valid, start)
         layer_def, layer_state = nnx.split(self.layers)
 
-        def body(carry: tuple, state: nnx.State) -> tuple[tuple, None]:
-            h, k, v, layer = carry
-            kv = LayerKV(k, v, start, kv_positions, kv_valid, layer, fresh, window)
-            h, (k, v) = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, kv)
-            return (h, k, v, layer + 1), None
+        def layer(h: jax.Array, state: nnx.State, k: jax.Array, v: jax.Array) -> tuple:
+            kv = LayerKV(k, v, start, kv_positions, kv_valid, fresh, window)
+            return nnx.merge(layer_def, state)(h, cos, sin, positions, valid, kv)
 
-        # the cache rides in the carry (not as scanned slices): XLA updates it in place, so a
-        # decode step costs the new tokens' writes, not a copy of the whole cache
-        if layers is None:
-            (x, k, v, _), _ = jax.lax.scan(
-                body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), layer_state
-            )
-        else:
-            k, v = cache.k, cache.v
-            for i, state in enumerate(layers):
-                (x, k, v, _), _ = body((x, k, v, jnp.int32(i)), state)
-        return self.norm(x), KVCache(k, v, kv_positions, kv_valid)
+        n = self.config.num_hidden_layers
+        if fresh and layers is None:  # a prefill: the stacked layers scanned, each one's new
+            # entries stacked as the scan's output, then split per layer (prefill is compute-bound)
+            def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, tuple]:
+                return layer(h, state, cache.k[0], cache.v[0])  # (their dtypes: nothing is read)
+
+            x, (ks, vs) = jax.lax.scan(body, x, layer_state)
+            k_layers, v_layers = tuple(ks[i] for i in range(n)), tuple(vs[i] for i in range(n))
+            return self.norm(x), KVCache(k_layers, v_layers, kv_positions, kv_valid)
+        # one layer after the other, each reading and updating its own cache arrays in place
+        # (``layers``: its weights as arrays of their own; else slices of the stacked ones)
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(n):
+            state = layers[i] if layers is not None else _layer_slice(layer_state, i)
+            x, (ks[i], vs[i]) = layer(x, state, ks[i], vs[i])
+        return self.norm(x), KVCache(tuple(ks), tuple(vs), kv_positions, kv_valid)
 
     def unstack_layers(self) -> tuple[nnx.State, ...]:
         """Each decoder layer's weights as arrays of their own (copies of the stacked ones), for
         ``hidden_states_cached(layers=...)``; why a sampler holds them: ``held_layers``."""
         _, layer_state = nnx.split(self.layers)
         return tuple(
-            jax.tree.map(lambda a, i=i: a[i], layer_state)
-            for i in range(self.config.num_hidden_layers)
+            _layer_slice(layer_state, i) for i in range(self.config.num_hidden_layers)
         )
 
     def unembedding(self) -> jax.Array:

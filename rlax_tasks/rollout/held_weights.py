@@ -1,7 +1,9 @@
 """Copies of a policy's weights that a sampler keeps in the layouts its decode reads fastest.
 
-Only on a CPU without a mesh, where XLA:CPU's reads of the stacked layers and of a tied embedding
-cost copies at every token; accelerators keep the one copy of their scarcer memory."""
+Each decoder layer's weights as arrays of their own, on every platform: a decode step reads a
+layer's slice of the stacked weights through a copy first (XLA reads no slice in place), which
+triples the weights' traffic of a memory-bound step (benchmarks/traffic.py). A tied embedding's
+transpose only on a CPU without a mesh, whose dot reads it transposed through a copy."""
 
 from __future__ import annotations
 
@@ -48,13 +50,11 @@ def held_weights(policy: Policy) -> HeldWeights:
     return HeldWeights(held_unembedding(policy), held_layers(policy))
 
 
-def held_layers(policy: Policy) -> tuple[nnx.State, ...] | None:
-    """Each decoder layer's weights as arrays of their own, run one after the other by decode,
-    or None (decode scans the stacked layers). XLA:CPU copies the slices a scan takes of the
-    stacked weights before its matmuls read them, at every token; this costs one more copy of
-    the layer weights and a decode program unrolled over the layers (longer to compile)."""
-    if not _holds_copies(policy):
-        return None
+def held_layers(policy: Policy) -> tuple[nnx.State, ...]:
+    """Each decoder layer's weights as arrays of their own, run one after the other by decode
+    (sharded as the stacked ones are). A slice of the stacked weights is copied before a product
+    reads it, at every token; this costs one more copy of the layer weights in memory (the
+    memory plan's ``decode_layers``) and a decode program unrolled over the layers."""
     with policy._scope():
         return _UNSTACK_LAYERS(policy.graphdef, policy.params)
 

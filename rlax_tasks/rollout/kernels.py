@@ -124,7 +124,7 @@ def _prefill(
     p, bucket = ids.shape
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (p, bucket))
     valid = positions < lengths[:, None]
-    fresh = init_cache(config, p, bucket, cache.k.dtype)
+    fresh = init_cache(config, p, bucket, cache.dtype)
     logits, fresh = forward.extend_cache(
         graphdef,
         params,
@@ -141,7 +141,8 @@ def _prefill(
     if source is not None:  # each admitted row takes its prompt's logits and cache entries
         last, lengths = last[source], lengths[source]
         fresh = fresh._replace(
-            k=jnp.take(fresh.k, source, axis=1), v=jnp.take(fresh.v, source, axis=1)
+            k=tuple(jnp.take(k, source, axis=0) for k in fresh.k),
+            v=tuple(jnp.take(v, source, axis=0) for v in fresh.v),
         )
         positions = positions[source]
     # a continued request (``new.generated`` tokens already drawn) draws its next index
@@ -154,8 +155,14 @@ def _prefill(
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
     cache = KVCache(
-        k=cache.k.at[:, slots, :, :, :bucket].set(fresh.k, mode="drop"),
-        v=cache.v.at[:, slots, :, :bucket].set(fresh.v, mode="drop"),
+        k=tuple(
+            c.at[slots, :, :, :bucket].set(f, mode="drop")
+            for c, f in zip(cache.k, fresh.k, strict=True)
+        ),
+        v=tuple(
+            c.at[slots, :, :bucket].set(f, mode="drop")
+            for c, f in zip(cache.v, fresh.v, strict=True)
+        ),
         positions=cache.positions.at[slots, :bucket].set(positions, mode="drop"),
         valid=cache.valid.at[slots].set(row_valid, mode="drop"),
     )

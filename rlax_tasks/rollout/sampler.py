@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rlax_tasks.models.kv_cache import KVCache, cache_shardings, init_cache
+from rlax_tasks.models.kv_cache import cache_shardings, init_cache
 from rlax_tasks.models.policy import Policy
 from rlax_tasks.models.transformer import resolve_dtype
 from rlax_tasks.rollout.held_weights import HeldWeights, held_weights, weights_device
@@ -111,7 +111,7 @@ class Sampler:
             cache_place = cache_shardings(cache, policy.mesh)
         else:
             place = jax.sharding.SingleDeviceSharding(weights_device(self.policy))
-            cache_place = KVCache(*([place] * len(KVCache._fields)))
+            cache_place = jax.tree.map(lambda _: place, cache)
         self._cache = jax.jit(
             lambda: init_cache(policy.config, max_slots, max_len, dtype), out_shardings=cache_place
         )()

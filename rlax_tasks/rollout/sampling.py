@@ -150,7 +150,7 @@ def inverse_cdf_draw(keys: jax.Array, logits: jax.Array, block: int = DRAW_BLOCK
     The CDF is inverted in two levels (block sums find the block, its running sum the token): no
     cumulative sum over the vocabulary (a long serial scan on TPU). -inf is never drawn."""
     rows, vocab = logits.shape
-    block = min(block, vocab)
+    block = _dividing_block(vocab, block)
     blocks = -(-vocab // block)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.pad(probs, ((0, 0), (0, blocks * block - vocab))).reshape(rows, blocks, block)
@@ -166,6 +166,19 @@ def inverse_cdf_draw(keys: jax.Array, logits: jax.Array, block: int = DRAW_BLOCK
     count = jnp.sum(before[:, None] + jnp.cumsum(mass, axis=-1) <= u[:, None], axis=-1)
     # rounding may leave u past the block's own sum: its last token of non-zero probability
     return (j * block + jnp.minimum(count, _last_positive(mass))).astype(jnp.int32)
+
+
+def _dividing_block(vocab: int, block: int) -> int:
+    """``block``, or the largest power of two below it down to a quarter of it that divides
+    ``vocab``: blocks that tile the row need no padded copy of it (Qwen's 151936 = 1187 x 128)."""
+    if vocab <= block:
+        return vocab
+    size = block
+    while size >= max(1, block // 4):
+        if vocab % size == 0:
+            return size
+        size //= 2
+    return block
 
 
 def _last_positive(x: jax.Array) -> jax.Array:

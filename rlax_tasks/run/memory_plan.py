@@ -57,7 +57,8 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 # Worker, per device:
 #   weights P·bc/(fsdp·tensor), plus one array while a new version is swapped in (reload: the swap
 #   frees each old array before placing its replacement; the largest array is the embedding or
-#   a stacked MLP kernel, max(V·h, L·h·f)·bc/(fsdp·tensor));
+#   a stacked MLP kernel, max(V·h, L·h·f)·bc/(fsdp·tensor)); decode_layers: each layer's weights
+#   as arrays of their own for decode (rollout/held_weights.py), (P − embeddings)·bc/(fsdp·tensor);
 #   KV cache slots·max_len·L·2·kv·d·bc / (data·fsdp (slots, when it divides them) · t_kv);
 #   logits (slots/(data·fsdp))·(V/t_V)·4·2 (float32 logits and sampling probabilities).
 # Parameter server, host RAM: a version is P·bc; keep_bytes = PS_RAM_FRACTION of the host's RAM
@@ -70,7 +71,7 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 # prefill of the samplers are not counted: keep some headroom.
 
 TRAINER_KINDS = ("params", "reference", "adam", "grads", "activations")
-WORKER_KINDS = ("weights", "reload", "kv_cache")
+WORKER_KINDS = ("weights", "reload", "decode_layers", "kv_cache")
 KINDS = (*TRAINER_KINDS, *WORKER_KINDS, "logits")
 
 
@@ -207,12 +208,14 @@ def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
     batch_shards = _split(w.slots, data * fsdp)
     kv_shards = _split(m.num_key_value_heads, tensor)
     weights = m.num_parameters() * bc // (fsdp * tensor)
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
     layers_mlp = m.num_hidden_layers * m.hidden_size * m.intermediate_size
     cache = w.slots * w.max_len * m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim
     vocab = m.vocab_size // _split(m.vocab_size, tensor)
     parts = {
         "weights": weights,
         "reload": max(m.vocab_size * m.hidden_size, layers_mlp) * bc // (fsdp * tensor),
+        "decode_layers": (m.num_parameters() - embeddings) * bc // (fsdp * tensor),
         "kv_cache": cache * bc // (batch_shards * kv_shards),
         "logits": (w.slots // batch_shards) * vocab * 4 * 2,
     }

@@ -62,8 +62,12 @@ def test_sharded_sampler_equals_one_device(single_device, shape) -> None:  # noq
     held = _device_bytes(sampler.params, device)
     assert held <= 1.1 * total / 8, (held, total)  # norms are replicated: a little over 1/8
     cache = sampler._cache
-    kv_total = cache.k.nbytes + cache.v.nbytes
+    kv_total = sum(a.nbytes for a in (*cache.k, *cache.v))
     assert _device_bytes([cache.k, cache.v], device) == kv_total // 8
+    # decode's own copies of the layers: sharded like the stacked weights, never whole
+    assert len(sampler._held.layers) == sampler.policy.config.num_hidden_layers
+    layers = sum(a.nbytes for a in jax.tree.leaves(sampler._held.layers))
+    assert _device_bytes(sampler._held.layers, device) <= 1.1 * layers / 8
 
 
 def test_reload_swaps_weights_in_place_and_matches_a_fresh_sampler() -> None:

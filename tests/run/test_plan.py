@@ -76,9 +76,11 @@ def test_memory_of_a_small_model_by_hand(small_model):
     # worker: 2 GPUs, mesh (1, 1, 2): tensor 2; bf16 weights, plus the largest array while a
     # reload swaps arrays in place: max(V·h = 256·64, L·h·f = 2·64·128) · 2 B / 2
     # KV cache 8 slots × 64 × 2 layers × 2 (k, v) × 2 KV heads × 16 × 2 B = 131072, KV heads / 2
+    # decode's own copy of the layers: every parameter but the embedding, lm head, final norm
     assert worker.parts == {
         "weights": P * 2 // 2,
         "reload": 2 * 64 * 128 * 2 // 2,
+        "decode_layers": (P - 2 * 256 * 64 - 64) * 2 // 2,
         "kv_cache": 131072 // 2,
         "logits": 8 * (256 // 2) * 4 * 2,
     }
