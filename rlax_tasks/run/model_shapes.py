@@ -21,6 +21,12 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
         "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 4096,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
     },
+    "qwen2.5-7b": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    },
     "qwq-32b": {
         "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
