@@ -50,7 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--only",
+        choices=("decode", "train"),
+        default=None,
+        help="only the decode or only the train figures (a device run's parts)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=150.0,
+        help="the most seconds to wait for the load to settle before starting",
+    )
+    p.add_argument("--json-out", default=None, help="the figures as JSON, rewritten after each")
     return p.parse_args(argv)
 
 
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rlax_tasks.models import Policy
 
     start = time.perf_counter()
-    load = _timing.machine_load(log)
+    load = _timing.machine_load(log, settle_s=args.settle_s)
     device = jax.local_devices()[0]
     peak = device_peak(device.device_kind)
     config = model_config(args.shape)
@@ -153,28 +165,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine_load_before": load,
         "decode": [],
     }
-    sampler_policy = Policy.init(config, dtype="bfloat16", param_dtype="bfloat16")
-    for slots in [int(s) for s in args.slots.split(",")]:
-        log.info("decode: %d slots, %d + %d tokens", slots, args.prompt_len, args.new_tokens)
-        row = decode_figures(sampler_policy, slots, args.prompt_len, args.new_tokens, args.repeats)
+    if args.only != "train":
+        sampler_policy = Policy.init(config, dtype="bfloat16", param_dtype="bfloat16")
+        for slots in [int(s) for s in args.slots.split(",")]:
+            log.info("decode: %d slots, %d + %d tokens", slots, args.prompt_len, args.new_tokens)
+            row = decode_figures(sampler_policy, slots, args.prompt_len, args.new_tokens,
+                                 args.repeats)  # fmt: skip
+            if peak is not None:
+                row["roofline_tokens_per_s"] = slots * peak[1] / row["bytes_per_decode_step"]
+                row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+                # the decode steps alone against the bytes each must read
+                row["decode_step_fraction_of_roofline"] = (
+                    row["bytes_per_decode_step"] / peak[1] / row["decode_step_s"]
+                )
+            results["decode"].append(row)
+            _timing.write_json(args.json_out, results, log)  # a later time-out keeps this one
+        del sampler_policy
+    if args.only != "decode":
+        log.info("train step: [%d, %d], micro-batch %d", args.train_batch, args.train_seq_len,
+                 args.micro_batch)  # fmt: skip
+        policy = Policy.init(config, dtype="bfloat16", param_dtype="float32")  # master weights
+        train = train_figures(
+            policy, args.train_batch, args.train_seq_len, args.micro_batch, args.repeats
+        )
         if peak is not None:
-            row["roofline_tokens_per_s"] = slots * peak[1] / row["bytes_per_decode_step"]
-            row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
-            # the decode steps alone against the bytes each must read
-            row["decode_step_fraction_of_roofline"] = (
-                row["bytes_per_decode_step"] / peak[1] / row["decode_step_s"]
-            )
-        results["decode"].append(row)
-    del sampler_policy
-    log.info("train step: [%d, %d], micro-batch %d", args.train_batch, args.train_seq_len,
-             args.micro_batch)  # fmt: skip
-    policy = Policy.init(config, dtype="bfloat16", param_dtype="float32")  # master weights
-    train = train_figures(
-        policy, args.train_batch, args.train_seq_len, args.micro_batch, args.repeats
-    )
-    if peak is not None:
-        train["mfu"] = train["model_flops_per_s"] / peak[0]
-    results["train"] = train
+            train["mfu"] = train["model_flops_per_s"] / peak[0]
+        results["train"] = train
     results["wall_s"] = time.perf_counter() - start
     for row in results["decode"]:
         roof = row.get("fraction_of_roofline")
@@ -183,9 +199,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"decode {row['slots']:>4} slots: {row['tokens_per_s']:>10.1f} tokens/s"
               + ("" if roof is None else f"  {roof:.1%} of the HBM roofline") + f"; {split}"
               + ("" if step is None else f" ({step:.1%} of its roofline)"))  # fmt: skip
-    mfu = train.get("mfu")
-    print(f"train step: {train['timing']['median_s']:.3f} s, {train['tokens_per_s']:.0f} tokens/s"
-          + ("" if mfu is None else f", MFU {mfu:.1%}"))  # fmt: skip
+    if "train" in results:
+        train = results["train"]
+        mfu = train.get("mfu")
+        print(f"train step: {train['timing']['median_s']:.3f} s, "
+              f"{train['tokens_per_s']:.0f} tokens/s"
+              + ("" if mfu is None else f", MFU {mfu:.1%}"))  # fmt: skip
     print(f"load before: {_timing.describe_load(load)}")
     _timing.write_json(args.json_out, results, log)
     return results

@@ -77,28 +77,39 @@ def test_a_job_placed_on_gpus_exits_2_with_one_line_on_this_cpu(job, tmp_path):
 
 @pytest.mark.slow
 def test_device_check_script_runs_its_cpu_form_and_says_what_it_skipped(tmp_path):
-    """scripts/device_check.sh on this CPU host: doctor, the accelerator tests (skipping
-    themselves) and the small-shape benchmark, each step's exit code and the figures as JSON."""
+    """scripts/device_check.sh on this CPU host (the device run's own entry point): every part of
+    the CPU form passes, and at most 4 files come back: the summary, the figures, one archive."""
     import json
+    import tarfile
     import xml.etree.ElementTree as ET
 
     out = subprocess.run(
-        ["bash", os.path.join(REPO, "scripts", "device_check.sh"), str(tmp_path)],
+        ["bash", os.path.join(REPO, "scripts", "device_check.sh"), str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[device_check] skipped: Qwen2.5-1.5B shapes" in out.stdout, out.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["platform"] == "cpu"
+    assert "[device_run] every part passed" in out.stdout, out.stdout
+    assert sorted(os.listdir(tmp_path / "out")) == ["figures.json", "logs.tar.gz", "summary.json"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["platform"] == "cpu" and summary["complete"]
     assert summary["versions"].startswith("python 3.") and "jax 0." in summary["versions"]
     assert any(s.startswith("tiny-arith end to end on one GPU") for s in summary["skipped"])
-    assert [(s["step"], s["exit"]) for s in summary["steps"]] == [
-        ("doctor", 0), ("accelerator-tests", 0), ("benchmark", 0)
+    assert [(p["name"], p["status"]) for p in summary["parts"]] == [
+        ("decode", "passed"), ("train", "passed"), ("profile", "passed"),
+        ("accelerator-tests", "passed"), ("doctor", "passed"),
     ]  # fmt: skip
-    assert "decode step  ok" in (tmp_path / "doctor.log").read_text()
-    suite = ET.parse(tmp_path / "accelerator-tests.xml").getroot().find("testsuite")
+    figures = summary["figures"]
+    assert [r["slots"] for r in figures["decode"]] == [8, 4]
+    assert all(r["tokens_per_s"] > 0 and r["fraction_of_roofline"] is None
+               for r in figures["decode"])  # fmt: skip
+    assert figures["train"]["tokens_per_s"] > 0 and figures["train"]["mfu"] is None
+    for program in ("decode", "train"):  # the profile's table: time, bytes and rates per op
+        table = figures["profile"][program]
+        assert table["matched_hlo"] and table["total_us"] > 0, table
+        assert any(r.get("gb_per_s") for r in table["top"]), table
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        names = tar.getnames()
+        assert "decode step  ok" in tar.extractfile("doctor.log").read().decode()
+        suite = ET.parse(tar.extractfile("accelerator-tests.xml")).getroot().find("testsuite")
     assert int(suite.get("tests")) == int(suite.get("skipped")) >= 3  # none can run on the CPU
-    bench = summary["accelerator"]
-    assert [r["slots"] for r in bench["decode"]] == [4, 8]
-    assert all(r["tokens_per_s"] > 0 and "fraction_of_roofline" not in r for r in bench["decode"])
-    assert bench["train"]["tokens_per_s"] > 0 and "mfu" not in bench["train"]
+    assert any(n.endswith(".trace.json.gz") for n in names), names
