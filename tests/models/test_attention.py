@@ -121,3 +121,34 @@ def test_the_platform_picks_the_kernel(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv(attention.ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match="RLAX_ATTENTION"):
         pick("cpu", jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_cudnn_path_passes_cudnn_its_packed_layout(layout, monkeypatch) -> None:  # noqa: ANN001
+    """What cudnn_causal_attend hands JAX's cuDNN attention on a Hopper GPU, checked on this CPU:
+    the causal mask over each row's runs (PADDING_CAUSAL), 1/sqrt(head_dim), the same runs for
+    queries and keys; computed with cuDNN's semantics over those arguments, every valid query
+    gets ``attend``'s output."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    calls = []
+
+    def recorded(q, k, v, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        calls.append(kwargs)
+        scale = kwargs["scale"] * q.shape[-1] ** 0.5  # the oracle scales by 1/sqrt(hd) itself
+        return jnp.asarray(_cudnn_packed(q * scale, k, v, kwargs["q_seqlen"], kwargs["q_offsets"]))
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", recorded)
+    monkeypatch.setattr(attention, "_packed_layout_supported", lambda: True)
+    q, k, v, positions, valid = _inputs(40, jnp.float32) if layout == "padded" else _packed_inputs()
+    out = attention.cudnn_causal_attend(q, k, v, positions, valid)
+    (call,) = calls
+    assert call["mask_type"] == cudnn.MaskType.PADDING_CAUSAL
+    assert call["scale"] == pytest.approx(q.shape[-1] ** -0.5)
+    lengths, offsets = attention.valid_runs(valid, attention.max_runs(valid))
+    for name, want in (("q_seqlen", lengths), ("kv_seqlen", lengths), ("q_offsets", offsets),
+                       ("kv_offsets", offsets)):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(call[name]), np.asarray(want), err_msg=name)
+    reference = attention.attend(q, k, v, positions, positions, valid, valid)
+    rows = np.asarray(valid) > 0
+    assert np.abs(np.asarray(out) - np.asarray(reference))[rows].max() <= 1e-5
