@@ -11,16 +11,22 @@ MIN_BUCKET = 8
 # the smallest attention window of a decode chunk: windows grow by 1.5x or 4/3 (at most max_len),
 # so a sampler compiles a handful of decode programs
 MIN_WINDOW = 64
+# a window of w entries moves w x this (its copy written, then read, besides the read it copies):
+# a decode reads every entry in place rather than a window past max_len / this
+WINDOW_COPY_FACTOR = 3
 
 
 def decode_window(end: int, max_len: int) -> int:
     """The cache entries a decode chunk attends over when its slots' tokens end before ``end``:
-    the smallest of MIN_WINDOW times 1, 1.5, 2, 3, 4, 6, 8, ... covering it, at most max_len.
-    Every step copies each layer's window, so its slack is paid per token: two windows per
-    octave rather than one leave less of it, for twice the decode programs."""
+    the smallest of MIN_WINDOW times 1, 1.5, 2, 3, 4, 6, 8, ... covering it, or max_len (every
+    entry) once the window passes a third of it. A window is read through a copy of each
+    layer's first entries (XLA reads no slice in place: written once, read twice), so from a
+    third of max_len on, reading every entry in place moves fewer bytes (benchmarks/traffic.py).
+    Two windows per octave rather than one leave less slack, for twice the decode programs."""
     octave = 1 << (max(end, MIN_WINDOW) - 1).bit_length()  # a power of two >= end
     half_step = max(octave * 3 // 4, MIN_WINDOW)  # the window between octave / 2 and octave
-    return min(half_step if end <= half_step else octave, max_len)
+    window = min(half_step if end <= half_step else octave, max_len)
+    return window if WINDOW_COPY_FACTOR * window <= max_len else max_len
 
 
 def admission_sizes(max_slots: int) -> list[int]:

@@ -56,7 +56,8 @@ def test_greedy_equals_no_cache_reference_decode(sampler, policy, prompts):
 
 def test_decode_attends_over_a_window_that_grows_with_its_slots(policy):
     """Decode reads only the cache entries its slots have written (a window of MIN_WINDOW times
-    1, 1.5, 2, 3, ...); completions that cross from one window into the next stay exact."""
+    1, 1.5, 2, 3, ..., up to a third of max_len, then every entry); completions that cross from
+    one window into the next stay exact."""
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, CONFIG.vocab_size, n)] for n in (50, 3, 61)]
     sampler = Sampler(policy, max_slots=2, max_len=200, decode_chunk=5)
@@ -65,8 +66,12 @@ def test_decode_attends_over_a_window_that_grows_with_its_slots(policy):
     for prompt, out in zip(prompts, outs, strict=True):  # every step saw every earlier token
         forward = policy.token_logprobs(np.array(prompt + out.tokens)[None])[0, len(prompt) :]
         np.testing.assert_allclose(out.logprobs, np.asarray(forward), atol=1e-5)
-    windows = [decode_window(n, 200) for n in (1, 64, 65, 96, 97, 128, 129, 192, 193, 257)]
-    assert windows == [64, 64, 96, 96, 128, 128, 192, 192, 200, 200]
+    ends = (1, 64, 65, 96, 97, 128, 129, 192, 193, 257, 1024, 1025)
+    assert [decode_window(n, 4096) for n in ends] == [
+        64, 64, 96, 96, 128, 128, 192, 192, 256, 384, 1024, 4096
+    ]  # fmt: skip
+    # past a third of max_len, every entry in place moves fewer bytes than a window's copy
+    assert [decode_window(n, 200) for n in (1, 64, 65, 200)] == [64, 64, 200, 200]
 
 
 def test_greedy_equals_transformers_generate(tmp_path):
