@@ -1,10 +1,11 @@
 """The sampler's and trainer's memory traffic against the ideal, measurable without a device:
 compiles the decode step, the prefill and the train step for accelerator shapes (Qwen2.5-1.5B and
 7B; 64 and 256 slots; 2k and 8k context) on this CPU and adds up the bytes each operation of the
-optimized program moves (``_hlo_traffic``), against what the step must move at least: decode,
-every weight once, the KV cache filled so far and the logits; prefill, every weight once, the KV
-cache it writes and the last token's logits. The train step is compute-bound: its products' FLOPs
-against the model's (6·N per token, 8·N with the old-policy pass).
+optimized program moves (``_hlo_traffic``), against what a decode step must move at least: every
+weight once, the KV cache filled so far and the logits. Prefill and the train step are
+compute-bound: their products' FLOPs against the model's (prefill: 2·N per token and causal
+attention; train: 6·N per token, 8·N with the old-policy pass). Decode runs with the cache full
+and partly filled (``--partial-fill``, where it reads a window's entries or every entry).
 
 Compiled in float32 throughout: XLA:CPU widens bfloat16 products to float32 (converts of every
 weight and of the cache that no accelerator makes), so a bfloat16 program here measures the CPU,
@@ -37,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", default="64,256", help="decode slots (comma-separated)")
     p.add_argument("--contexts", default="2048,8192", help="tokens in the cache (comma-separated)")
     p.add_argument("--programs", default="decode,prefill,train", help="which to compile")
+    p.add_argument(
+        "--partial-fill",
+        type=float,
+        default=0.6,
+        help="decode also with this fraction of the cache filled (its window's slack)",
+    )
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--top", type=int, default=8, help="operations listed per program")
@@ -66,9 +73,9 @@ def kv_bytes_per_token(config: Any, itemsize: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
-def decode_program(config: Any, slots: int, context: int) -> tuple[Any, int]:
-    """(compiled decode chunk of one step, ideal bytes) with ``context`` cache entries filled:
-    the sampler's own program and weights' layout on an accelerator."""
+def decode_program(config: Any, slots: int, context: int, filled: int) -> tuple[Any, int]:
+    """(compiled decode chunk of one step, ideal bytes) with ``filled`` of a ``context``-entry
+    cache written: the sampler's own program (its window, ``decode_window``) and weights."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -77,6 +84,7 @@ def decode_program(config: Any, slots: int, context: int) -> tuple[Any, int]:
     from rlax_tasks.models.policy import abstract_model
     from rlax_tasks.rollout import kernels
     from rlax_tasks.rollout.held_weights import HeldWeights
+    from rlax_tasks.rollout.shapes import decode_window
 
     graphdef, params = abstract_model(config, DTYPE, DTYPE)
     cache = jax.eval_shape(lambda: init_cache(config, slots, context, jnp.float32))
@@ -84,28 +92,21 @@ def decode_program(config: Any, slots: int, context: int) -> tuple[Any, int]:
     # the layers' own copies a sampler holds (rollout/held_weights.py; the tied embedding's
     # transpose only on a CPU)
     layers = jax.eval_shape(lambda p: nnx.merge(graphdef, p).unstack_layers(), params)
+    window = decode_window(filled + 1, context)
     compiled = kernels.DECODE.lower(
-        graphdef,
-        params,
-        HeldWeights(None, layers),
-        cache,
-        state,
-        1,
-        False,
-        True,
-        context,
-        jnp.bool_(False),
-        0,
-    ).compile()
+        graphdef, params, HeldWeights(None, layers), cache, state, 1, False, True, window,
+        jnp.bool_(False), 0,
+    ).compile()  # fmt: skip
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     kv = kv_bytes_per_token(config, 4)
-    ideal = weights + slots * context * kv + slots * config.vocab_size * 4
+    ideal = weights + slots * filled * kv + slots * config.vocab_size * 4
     return compiled, ideal
 
 
 def prefill_program(config: Any, rows: int, prompt: int) -> tuple[Any, int]:
     """(compiled prefill of ``rows`` prompts of ``prompt`` tokens into a cache of twice that,
-    ideal bytes)."""
+    the model's FLOPs: 2 per layer weight and token, the last tokens' logits, causal attention's
+    two products)."""
     import jax
     import jax.numpy as jnp
 
@@ -133,9 +134,12 @@ def prefill_program(config: Any, rows: int, prompt: int) -> tuple[Any, int]:
         True,
         0,
     ).compile()
-    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-    ideal = weights + rows * prompt * kv_bytes_per_token(config, 4) + rows * config.vocab_size * 4
-    return compiled, ideal
+    c = config
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    layer_weights = c.num_parameters() - embeddings - c.hidden_size
+    attention = 2 * prompt * prompt * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    flops = rows * (2 * layer_weights * prompt + 2 * c.hidden_size * c.vocab_size + attention)
+    return compiled, flops
 
 
 def train_program(config: Any, batch: int, seq_len: int, micro: int) -> tuple[Any, int]:
@@ -211,31 +215,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for context in contexts:
                 for s in slots:
                     if "decode" in programs:
-                        jobs.append(
-                            (
-                                f"decode {s} slots, {context} filled",
-                                False,
-                                lambda s=s, c=context, m=config: decode_program(m, s, c),
-                            )
-                        )
+                        for filled in (context, int(context * args.partial_fill)):
+                            jobs.append((
+                                f"decode {s} slots, {filled} of {context} filled", False,
+                                lambda s=s, c=context, f=filled, m=config: decode_program(
+                                    m, s, c, f),
+                            ))  # fmt: skip
                     if "prefill" in programs:
-                        jobs.append(
-                            (
-                                f"prefill {s} x {context // 2} tokens",
-                                False,
-                                lambda s=s, c=context, m=config: prefill_program(m, s, c // 2),
-                            )
-                        )
+                        jobs.append((f"prefill {s} x {context // 2} tokens", True,
+                                     lambda s=s, c=context, m=config: prefill_program(
+                                         m, s, c // 2)))  # fmt: skip
                 if "train" in programs:
-                    jobs.append(
-                        (
-                            f"train [{args.train_batch}, {context}] micro {args.micro_batch}",
-                            True,
-                            lambda c=context, m=config: train_program(
-                                m, args.train_batch, c, args.micro_batch
-                            ),
-                        )
-                    )
+                    jobs.append((f"train [{args.train_batch}, {context}] micro {args.micro_batch}",
+                                 True, lambda c=context, m=config: train_program(
+                                     m, args.train_batch, c, args.micro_batch)))  # fmt: skip
             for label, compute_bound, build in jobs:
                 t0 = time.perf_counter()
                 compiled, ideal = build()
