@@ -199,11 +199,16 @@ class WorkerSettings:
     # at a reload, the sequences in flight keep their tokens and continue on the new weights
     # (each token records its version); false: they are dropped and generated again
     interrupt_on_reload: bool = True
+    # decode reads each layer's weights as arrays of their own, a second copy of the layers in
+    # device memory (the memory plan's decode_layers); false: it reads them through a copy of the
+    # stacked layers' slice at every step (about 3x the weights' traffic of a memory-bound step)
+    decode_layer_copies: bool = True
 
     def __post_init__(self) -> None:
         check_mesh_shape(self, "mesh_shape")
         check_bool(self, "delta_pulls")
         check_bool(self, "interrupt_on_reload")
+        check_bool(self, "decode_layer_copies")
         check_int(self, "count", low=1, optional=True)
         check_int(self, "slots", low=1)
         check_int(self, "max_len", low=2)

@@ -338,9 +338,7 @@ class Transformer(nnx.Module):
         """Each decoder layer's weights as arrays of their own (copies of the stacked ones), for
         ``hidden_states_cached(layers=...)``; why a sampler holds them: ``held_layers``."""
         _, layer_state = nnx.split(self.layers)
-        return tuple(
-            _layer_slice(layer_state, i) for i in range(self.config.num_hidden_layers)
-        )
+        return tuple(_layer_slice(layer_state, i) for i in range(self.config.num_hidden_layers))
 
     def unembedding(self) -> jax.Array:
         """The [D, V] output projection (the transposed embedding table when tied)."""

@@ -1,9 +1,10 @@
 """Copies of a policy's weights that a sampler keeps in the layouts its decode reads fastest.
 
-Each decoder layer's weights as arrays of their own, on every platform: a decode step reads a
-layer's slice of the stacked weights through a copy first (XLA reads no slice in place), which
-triples the weights' traffic of a memory-bound step (benchmarks/traffic.py). A tied embedding's
-transpose only on a CPU without a mesh, whose dot reads it transposed through a copy."""
+Each decoder layer's weights as arrays of their own (unless workers.decode_layer_copies is false,
+on an accelerator): a decode step reads a layer's slice of the stacked weights through a copy
+first (XLA reads no slice in place), which triples the weights' traffic of a memory-bound step
+(benchmarks/traffic.py). A tied embedding's transpose only on a CPU without a mesh, whose dot
+reads it transposed through a copy."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def _holds_copies(policy: Policy) -> bool:
     return policy.mesh is None and weights_device(policy).platform == "cpu"
 
 
-def held_weights(policy: Policy) -> HeldWeights:
-    """The copies a sampler of ``policy`` holds (``HeldWeights``)."""
-    return HeldWeights(held_unembedding(policy), held_layers(policy))
+def held_weights(policy: Policy, layers: bool = True) -> HeldWeights:
+    """The copies a sampler of ``policy`` holds (``HeldWeights``); ``layers``: the layers' too
+    (``held_layers``; on a CPU without a mesh always, where they cost little and pay most)."""
+    keep_layers = layers or _holds_copies(policy)
+    return HeldWeights(held_unembedding(policy), held_layers(policy) if keep_layers else None)
 
 
 def held_layers(policy: Policy) -> tuple[nnx.State, ...]:

@@ -64,7 +64,9 @@ class Sampler:
     continue on the weights set next (their prefix prefilled again). ``decode_chunk``: decode
     steps per device call (8: the tiny preset's completions in one); ``precompile``: a serving
     sampler's ``Precompiler`` (off for a fixed workload, e.g. an evaluation: it repeats its own
-    sizes, and the compiles would only take a core from the run beside it)."""
+    sizes, and the compiles would only take a core from the run beside it); ``layer_copies``:
+    decode reads each layer's weights as arrays of their own (``held_weights``: a second copy
+    of the layers in memory; false, on an accelerator, it reads slices of the stacked ones)."""
 
     def __init__(
         self,
@@ -77,6 +79,7 @@ class Sampler:
         max_stop_ids: int = 8,
         precompile: bool = False,
         support_capacity: int = 0,
+        layer_copies: bool = True,
     ) -> None:
         error = field_error(ValueError)
         check_int("max_slots", max_slots, error, minimum=1)
@@ -93,7 +96,9 @@ class Sampler:
         # the weights' buffers are the sampler's own only once set_params placed them: before
         # that they may be the caller's, which an in-place reload must not free
         self._owns_params = False
-        self._held = held_weights(self.policy)
+        # decode's own copies of the weights (``held_weights``; ``layer_copies``: the layers')
+        self.layer_copies = bool(layer_copies)
+        self._held = held_weights(self.policy, self.layer_copies)
         # read from the model's configs once: every request looks them up
         self._eos_ids = frozenset(self.policy.eos_token_ids)
         self.max_slots, self.max_len = max_slots, max_len
@@ -169,7 +174,7 @@ class Sampler:
         del old
         self.policy = self.policy.with_params(jax.tree.unflatten(treedef, placed))
         self._owns_params = True
-        self._held = held_weights(self.policy)
+        self._held = held_weights(self.policy, self.layer_copies)
         self.version = version
         self.stats.last_swap_s = time.perf_counter() - t0
         return self.stats.last_swap_s

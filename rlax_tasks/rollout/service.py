@@ -269,6 +269,7 @@ def _worker_command(args: argparse.Namespace) -> int:
         decode_chunk=args.decode_chunk,
         precompile=True,
         support_capacity=args.support_capacity,
+        layer_copies=args.decode_layer_copies,
     )
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient  # lazy: JAX, as above
@@ -342,6 +343,13 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         "trainer's sampling-mask replay (0: none)",
     )
     p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
+    p.add_argument(
+        "--no-decode-layer-copies",
+        dest="decode_layer_copies",
+        action="store_false",
+        help="decode through slices of the stacked layers (default: each layer's weights as "
+        "arrays of their own, a second copy of the layers in device memory)",
+    )
     p.add_argument(
         "--no-interrupt",
         dest="interrupt_on_reload",

@@ -212,6 +212,7 @@ class ColocatedRun:
             cfg.workers.max_len,
             precompile=True,
             support_capacity=cfg.rollout.support_size,
+            layer_copies=cfg.workers.decode_layer_copies,
         )
         shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
         self.weights = TrainerWeights(self.service, shardings, cfg.model.dtype)

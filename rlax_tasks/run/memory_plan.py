@@ -58,7 +58,8 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 #   weights P·bc/(fsdp·tensor), plus one array while a new version is swapped in (reload: the swap
 #   frees each old array before placing its replacement; the largest array is the embedding or
 #   a stacked MLP kernel, max(V·h, L·h·f)·bc/(fsdp·tensor)); decode_layers: each layer's weights
-#   as arrays of their own for decode (rollout/held_weights.py), (P − embeddings)·bc/(fsdp·tensor);
+#   as arrays of their own for decode (rollout/held_weights.py), (P − embeddings)·bc/(fsdp·tensor),
+#   none with workers.decode_layer_copies false on an accelerator;
 #   KV cache slots·max_len·L·2·kv·d·bc / (data·fsdp (slots, when it divides them) · t_kv);
 #   logits (slots/(data·fsdp))·(V/t_V)·4·2 (float32 logits and sampling probabilities).
 # Parameter server, host RAM: a version is P·bc; keep_bytes = PS_RAM_FRACTION of the host's RAM
@@ -215,7 +216,10 @@ def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
     parts = {
         "weights": weights,
         "reload": max(m.vocab_size * m.hidden_size, layers_mlp) * bc // (fsdp * tensor),
-        "decode_layers": (m.num_parameters() - embeddings) * bc // (fsdp * tensor),
+        # (a CPU without a mesh keeps them whatever the setting: rollout/held_weights.py)
+        "decode_layers": (m.num_parameters() - embeddings) * bc // (fsdp * tensor)
+        if w.decode_layer_copies or cfg.placement.platform == "cpu"
+        else 0,
         "kv_cache": cache * bc // (batch_shards * kv_shards),
         "logits": (w.slots // batch_shards) * vocab * 4 * 2,
     }
@@ -411,9 +415,10 @@ def job_advice(cfg: Any, job: str, devices: str | None = None) -> str:
     if job == HELDOUT:
         devices = devices or "give the held-out evaluation more devices (placement.evaluator)"
     devices = devices or "give each worker more devices (placement.workers)"
+    copies = "workers.decode_layer_copies: false, " if cfg.workers.decode_layer_copies else ""
     return (
-        f"{devices} with tensor/fsdp shards (workers.mesh_shape), fewer workers.slots, or a "
-        "smaller workers.max_len"
+        f"{devices} with tensor/fsdp shards (workers.mesh_shape), fewer workers.slots, "
+        f"{copies}or a smaller workers.max_len"
     )
 
 

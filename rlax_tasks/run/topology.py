@@ -210,7 +210,8 @@ def plan_topology(
                  "--reload-every", str(s.reload_every), mesh_arg(cfg),
                  "--support-capacity", str(cfg.rollout.support_size),
                  *([] if cfg.workers.delta_pulls else ["--no-delta-pulls"]),
-                 *([] if cfg.workers.interrupt_on_reload else ["--no-interrupt"])],
+                 *([] if cfg.workers.interrupt_on_reload else ["--no-interrupt"]),
+                 *([] if cfg.workers.decode_layer_copies else ["--no-decode-layer-copies"])],
                 {**base, **devices[wid]},
                 **where,
             )

@@ -368,7 +368,7 @@ from rlax_tasks.models import Policy
 from rlax_tasks.rollout import Request, Sampler, SamplingParams
 from tests.tiny_model import tiny_model_config
 policy = Policy.init(tiny_model_config("wide", vocab_size=97, eos_token_id=2), seed=3)
-sampler = Sampler(policy, max_slots=16, max_len=96, precompile=sys.argv[2] == "on")
+sampler = Sampler(policy, max_slots=16, max_len=200, precompile=sys.argv[2] == "on")
 short = dict(max_new_tokens=4, temperature=1.0)
 distinct = lambda n: [[5, 6, 7 + i] for i in range(n)]  # (equal prompts share a prefill row)
 sampler.generate(distinct(8), **short)  # 8 rows, window 64: one size so far
@@ -376,7 +376,8 @@ print("after one size:", sum(t.is_alive() for t in sampler._precompiler.threads)
 sampler.generate(distinct(3), **short)  # 4 rows: two sizes, as a whole-batch start can give
 print("after two sizes:", sum(t.is_alive() for t in sampler._precompiler.threads))
 sampler.generate(distinct(2), **short)  # 2 rows: sizes vary, the others (1, 16) follow
-# a request that will reach 73 cache entries (window 96): one decode chunk, then dropped
+# a request that will reach 73 cache entries (past window 64: every entry, 200): one decode
+# chunk, then dropped
 long = SamplingParams(max_new_tokens=70, temperature=1.0, ignore_eos=True)
 sampler.add_request(Request.make([5, 6, 7], long))
 sampler.step()
@@ -415,7 +416,7 @@ def test_admissions_of_varying_size_and_longer_requests_precompile_what_follows(
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     assert lines["after one size"] == "0" and lines["after two sizes"] == "0", out.stdout
-    if precompile == "on":  # sizes 1, 2, 4, 8, 16; windows 64, 96
+    if precompile == "on":  # sizes 1, 2, 4, 8, 16; windows 64 and every entry
         assert lines["prefills"] == "5" and lines["decodes"] == "2", out.stdout
         assert lines["compiled later"] == "[]", out.stdout
         assert lines["groups compiled later"] == "[]", out.stdout

@@ -70,6 +70,21 @@ def test_sharded_sampler_equals_one_device(single_device, shape) -> None:  # noq
     assert _device_bytes(sampler._held.layers, device) <= 1.1 * layers / 8
 
 
+def test_without_layer_copies_decode_reads_the_stacked_layers_and_equals_one_device(
+    single_device,
+) -> None:  # noqa: ANN001
+    """workers.decode_layer_copies: false on a mesh: no second copy of the layers, the same
+    completions (decode reads slices of the stacked weights)."""
+    policy, reference = single_device
+    mesh = make_mesh(1, 1, 8, devices=jax.devices()[:8])
+    sampler = Sampler(policy.shard(mesh), max_slots=SLOTS, max_len=MAX_LEN, layer_copies=False)
+    assert sampler._held.layers is None
+    outs = sampler.generate(PROMPTS, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for ref, out in zip(reference, outs, strict=True):
+        assert out.tokens == ref.tokens
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
 def test_reload_swaps_weights_in_place_and_matches_a_fresh_sampler() -> None:
     mesh = make_mesh(1, 1, 8, devices=jax.devices()[:8])
     sampler = Sampler(_peaked_policy(0).shard(mesh), max_slots=SLOTS, max_len=MAX_LEN)

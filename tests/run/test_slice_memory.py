@@ -114,22 +114,28 @@ def test_workers_on_a_worker_slice_are_checked_against_its_chips(tmp_path):
     cfg = run_config(model_dir(tmp_path, "qwen7b", QWEN_7B))
     # the trainer on a v5p-8 (4 chips of 95 GiB: 22P/4 = 39 GiB fits); a worker on one chip
     # needs bf16 weights 2P = 14.2 GiB + the reload's largest array (28·3584·18944 · 2 B)
-    # = 17.7 GiB, 17.8 with its KV cache and logits: it fits a v5p chip (no worker type: the
-    # trainer's family) ...
+    # = 17.7 GiB, 17.8 with its KV cache and logits, and decode's own copy of the layers (every
+    # weight but the embedding and lm head, 2·(P − 2·152064·3584 − 3584) B = 12.1 GiB): 29.9 GiB,
+    # which fits a v5p chip (no worker type: the trainer's family) ...
     same = slice_memory_plan(cfg, "v5p-8")
     assert same.fits and [j.usable for j in same.jobs] == [95 * GiB] * 3
     worker = same.jobs[1]
     assert worker.count == 1 and worker.parts["weights"] == 2 * P_7B
     assert worker.parts["reload"] == 28 * 3584 * 18944 * 2
+    assert worker.parts["decode_layers"] == 2 * (P_7B - 2 * 152064 * 3584 - 3584)
     # ... not a v5e chip of a v5litepod-1 worker slice, whose Param the line names
     tight = slice_memory_plan(cfg, "v5p-8", "v5litepod-1")
     assert [j.usable for j in tight.jobs] == [95 * GiB, 16 * GiB, 16 * GiB]
     assert not tight.fits and tight.jobs[0].total <= tight.jobs[0].usable
     line = slice_fit_error(tight)
     assert line.startswith(
-        "worker_accelerator_type: v5litepod-1: worker-0 (and 1 other worker) needs 17.8 GiB per "
+        "worker_accelerator_type: v5litepod-1: worker-0 (and 1 other worker) needs 29.9 GiB per "
         "chip ("
     )
+    without = run_config(cfg.model.path, **{
+        "workers.decode_layer_copies": False})  # fmt: skip
+    line_without = slice_fit_error(slice_memory_plan(without, "v5p-8", "v5litepod-1"))
+    assert "needs 17.8 GiB per chip (" in line_without  # decode reads the stacked layers
     assert "but a v5e chip has 16.0 GiB: use a worker_accelerator_type with more chips" in line
     assert "(v5litepod-4: 4 chips a host fits a worker)" in line and "trainer" not in line
     # a v5litepod-4 host: 4 chips a worker, tensor 4: a quarter of the weights each

@@ -80,7 +80,7 @@ def test_workers_on_slices_of_their_own_one_per_host(tmp_path):
 def test_workers_pull_deltas_and_continue_sequences_unless_the_config_says_no(tmp_path):
     parser = argparse.ArgumentParser()
     add_worker_parser(parser.add_subparsers())
-    for field in ("delta_pulls", "interrupt_on_reload"):
+    for field in ("delta_pulls", "interrupt_on_reload", "decode_layer_copies"):
         for value in (True, False):
             cfg = _cfg(tmp_path, **{f"workers.{field}": value})
             argv = plan_topology(cfg, 5, "c.yaml", None, [], TOKEN).job("worker-0").argv
