@@ -51,6 +51,10 @@ class Part:
     cap_s: float
     argv: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # a junit XML file it writes ({work} filled in): its counts and failed tests are its figures
+    junit: str | None = None
+    # a run's metrics.jsonl: each step's time, train time, tokens/s, loss and reward
+    metrics: str | None = None
 
 
 def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
@@ -130,6 +134,7 @@ def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
                 "{work}/accelerator-tests.xml",
                 "tests/accelerator",
             ],
+            junit="{work}/accelerator-tests.xml",
         ),
         Part("doctor", 60, ["{python}", "-m", "rlax_tasks.cli", "doctor"]),
     ]
@@ -177,8 +182,14 @@ def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
                     "--set",
                     "placement.workers=[[0]]",
                 ],
+                metrics="{work}/runs/e2e-shared-gpu/metrics.jsonl",
             ),
-            Part("e2e-colocated", 120, [*run, "--run-id", "e2e-colocated"]),
+            Part(
+                "e2e-colocated",
+                120,
+                [*run, "--run-id", "e2e-colocated"],
+                metrics="{work}/runs/e2e-colocated/metrics.jsonl",
+            ),
         ]
     else:
         skipped.append(f"the accelerator tests run but skip themselves on {platform}")
@@ -325,7 +336,11 @@ class DeviceRun:
         return row
 
     def _read_figures(self, part: Part) -> Any:
-        """The part's JSON (also what a part killed midway wrote), or None."""
+        """The part's JSON (also what a part killed midway wrote), its junit counts, or None."""
+        if part.junit is not None:
+            return _junit_counts(part.junit.replace("{work}", self.work))
+        if part.metrics is not None:
+            return _step_metrics(part.metrics.replace("{work}", self.work))
         try:
             with open(self._json_path(part)) as f:
                 return json.load(f)
@@ -409,6 +424,37 @@ def _archive(work: str, path: str) -> list[str]:
                 tar.addfile(info, io.BytesIO(data))
     os.replace(tmp, path)
     return left_out
+
+
+def _step_metrics(path: str) -> list[dict[str, Any]] | None:
+    """Each step's seconds, training seconds, tokens/s, loss and reward of a metrics.jsonl."""
+    keys = ("step", "step_time_s", "time_train_s", "tokens_per_s", "loss", "reward_mean")
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
+def _junit_counts(path: str) -> dict[str, Any] | None:
+    """A junit XML report's test counts and the tests that failed (None: no report)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {**counts, "failed": failed}
 
 
 def _tail(path: str, lines: int) -> list[str]:

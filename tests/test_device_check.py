@@ -107,6 +107,8 @@ def test_device_check_script_runs_its_cpu_form_and_says_what_it_skipped(tmp_path
         table = figures["profile"][program]
         assert table["matched_hlo"] and table["total_us"] > 0, table
         assert any(r.get("gb_per_s") for r in table["top"]), table
+    tests = figures["accelerator-tests"]  # its junit report's counts
+    assert tests["tests"] == tests["skipped"] >= 3 and tests["failed"] == []
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         names = tar.getnames()
         assert "decode step  ok" in tar.extractfile("doctor.log").read().decode()
