@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"    {op['share']:6.1%}  {op['bytes'] / 1e9:8.2f} GB  {op['kind']:<14}"
                         f" x{op['runs']:<4} {op['op_name'][-70:]}"
                     )
-    results["machine_load_after"] = _timing.machine_load(log)
+    results["machine_load_after"] = _timing.machine_load(log, when="after")
     print(f"load before: {_timing.describe_load(load)}")
     _timing.write_json(args.json_out, results, log)
     return results
