@@ -111,68 +111,43 @@ def test_each_part_is_capped_by_what_is_left_of_the_deadline(tmp_path):
     assert "left of the deadline" in parts["profile"]["why"]
 
 
-def test_a_signal_mid_run_leaves_the_summary_of_what_was_measured(tmp_path):
+def _start_with_a_hang(tmp_path, figure: float) -> tuple[subprocess.Popen, object, int]:
+    """A run of a part that writes ``figure``, then one that hangs: (the run, its OUT_DIR, the
+    hanging part's pid), once that part has started."""
     out, pid_file = tmp_path / "out", tmp_path / "hang.pid"
-    plan = _plan(
-        tmp_path,
-        [
-            _write("decode", 7.0),
-            {
-                "name": "train",
-                "cap_s": 300,
-                "argv": [sys.executable, "-c", HANG, "{json}", str(pid_file)],
-            },
-        ],
-    )
-    proc = subprocess.Popen(
-        [sys.executable, RUN, str(out), "--plan", plan],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    hang = {"name": "train", "cap_s": 300,
+            "argv": [sys.executable, "-c", HANG, "{json}", str(pid_file)]}  # fmt: skip
+    plan = _plan(tmp_path, [_write("decode", figure), hang])
+    proc = subprocess.Popen([sys.executable, RUN, str(out), "--plan", plan],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert pid_file.exists(), proc.stdout.read() if proc.poll() is not None else "not started"
+    assert pid_file.exists(), f"the hanging part did not start (run exit {proc.poll()})"
+    time.sleep(0.3)  # its pid is written: so is the summary of the part before
+    return proc, out, int(pid_file.read_text())
+
+
+def test_a_signal_mid_run_leaves_the_summary_of_what_was_measured(tmp_path):
+    proc, out, pid = _start_with_a_hang(tmp_path, 7.0)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
     summary = _summary(out)
     assert summary["interrupted"] == "SIGTERM" and not summary["complete"]
     assert summary["figures"]["decode"] == {"figure": 7.0}
     assert sorted(os.listdir(out)) == ["figures.json", "logs.tar.gz", "summary.json"]
-    assert not _alive(int(pid_file.read_text()))
+    assert not _alive(pid)
 
 
 def test_a_run_killed_outright_keeps_the_summary_of_the_parts_before(tmp_path):
     """SIGKILL (a command past its time): summary.json was rewritten after each part, and the
     part under way dies with the run."""
-    out, pid_file = tmp_path / "out", tmp_path / "hang.pid"
-    plan = _plan(
-        tmp_path,
-        [
-            _write("decode", 24562.0),
-            {
-                "name": "train",
-                "cap_s": 300,
-                "argv": [sys.executable, "-c", HANG, "{json}", str(pid_file)],
-            },
-        ],
-    )
-    proc = subprocess.Popen(
-        [sys.executable, RUN, str(out), "--plan", plan],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.3)  # the part has started: the summary of the first is written
+    proc, out, pid = _start_with_a_hang(tmp_path, 24562.0)
     proc.kill()
     proc.wait(30)
     summary = _summary(out)
     assert summary["figures"]["decode"] == {"figure": 24562.0}
     assert [p["name"] for p in summary["parts"]] == ["decode"] and not summary["complete"]
-    pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
