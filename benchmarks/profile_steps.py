@@ -38,9 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def trace_events(trace_dir: str) -> list[dict[str, Any]]:
-    """The timed events of every ``*.trace.json.gz`` under ``trace_dir`` that name an HLO
-    operation; the device's own where there are device events (a GPU's kernels), else all."""
+def trace_events(trace_dir: str) -> tuple[list[dict[str, Any]], str]:
+    """(the timed events of every ``*.trace.json.gz`` under ``trace_dir`` that name an HLO
+    operation, where they come from): the device's own where some name one (a GPU's kernels:
+    "device"), else the host's ("host": on a CPU the operations themselves)."""
     events, devices = [], set()
     for path in glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
         with gzip.open(path, "rt") as f:
@@ -51,9 +52,10 @@ def trace_events(trace_dir: str) -> list[dict[str, Any]]:
                 if str(e.get("args", {}).get("name", "")).startswith("/device:"):
                     devices.add((path, e.get("pid")))
         events += [(path, e) for e in rows if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
-    if devices:
-        events = [(p, e) for p, e in events if (p, e.get("pid")) in devices]
-    return [e for _, e in events]
+    on_device = [e for p, e in events if (p, e.get("pid")) in devices]
+    if on_device:
+        return on_device, "device"
+    return [e for _, e in events], "host"
 
 
 def dumped_programs(dump_dir: str, module: str) -> list[str]:
@@ -181,8 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile(args, dump_dir)
     results: dict[str, Any] = {"benchmark": "profile_steps", "shape": args.shape, "programs": {}}
     for name, module in PROGRAMS.items():
-        events = trace_events(os.path.join(args.trace_dir, name))
+        events, source = trace_events(os.path.join(args.trace_dir, name))
         table = reduce_profile(events, module, dumped_programs(dump_dir, module), args.top)
+        table["events_from"] = source
         results["programs"][name] = table
         print(
             f"{name}: {table['total_us'] / 1e3:.2f} ms in {table['operations']} operations"
