@@ -58,138 +58,41 @@ class Part:
 
 
 def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
-    """(the parts in the order of their value, what the CPU form leaves out) for a platform."""
-    bench = "benchmarks/accelerator.py"
-    device = platform in ("gpu", "tpu")
-    if device:
-        decode = ["--slots", "256,64"]
-        train: list[str] = []
-        profile = ["--shape", "qwen2.5-1.5b"]
-    else:
-        decode = [
-            "--shape",
-            "small",
-            "--slots",
-            "8,4",
-            "--prompt-len",
-            "16",
-            "--new-tokens",
-            "8",
-            "--repeats",
-            "1",
-        ]
-        train = [
-            "--shape",
-            "small",
-            "--train-batch",
-            "4",
-            "--train-seq-len",
-            "32",
-            "--micro-batch",
-            "2",
-            "--repeats",
-            "1",
-        ]
-        profile = ["--shape", "small"]
-    settle = ["--settle-s", "5"]  # a device host's own load is not ours to wait out
+    """(the parts in the order of their value, what the CPU form leaves out) for a platform.
+    Each command is written as one line; {python}, {json} and {work} are filled in per part."""
+    if platform in ("gpu", "tpu"):
+        decode, train, profile = "--slots 256,64", "", "--shape qwen2.5-1.5b"
+    else:  # the CPU form: the same code on small shapes
+        decode = "--shape small --slots 8,4 --prompt-len 16 --new-tokens 8 --repeats 1"
+        train = "--shape small --train-batch 4 --train-seq-len 32 --micro-batch 2 --repeats 1"
+        profile = "--shape small"
+    # (--settle-s: a device host's own load is not ours to wait out)
+    bench = "{python} benchmarks/accelerator.py --settle-s 5 --json-out {json}"
+    tests = ("{python} -m pytest -o addopts=-ra -p no:cacheprovider -q -m accelerator "
+             "--junitxml {work}/accelerator-tests.xml tests/accelerator")  # fmt: skip
     parts = [
-        Part(
-            "decode",
-            170,
-            ["{python}", bench, "--only", "decode", *decode, *settle, "--json-out", "{json}"],
-        ),
-        Part(
-            "train",
-            130,
-            ["{python}", bench, "--only", "train", *train, *settle, "--json-out", "{json}"],
-        ),
-        Part(
-            "profile",
-            120,
-            [
-                "{python}",
-                "benchmarks/profile_steps.py",
-                *profile,
-                "--trace-dir",
-                "{work}/profile",
-                "--json-out",
-                "{json}",
-            ],
-        ),
-        Part(
-            "accelerator-tests",
-            100,
-            [
-                "{python}",
-                "-m",
-                "pytest",
-                "-o",
-                "addopts=-ra",
-                "-p",
-                "no:cacheprovider",
-                "-q",
-                "-m",
-                "accelerator",
-                "--junitxml",
-                "{work}/accelerator-tests.xml",
-                "tests/accelerator",
-            ],
-            junit="{work}/accelerator-tests.xml",
-        ),
-        Part("doctor", 60, ["{python}", "-m", "rlax_tasks.cli", "doctor"]),
+        Part("decode", 170, f"{bench} --only decode {decode}".split()),
+        Part("train", 130, f"{bench} --only train {train}".split()),
+        Part("profile", 120, f"{{python}} benchmarks/profile_steps.py {profile} "
+                             "--trace-dir {work}/profile --json-out {json}".split()),  # fmt: skip
+        Part("accelerator-tests", 100, tests.split(), junit="{work}/accelerator-tests.xml"),
+        Part("doctor", 60, "{python} -m rlax_tasks.cli doctor".split()),
     ]
     skipped = []
     if platform == "gpu":
         # the tiny preset end to end on GPU 0, its base model built first (a part of its own):
         # trainer and worker as two processes sharing the GPU, then colocated with the held-out
         # evaluation before and after as a job of its own
-        run = [
-            "{python}",
-            "-m",
-            "rlax_tasks.cli",
-            "run",
-            "--run-root",
-            "{work}/runs",
-            "--steps",
-            "4",
-            "--set",
-            "placement.platform=gpu",
-            "--set",
-            "placement.trainer=[0]",
-        ]
+        run = ("{python} -m rlax_tasks.cli run --run-root {work}/runs --steps 4 "
+               "--set placement.platform=gpu --set placement.trainer=[0]")  # fmt: skip
+        shared = "--no-eval --set placement.mode=disaggregated --set placement.workers=[[0]]"
+        warm_up = "{python} -m rlax_tasks.warmup.base_model runs/base-models tiny-arith"
         parts += [
-            Part(
-                "base-model",
-                90,
-                [
-                    "{python}",
-                    "-m",
-                    "rlax_tasks.warmup.base_model",
-                    "runs/base-models",
-                    "tiny-arith",
-                ],
-            ),
-            Part(
-                "e2e-shared-gpu",
-                120,
-                [
-                    *run,
-                    "--run-id",
-                    "e2e-shared-gpu",
-                    "--no-eval",
-                    "--set",
-                    "placement.mode=disaggregated",
-                    "--set",
-                    "placement.workers=[[0]]",
-                ],
-                metrics="{work}/runs/e2e-shared-gpu/metrics.jsonl",
-            ),
-            Part(
-                "e2e-colocated",
-                120,
-                [*run, "--run-id", "e2e-colocated"],
-                metrics="{work}/runs/e2e-colocated/metrics.jsonl",
-            ),
+            Part("base-model", 90, warm_up.split()),
+            Part("e2e-shared-gpu", 120, f"{run} --run-id e2e-shared-gpu {shared}".split(),
+                 metrics="{work}/runs/e2e-shared-gpu/metrics.jsonl"),  # fmt: skip
+            Part("e2e-colocated", 120, f"{run} --run-id e2e-colocated".split(),
+                 metrics="{work}/runs/e2e-colocated/metrics.jsonl"),  # fmt: skip
         ]
     else:
         skipped.append(f"the accelerator tests run but skip themselves on {platform}")
