@@ -192,11 +192,8 @@ class HeldOutJobs:
         sup.add(Component(JOB, argv, self.env, restart=False))  # restarted only on a failure
 
     def stop(self, sup: Supervisor) -> None:
-        """Stops the job, waits until it has exited (its devices free) and takes it off the
-        supervisor (which would start it again)."""
-        if JOB in sup.components:
-            sup.stop([JOB])
-            del sup.components[JOB]
+        """Stops the job and waits until it has exited, so that its devices are free."""
+        sup.stop([JOB])
 
     def results(self) -> list[dict[str, Any]]:
         """The results written since the last call (none before this launch)."""

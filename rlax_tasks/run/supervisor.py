@@ -78,6 +78,8 @@ class Component:
     log_offset: int = 0  # where this start's output begins in its log
     # (last error line, progress) of its previous failure since a success or a signal kill
     last_failure: tuple[str, Any] | None = None
+    # stopped by ``Supervisor.stop``: not restarted until it is added again
+    stopped: bool = False
 
 
 # Runs argv[2:] with SIGKILL as its parent-death signal (kept across exec): set here, in the
@@ -146,6 +148,7 @@ class Supervisor:
                 start_new_session=True,
             )
         c.started_at = time.monotonic()
+        c.stopped = False
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
     def poll(self) -> dict[str, int]:
@@ -154,7 +157,7 @@ class Supervisor:
         finished = {}
         for c in self.components.values():
             code = c.proc.poll() if c.proc else None
-            if code is None:
+            if code is None or c.stopped:
                 continue
             if code == 0 and not c.restart:
                 finished[c.name] = 0
@@ -200,8 +203,11 @@ class Supervisor:
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
         """SIGTERM to every running component's process group, then SIGKILL after
-        ``timeout_s``; whatever is left in such a group after its leader exited is killed too."""
+        ``timeout_s``; whatever is left in such a group after its leader exited is killed too.
+        The components stay stopped (``poll`` restarts none of them) until added again."""
         targets = [self.components[n] for n in (names or list(self.components))]
+        for c in targets:
+            c.stopped = True
         running = [c for c in targets if c.proc is not None and c.proc.poll() is None]
         for c in running:
             _signal_group(c.proc.pid, signal.SIGTERM)

@@ -303,9 +303,8 @@ def test_the_heldout_job_before_training_is_gone_before_the_training_jobs_start(
 
     def hook(sup) -> None:  # called from the training loop: the jobs have started
         if not seen:
-            heldout, colocated = sup.components.get("heldout"), sup.components["colocated"]
-            alive = heldout is not None and heldout.proc.poll() is None
-            seen.append((alive, colocated.proc is not None))
+            heldout, colocated = sup.components["heldout"], sup.components["colocated"]
+            seen.append((heldout.proc.poll() is None, colocated.proc is not None))
 
     report = run_local(cfg, 2, supervisor_hook=hook)
     assert seen == [(False, True)]  # the held-out job had exited, the colocated job had started

@@ -233,3 +233,23 @@ def test_stop_on_signals_raises_once_and_keeps_ignored_signals_ignored():
         assert signal.getsignal(signal.SIGINT) is intr
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_stopped_component_stays_stopped_until_it_is_added_again(tmp_path):
+    """``stop`` of some components (the training jobs before the final evaluation, a held-out
+    job done with its devices): later polls restart none of them; adding one starts it."""
+    sup = Supervisor(str(tmp_path / "logs"), backoff_s=0.05)
+    try:
+        for name in ("service", "other"):
+            sup.add(Component(name, [], command=_program("import time; time.sleep(60)")))
+        sup.stop(["service"])
+        for _ in range(5):  # past the back-off: a dead restartable component would restart
+            time.sleep(0.1)
+            assert sup.poll() == {}
+        service = sup.components["service"]
+        assert service.proc.poll() is not None and service.restarts == 0
+        assert sup.components["other"].proc.poll() is None  # the rest go on
+        sup.add(Component("service", [], command=_program("import time; time.sleep(60)")))
+        assert sup.components["service"].proc.poll() is None
+    finally:
+        sup.stop()
