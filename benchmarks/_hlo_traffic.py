@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
 
 _BYTES = {
     "pred": 1,
@@ -153,6 +152,11 @@ def _computation_flops(comp: dict[str, Instruction]) -> int:
     return sum(_dot_flops(i, shapes) for i in comp.values() if i.opcode == "dot")
 
 
+def _update_operand(inst: Instruction) -> str:
+    """The operand an in-place update writes: a scatter's updates, a dynamic-update-slice's."""
+    return inst.operands[2] if inst.opcode == "scatter" else inst.operands[1]
+
+
 def _fusion_bytes(inst: Instruction, shapes: dict[str, str], fused: dict[str, Instruction]) -> int:
     """A fusion's bytes: each operand read once (or only its sliced part), the result written
     once (or only the update, for an in-place root)."""
@@ -178,7 +182,7 @@ def _fusion_bytes(inst: Instruction, shapes: dict[str, str], fused: dict[str, In
         else:
             total += shape_bytes(shapes.get(operand, ""))
     if in_place:
-        update = root.operands[2] if root.opcode == "scatter" else root.operands[1]
+        update = _update_operand(root)
         return total + shape_bytes(fused[update].shape) if update in fused else total
     return total + shape_bytes(inst.shape)
 
@@ -189,7 +193,7 @@ def operations(hlo: str) -> list[Operation]:
     computations = parse(hlo)
     out: list[Operation] = []
 
-    def walk(name: str, count: int) -> Iterator[None]:
+    def walk(name: str, count: int) -> None:
         comp = computations[name]
         shapes = {i.name: i.shape for i in comp.values()}
         for inst in comp.values():
@@ -199,13 +203,13 @@ def operations(hlo: str) -> list[Operation]:
             if inst.opcode == "while":
                 trip = _TRIP.search(inst.line)
                 body = re.search(r"body=%([\w.\-]+)", inst.line).group(1)
-                yield from walk(body, count * (int(trip.group(1)) if trip else 1))
+                walk(body, count * (int(trip.group(1)) if trip else 1))
                 continue
             if inst.opcode in ("call", "conditional", "async-start"):
                 branches = _BRANCHES.search(inst.line)
                 names = _OPERAND.findall(branches.group(1)) if branches else called
                 for sub in names[:1]:  # a conditional: its first branch
-                    yield from walk(sub, count)
+                    walk(sub, count)
                 continue
             fused = computations.get(called[0]) if inst.opcode == "fusion" and called else None
             flops = 0
@@ -213,8 +217,8 @@ def operations(hlo: str) -> list[Operation]:
                 nbytes, kind = _fusion_bytes(inst, shapes, fused), _fused_main(fused)
                 flops = _computation_flops(fused)
             elif inst.opcode in _IN_PLACE:
-                update = inst.operands[2] if inst.opcode == "scatter" else inst.operands[1]
-                nbytes, kind = 2 * shape_bytes(shapes.get(update, "")), inst.opcode
+                nbytes = 2 * shape_bytes(shapes.get(_update_operand(inst), ""))
+                kind = inst.opcode
             else:
                 operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
                 nbytes, kind = operand_bytes + shape_bytes(inst.shape), inst.opcode
@@ -231,11 +235,8 @@ def operations(hlo: str) -> list[Operation]:
                     count,
                 )
             )
-        return
-        yield
 
-    for _ in walk("ENTRY", 1):
-        pass
+    walk("ENTRY", 1)
     return out
 
 

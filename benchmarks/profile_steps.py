@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _hlo_traffic  # noqa: E402
+import _timing  # noqa: E402
 
 log = logging.getLogger("benchmarks.profile_steps")
 # the programs profiled, by the module name XLA gives them
@@ -116,7 +117,7 @@ def reduce_profile(
     }
 
 
-def profile(args: argparse.Namespace, dump_dir: str) -> None:
+def profile(args: argparse.Namespace) -> None:
     """Runs one decode chunk and one train step under the profiler (each compiled first)."""
     import jax
     import numpy as np
@@ -166,21 +167,18 @@ def profile(args: argparse.Namespace, dump_dir: str) -> None:
         with jax.profiler.trace(os.path.join(args.trace_dir, "train")):
             trainer.step(data)
         trainer.close()
-    del dump_dir
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _timing.setup_logging()
     dump_dir = os.path.join(args.trace_dir, "hlo")
     os.makedirs(dump_dir, exist_ok=True)
     # XLA dumps the profiled programs' optimized HLO (read before JAX starts its backend)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
     ).strip()
-    profile(args, dump_dir)
+    profile(args)
     results: dict[str, Any] = {"benchmark": "profile_steps", "shape": args.shape, "programs": {}}
     for name, module in PROGRAMS.items():
         events, source = trace_events(os.path.join(args.trace_dir, name))
@@ -203,9 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name = os.path.basename(path)
         if not (any(k in name for k in keep) and name.endswith("after_optimizations.txt")):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+    _timing.write_json(args.json_out, results, log)
     return results
 
 
