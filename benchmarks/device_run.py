@@ -61,10 +61,16 @@ def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
     """(the parts in the order of their value, what the CPU form leaves out) for a platform.
     Each command is written as one line; {python}, {json} and {work} are filled in per part."""
     if platform in ("gpu", "tpu"):
-        decode, train, profile = "--slots 256,64", "", "--shape qwen2.5-1.5b"
+        decode, profile = "--slots 256,64", "--shape qwen2.5-1.5b"
+        train = "--train-sweep --train-budget-s 90"
+        # Qwen2.5-7B's layer widths: 8 of its 28 layers fit one device with float32 Adam
+        train_7b = ("--shape qwen2.5-7b --layers 8 --train-batch 8 --train-seq-len 1024 "
+                    "--micro-batch 2 --train-sweep --train-budget-s 60")  # fmt: skip
     else:  # the CPU form: the same code on small shapes
         decode = "--shape small --slots 8,4 --prompt-len 16 --new-tokens 8 --repeats 1"
-        train = "--shape small --train-batch 4 --train-seq-len 32 --micro-batch 2 --repeats 1"
+        train = ("--shape small --train-batch 4 --train-seq-len 32 --micro-batch 2 --repeats 1 "
+                 "--train-sweep --train-budget-s 10")  # fmt: skip
+        train_7b = None
         profile = "--shape small"
     # (--settle-s: a device host's own load is not ours to wait out)
     bench = "{python} benchmarks/accelerator.py --settle-s 5 --json-out {json}"
@@ -72,12 +78,14 @@ def platform_parts(platform: str) -> tuple[list[Part], list[str]]:
              "--junitxml {work}/accelerator-tests.xml tests/accelerator")  # fmt: skip
     parts = [
         Part("decode", 170, f"{bench} --only decode {decode}".split()),
-        Part("train", 130, f"{bench} --only train {train}".split()),
+        Part("train", 170, f"{bench} --only train {train}".split()),
         Part("profile", 120, f"{{python}} benchmarks/profile_steps.py {profile} "
                              "--trace-dir {work}/profile --json-out {json}".split()),  # fmt: skip
         Part("accelerator-tests", 100, tests.split(), junit="{work}/accelerator-tests.xml"),
         Part("doctor", 60, "{python} -m rlax_tasks.cli doctor".split()),
     ]
+    if train_7b is not None:  # after the tests: a figure, where the tests are a verdict
+        parts.insert(4, Part("train-7b", 130, f"{bench} --only train {train_7b}".split()))
     skipped = []
     if platform == "gpu":
         # the tiny preset end to end on GPU 0, its base model built first (a part of its own):
@@ -383,7 +391,7 @@ def headline(name: str, figures: Any) -> Any:
             "prefill_s",
         )
         return [{k: r.get(k) for k in keys} for r in figures.get("decode", [])]
-    if name == "train" and "train" in figures:
+    if name.startswith("train") and "train" in figures:
         t = figures["train"]
         return {
             "batch": t.get("batch"),
@@ -391,6 +399,11 @@ def headline(name: str, figures: Any) -> Any:
             "step_s": t.get("timing", {}).get("median_s"),
             "tokens_per_s": t.get("tokens_per_s"),
             "mfu": t.get("mfu"),
+            "settings": figures.get("train_best_settings"),
+            "measured": [
+                {k: r.get(k) for k in ("remat", "micro_batch", "attention", "mfu", "error")}
+                for r in figures.get("train_sweep", [])
+            ],
         }
     if name == "profile" and "programs" in figures:
         return figures["programs"]

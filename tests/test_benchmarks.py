@@ -435,3 +435,42 @@ def _pgrp(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[2])
     except (OSError, ValueError):
         return None
+
+
+def test_the_train_sweep_keeps_the_fastest_setting_and_records_one_that_fails(monkeypatch):
+    """A setting that fails (out of memory) is a row with its error, not the end of the sweep;
+    the train figures are the fastest setting's, and its ``--set`` flags are printed."""
+    import argparse
+
+    from benchmarks import accelerator
+
+    speed = {"full": 1.0, "dots": 3.0, "none": None}  # remat none runs out of memory
+
+    def fake_figures(policy, batch, seq_len, setting, repeats):
+        row = {"batch": batch, "seq_len": seq_len, "remat": setting.remat,
+               "micro_batch": setting.micro_batch, "attention": setting.attention}  # fmt: skip
+        if speed[setting.remat] is None:
+            return {**row, "error": "XlaRuntimeError: RESOURCE_EXHAUSTED"}
+        rate = speed[setting.remat] * (2 if setting.micro_batch == batch else 1)
+        return {**row, "tokens_per_s": rate, "model_flops_per_s": rate * 10}
+
+    monkeypatch.setattr(accelerator, "train_figures", fake_figures)
+    args = argparse.Namespace(train_batch=8, train_seq_len=16, micro_batch=2, repeats=1,
+                              train_sweep=True, train_budget_s=60.0, json_out=None)  # fmt: skip
+    results: dict = {}
+    accelerator.train_sweep(None, args, "gpu", (100.0, 1.0), results)
+    rows = results["train_sweep"]
+    assert [(r["remat"], r["micro_batch"], r["attention"]) for r in rows] == [
+        ("full", 2, None), ("dots", 2, None), ("none", 2, None), ("dots", 8, None),
+        ("dots", 2, "xla"),
+    ]  # fmt: skip
+    assert "RESOURCE_EXHAUSTED" in rows[2]["error"] and "mfu" not in rows[2]
+    assert results["train"]["remat"] == "dots" and results["train"]["micro_batch"] == 8
+    assert results["train"]["mfu"] == 6 * 10 / 100.0
+    assert results["train_best_settings"] == [
+        "trainer.remat=dots", "trainer.micro_batch_size=8"
+    ]  # fmt: skip
+    # without --train-sweep: the run's default alone
+    assert accelerator.train_settings(8, 2, "gpu", sweep=False) == [
+        accelerator.TrainSetting("full", 2)
+    ]
