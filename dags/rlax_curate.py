@@ -32,7 +32,7 @@ The slice is deleted by a teardown task whatever happens.
         ),
         "format": Param(
             "rlax", type="string", enum=list(rc.DATA_FORMATS),
-            description="input layout (DESIGN §11): gsm8k, math, dapo, messages, code, "
+            description="input layout (docs/design.md §11): gsm8k, math, dapo, messages, code, "
             "columns (with the columns mapping) or rlax (the row schema)",
         ),
         "columns": Param(

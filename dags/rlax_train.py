@@ -16,7 +16,7 @@ EVAL_POLL_S = 3.0
 
 DOC = """
 ### rlax_train
-One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `local`):
+One RLAX run (docs/design.md §2) with the compute backend `RLAX_BACKEND` (default `local`):
 
 1. **plan** — validates the Params into the run configuration (`preset` + overrides; an invalid
    field fails the run at once, naming it), logs each job's devices (`placement`) and the memory
@@ -79,7 +79,7 @@ One RLAX run (DESIGN §2) with the compute backend `RLAX_BACKEND` (default `loca
         ),
         "algorithm": Param(
             None, type=["null", "string"], enum=[None, *rc.ALGORITHMS],
-            description="objective preset (DESIGN §4); empty = the preset's",
+            description="objective preset (docs/design.md §4); empty = the preset's",
         ),
         "reload_every": Param(
             1, type="integer", minimum=1, title="staleness j",

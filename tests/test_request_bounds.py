@@ -1,4 +1,4 @@
-"""Every request is bounded (DESIGN §13): wait times finite and capped, sizes within the
+"""Every request is bounded (docs/design.md §13): wait times finite and capped, sizes within the
 service's limits, bodies refused before they are read, long-polls that never starve a service
 or hold up its shutdown; a bad request gets a 4xx and the service stays responsive."""
 

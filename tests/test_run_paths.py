@@ -1,4 +1,5 @@
-"""rlax_tasks.rundir.paths: the run directory's layout (DESIGN §7), spelled in one module only."""
+"""rlax_tasks.rundir.paths: the run directory's layout (docs/design.md §7), spelled in one module
+only."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rlax_tasks.rundir.paths import run_paths
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OWNER = "rlax_tasks/rundir/paths.py"
 
-# DESIGN §7 (and the files the services and Airflow add): attribute -> path below the run
+# docs/design.md §7 (and the files the services and Airflow add): attribute -> path below the run
 LAYOUT = {
     "config": "config.yaml",
     "checkpoints": "checkpoints",

@@ -1,4 +1,4 @@
-"""Every service of a run needs the run's one token (DESIGN §13): missing → 401 with a
+"""Every service of a run needs the run's one token (docs/design.md §13): missing → 401 with a
 challenge, wrong → 403, right → served, through each real app; a service never starts without
 it; and the controller never takes a trainer's replay of a step it did not send for success."""
 

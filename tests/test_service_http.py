@@ -1,6 +1,6 @@
-"""The HTTP plumbing every service shares (rlax_tasks.services.http): the bearer check (DESIGN
-§13: missing → 401, wrong → 403), and JsonClient's retries, back-off and error mapping, also as
-the worker and trainer clients use it."""
+"""The HTTP plumbing every service shares (rlax_tasks.services.http): the bearer check
+(docs/design.md §13: missing → 401, wrong → 403), and JsonClient's retries, back-off and error
+mapping, also as the worker and trainer clients use it."""
 
 from __future__ import annotations
 

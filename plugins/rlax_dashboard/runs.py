@@ -1,5 +1,5 @@
 """What the RLAX dashboard knows about runs: ``<run_id>/`` children of run roots (local or gs://)
-holding ``config.yaml`` or ``metrics.jsonl`` (DESIGN §7), read through rundir.storage, never
+holding ``config.yaml`` or ``metrics.jsonl`` (docs/design.md §7), read through rundir.storage, never
 written. A run's state comes from the rlax_train DAG's ``status.json`` (which links its DAG run),
 else is inferred: "finished" with eval/report.json, "running" when metrics.jsonl changed within
 ``active_window_s``, "stopped" otherwise, "pending" before the first step."""

@@ -1,5 +1,5 @@
 """Which compute backend the DAGs' tasks use, and its settings, from an Airflow Connection
-(DESIGN §10), looked up when a task runs, never when the scheduler parses the DAG files.
+(docs/design.md §10), looked up when a task runs, never when the scheduler parses the DAG files.
 
 The Connection ``rlax_compute`` (``RLAX_COMPUTE_CONN_ID`` names another) selects the backend by
 its type: ``google_cloud_platform`` (the Google provider's: ``project``, ``key_path`` or

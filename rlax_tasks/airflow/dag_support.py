@@ -47,7 +47,7 @@ DEFAULT_ARGS: dict[str, Any] = {
     "max_retry_delay": dt.timedelta(minutes=15),
 }
 START_DATE = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
-# DESIGN §4 objective presets (tests/dags checks this against rlax_tasks.algorithms.config)
+# docs/design.md §4 objective presets (tests/dags checks this against rlax_tasks.algorithms.config)
 ALGORITHMS = (
     "grpo",
     "dapo",
@@ -60,7 +60,7 @@ ALGORITHMS = (
     "gspo",
     "ppo",
 )
-# DESIGN §11 dataset formats (tests/dags checks this against rlax_tasks.data.formats)
+# docs/design.md §11 dataset formats (tests/dags checks this against rlax_tasks.data.formats)
 DATA_FORMATS = ("rlax", "gsm8k", "math", "dapo", "messages", "code", "columns")
 # run ids double as Cloud label values (rlax-run-id) and directory names
 RUN_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"

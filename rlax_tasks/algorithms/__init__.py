@@ -1,4 +1,4 @@
-"""RL objectives (DESIGN §4): composable Agg / IS / Adv / GradTerm components, algorithm
+"""RL objectives (docs/design.md §4): composable Agg / IS / Adv / GradTerm components, algorithm
 presets (``make_objective``), dynamic sampling and DAPO overlong reward shaping."""
 
 from __future__ import annotations

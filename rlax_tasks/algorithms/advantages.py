@@ -1,4 +1,5 @@
-"""Outcome advantages (Adv slot of DESIGN §4): one value per sequence from rewards and groups.
+"""Outcome advantages (Adv slot of docs/design.md §4): one value per sequence from rewards and
+groups.
 
 Groups are integer ``group_ids`` [B] (rows need not be contiguous); rows not ``valid`` (empty
 completion) are out of every statistic and get 0. A group of one has no baseline (std ddof=1 is

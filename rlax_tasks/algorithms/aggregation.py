@@ -1,4 +1,4 @@
-"""Token weights (Agg slot of DESIGN §4): how per-token terms are summed into one loss.
+"""Token weights (Agg slot of docs/design.md §4): how per-token terms are summed into one loss.
 
 B counts the valid rows (at least one completion token). For a micro-batch of a larger batch,
 pass the full batch's ``num_sequences`` / ``num_tokens`` so micro-batch losses add up exactly.

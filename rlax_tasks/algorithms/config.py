@@ -28,7 +28,7 @@ class ObjectiveConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    """Which component is used for each slot of the DESIGN §4 objective, and its parameters.
+    """Which component is used for each slot of the docs/design.md §4 objective, and its parameters.
 
     J = Σ_b Σ_t m·sg[Agg·IS]·(sg[Adv]·GradTerm1 + GradTerm2), loss = −J.
     """
@@ -90,7 +90,8 @@ class ObjectiveConfig:
         return int(round(self.overlong_cache_fraction * max_len))
 
 
-# Presets as data: overrides of the ObjectiveConfig defaults (DESIGN §4), one entry per objective
+# Presets as data: overrides of the ObjectiveConfig defaults (docs/design.md §4), one entry per
+# objective
 # fmt: off
 PRESETS: dict[str, dict[str, Any]] = {
     # GRPO (DeepSeekMath): per-sequence token mean, PPO clip, group-normalized adv, k3 KL.

@@ -1,4 +1,4 @@
-"""Importance weights (IS slot of DESIGN §4) as lookup tables, always stop-gradient.
+"""Importance weights (IS slot of docs/design.md §4) as lookup tables, always stop-gradient.
 
 ``BEHAVIOR_IS``: truncated (TIS) or masked (MIS) IS by the old/behaviour (sampler) ratio, per
 token or per sequence, for mismatch and staleness; ``RATIO_IS``: CISPO's clipped current/old

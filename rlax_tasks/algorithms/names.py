@@ -1,4 +1,4 @@
-"""The valid names of each slot of the DESIGN §4 objective, JAX-free.
+"""The valid names of each slot of the docs/design.md §4 objective, JAX-free.
 
 Each tuple is the key list of a table of small JAX functions: ``config.py`` validates against
 them without JAX, and each table module calls ``check_table`` on import so the two never drift.

@@ -1,4 +1,4 @@
-"""The composable RL objective of DESIGN §4 and ``make_objective`` (presets + overrides):
+"""The composable RL objective of docs/design.md §4 and ``make_objective`` (presets + overrides):
 J = Σ_b Σ_t m·sg[Agg·IS]·(sg[Adv]·GradTerm1 + GradTerm2), loss = −J, r = exp(logp − old).
 Gradients flow through ``logp`` only and are exactly J's; a clipped term's loss VALUE is the
 clipped surrogate verl and TRL report (dual clip included). Each slot is a lookup table named in
@@ -58,7 +58,8 @@ def _core(batch: Batch, shape: tuple[int, int]) -> tuple[Array, Array, Array, Ar
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """A configured DESIGN §4 objective: ``loss``, ``advantages`` and (ppo) ``value_loss``."""
+    """A configured docs/design.md §4 objective: ``loss``, ``advantages`` and (ppo)
+    ``value_loss``."""
 
     name: str
     config: ObjectiveConfig

@@ -1,8 +1,9 @@
-"""Gradient terms of DESIGN §4 as lookup tables: GradTerm1 (``POLICY_TERMS``, times the advantage)
-and GradTerm2 (``KL_TERMS``, KL to a reference policy). Each returns per-token values [B, T] with
-the DESIGN §4 gradient in ``logp``; masks and clip decisions are stop-gradient, and a clipped
-term's VALUE is the clipped surrogate verl and TRL report (a constant where the gradient is 0).
-Adding a term: one function, one entry in its table, its name in ``names.py``."""
+"""Gradient terms of docs/design.md §4 as lookup tables: GradTerm1 (``POLICY_TERMS``, times the
+advantage) and GradTerm2 (``KL_TERMS``, KL to a reference policy). Each returns per-token values
+[B, T] with the docs/design.md §4 gradient in ``logp``; masks and clip decisions are
+stop-gradient, and a clipped term's VALUE is the clipped surrogate verl and TRL report (a constant
+where the gradient is 0). Adding a term: one function, one entry in its table, its name in
+``names.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Devices and the run's layout on them: platforms, placement modes, accelerator models and
-mesh shapes (DESIGN §12).
+mesh shapes (docs/design.md §12).
 
 The run configuration validates its ``placement`` against these names and the launchers turn it
 into each job's environment (rlax_tasks/run/placement.py, which re-exports them). No JAX."""

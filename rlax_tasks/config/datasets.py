@@ -70,7 +70,7 @@ class SyntheticSource:
 @dataclasses.dataclass(frozen=True)
 class FileSource:
     """A dataset file (JSONL/Parquet/CSV, local or gs://) in a layout ``format`` reads
-    (DESIGN §11: rlax, gsm8k, math, dapo, messages, code, or columns with ``columns``);
+    (docs/design.md §11: rlax, gsm8k, math, dapo, messages, code, or columns with ``columns``);
     ``verifier`` defaults to the format's (code for code, else math)."""
 
     path: str

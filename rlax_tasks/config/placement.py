@@ -1,4 +1,5 @@
-"""Placement: where a run's jobs go and on which devices, and the hardware rules (DESIGN §12).
+"""Placement: where a run's jobs go and on which devices, and the hardware rules (docs/design.md
+§12).
 
 ``PlacementSettings`` checks a placement on its own (platforms, accelerators, device lists, TPU
 chip blocks, GPU memory shares); ``resolve_placement`` and ``check_run_placement`` fill in and
@@ -45,7 +46,8 @@ def _device_list(value: Any, name: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementSettings:
-    """Where the jobs run and on which devices (DESIGN §12); run/placement.py sets each job's env.
+    """Where the jobs run and on which devices (docs/design.md §12); run/placement.py sets each
+    job's env.
 
     ``trainer``, each ``workers`` list: device indices on a host (on cpu n indices force n host
     devices; null: all it shows). With ``hosts`` H > 1 the trainer is one jax.distributed job over

@@ -66,7 +66,7 @@ class RunConfig:
     # JAX's persistent compilation cache under run_root/jax-cache: a restarted component (or a
     # later run of the same shapes) loads its compiled programs instead of compiling again
     compilation_cache: bool = True
-    # which devices each job gets (DESIGN §12); `placement: disaggregated` is the short form
+    # which devices each job gets (docs/design.md §12); `placement: disaggregated` is the short form
     placement: PlacementSettings = PlacementSettings()
 
     def __post_init__(self) -> None:

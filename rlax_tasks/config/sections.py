@@ -34,7 +34,8 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-    """The base policy: an HF-format directory (local or gs://) and its precision (DESIGN §12).
+    """The base policy: an HF-format directory (local or gs://) and its precision (docs/design.md
+    §12).
 
     ``dtype`` is the compute dtype and what workers hold (and the parameter server carries);
     ``param_dtype`` is the trainer's master weights and optimizer state.
@@ -63,7 +64,8 @@ class ModelSettings:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-    """An objective preset of DESIGN §4 plus field overrides (validated by ``preset_config``)."""
+    """An objective preset of docs/design.md §4 plus field overrides (validated by
+    ``preset_config``)."""
 
     preset: str = "grpo"
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -100,7 +102,8 @@ class AlgorithmSettings:
 
 @dataclasses.dataclass(frozen=True)
 class StalenessSettings:
-    """DESIGN §3: workers reload when ≥ j versions behind; rollouts train only if v − u ≤ k."""
+    """docs/design.md §3: workers reload when ≥ j versions behind; rollouts train only if
+    v − u ≤ k."""
 
     reload_every: int = 1
     max_staleness: int | None = 1
@@ -194,7 +197,7 @@ class WorkerSettings:
     # "the remaining devices": [1, 1, -1] = tensor parallel over every device the worker sees
     mesh_shape: tuple[int, int, int] = (1, 1, -1)
     # a worker pulling over TCP (on another host than the PS) keeps a host copy of its version
-    # to receive the next as the changed elements only (DESIGN §6); false: whole versions
+    # to receive the next as the changed elements only (docs/design.md §6); false: whole versions
     delta_pulls: bool = True
     # at a reload, the sequences in flight keep their tokens and continue on the new weights
     # (each token records its version); false: they are dropped and generated again

@@ -1,5 +1,6 @@
-"""The controller (DESIGN §2, §3, §7): prompt mixture, rollout buffer under the staleness rules,
-snapshots, lineage, and the decision loop that ties them to workers, verifiers and the trainer."""
+"""The controller (docs/design.md §2, §3, §7): prompt mixture, rollout buffer under the staleness
+rules, snapshots, lineage, and the decision loop that ties them to workers, verifiers and the
+trainer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The rollout buffer: scored, version-tagged groups waiting for a training batch (DESIGN §3).
+"""The rollout buffer: scored, version-tagged groups waiting for a training batch (docs/design.md
+§3).
 
 ``take(v)`` forms the batch producing version v from groups with v − u ≤ k, freshest first, and
-drops those too old; zero-variance groups drop on ``add`` under dynamic sampling (DESIGN §4).
-Every drop and every ``skip``-ped prompt is kept until the next batch's lineage record lists it."""
+drops those too old; zero-variance groups drop on ``add`` under dynamic sampling (docs/design.md
+§4). Every drop and every ``skip``-ped prompt is kept until the next batch's lineage record lists
+it."""
 
 from __future__ import annotations
 

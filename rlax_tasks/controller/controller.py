@@ -1,4 +1,4 @@
-"""The controller: the one component that decides (DESIGN §2).
+"""The controller: the one component that decides (docs/design.md §2).
 
 It hands the mixture's prompts to workers, has their groups scored, buffers them under the
 staleness rules, sends batches to the trainer, records lineage and snapshots every j versions;

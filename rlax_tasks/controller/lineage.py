@@ -1,5 +1,5 @@
-"""``lineage.jsonl``: one JSON line per training step (DESIGN §7): the version it produced, the
-prompt ids consumed with their rollout versions, the groups dropped and prompts skipped since.
+"""``lineage.jsonl``: one JSON line per training step (docs/design.md §7): the version it produced,
+the prompt ids consumed with their rollout versions, the groups dropped and prompts skipped since.
 
 Appending is idempotent on resume and a cut-off last line is dropped on open; ``restore`` puts
 back a committed step's missing line, rebuilt from ``rollouts/`` and marked ``"restored"``."""

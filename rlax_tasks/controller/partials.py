@@ -1,5 +1,5 @@
-"""Partial rollouts (DESIGN §7): what the in-flight groups held when the controller last asked
-their workers, kept in snapshots and handed back when a group is issued again (a failed
+"""Partial rollouts (docs/design.md §7): what the in-flight groups held when the controller last
+asked their workers, kept in snapshots and handed back when a group is issued again (a failed
 worker, a restarted run), so tokens already generated are not generated again."""
 
 from __future__ import annotations

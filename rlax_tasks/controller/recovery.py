@@ -1,4 +1,4 @@
-"""Recovery (DESIGN §7): from a restored snapshot and lineage.jsonl back to the run's state.
+"""Recovery (docs/design.md §7): from a restored snapshot and lineage.jsonl back to the run's state.
 
 Functions the controller calls on restart: which prompts go back to which worker, the lineage
 lines to put back, the steps trained after an older snapshot (rolled forward), and the steps a

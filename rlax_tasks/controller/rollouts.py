@@ -1,4 +1,5 @@
-"""``rollouts/step-<step>.parquet``: one row per completion a training step used (DESIGN §7).
+"""``rollouts/step-<step>.parquet``: one row per completion a training step used (docs/design.md
+§7).
 
 Each row holds the prompt and group, the generating version, tokens, behaviour log-probs, the
 verifier's score and verdict and the shaped reward. Written whole after the trainer applied the

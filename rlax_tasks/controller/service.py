@@ -165,7 +165,8 @@ def build_controller(
 def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
     """A Controller for run config ``cfg`` with its workers and trainer (a ``WorkerPool`` and a
     ``TrainStep``: over HTTP, or in this process in a colocated run); prompts render through
-    ``cfg.prompt`` with the model's tokenizer (DESIGN §11), rewards from ``RewardScorer``."""
+    ``cfg.prompt`` with the model's tokenizer (docs/design.md §11), rewards from
+    ``RewardScorer``."""
     mixture = PromptMixture.from_specs(cfg.datasets, seed=cfg.seed)
     # the controller only tokenizes: a gs:// model.path is fetched without its weights
     model_dir = local_model_dir(cfg.model.path, weights=False)

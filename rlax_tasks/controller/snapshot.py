@@ -1,4 +1,4 @@
-"""Controller snapshots (DESIGN §7): ``snapshots/<step>.json`` (and a buffer Parquet file),
+"""Controller snapshots (docs/design.md §7): ``snapshots/<step>.json`` (and a buffer Parquet file),
 committed by the ``LATEST`` pointer with its sha256, written last; a pointer moved by another
 controller fails the write. When what ``LATEST`` names does not verify, the damaged files are
 set aside (renamed, never deleted), the newest older snapshot that verifies is loaded and

@@ -1,7 +1,7 @@
-"""Datasets (DESIGN §11): readers (JSONL, Parquet, CSV; local or gs://), the row schema, format
-adapters for public layouts and prompt rendering; curation, evaluation and the controller use it.
-Names load lazily, so the light modules (``answers``, ``code_tests``, ``prompts``) import without
-pandas: verifier worker processes read answers through them."""
+"""Datasets (docs/design.md §11): readers (JSONL, Parquet, CSV; local or gs://), the row schema,
+format adapters for public layouts and prompt rendering; curation, evaluation and the controller use
+it. Names load lazily, so the light modules (``answers``, ``code_tests``, ``prompts``) import
+without pandas: verifier worker processes read answers through them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading a dataset: files -> raw records -> format adapter -> validated rows (DESIGN §11).
+"""Reading a dataset: files -> raw records -> format adapter -> validated rows (docs/design.md §11).
 
 ``read_dataset`` accounts for every input row: a row of the result or a ``Rejected`` entry naming
 its file, row, field and reason. ``load_dataset`` (training, evaluation, previews) returns the rows,

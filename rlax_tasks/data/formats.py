@@ -1,7 +1,8 @@
-r"""Format adapters: public dataset layouts mapped to rows of the schema (DESIGN §11), listed in
-``FORMATS`` plus ``columns`` (the user's own field -> column mapping). An adapter reads one raw
-record and returns the schema fields, or raises a ``FieldError`` naming the column at fault: the
-record is then quarantined with that reason, never dropped. Unread columns go to ``metadata``."""
+r"""Format adapters: public dataset layouts mapped to rows of the schema (docs/design.md §11),
+listed in ``FORMATS`` plus ``columns`` (the user's own field -> column mapping). An adapter reads
+one raw record and returns the schema fields, or raises a ``FieldError`` naming the column at fault:
+the record is then quarantined with that reason, never dropped. Unread columns go to
+``metadata``."""
 
 from __future__ import annotations
 

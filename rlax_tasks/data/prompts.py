@@ -1,6 +1,6 @@
-"""Prompt rendering (DESIGN §11): one ``prompt`` section (``PromptSettings``) turns every row into
-the tokens the sampler sees, in training, held-out evaluation, ``rlax eval``, the pass-rate filter
-and the DAGs."""
+"""Prompt rendering (docs/design.md §11): one ``prompt`` section (``PromptSettings``) turns every
+row into the tokens the sampler sees, in training, held-out evaluation, ``rlax eval``, the pass-rate
+filter and the DAGs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The dataset row schema (DESIGN §11) and per-row validation of raw input rows. A row: ``prompt``
-(text, or chat messages [{role, content}] ending with a user message), ``answer`` and/or ``tests``
-(``rlax_tasks.data.code_tests``), optional ``source`` (str), ``date`` (ISO) and ``metadata`` (a
-JSON object keeping unknown input columns). Validation gives a clean row or a quarantine entry
-naming every bad field."""
+"""The dataset row schema (docs/design.md §11) and per-row validation of raw input rows. A row:
+``prompt`` (text, or chat messages [{role, content}] ending with a user message), ``answer`` and/or
+``tests`` (``rlax_tasks.data.code_tests``), optional ``source`` (str), ``date`` (ISO) and
+``metadata`` (a JSON object keeping unknown input columns). Validation gives a clean row or a
+quarantine entry naming every bad field."""
 
 from __future__ import annotations
 

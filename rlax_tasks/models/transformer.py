@@ -229,7 +229,7 @@ class Transformer(nnx.Module):
 
     Parameters are stored in ``param_dtype`` (default: ``dtype``) and cast to the compute
     ``dtype`` where they are used, so a trainer keeps float32 master weights (and float32 Adam
-    moments) while computing in bfloat16 (DESIGN §12)."""
+    moments) while computing in bfloat16 (docs/design.md §12)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Parameter server: versioned weights in host memory, streamed over HTTP, mirrored durably.
 
-DESIGN §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
+docs/design.md §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
 ``rlax ps serve``; ``server`` holds the protocol, ``wire`` the byte format."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Delta pulls (DESIGN §6): a version sent as what changed since a base version the worker holds.
+"""Delta pulls (docs/design.md §6): a version sent as what changed since a base version the worker
+holds.
 
 Each block of the new version goes as ``SAME`` (its bytes equal the base's block of the same
 region: nothing sent), ``SPARSE`` (the positions and new values of the elements whose bits

@@ -452,8 +452,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     #   POST /v1/versions/<v>/reserve?wait_s= {"nbytes": n}: 200 (reserved for io_timeout_s),
     #     503 + Retry-After (no room yet: ask again) or 413 (can never fit)
     #   POST /v1/workers/<id>/register | heartbeat | ack {"version": v}; DELETE /v1/workers/<id>
-    # A multi-host push (DESIGN §6) sends X-RLAX-Push-Part/-Parts with its reserve and PUT; each
-    # part is answered once the version is decided: 200, 400 (parts disagree, gap or overlap),
+    # A multi-host push (docs/design.md §6) sends X-RLAX-Push-Part/-Parts with its reserve and PUT;
+    # each part is answered once the version is decided: 200, 400 (parts disagree, gap or overlap),
     # 422 (corrupt block), 408 (parts missing after assembly_timeout_s) or 409 (newer committed).
     def _route(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
         ps = self.ps

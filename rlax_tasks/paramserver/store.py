@@ -1,6 +1,6 @@
 """In-memory weight versions and worker bookkeeping of the parameter server (no I/O here).
 
-GC (DESIGN §6): at most ``keep_versions`` versions and ``keep_bytes`` (pushes reserve theirs
+GC (docs/design.md §6): at most ``keep_versions`` versions and ``keep_bytes`` (pushes reserve theirs
 first); a version goes only once every live worker acked a newer one, the newest never. A
 multi-host version's parts gather in an ``Assembly``, committed once they tile every array."""
 

@@ -1,5 +1,5 @@
-"""A JAX job checks the devices it got against its placement (DESIGN §12), so a GPU or TPU run
-that found only the CPU stops at start with one line instead of training on the CPU silently.
+"""A JAX job checks the devices it got against its placement (docs/design.md §12), so a GPU or TPU
+run that found only the CPU stops at start with one line instead of training on the CPU silently.
 
 The launchers put what the placement names in the job's environment (``expectation_env``); the
 job compares it with what JAX found (``check_job_devices``). Importable without JAX."""

@@ -1,6 +1,6 @@
 """Math answer verifier: math-verify in isolated worker processes with hard timeouts.
 
-`verify(response, reference)` (DESIGN §9) returns 1.0 or 0.0; `MathVerifier.check_batch`
+`verify(response, reference)` (docs/design.md §9) returns 1.0 or 0.0; `MathVerifier.check_batch`
 gives verdicts for many pairs with bounded parallelism and a result cache.
 """
 

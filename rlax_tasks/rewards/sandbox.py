@@ -118,7 +118,7 @@ class SandboxError(RuntimeError):
 
 @dataclass
 class ExecResult:
-    """Outcome of one sandboxed execution (DESIGN §9)."""
+    """Outcome of one sandboxed execution (docs/design.md §9)."""
 
     status: str
     stdout: str
@@ -672,7 +672,7 @@ def run(
     files: Mapping[str, str | bytes] | None = None,
     config: SandboxConfig | None = None,
 ) -> ExecResult:
-    """Compile (if needed) and run `source` once in the sandbox (DESIGN §9)."""
+    """Compile (if needed) and run `source` once in the sandbox (docs/design.md §9)."""
     with Program(source, language, config=config) as program:
         return program.run(stdin, timeout_s, memory_mb, args=args, files=files)
 

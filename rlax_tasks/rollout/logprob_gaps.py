@@ -1,4 +1,4 @@
-"""How far the sampler's log-probs sit from the policy's own forward pass (DESIGN §5)."""
+"""How far the sampler's log-probs sit from the policy's own forward pass (docs/design.md §5)."""
 
 from __future__ import annotations
 

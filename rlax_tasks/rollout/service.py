@@ -3,7 +3,7 @@
 POST /v1/groups queues work; GET /v1/results long-polls finished groups (on the event loop, so
 open polls never starve other routes); GET /v1/progress says what unfinished groups hold so far;
 POST /v1/reset drops all work; GET /v1/status. Every call
-needs the run's bearer token; bodies and submissions are bounded (``MAX_*``, DESIGN §13)."""
+needs the run's bearer token; bodies and submissions are bounded (``MAX_*``, docs/design.md §13)."""
 
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class WorkerClient:
 
 
 def _register(source: Any, url: str, wait_s: float) -> None:
-    """Registers with the PS (DESIGN §6 GC rule), waiting while it is down (it may be
+    """Registers with the PS (docs/design.md §6 GC rule), waiting while it is down (it may be
     restarting); a refused token, or a PS URL unreachable for ``wait_s``, is a configuration
     error (a service file that names no reachable PS yet is not: the job is retried)."""
     deadline = time.monotonic() + wait_s
@@ -342,7 +342,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         help="record up to this many ids a top-k/top-p request kept per token, for the "
         "trainer's sampling-mask replay (0: none)",
     )
-    p.add_argument("--reload-every", type=int, default=1, help="j of DESIGN §3")
+    p.add_argument("--reload-every", type=int, default=1, help="j of docs/design.md §3")
     p.add_argument(
         "--no-decode-layer-copies",
         dest="decode_layer_copies",

@@ -1,4 +1,5 @@
-"""The two staleness rules of DESIGN §3 as pure functions (j = reload_every, k = max_staleness).
+"""The two staleness rules of docs/design.md §3 as pure functions (j = reload_every,
+k = max_staleness).
 
 The inference worker reloads by the first, the controller's rollout buffer keeps rollouts by the
 second; both import them from here (rollout sits below the controller)."""

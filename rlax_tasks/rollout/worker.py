@@ -1,7 +1,7 @@
 """The inference worker: generates groups of G completions per prompt, tagged with a weight version.
 
-Passive (DESIGN §2): the controller submits prompt groups and collects results; weights come from
-a ``WeightSource`` (the PS client or fixed HF weights). It reloads only when the source is
+Passive (docs/design.md §2): the controller submits prompt groups and collects results; weights come
+from a ``WeightSource`` (the PS client or fixed HF weights). It reloads only when the source is
 ``reload_every`` versions ahead; the sequences in flight then continue on the new weights, each
 token recording its version (``interrupt``), or are generated again from scratch."""
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
-    """Where weights come from: ``ParameterServerClient`` satisfies it (DESIGN §6). A source
+    """Where weights come from: ``ParameterServerClient`` satisfies it (docs/design.md §6). A source
     with ``fresh_arrays = True`` pulls new device arrays already in the sampler's dtype and
     placement, which the sampler takes over without a copy (a colocated run's
     ``TrainerWeights``)."""

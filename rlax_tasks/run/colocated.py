@@ -1,7 +1,7 @@
 """`rlax colocated`: a whole run in one process on one host's devices (placement.mode colocated).
 
-Trainer, sampler, parameter server and controller share the process (DESIGN §12); the sampler
-takes each version from the trainer's arrays device to device. Recovery is the disaggregated
+Trainer, sampler, parameter server and controller share the process (docs/design.md §12); the
+sampler takes each version from the trainer's arrays device to device. Recovery is the disaggregated
 code's own: after kill -9 the same command resumes exactly. Nothing inside reads the PS."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`rlax export RUN_DIR[@STEP] OUT_DIR`: a run's trained policy as a Hugging Face directory
-(DESIGN §12), beside the base model's config, generation config and tokenizer files. Only the
-policy's parameters are read, one at a time as host arrays (no Trainer, no mesh, no optimizer
+(docs/design.md §12), beside the base model's config, generation config and tokenizer files. Only
+the policy's parameters are read, one at a time as host arrays (no Trainer, no mesh, no optimizer
 state), and shards are written as they fill, so host memory peaks near one parameter plus one
 shard; a hidden sibling directory is renamed to OUT_DIR at the end (a failed export leaves none)."""
 

@@ -1,5 +1,5 @@
 """Held-out pass@k as a job of its own (`rlax heldout`), so that `rlax run`'s supervisor, which
-only reads its results, never loads JAX's accelerator backend (DESIGN §10).
+only reads its results, never loads JAX's accelerator backend (docs/design.md §10).
 
 The job evaluates the starting weights (``--base``), then every ``--every``-th version as the
 run mirrors it under run_dir/weights, and ends after the run's last version (``--last``); each

@@ -1,4 +1,5 @@
-"""Devices per job (DESIGN §12): the environment that gives each job of a run its own devices.
+"""Devices per job (docs/design.md §12): the environment that gives each job of a run its own
+devices.
 
 ``job_envs(cfg)``, used by both launchers, follows the run's ``placement``: on gpu the job's GPUs
 and a memory share, on tpu libtpu's per-process variables, on cpu n forced host devices and

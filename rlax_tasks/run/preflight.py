@@ -2,7 +2,8 @@
 
 ``check_datasets(cfg)`` opens every dataset file with the controller's and evaluator's readers
 and raises ``DatasetError`` naming dataset, file, row and fault (missing, unreadable, damaged, no
-usable row, no reference); rows that only misfit the format are skipped and counted (DESIGN §11)."""
+usable row, no reference); rows that only misfit the format are skipped and counted (docs/design.md
+§11)."""
 
 from __future__ import annotations
 

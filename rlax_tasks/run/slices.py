@@ -177,7 +177,7 @@ def _on_tpu(cfg: Any, backend: str) -> bool:
 def check_worker_slices(cfg: Any, backend: str, layout: WorkerSlices | None) -> None:
     """PlanError naming ``worker_accelerator_type`` when the workers' own TPU slices have several
     hosts: a worker is one process on one host, and libtpu on a host of a multi-host slice waits
-    for every host of it (DESIGN §10: nothing runs on a subset of a multi-host slice)."""
+    for every host of it (docs/design.md §10: nothing runs on a subset of a multi-host slice)."""
     if layout is None or layout.hosts == 1 or not _on_tpu(cfg, backend):
         return
     total = layout.count * layout.hosts

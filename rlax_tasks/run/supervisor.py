@@ -1,6 +1,6 @@
 """A small process supervisor: starts `rlax` components (each in its own process group, its
 output in ``<log_dir>/<name>.log``, on ports kept across restarts), restarts the ones that die,
-and owns them (DESIGN §13): they die with it (a parent-death signal covers a ``kill -9``;
+and owns them (docs/design.md §13): they die with it (a parent-death signal covers a ``kill -9``;
 ``stop`` and ``stop_on_signals`` the normal exit). A user error (exit 2) or the same failure
 twice without progress raises ``ComponentFailed``; a signal kill or a transient error restarts."""
 

@@ -1,8 +1,8 @@
 """The run's topology: every job, its command line, environment, addresses and hosts.
 
-One planner for ``rlax run`` and the rlax_train DAG, so a job is described once (DESIGN §10):
-with ``ports`` services get URLs, with ``ports=None`` (slices) they publish their address under
-``run_dir/services/``. The run's token goes into every job's environment. JAX-free."""
+One planner for ``rlax run`` and the rlax_train DAG, so a job is described once (docs/design.md
+§10): with ``ports`` services get URLs, with ``ports=None`` (slices) they publish their address
+under ``run_dir/services/``. The run's token goes into every job's environment. JAX-free."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""The run directory (DESIGN §7): its object store, file names, lock and notices. JAX-free."""
+"""The run directory (docs/design.md §7): its object store, file names, lock and notices.
+JAX-free."""

@@ -1,4 +1,5 @@
-"""The run lock: one live run per run directory (DESIGN §13), at ``run_paths(run_dir).lock``.
+"""The run lock: one live run per run directory (docs/design.md §13), at
+``run_paths(run_dir).lock``.
 
 A second `rlax run` on a live run gets ``RunLocked`` (who holds it, what to do); a dead run's
 lock is taken over. Locally an ``fcntl.flock`` (freed by the kernel when the holder dies); on

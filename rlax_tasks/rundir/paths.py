@@ -1,4 +1,4 @@
-"""The file names of one run directory (DESIGN §7): the one module that spells them.
+"""The file names of one run directory (docs/design.md §7): the one module that spells them.
 
 ``run_paths(run_dir)`` gives every fixed file and folder of ``run_root/<run_id>/`` (a local
 path or a ``gs://`` URI), e.g. ``paths.status``, ``paths.eval_results(3)``; everything else
@@ -10,7 +10,7 @@ import dataclasses
 
 from rlax_tasks.rundir import storage
 
-# the names, relative to the run directory (DESIGN §7 is the contract: do not rename)
+# the names, relative to the run directory (docs/design.md §7 is the contract: do not rename)
 CONFIG = "config.yaml"  # the resolved run configuration
 CHECKPOINTS = "checkpoints"  # Orbax checkpoints, checkpoints/<step>/
 WEIGHTS = "weights"  # the parameter server's durable mirror, weights/v<version>/

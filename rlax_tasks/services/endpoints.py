@@ -1,8 +1,8 @@
 """Where a service is reached: a fixed URL, or the address the service published in the run root.
 
-On slices addresses are unknown before they exist and change after a preemption (DESIGN §10),
-so a service writes where it listens to ``<run_dir>/services/<job>.json`` (``publish``), and an
-``Endpoint`` given that file reads it again every few seconds. JAX-free."""
+On slices addresses are unknown before they exist and change after a preemption (docs/design.md
+§10), so a service writes where it listens to ``<run_dir>/services/<job>.json`` (``publish``), and
+an ``Endpoint`` given that file reads it again every few seconds. JAX-free."""
 
 from __future__ import annotations
 

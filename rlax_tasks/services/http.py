@@ -1,5 +1,5 @@
-"""HTTP plumbing every RLAX service shares: the run's bearer token (DESIGN §13), a FastAPI app
-guarded by it and a body-size limit, bounded long-polls, and ``JsonClient`` with retries.
+"""HTTP plumbing every RLAX service shares: the run's bearer token (docs/design.md §13), a FastAPI
+app guarded by it and a body-size limit, bounded long-polls, and ``JsonClient`` with retries.
 
 One token per run, ``RLAX_PS_TOKEN``, passed in the environment, never on a command line; a
 service started without it refuses to start. JAX-free: FastAPI loads only where an app is built."""

@@ -15,7 +15,7 @@ class TrainerBehindError(RuntimeError):
     """The trainer restarted from the checkpoint of ``trainer_step``, before the step asked for.
 
     The trainer checkpoints every ``trainer.checkpoint_every`` steps; the controller then gives
-    it the steps since that checkpoint again, rebuilt from ``rollouts/`` (DESIGN §7).
+    it the steps since that checkpoint again, rebuilt from ``rollouts/`` (docs/design.md §7).
     """
 
     def __init__(self, trainer_step: int, message: str = "") -> None:

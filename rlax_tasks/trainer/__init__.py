@@ -1,5 +1,5 @@
 """The trainer: old-policy prefill, RL objective, micro-batched Optax updates over a device mesh,
-Orbax checkpoints and per-step metrics (DESIGN §4, §5, §7)."""
+Orbax checkpoints and per-step metrics (docs/design.md §4, §5, §7)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class TrainerConfig:
     # (data, fsdp, tensor); one entry may be -1 for "the remaining devices"
     mesh_shape: tuple[int, int, int] = (1, -1, 1)
     # processes (hosts) of the trainer: > 1 is one jax.distributed group over every host's
-    # devices (DESIGN §10); the mesh spans all of them
+    # devices (docs/design.md §10); the mesh spans all of them
     hosts: int = 1
     seed: int = 0
     # where checkpoints go; None = <run_dir>/checkpoints (a local path or gs://bucket/prefix)

@@ -1,7 +1,7 @@
-"""The trainer's process group: one ``jax.distributed`` job over every host of its slice (DESIGN
-§10). Host 0 serves and decides; the others follow it through a ``CommandChannel``, doing every
-piece of device work in the same order, as multi-controller JAX requires. Settings come from
-``RLAX_COORDINATOR_ADDRESS``, ``RLAX_NUM_PROCESSES`` and ``RLAX_PROCESS_ID`` (else JAX finds
+"""The trainer's process group: one ``jax.distributed`` job over every host of its slice
+(docs/design.md §10). Host 0 serves and decides; the others follow it through a ``CommandChannel``,
+doing every piece of device work in the same order, as multi-controller JAX requires. Settings come
+from ``RLAX_COORDINATOR_ADDRESS``, ``RLAX_NUM_PROCESSES`` and ``RLAX_PROCESS_ID`` (else JAX finds
 the cluster itself); on CPU, the multi-host simulation, collectives go through gloo."""
 
 from __future__ import annotations

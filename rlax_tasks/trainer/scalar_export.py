@@ -1,4 +1,4 @@
-"""The run's scalars for TensorBoard (``tb/train``, ``tb/eval``: DESIGN §7) and, when
+"""The run's scalars for TensorBoard (``tb/train``, ``tb/eval``: docs/design.md §7) and, when
 ``WANDB_PROJECT`` is set and ``wandb`` installed, Weights & Biases: the numbers of metrics.jsonl
 and lineage.jsonl in the viewers people use. Events are TFRecord-framed here (importing
 TensorBoard's writer loads all of ``tensorboard.summary``), one flushed record per step, local

@@ -1,6 +1,6 @@
-"""The trainer as a passive service of the controller (DESIGN §2, §7): step s's batch, POSTed to
-``/v1/steps/<s>``, is applied only at step s − 1 and version s pushed before the answer; a step
-already applied is answered as a replay, which keeps the controller's snapshot exact after any
+"""The trainer as a passive service of the controller (docs/design.md §2, §7): step s's batch,
+POSTed to ``/v1/steps/<s>``, is applied only at step s − 1 and version s pushed before the answer; a
+step already applied is answered as a replay, which keeps the controller's snapshot exact after any
 crash. Checkpoints every ``trainer.checkpoint_every`` steps and on a clean stop; restarted behind,
 it answers 409 with ``trainer_step`` and the controller sends the missing steps again."""
 
@@ -41,7 +41,7 @@ STAT_PREFIX = "stat_"
 
 class TrainerService:
     """Wraps a ``Trainer``: idempotent steps by number, a push per step in the compute dtype
-    (what workers hold, DESIGN §6), a re-push when the PS lacks the version. Multi-host
+    (what workers hold, docs/design.md §6), a re-push when the PS lacks the version. Multi-host
     (``channel`` given): host 0 serves and decides, and sends each piece of device work (a step,
     a push, the final checkpoint) through the channel; the others ``follow()`` in the same order,
     each pushing its own shards."""

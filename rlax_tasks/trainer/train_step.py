@@ -1,5 +1,5 @@
-"""The pure, jittable train step: a no-gradient prefill gives the old-policy log-probs (DESIGN
-§5); the objective on the whole batch gives their cotangent ``g``; the backward of
+"""The pure, jittable train step: a no-gradient prefill gives the old-policy log-probs
+(docs/design.md §5); the objective on the whole batch gives their cotangent ``g``; the backward of
 ``sum(g * logp(params))`` per micro-batch (``lax.scan``) accumulates the exact full-batch
 gradient; then clip + AdamW on donated buffers, and one ``NONFINITE`` flag so that the trainer
 never keeps a NaN or infinite update. Packed rows (``PACKED_KEYS``) are gathered back to [B, T]."""
@@ -186,7 +186,8 @@ def nonfinite_code(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax
 def objective_batch(
     batch: dict[str, jax.Array], old_logprobs: jax.Array, old_values: jax.Array | None
 ) -> dict[str, jax.Array]:
-    """The objective's batch (DESIGN §4 names) from the trainer batch and the prefill outputs."""
+    """The objective's batch (docs/design.md §4 names) from the trainer batch and the prefill
+    outputs."""
     mask = batch["completion_mask"].astype(jnp.float32) * batch["attention_mask"].astype(
         jnp.float32
     )

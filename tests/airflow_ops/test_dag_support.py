@@ -373,7 +373,7 @@ def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu():
 
 
 def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
-    """The plan task shares `rlax run`'s resume check (DESIGN §13): a changed learning rate
+    """The plan task shares `rlax run`'s resume check (docs/design.md §13): a changed learning rate
     fails the plan, naming the field and the Param that accepts it; with the Param it plans and
     config_changes.jsonl records the change."""
     from rlax_tasks.rundir.paths import run_paths

@@ -1,4 +1,4 @@
-"""An independent float64 NumPy implementation of the DESIGN §4 objective, for parity tests.
+"""An independent float64 NumPy implementation of the docs/design.md §4 objective, for parity tests.
 
 Written straight from the formulas with explicit loops (groups, rows, tokens) and an analytic
 gradient with respect to logp; it shares no code with rlax_tasks.algorithms.

@@ -1,4 +1,5 @@
-"""Loss values and d loss / d logp of every preset against the NumPy reference (DESIGN §4)."""
+"""Loss values and d loss / d logp of every preset against the NumPy reference (docs/design.md
+§4)."""
 
 from __future__ import annotations
 

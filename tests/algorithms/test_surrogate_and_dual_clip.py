@@ -1,6 +1,6 @@
 """The loss value is the clipped surrogate verl/TRL report, the gradient is unchanged, and
 verl's dual clip (``clip_ratio_c``) agrees with an independent NumPy implementation of verl's
-formula (DESIGN §4)."""
+formula (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _verl_token_losses(cfg, logp, b64):
     """Weighted per-token loss [B, T] by verl's formula, written from scratch in float64.
 
     pg = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)); with the dual clip, for A < 0:
-    pg = min(pg, −A·c). Plus β·k3 when the preset has a KL term; Agg weights as DESIGN §4.
+    pg = min(pg, −A·c). Plus β·k3 when the preset has a KL term; Agg weights as docs/design.md §4.
     """
     mask = b64["mask"] > 0
     adv = ref_impl.token_advantages(cfg, b64)

@@ -1,8 +1,8 @@
 """Deterministic in-process fakes of the controller's collaborators: workers, scorer, trainer.
 
 Every output is a pure function of (prompt id, weight version, sample index), and the fake
-workers follow the DESIGN §3 reload rule (``should_reload``) each time they are polled, so a run
-is reproducible from the controller's calls alone.
+workers follow the docs/design.md §3 reload rule (``should_reload``) each time they are polled, so a
+run is reproducible from the controller's calls alone.
 """
 
 from __future__ import annotations

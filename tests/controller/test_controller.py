@@ -309,7 +309,7 @@ def test_settings_from_run_config():
     t = ControllerSettings.from_run_config(cfg)
     assert t.group_size == cfg.rollout.group_size and not t.dynamic_sampling
     assert t.sampling.max_new_tokens == cfg.rollout.max_new_tokens
-    # longer prompts are skipped (DESIGN §11); a run scores beside the controller's thread
+    # longer prompts are skipped (docs/design.md §11); a run scores beside the controller's thread
     assert t.max_prompt_tokens == cfg.workers.max_len - cfg.rollout.max_new_tokens
     assert t.scoring_threads == 1
 
@@ -351,7 +351,8 @@ def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):
 
 
 def test_rollouts_of_every_step_are_written_once_as_parquet(tmp_path):
-    """rollouts/ (DESIGN §7): one row per completion the trainer saw, also across a replay."""
+    """rollouts/ (docs/design.md §7): one row per completion the trainer saw, also across a
+    replay."""
     from rlax_tasks.controller import read_rollouts
 
     run_dir, world, first = started_beside_a_reference(tmp_path)

@@ -1,5 +1,5 @@
-"""Partial rollouts in the controller (DESIGN §7): what in-flight groups held when their workers
-last reported goes into each snapshot and back to the worker a group is issued to again."""
+"""Partial rollouts in the controller (docs/design.md §7): what in-flight groups held when their
+workers last reported goes into each snapshot and back to the worker a group is issued to again."""
 
 from __future__ import annotations
 

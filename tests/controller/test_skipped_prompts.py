@@ -1,5 +1,5 @@
-"""Prompts the run cannot use (DESIGN §11): too long for the workers, not encodable, or refused
-by a worker as invalid are skipped, counted and listed in lineage; they never end the run,
+"""Prompts the run cannot use (docs/design.md §11): too long for the workers, not encodable, or
+refused by a worker as invalid are skipped, counted and listed in lineage; they never end the run,
 unless every prompt drawn is unusable (a configuration problem)."""
 
 from __future__ import annotations

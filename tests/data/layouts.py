@@ -1,7 +1,8 @@
 """Small dataset files in the layouts the public sets ship, with the canonical rows a reader owes.
 
 Each ``write_<layout>(directory)`` writes one file and returns a ``LayoutFixture``: its path, the
-built-in format that reads it (DESIGN §11) and, in file order, one expected row per raw row::
+built-in format that reads it (docs/design.md §11) and, in file order, one expected row per raw
+row::
 
     {"prompt": str | [{"role", "content"}, ...], "answer": str | None,
      "tests": CodeTests(...).to_dict() | None, "bad": None | "<raw column at fault>"}

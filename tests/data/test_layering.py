@@ -1,5 +1,6 @@
-"""The data path is straight (DESIGN §11): rlax_tasks.data is below curation, evaluation, the
-controller and rollout, and imports none of them — neither at module level nor inside functions."""
+"""The data path is straight (docs/design.md §11): rlax_tasks.data is below curation, evaluation,
+the controller and rollout, and imports none of them — neither at module level nor inside
+functions."""
 
 from __future__ import annotations
 

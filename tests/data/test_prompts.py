@@ -1,6 +1,6 @@
-"""Prompt rendering (DESIGN §11) with a real chat checkpoint layout: one BOS, the system prompt
-and instruction in place, raw text as the tokenizer encodes any text, clear errors; and the EOS
-ids of generation_config.json ending generation."""
+"""Prompt rendering (docs/design.md §11) with a real chat checkpoint layout: one BOS, the system
+prompt and instruction in place, raw text as the tokenizer encodes any text, clear errors; and the
+EOS ids of generation_config.json ending generation."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Delta pulls (DESIGN §6): a worker that holds a version receives only the elements that changed,
-ends bit-identical to a full pull, and falls back to a full pull when its base is gone, the
+"""Delta pulls (docs/design.md §6): a worker that holds a version receives only the elements that
+changed, ends bit-identical to a full pull, and falls back to a full pull when its base is gone, the
 arrays changed, or a delta block arrives corrupted."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``keep_bytes`` over HTTP: pushes wait for acks instead of exceeding it (DESIGN §6)."""
+"""``keep_bytes`` over HTTP: pushes wait for acks instead of exceeding it (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Multi-host pushes (DESIGN §6): every trainer host pushes the blocks of its own shards as one part
-of a version; the server commits the version once the last part arrives and the parts tile every
-array, and abandons it (telling every waiting part why) when they do not."""
+"""Multi-host pushes (docs/design.md §6): every trainer host pushes the blocks of its own shards as
+one part of a version; the server commits the version once the last part arrives and the parts tile
+every array, and abandons it (telling every waiting part why) when they do not."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The garbage-collection rule and worker bookkeeping (DESIGN §6), without the network."""
+"""The garbage-collection rule and worker bookkeeping (docs/design.md §6), without the network."""
 
 import time
 

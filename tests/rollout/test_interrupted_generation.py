@@ -1,6 +1,6 @@
 """Generation that survives a weight update: ``Sampler.interrupt`` sends the requests in flight
 back with their tokens, and after ``set_params`` they continue on the new weights (their prefix
-prefilled again), each token recording the version it was sampled with (DESIGN §5)."""
+prefilled again), each token recording the version it was sampled with (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Partial rollouts (DESIGN §7): what a worker's unfinished groups hold, reported between two
-steps, and a group handed back with those records going on from them, not sampling them again."""
+"""Partial rollouts (docs/design.md §7): what a worker's unfinished groups hold, reported between
+two steps, and a group handed back with those records going on from them, not sampling them
+again."""
 
 from __future__ import annotations
 

@@ -478,7 +478,8 @@ def test_empty_prompt_and_bad_token_are_rejected(sampler):
 
 
 def test_bfloat16_logprob_mismatch_is_small(prompts):
-    """DESIGN §5: sampler vs trainer-forward log-probs differ in bf16; report the p95 of |Δ|."""
+    """docs/design.md §5: sampler vs trainer-forward log-probs differ in bf16; report the p95 of
+    |Δ|."""
     policy = Policy.init(CONFIG, dtype="bfloat16", seed=3)
     outs = Sampler(policy, max_slots=4, max_len=48).generate(
         prompts[:4], max_new_tokens=12, temperature=1.0, seed=0

@@ -1,4 +1,5 @@
-"""The inference worker: version tagging, the reload rule of DESIGN §3, the HTTP service and CLI."""
+"""The inference worker: version tagging, the reload rule of docs/design.md §3, the HTTP service and
+CLI."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Devices per job (DESIGN §12): the `placement` section, each job's environment per platform,
-and both launchers (`rlax run`, the DAG's plan) handing every job its own."""
+"""Devices per job (docs/design.md §12): the `placement` section, each job's environment per
+platform, and both launchers (`rlax run`, the DAG's plan) handing every job its own."""
 
 from __future__ import annotations
 

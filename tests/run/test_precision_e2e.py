@@ -1,5 +1,5 @@
-"""DESIGN §12 end to end: `rlax run` with bfloat16 compute trains float32 master weights (checked
-on `rlax export` output), and the parameter server carries what workers hold (bfloat16)."""
+"""docs/design.md §12 end to end: `rlax run` with bfloat16 compute trains float32 master weights
+(checked on `rlax export` output), and the parameter server carries what workers hold (bfloat16)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`rlax run` on public dataset layouts with a chat checkpoint (DESIGN §11), end to end.
+"""`rlax run` on public dataset layouts with a chat checkpoint (docs/design.md §11), end to end.
 
 A GSM8K-layout file and an APPS-layout code file, each with a prompt too long for the workers,
 train with the tokenizer's chat template: the long prompt is skipped and counted (lineage,

@@ -1,8 +1,8 @@
-"""`rlax run` owns its processes and its run directory (DESIGN §13), checked on real runs of the
-tiny preset (one colocated job) and of a disaggregated topology: kill -9 or SIGTERM of `rlax run`
-leaves no process behind (every descendant's PID collected before the kill), a second `rlax run`
-on a live run is refused, and after a kill -9 the same command takes the run over and resumes
-it. One finished 4-step run, started in this process with its evaluation, is shared by the
+"""`rlax run` owns its processes and its run directory (docs/design.md §13), checked on real runs of
+the tiny preset (one colocated job) and of a disaggregated topology: kill -9 or SIGTERM of
+`rlax run` leaves no process behind (every descendant's PID collected before the kill), a second
+`rlax run` on a live run is refused, and after a kill -9 the same command takes the run over and
+resumes it. One finished 4-step run, started in this process with its evaluation, is shared by the
 module: its report is checked first, then the tests below go on from it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Precision (DESIGN §12): bfloat16 compute keeps float32 master weights and Adam moments.
+"""Precision (docs/design.md §12): bfloat16 compute keeps float32 master weights and Adam moments.
 
 At the presets' learning rate (1e-6) an Adam update is ~1e-6 per weight, below bfloat16's spacing
 around a 0.02 weight (~8e-5): bfloat16 master weights would drop almost every update.

@@ -1,4 +1,4 @@
-"""TensorBoard events of a run (DESIGN §7, tb/): the same values as metrics.jsonl, read back
+"""TensorBoard events of a run (docs/design.md §7, tb/): the same values as metrics.jsonl, read back
 with TensorBoard's own event reader; a replayed step adds no point; evaluations under tb/eval."""
 
 from __future__ import annotations
