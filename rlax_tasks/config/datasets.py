@@ -1,4 +1,5 @@
-"""The prompt mixture's datasets: a synthetic task or a dataset file, named and weighted (§11)."""
+"""The prompt mixture's datasets: a synthetic task or a dataset file, named and weighted
+(docs/design.md §11)."""
 
 from __future__ import annotations
 

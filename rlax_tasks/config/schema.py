@@ -61,7 +61,8 @@ class RunConfig:
     trainer: TrainerConfig = TrainerConfig()
     workers: WorkerSettings = WorkerSettings()
     eval: EvalSettings = EvalSettings()
-    # how every prompt is rendered: training, held-out evaluation, rlax eval, the DAGs (§11)
+    # how every prompt is rendered: training, held-out evaluation, rlax eval, the DAGs
+    # (docs/design.md §11)
     prompt: PromptSettings = PromptSettings()
     # JAX's persistent compilation cache under run_root/jax-cache: a restarted component (or a
     # later run of the same shapes) loads its compiled programs instead of compiling again

@@ -287,9 +287,9 @@ def test_rlax_worker_cli_serves_an_hf_directory(tmp_path, policies):
 
 @pytest.mark.slow
 def test_worker_follows_the_real_parameter_server(policies):
-    """Weights pulled from `ParameterServer` with the §3 reload rule; acks reach the server. The
-    worker pulls over TCP, as from another host: its reload is a delta from the version it
-    held, and generates exactly what the new weights give."""
+    """Weights pulled from `ParameterServer` with the docs/design.md §3 reload rule; acks reach
+    the server. The worker pulls over TCP, as from another host: its reload is a delta from the
+    version it held, and generates exactly what the new weights give."""
     from rlax_tasks.paramserver import ParameterServerClient
     from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 
