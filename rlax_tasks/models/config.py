@@ -1,4 +1,5 @@
-"""Model configuration: one validated dataclass for the Llama / Qwen2 / Qwen3 decoder family.
+"""Model configuration: one validated dataclass for the Llama / Qwen2 / Qwen3 decoder family and
+Qwen3's mixture-of-experts form (``qwen3_moe``: every layer's MLP is top-k routed experts).
 
 It is built from (and written back to) a Hugging Face ``config.json`` dict; every error names the
 offending field so a user can fix their checkpoint or preset.
@@ -17,6 +18,19 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+MOE_MODEL_TYPES = ("qwen3_moe",)
+# config.json fields of other MoE families' routers that this router does not compute: a
+# checkpoint that sets one to anything but the value here is refused, naming the field
+_UNSUPPORTED_ROUTER_FIELDS: dict[str, Any] = {
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "n_shared_experts": 0,
+    "shared_expert_intermediate_size": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -54,6 +68,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # mixture of experts (qwen3_moe; 0 = a dense MLP): every layer routes each token to
+    # ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
+    # weighted by their softmax router probabilities (renormalised over the k when
+    # ``norm_topk_prob``)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # the load-balancing loss's weight a checkpoint was trained with (kept for save; the trainer's
+    # own weight is trainer.router_aux_loss_coef)
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         e = field_error(ModelConfigError)
@@ -80,6 +105,24 @@ class ModelConfig:
             check_number(name, getattr(self, name), e, low=0, open_low=True)
         if self.rope_scaling is not None:
             _validate_rope_scaling(self.rope_scaling)
+        if self.is_moe:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                check_int(name, getattr(self, name), e, minimum=1)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ModelConfigError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
+                    f"{self.num_experts}"
+                )
+        elif self.num_experts:
+            raise ModelConfigError(
+                f"num_experts={self.num_experts} needs a mixture-of-experts model_type "
+                f"({', '.join(MOE_MODEL_TYPES)}); model_type={self.model_type!r} is dense"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is routed experts."""
+        return self.model_type in MOE_MODEL_TYPES
 
     def __hash__(self) -> int:  # rope_scaling is a dict: hash a canonical form instead
         return hash(json.dumps(dataclasses.asdict(self), sort_keys=True))
@@ -115,9 +158,19 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * hd
         mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+        if self.is_moe:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
         layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + embed + d
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token computes with: all but the experts it is not routed to."""
+        if not self.is_moe:
+            return self.num_parameters()
+        idle = self.num_experts - self.num_experts_per_tok
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_parameters() - self.num_hidden_layers * idle * expert
 
     # ----------------------------------------------------------------- HF config.json
     @classmethod
@@ -148,6 +201,7 @@ class ModelConfig:
             )
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise ModelConfigError("pretraining_tp != 1 is not supported")
+        moe = _moe_from_hf(cfg) if model_type in MOE_MODEL_TYPES else {}
 
         rope_theta, rope_scaling = _rope_from_hf(cfg)
         heads = cfg["num_attention_heads"]
@@ -170,10 +224,11 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            **moe,
         )
 
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
@@ -209,12 +264,60 @@ class ModelConfig:
         if self.model_type == "llama":
             cfg["attention_bias"] = self.qkv_bias
             cfg["mlp_bias"] = self.mlp_bias
-        elif self.model_type == "qwen3":
+        elif self.model_type in ("qwen3", "qwen3_moe"):
             cfg["attention_bias"] = self.qkv_bias
             cfg["use_sliding_window"] = False
         else:
             cfg["use_sliding_window"] = False
+        if self.is_moe:
+            cfg.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                output_router_logits=False,
+            )
         return cfg
+
+
+_MOE_SIZES = ("num_experts_per_tok", "moe_intermediate_size")
+
+
+def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config.json; a layout or router this model
+    cannot compute is one error naming the field."""
+    for key, computed in _UNSUPPORTED_ROUTER_FIELDS.items():
+        value = cfg.get(key)
+        if value is not None and value != computed:
+            raise ModelConfigError(
+                f"{key}={value!r} is not supported: this router computes {key}={computed!r} "
+                "(top-k over a softmax, no shared or grouped experts)"
+            )
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise ModelConfigError(
+            f"decoder_sparse_step={cfg['decoder_sparse_step']!r} is not supported: every layer "
+            "must be a mixture-of-experts layer (decoder_sparse_step 1)"
+        )
+    if cfg.get("mlp_only_layers"):
+        raise ModelConfigError(
+            f"mlp_only_layers={cfg['mlp_only_layers']!r} is not supported: every layer must be "
+            "a mixture-of-experts layer (mlp_only_layers [])"
+        )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    fields = {"num_experts": experts, **{k: cfg.get(k) for k in _MOE_SIZES}}
+    missing = [k for k, v in fields.items() if v is None]
+    if missing:
+        raise ModelConfigError(f"config.json has no {missing[0]!r} field")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef") or 0.0),
+    }
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

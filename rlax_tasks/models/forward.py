@@ -291,14 +291,17 @@ def extend_cache(
     logits_at: jax.Array | None = None,
     unembedding: jax.Array | None = None,
     layers: Sequence[nnx.State] | None = None,
-) -> tuple[jax.Array, KVCache]:
+    with_routes: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array | None]:
     """Prefill or decode: new tokens [B, T] against ``cache`` written at offsets ``start`` [B];
-    (float32 logits [B, T, V], cache). ``fresh``: an empty cache of exactly T entries at 0;
+    (float32 logits [B, T, V], cache), and with ``with_routes`` the experts each new token was
+    routed to ([B, T, L, k], None for a dense model). ``fresh``: an empty cache of exactly T
+    entries at 0;
     ``window`` (static): read only the first ``window`` entries; ``logits_at`` [B]: only that
     token's logits, [B, 1, V] (a prefill's last prompt token); ``unembedding`` [D, V] and
     ``layers`` (``Transformer.unstack_layers``): the same weights in the caller's layout."""
     model = nnx.merge(graphdef, params)
-    hidden, cache = model.hidden_states_cached(
+    hidden, cache, routes = model.hidden_states_cached(
         jnp.asarray(input_ids, jnp.int32),
         positions,
         valid.astype(bool),
@@ -310,4 +313,5 @@ def extend_cache(
     )
     if logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
-    return model.unembed(hidden, unembedding), cache
+    out = model.unembed(hidden, unembedding)
+    return (out, cache, routes) if with_routes else (out, cache)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint I/O: config.json + safetensors (single file or sharded index) <-> params.
 
 Every HF tensor maps to one parameter path of ``Transformer`` (layer tensors are stacked on a
-leading axis); a missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming it.
+leading axis, a mixture-of-experts layer's experts on the next: ``mlp.experts.{e}.*``); a
+missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,25 @@ def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
     if module[0] == "layers":
         return f"model.layers.{layer}.{'.'.join(module[1:])}.{suffix}"
     return f"model.{'.'.join(module)}.{suffix}"
+
+
+def _is_experts(path: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a stacked expert weight ([L, E, in, out], one HF Linear per expert)."""
+    return len(path) >= 2 and path[-2] == "experts"
+
+
+def _expert_name(path: tuple[str, ...], layer: int, expert: int) -> str:
+    """HF tensor name of expert ``expert``'s ``path[-1]`` in layer ``layer``."""
+    return f"model.layers.{layer}.{'.'.join(path[1:-1])}.{expert}.{path[-1]}.weight"
+
+
+def _layer_tensors(path: tuple[str, ...], layer: int, value: np.ndarray) -> Iterator[tuple]:
+    """(HF name, HF-layout array) of one layer's slice of a stacked parameter."""
+    if _is_experts(path):
+        for e in range(value.shape[0]):
+            yield _expert_name(path, layer, e), np.ascontiguousarray(value[e].T)
+    else:
+        yield _hf_name(path, layer), _to_hf(path, value)
 
 
 def _n_in(path: tuple[str, ...]) -> int:
@@ -203,7 +223,14 @@ def read_params(
 
         for leaf_path, abstract in _leaves(pure):
             shape = tuple(abstract.shape)
-            if leaf_path[0] == "layers":
+            if _is_experts(leaf_path):  # [L, E, in, out] from E Linear [out, in] per layer
+                hf_shape = shape[:1:-1]
+                value = np.stack([
+                    np.stack([get(_expert_name(leaf_path, i, e), hf_shape).T
+                              for e in range(shape[1])])
+                    for i in range(shape[0])
+                ]).astype(np_dtype)  # fmt: skip
+            elif leaf_path[0] == "layers":
                 per_layer = shape[1:]
                 hf_shape = _hf_shape(leaf_path, per_layer)
                 arrays = [
@@ -241,7 +268,7 @@ def hf_tensors(params: nnx.State, dtype: str) -> Iterator[tuple[str, np.ndarray]
         host = np.asarray(jax.device_get(value)).astype(np_dtype)
         if leaf_path[0] == "layers":
             for i in range(host.shape[0]):
-                yield _hf_name(leaf_path, i), _to_hf(leaf_path, host[i])
+                yield from _layer_tensors(leaf_path, i, host[i])
         else:
             yield _hf_name(leaf_path, None), _to_hf(leaf_path, host)
 
@@ -301,8 +328,7 @@ def param_hf_tensors(
     np_dtype = NP_DTYPES[dtype]
     if leaf_path[0] == "layers":
         for i in range(value.shape[0]):
-            layer = np.asarray(value[i]).astype(np_dtype)
-            yield _hf_name(leaf_path, i), _to_hf(leaf_path, layer)
+            yield from _layer_tensors(leaf_path, i, np.asarray(value[i]).astype(np_dtype))
     else:
         yield _hf_name(leaf_path, None), _to_hf(leaf_path, np.asarray(value).astype(np_dtype))
 

@@ -1,4 +1,4 @@
-"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 families.
+"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 families and Qwen3-MoE.
 
 Names follow Hugging Face (``layers.self_attn.q_proj.kernel``) so the checkpoint mapping stays
 obvious. Layers are stacked and scanned: compile time does not grow with depth and one remat
@@ -17,6 +17,7 @@ from flax import nnx
 from rlax_tasks.models.attention import attend_cache, causal_self_attend
 from rlax_tasks.models.config import ModelConfig
 from rlax_tasks.models.kv_cache import KVCache, keys_to_cache, values_to_cache, write_rows
+from rlax_tasks.models.moe import RouteStats, SparseMoE
 from rlax_tasks.models.rope import apply_rope, inverse_frequencies, rope_tables
 from rlax_tasks.models.sharding import BATCH, constrain
 
@@ -187,7 +188,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is routed
+    experts in a mixture-of-experts model (``moe.SparseMoE``)."""
 
     def __init__(
         self, config: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs
@@ -196,13 +198,19 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(d, eps, dtype, param_dtype)
         self.self_attn = Attention(config, dtype, param_dtype, rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype, param_dtype)
-        self.mlp = MLP(config, dtype, param_dtype, rngs)
+        self.mlp = (SparseMoE if config.is_moe else MLP)(config, dtype, param_dtype, rngs)
 
-    def __call__(self, x, cos, sin, positions, valid, kv=None):  # noqa: ANN001, ANN204
+    def __call__(self, x, cos, sin, positions, valid, kv=None, routes=None):  # noqa: ANN001, ANN204
+        """(x, the layer's cache or None, its ``RouteStats`` or None for a dense MLP);
+        ``routes`` [B, T, k]: the experts to replay (-1: routed here)."""
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, positions, valid, kv)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, BATCH, None, None), new_kv
+        stats = None
+        if isinstance(self.mlp, SparseMoE):
+            mlp, stats = self.mlp(self.post_attention_layernorm(x), valid, routes)
+        else:
+            mlp = self.mlp(self.post_attention_layernorm(x))
+        return constrain(x + mlp, BATCH, None, None), new_kv, stats
 
 
 class Embedding(nnx.Module):
@@ -269,22 +277,40 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         valid: jax.Array,
         remat: str = "none",
+        routes: jax.Array | None = None,
     ) -> jax.Array:
-        """Final-norm hidden states [B, T, D] for token ids [B, T] at the given positions."""
+        """Final-norm hidden states [B, T, D] for token ids [B, T] at the given positions
+        (``routes``: see ``hidden_states_and_routes``)."""
+        return self.hidden_states_and_routes(input_ids, positions, valid, remat, routes)[0]
+
+    def hidden_states_and_routes(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+        remat: str = "none",
+        routes: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouteStats | None]:
+        """(hidden states [B, T, D], every layer's ``RouteStats`` stacked [L, ...], None for a
+        dense model). ``routes`` [B, T, L, k] int: the experts each token replays per layer
+        (-1 on a token: routed by this pass)."""
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r} is not one of {sorted(REMAT_POLICIES)}")
         x = constrain(self.embed_tokens(input_ids), BATCH, None, None)
         cos, sin = rope_tables(positions, inverse_frequencies(self.config))
         layer_def, layer_state = nnx.split(self.layers)
+        layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)
 
-        def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(layer_def, state)(h, cos, sin, positions, valid)[0], None
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, RouteStats | None]:
+            state, r = xs
+            h, _, stats = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, routes=r)
+            return h, stats
 
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
         unroll = self.config.num_hidden_layers <= UNROLL_LAYERS_UP_TO
-        x, _ = jax.lax.scan(body, x, layer_state, unroll=unroll)
-        return self.norm(x)
+        x, stats = jax.lax.scan(body, x, (layer_state, layer_routes), unroll=unroll)
+        return self.norm(x), stats
 
     def hidden_states_cached(
         self,
@@ -296,8 +322,9 @@ class Transformer(nnx.Module):
         fresh: bool = False,
         window: int | None = None,
         layers: Sequence[nnx.State] | None = None,
-    ) -> tuple[jax.Array, KVCache]:
-        """Hidden states [B, T, D] of new tokens attending to the cache, and the updated cache.
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Hidden states [B, T, D] of new tokens attending to the cache, the updated cache, and
+        the experts each new token was routed to, [B, T, L, k] int32 (None: a dense model).
 
         Row b's tokens go to entries start[b] .. start[b] + T - 1; invalid ones stay invisible.
         ``fresh``: an empty cache of exactly T entries (prefill); ``window`` (static): read only
@@ -321,18 +348,24 @@ class Transformer(nnx.Module):
         if fresh and layers is None:  # a prefill: the stacked layers scanned, each one's new
             # entries stacked as the scan's output, then split per layer (prefill is compute-bound)
             def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, tuple]:
-                return layer(h, state, cache.k[0], cache.v[0])  # (their dtypes: nothing is read)
+                h, kv, stats = layer(h, state, cache.k[0], cache.v[0])  # (dtypes only: unread)
+                return h, (kv, None if stats is None else stats.experts)
 
-            x, (ks, vs) = jax.lax.scan(body, x, layer_state)
+            x, ((ks, vs), experts) = jax.lax.scan(body, x, layer_state)
             k_layers, v_layers = tuple(ks[i] for i in range(n)), tuple(vs[i] for i in range(n))
-            return self.norm(x), KVCache(k_layers, v_layers, kv_positions, kv_valid)
+            routes = None if experts is None else jnp.moveaxis(experts, 0, 2)
+            return self.norm(x), KVCache(k_layers, v_layers, kv_positions, kv_valid), routes
         # one layer after the other, each reading and updating its own cache arrays in place
         # (``layers``: its weights as arrays of their own; else slices of the stacked ones)
         ks, vs = list(cache.k), list(cache.v)
+        experts = []
         for i in range(n):
             state = layers[i] if layers is not None else _layer_slice(layer_state, i)
-            x, (ks[i], vs[i]) = layer(x, state, ks[i], vs[i])
-        return self.norm(x), KVCache(tuple(ks), tuple(vs), kv_positions, kv_valid)
+            x, (ks[i], vs[i]), stats = layer(x, state, ks[i], vs[i])
+            if stats is not None:
+                experts.append(stats.experts)
+        routes = jnp.stack(experts, axis=2) if experts else None
+        return self.norm(x), KVCache(tuple(ks), tuple(vs), kv_positions, kv_valid), routes
 
     def unstack_layers(self) -> tuple[nnx.State, ...]:
         """Each decoder layer's weights as arrays of their own (copies of the stacked ones), for

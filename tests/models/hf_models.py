@@ -12,7 +12,11 @@ FAMILIES = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
+# the mixture-of-experts fields of a tiny qwen3_moe (on top of TINY)
+TINY_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 TINY = dict(
     vocab_size=97,
     hidden_size=64,
@@ -28,7 +32,8 @@ TINY = dict(
 def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     """A float32 HF causal LM of ``family`` with weights ~N(0, 0.2) (large enough to matter)."""
     torch.manual_seed(seed)
-    config = FAMILIES[family](**{**TINY, **overrides})
+    moe = TINY_MOE if family == "qwen3_moe" else {}
+    config = FAMILIES[family](**{**TINY, **moe, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
