@@ -52,9 +52,9 @@ def host_memory() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def resolve_mesh(shape: Sequence[int], devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) over ``devices`` devices, the one -1 entry filled in; a mesh that does
-    not use exactly those devices is a ValueError saying why."""
+def resolve_mesh(shape: Sequence[int], devices: int) -> tuple[int, ...]:
+    """(data, fsdp[, expert], tensor) over ``devices`` devices, the one -1 entry filled in; a
+    mesh that does not use exactly those devices is a ValueError saying why."""
     sizes = list(shape)
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -65,4 +65,4 @@ def resolve_mesh(shape: Sequence[int], devices: int) -> tuple[int, int, int]:
         raise ValueError(
             f"mesh {list(shape)} uses {math.prod(sizes)} device(s), the job has {devices}"
         )
-    return sizes[0], sizes[1], sizes[2]
+    return tuple(sizes)

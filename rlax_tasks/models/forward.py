@@ -75,17 +75,23 @@ def token_logprobs(
     keep_logits_bytes: int = 0,
     temperature: float = 1.0,
     support: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    routes: jax.Array | None = None,
+    replay_routes: bool = True,
+    with_route_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
     """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), holding the full [B, T, V] logits only if
     they fit ``keep_logits_bytes`` (``chunked_logprobs``); ``with_entropy`` adds the predictive
     entropy. ``segment_ids`` [B, T]: packed sequences (``model_inputs``); a segment's first token
     then gets a meaningless value (predicted from the previous segment's last state).
     ``temperature``: of the distribution softmax(logits / temperature) a sampler drew from;
-    ``support`` [B, T, R]: the ids it kept for token t (``chunked_logprobs``).
+    ``support`` [B, T, R]: the ids it kept for token t (``chunked_logprobs``). ``routes``
+    [B, T, L, k]: a mixture-of-experts model's recorded experts (-1: none), replayed when
+    ``replay_routes`` (static); ``with_route_stats`` appends the layers' ``moe.RouteStats``.
     """
     model = nnx.merge(graphdef, params)
     ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
-    hidden = model.hidden_states(ids, positions, valid, remat=remat)
+    hidden, stats = model.hidden_states_and_routes(ids, positions, valid, remat, routes,
+                                                   replay_routes)  # fmt: skip
     lp, ent = chunked_logprobs(
         hidden[:, :-1],
         model.unembedding(),
@@ -97,7 +103,9 @@ def token_logprobs(
     )
     zero = jnp.zeros_like(lp[:, :1])
     lp, ent = jnp.concatenate([zero, lp], 1), jnp.concatenate([zero, ent], 1)
-    return (lp, ent) if with_entropy else lp
+    out = (lp, ent) if with_entropy else (lp,)
+    out = (*out, stats) if with_route_stats else out
+    return out if len(out) > 1 else out[0]
 
 
 def chunked_logprobs(

@@ -34,8 +34,9 @@ class RouteStats(NamedTuple):
     """What one MoE layer's router did over the valid tokens: ``experts`` [B, T, k] the experts
     used (int32), ``load`` [E] assignments per expert, ``prob_sum`` [E] router probability mass
     per expert, ``entropy_sum`` the router entropies' sum, ``tokens`` the valid tokens,
-    ``mismatch`` / ``replayed``: replayed tokens whose own top-k differs from the record, and
-    replayed tokens (float32 scalars, so the layers' stack sums them)."""
+    ``mismatch``: tokens with a recorded route that were computed with other experts (0 under
+    replay), ``own_mismatch``: those whose own top-k differs from the record (the numerics'
+    gap, whether replayed or not), ``replayed``: tokens with a recorded route (float32)."""
 
     experts: jax.Array
     load: jax.Array
@@ -43,6 +44,7 @@ class RouteStats(NamedTuple):
     entropy_sum: jax.Array
     tokens: jax.Array
     mismatch: jax.Array
+    own_mismatch: jax.Array
     replayed: jax.Array
 
 
@@ -208,17 +210,23 @@ class SparseMoE(nnx.Module):
         self.experts = Experts(config, dtype, param_dtype, rngs)
 
     def __call__(
-        self, x: jax.Array, valid: jax.Array, routes: jax.Array | None = None
+        self,
+        x: jax.Array,
+        valid: jax.Array,
+        routes: jax.Array | None = None,
+        replay: bool = True,
     ) -> tuple[jax.Array, RouteStats]:
         """(outputs [B, T, D], the router's stats) of hidden states [B, T, D]; ``valid`` [B, T]
-        (bool, or segment ids with 0 on padding); ``routes`` [B, T, k] int: experts to use per
-        token (-1: route it here)."""
+        (bool, or segment ids with 0 on padding); ``routes`` [B, T, k] int: the experts recorded
+        per token (-1: none), used when ``replay`` (static), else only compared with."""
         b, t, d = x.shape
         logits = self.gate(x)  # in the compute dtype, as transformers' F.linear
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         _, own = jax.lax.top_k(probs, self.top_k)
-        replay = None if routes is None else routes[..., 0] >= 0
-        experts = own if routes is None else jnp.where(replay[..., None], routes, own)
+        recorded = None if routes is None else routes[..., 0] >= 0
+        experts = own if routes is None or not replay else jnp.where(
+            recorded[..., None], routes, own
+        )  # fmt: skip
         experts = experts.astype(jnp.int32)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
@@ -233,7 +241,7 @@ class SparseMoE(nnx.Module):
         else:
             out = _sharded_expert_outputs(*flat, gate, up, down)
         out = constrain(out.reshape(b, t, d), BATCH, None, None)
-        return out, _route_stats(probs, own, experts, valid != 0, replay)
+        return out, _route_stats(probs, own, experts, valid != 0, routes, recorded)
 
 
 def _route_stats(
@@ -241,22 +249,28 @@ def _route_stats(
     own: jax.Array,
     experts: jax.Array,
     valid: jax.Array,
-    replay: jax.Array | None,
+    routes: jax.Array | None,
+    recorded: jax.Array | None,
 ) -> RouteStats:
-    """The layer's ``RouteStats`` over the valid tokens."""
+    """The layer's ``RouteStats`` over the valid tokens (mismatch: own top-k vs the record)."""
     mask = valid.astype(jnp.float32)
     num_experts = probs.shape[-1]
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)
     load = jnp.einsum("bte,bt->e", onehot, mask)
     prob_sum = jnp.einsum("bte,bt->e", probs, mask)
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
-    if replay is None:
-        mismatch = replayed = jnp.zeros((), jnp.float32)
+    if routes is None:
+        mismatch = own_mismatch = replayed = jnp.zeros((), jnp.float32)
     else:
-        differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)
-        replayed_mask = replay & valid
-        mismatch = jnp.sum(differs & replayed_mask).astype(jnp.float32)
-        replayed = jnp.sum(replayed_mask).astype(jnp.float32)
+        record = jnp.sort(routes, axis=-1)
+        counted = recorded & valid
+
+        def differing(chosen: jax.Array) -> jax.Array:
+            differs = jnp.any(jnp.sort(chosen, axis=-1) != record, axis=-1)
+            return jnp.sum(differs & counted).astype(jnp.float32)
+
+        mismatch, own_mismatch = differing(experts), differing(own)
+        replayed = jnp.sum(counted).astype(jnp.float32)
     return RouteStats(
         experts=jax.lax.stop_gradient(experts),
         load=jax.lax.stop_gradient(load),
@@ -264,6 +278,7 @@ def _route_stats(
         entropy_sum=jax.lax.stop_gradient(jnp.sum(entropy * mask)),
         tokens=jnp.sum(mask),
         mismatch=mismatch,
+        own_mismatch=own_mismatch,
         replayed=replayed,
     )
 

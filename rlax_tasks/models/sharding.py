@@ -1,8 +1,10 @@
-"""Sharding of parameters and activations over a (data, fsdp, tensor) device mesh.
+"""Sharding of parameters and activations over a (data, fsdp, expert, tensor) device mesh.
 
 Parameters get a PartitionSpec from one name-based rule table; activations are constrained in the
 forward pass while a mesh is active (``jax.set_mesh``). A mesh axis that does not divide a
-dimension is dropped for it (replicated), so tiny test models run on any mesh."""
+dimension is dropped for it (replicated), so tiny test models run on any mesh. The ``expert``
+axis splits a mixture-of-experts model's experts and, everywhere else, the batch
+(docs/design.md §14)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
-# batch dimension of activations is split over both data-parallel axes
-BATCH = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# batch dimension of activations is split over the data-parallel axes (the expert axis is one
+# outside the experts)
+BATCH = ("data", "fsdp", "expert")
 
 AxisSpec = str | tuple[str, ...] | None
 
@@ -40,17 +43,27 @@ _PARAM_RULES: dict[tuple[str, str], tuple[AxisSpec, ...]] = {
     ("gate_proj", "bias"): ("tensor",),
     ("up_proj", "bias"): ("tensor",),
     ("down_proj", "kernel"): ("tensor", "fsdp"),
+    # mixture of experts: the router, and the experts' stacked weights [E, in, out]
+    ("gate", "kernel"): ("fsdp", None),
+    ("experts", "gate_proj"): ("expert", "fsdp", "tensor"),
+    ("experts", "up_proj"): ("expert", "fsdp", "tensor"),
+    ("experts", "down_proj"): ("expert", "tensor", "fsdp"),
 }
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[Any] | None = None
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices: Sequence[Any] | None = None,
+    *,
+    expert: int = 1,
 ) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
+    """A (data, fsdp, expert, tensor) mesh; one axis may be -1 to take the remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError("at most one of data/fsdp/tensor may be -1")
+        raise ValueError("at most one of data/fsdp/expert/tensor may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -58,10 +71,20 @@ def make_mesh(
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-            f"{math.prod(sizes)} devices, have {len(devices)}"
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x expert={sizes[2]} x tensor={sizes[3]} "
+            f"needs {math.prod(sizes)} devices, have {len(devices)}"
         )
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def mesh_from_shape(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
+    """The mesh of a config's ``mesh_shape``: (data, fsdp, tensor) or (data, fsdp, expert,
+    tensor), over ``devices`` (default: all)."""
+    if len(shape) == 3:
+        data, fsdp, tensor = shape
+        return make_mesh(data, fsdp, tensor, devices=devices)
+    data, fsdp, expert, tensor = shape
+    return make_mesh(data, fsdp, tensor, devices=devices, expert=expert)
 
 
 def rlax_mesh(mesh: Mesh) -> Mesh:
@@ -74,7 +97,7 @@ def rlax_mesh(mesh: Mesh) -> Mesh:
         raise ValueError(
             f"mesh axes {names}: RLAX shards over axes named {', '.join(MESH_AXES)} (any of "
             f"them, each once); build it as jax.make_mesh((1, {mesh.size}), ('fsdp', 'tensor')) "
-            "or rlax_tasks.models.make_mesh(data, fsdp, tensor)"
+            "or rlax_tasks.models.make_mesh(data, fsdp, tensor, expert=1)"
         )
     auto = jax.sharding.AxisType.Auto
     if all(t == auto for t in mesh.axis_types):

@@ -200,14 +200,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, dtype, param_dtype)
         self.mlp = (SparseMoE if config.is_moe else MLP)(config, dtype, param_dtype, rngs)
 
-    def __call__(self, x, cos, sin, positions, valid, kv=None, routes=None):  # noqa: ANN001, ANN204
+    def __call__(self, x, cos, sin, positions, valid, kv=None, routes=None, replay=True):  # noqa: ANN001, ANN204, E501
         """(x, the layer's cache or None, its ``RouteStats`` or None for a dense MLP);
-        ``routes`` [B, T, k]: the experts to replay (-1: routed here)."""
+        ``routes`` [B, T, k]: the experts recorded (-1: none), replayed when ``replay``."""
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, positions, valid, kv)
         x = x + attn
         stats = None
         if isinstance(self.mlp, SparseMoE):
-            mlp, stats = self.mlp(self.post_attention_layernorm(x), valid, routes)
+            mlp, stats = self.mlp(self.post_attention_layernorm(x), valid, routes, replay)
         else:
             mlp = self.mlp(self.post_attention_layernorm(x))
         return constrain(x + mlp, BATCH, None, None), new_kv, stats
@@ -290,10 +290,11 @@ class Transformer(nnx.Module):
         valid: jax.Array,
         remat: str = "none",
         routes: jax.Array | None = None,
+        replay: bool = True,
     ) -> tuple[jax.Array, RouteStats | None]:
         """(hidden states [B, T, D], every layer's ``RouteStats`` stacked [L, ...], None for a
-        dense model). ``routes`` [B, T, L, k] int: the experts each token replays per layer
-        (-1 on a token: routed by this pass)."""
+        dense model). ``routes`` [B, T, L, k] int: the experts recorded per token and layer (-1
+        on a token: none), replayed when ``replay`` (static), else only compared with."""
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r} is not one of {sorted(REMAT_POLICIES)}")
         x = constrain(self.embed_tokens(input_ids), BATCH, None, None)
@@ -303,7 +304,8 @@ class Transformer(nnx.Module):
 
         def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, RouteStats | None]:
             state, r = xs
-            h, _, stats = nnx.merge(layer_def, state)(h, cos, sin, positions, valid, routes=r)
+            layer = nnx.merge(layer_def, state)
+            h, _, stats = layer(h, cos, sin, positions, valid, None, r, replay)
             return h, stats
 
         if remat != "none":

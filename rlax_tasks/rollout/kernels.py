@@ -183,9 +183,12 @@ def _decode(
     window: int | None,
     refill: jax.Array,
     support: int = 0,
-) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array, jax.Array]:
+    route_shape: tuple[int, int] = (0, 0),
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Up to ``steps`` decode steps of every slot in one device loop: tokens, log-probs and
-    emitted flags [steps, S], kept supports [steps, S, ``support``] (static). Stop, EOS and
+    emitted flags [steps, S], kept supports [steps, S, ``support``] (static), and a
+    mixture-of-experts model's routes of the token each step fed, [steps, S, L, k] int16
+    (``route_shape`` (L, k), static; (0, 0) for a dense model). Stop, EOS and
     length checks run here; the loop ends early when no slot is active or, with ``refill``
     (requests wait for a slot), once one has finished.
     ``window`` (static): attention reads only the first ``window`` cache entries, which hold
@@ -194,7 +197,7 @@ def _decode(
 
     def step(carry: tuple) -> tuple:
         i, cache, st, out, ended = carry
-        logits, cache = forward.extend_cache(
+        logits, cache, routes = forward.extend_cache(
             graphdef,
             params,
             st.last_token[:, None],
@@ -205,7 +208,12 @@ def _decode(
             window=window,
             unembedding=held.unembedding,
             layers=held.layers,
+            with_routes=True,
         )
+        fed_routes = (
+            jnp.zeros((slots, *route_shape), jnp.int16) if routes is None
+            else routes[:, 0].astype(jnp.int16)
+        )  # fmt: skip
         keys = jax.vmap(token_key)(st.key, st.generated)
         tokens, logprobs, kept = sample_tokens(
             logits[:, 0], keys, st.temperature, st.top_k, st.top_p, filtering, sampling, support
@@ -219,7 +227,7 @@ def _decode(
             generated=generated,
             active=active,
         )
-        drawn = (tokens, logprobs, emitted, kept)
+        drawn = (tokens, logprobs, emitted, kept, fed_routes)
         out = tuple(o.at[i].set(x) for o, x in zip(out, drawn, strict=True))
         return i + 1, constrain_cache(cache), st, out, ended | jnp.any(emitted & ~active)
 
@@ -232,6 +240,7 @@ def _decode(
         jnp.zeros((steps, slots), jnp.float32),
         jnp.zeros((steps, slots), bool),
         jnp.zeros((steps, slots, support), jnp.int32),
+        jnp.zeros((steps, slots, *route_shape), jnp.int16),
     )
     start = (jnp.zeros((), jnp.int32), cache, state, out, jnp.zeros((), bool))
     _, cache, state, out, _ = jax.lax.while_loop(more, step, start)
@@ -241,7 +250,7 @@ def _decode(
 # module-level: one compilation cache shared by every Sampler of the same model and shapes (the
 # programs keep the names _prefill / _decode: the persistent cache's entries are named after them)
 PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 11, 12, 13), donate_argnums=(4, 5))
-DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8, 10), donate_argnums=(3, 4))
+DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8, 10, 11), donate_argnums=(3, 4))
 
 
 def admission_arrays(

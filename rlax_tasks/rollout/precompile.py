@@ -105,7 +105,8 @@ class Precompiler:
 
         def lower(w: int) -> list[Any]:
             graphdef, chunk = sampler.policy.graphdef, sampler.decode_chunk
-            return [sampler._decode_fn.lower(graphdef, *args, chunk, *static, w, refill, support)]
+            return [sampler._decode_fn.lower(graphdef, *args, chunk, *static, w, refill, support,
+                                             sampler.route_shape)]
 
         self._start(f"decode windows {windows}", [functools.partial(lower, w) for w in windows])
 

@@ -8,7 +8,10 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -83,7 +86,10 @@ class Completion:
     top-p filtered (and a sampler recording them), each token's kept ids, in id order
     (empty where more were kept than the sampler's capacity); None otherwise. ``versions``: the
     weight version each token was sampled with (None: the sampler's weights carry none).
-    ``resumed``: how many of its first tokens came from a ``SampleProgress`` record."""
+    ``resumed``: how many of its first tokens came from a ``SampleProgress`` record.
+    ``routed_experts``: a mixture-of-experts sampler's experts each token was routed to when
+    it was fed back, [len(tokens), L, k] int16, -1 where it never was (the last token, or one
+    handed back from a record); None for a dense model."""
 
     request: Request
     tokens: list[int]
@@ -92,6 +98,7 @@ class Completion:
     support: list[list[int]] | None = None
     versions: list[int] | None = None
     resumed: int = 0  # its first tokens, handed back from a record (not sampled again)
+    routed_experts: np.ndarray | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -108,6 +115,7 @@ class Partial:
     logprobs: list[float]
     support: list[list[int]] | None
     versions: list[int] | None
+    routed_experts: np.ndarray | None = None
 
 
 def prompt_seeds(seed: int, count: int) -> list[int]:

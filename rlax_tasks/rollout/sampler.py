@@ -41,6 +41,8 @@ class _Slot:
     eos: frozenset[int]
     support: list[list[int]] | None = None  # each token's kept ids, when its request filters
     versions: list[int] | None = None  # each token's weight version, when the weights have one
+    # a mixture-of-experts model: each token's experts [L, k] once it was fed back (-1 before)
+    routes: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -101,6 +103,11 @@ class Sampler:
         self._held = held_weights(self.policy, self.layer_copies)
         # read from the model's configs once: every request looks them up
         self._eos_ids = frozenset(self.policy.eos_token_ids)
+        # a mixture-of-experts model records each token's experts per layer (docs/design.md
+        # §14): (layers, k), and a token's entry before it is fed back
+        c = self.policy.config
+        self.route_shape = (c.num_hidden_layers, c.num_experts_per_tok) if c.is_moe else (0, 0)
+        self._unrouted = np.full(self.route_shape, -1, np.int16) if c.is_moe else None
         self.max_slots, self.max_len = max_slots, max_len
         self.decode_chunk, self.batching = decode_chunk, batching
         self.max_stop_ids = max_stop_ids
@@ -204,7 +211,8 @@ class Sampler:
         back by ``interrupt`` or ``add_partial`` and not admitted yet); nothing changes."""
         held = [w for w in self._waiting if isinstance(w, Partial)]
         held += [
-            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions)
+            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
+                    _stacked_routes(s.routes))  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -215,6 +223,7 @@ class Sampler:
                 list(p.logprobs),
                 None if p.support is None else [list(k) for k in p.support],
                 None if p.versions is None else list(p.versions),
+                None if p.routed_experts is None else p.routed_experts.copy(),
             )
             for p in held
         ]
@@ -266,7 +275,8 @@ class Sampler:
         prompt and tokens are prefilled under the weights of then and it draws on from the
         same random stream. Returns how many were in flight."""
         partials = [
-            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions)
+            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
+                    _stacked_routes(s.routes))  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -445,13 +455,18 @@ class Sampler:
         eos = frozenset() if request.params.ignore_eos else self._eos_ids
         support = [] if recording and request.params.filtering else None
         versions = None if self.version is None else []
+        routes = None if self._unrouted is None else []
         if not isinstance(item, Partial):
-            return _Slot(request, [], [], stops, eos, support, versions)
+            return _Slot(request, [], [], stops, eos, support, versions, routes)
         if support is not None:
             support = list(item.support or [[]] * len(item.tokens))
         if versions is not None:
             versions = list(item.versions or [self.version] * len(item.tokens))
-        return _Slot(request, list(item.tokens), list(item.logprobs), stops, eos, support, versions)
+        if routes is not None:  # (the last one, fed again by this prefill, stays unrecorded)
+            recorded = item.routed_experts
+            routes = [self._unrouted] * len(item.tokens) if recorded is None else list(recorded)
+        return _Slot(request, list(item.tokens), list(item.logprobs), stops, eos, support,
+                     versions, routes)  # fmt: skip
 
     def support_size(self, filtering: bool) -> int:
         """Kept ids recorded per token by a prefill or decode call (static): the capacity when
@@ -479,7 +494,7 @@ class Sampler:
         self._precompiler.decoding(window, reach, filtering, sampling)
         t0 = time.perf_counter()
         with self.policy._scope():
-            self._cache, self._state, tokens, logprobs, emitted, kept = self._decode_fn(
+            self._cache, self._state, tokens, logprobs, emitted, kept, routes = self._decode_fn(
                 self.policy.graphdef,
                 self.policy.params,
                 self._held,
@@ -493,9 +508,10 @@ class Sampler:
                 # request (static batching refills only when every slot is free)
                 np.bool_(self.batching == "continuous" and bool(self._waiting)),
                 self.support_size(filtering),
+                self.route_shape,
             )
-            tokens, logprobs, emitted, active, kept = jax.device_get(
-                (tokens, logprobs, emitted, self._state.active, kept)
+            tokens, logprobs, emitted, active, kept, routes = jax.device_get(
+                (tokens, logprobs, emitted, self._state.active, kept, routes)
             )
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_calls += 1
@@ -510,6 +526,8 @@ class Sampler:
                 continue
             n = counts[slot]
             for i in range(n):
+                if state.routes is not None:  # step i fed the slot's last token: its route
+                    state.routes[-1] = routes[i, slot]
                 still = active[slot] or i < n - 1
                 ids = kept[i, slot]
                 if self._emit(slot, tokens[slot][i], logprobs[slot][i], still, finished, ids):
@@ -534,6 +552,8 @@ class Sampler:
             state.support.append(kept[kept >= 0].tolist())
         if state.versions is not None:
             state.versions.append(self.version)
+        if state.routes is not None:
+            state.routes.append(self._unrouted)
         self.stats.generated_tokens += 1
         reason: FinishReason | None = None
         if token in state.stop_set:
@@ -548,7 +568,8 @@ class Sampler:
             return False
         out.append(
             Completion(
-                state.request, state.tokens, state.logprobs, reason, state.support, state.versions
+                state.request, state.tokens, state.logprobs, reason, state.support, state.versions,
+                routed_experts=_stacked_routes(state.routes),
             )
         )
         self._slots[slot] = None
@@ -559,3 +580,12 @@ class Sampler:
     def _hits_stop_string(self, state: _Slot) -> bool:
         tail = self.policy.tokenizer.decode(state.tokens[-32:], skip_special_tokens=False)
         return any(s in tail for s in state.request.params.stop_strings)
+
+
+def _stacked_routes(routes: list[np.ndarray] | None) -> np.ndarray | None:
+    """A slot's per-token routes as one [tokens, L, k] int16 array (None: a dense model)."""
+    if routes is None:
+        return None
+    if not routes:
+        return np.zeros((0, 0, 0), np.int16)
+    return np.stack(routes).astype(np.int16)

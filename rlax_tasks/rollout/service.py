@@ -219,16 +219,18 @@ def _register(source: Any, url: str, wait_s: float) -> None:
             raise ValueError(f"--ps-url {url}: {e}") from e
 
 
-def parse_mesh_shape(text: str) -> tuple[int, int, int]:
-    """ "DATA,FSDP,TENSOR" (one entry may be -1) -> a tuple; ValueError naming the flag."""
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """ "DATA,FSDP,TENSOR" or "DATA,FSDP,EXPERT,TENSOR" (one entry may be -1) -> a tuple;
+    ValueError naming the flag."""
     try:
         shape = tuple(int(x) for x in text.split(","))
     except ValueError:
         shape = ()
-    if len(shape) != 3 or any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+    if len(shape) not in (3, 4) or any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
         raise ValueError(
-            f"--mesh-shape {text!r}: give DATA,FSDP,TENSOR as three positive integers, at most "
-            "one of them -1 for 'the remaining devices' (e.g. 1,1,-1: tensor parallel over all)"
+            f"--mesh-shape {text!r}: give DATA,FSDP,TENSOR (or DATA,FSDP,EXPERT,TENSOR) as "
+            "positive integers, at most one of them -1 for 'the remaining devices' (e.g. "
+            "1,1,-1: tensor parallel over all)"
         )
     return shape  # type: ignore[return-value]
 
@@ -239,11 +241,11 @@ def worker_mesh(mesh_shape: str) -> Any:
     # lazy: the controller imports this module (WorkerClient); only a worker loads JAX
     import jax
 
-    from rlax_tasks.models import make_mesh
+    from rlax_tasks.models.sharding import mesh_from_shape
 
     shape = parse_mesh_shape(mesh_shape)
     devices = jax.local_devices()
-    mesh = make_mesh(*shape, devices=devices)
+    mesh = mesh_from_shape(shape, devices)
     if mesh.size == 1:
         return None
     log.info("worker mesh %s over %d %s devices", dict(mesh.shape), mesh.size, devices[0].platform)

@@ -54,6 +54,12 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 #   (kept from the forward for the backward; unset: 1 GiB on a CPU, none on accelerators).
 #   Packed sequences (trainer.pack_sequences) hold at most the padded batch's tokens, in rows T
 #   wide (32 when T < 32): the same bound.
+# Mixture of experts (qwen3_moe): the experts' P_e = L·E·3·h·f_e parameters are split over
+#   expert × fsdp × tensor (each where it divides E, h, f_e), the rest over fsdp × tensor; the
+#   batch over data × fsdp × expert; f in A is k·f_e (the width a token computes); dispatch per
+#   layer and sequence: bc·T·(expert·h + 2k·(2h + 3f_e/t_fe)) (the expert group's tokens
+#   gathered, each token's k rows sorted and block-padded with their products), every layer's
+#   without remat, else one layer's.
 # Worker, per device:
 #   weights P·bc/(fsdp·tensor), plus one array while a new version is swapped in (reload: the swap
 #   frees each old array before placing its replacement; the largest array is the embedding or
@@ -129,21 +135,62 @@ def _split(n: int, axis: int) -> int:
     return axis if n % axis == 0 else 1
 
 
-def _mesh_or_single(cfg: Any, job: str) -> tuple[tuple[int, int, int], bool]:
-    """The job's resolved mesh, or its mesh with -1 as 1 when its device count is unknown."""
+def _four_axes(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(data, fsdp, expert, tensor) of a 3- or 4-entry mesh shape."""
+    if len(shape) == 4:
+        return shape[0], shape[1], shape[2], shape[3]
+    return shape[0], shape[1], 1, shape[2]
+
+
+def _mesh_or_single(cfg: Any, job: str) -> tuple[tuple[int, int, int, int], bool]:
+    """The job's resolved (data, fsdp, expert, tensor) mesh, or its mesh with -1 as 1 when its
+    device count is unknown."""
     mesh = job_mesh(cfg, job)
     if mesh is not None:
-        return mesh, True
+        return _four_axes(mesh), True
     shape = cfg.trainer.mesh_shape if job in ("trainer", COLOCATED) else cfg.workers.mesh_shape
-    d, f, t = (1 if s == -1 else s for s in shape)
-    return (d, f, t), False
+    return _four_axes(tuple(1 if s == -1 else s for s in shape)), False
+
+
+def expert_parameters(m: Any) -> int:
+    """The parameters of a mixture-of-experts model's experts (0 for a dense model)."""
+    if not getattr(m, "is_moe", False):
+        return 0
+    return m.num_hidden_layers * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+
+
+def parameters_per_device(m: Any, fsdp: int, expert: int, tensor: int) -> int:
+    """Parameters one device holds: the dense ones over fsdp × tensor, the experts' over
+    expert × fsdp × tensor (each axis where it divides their dimension)."""
+    experts = expert_parameters(m)
+    if not experts:
+        return m.num_parameters() // (fsdp * tensor)
+    shards = (_split(m.num_experts, expert) * _split(m.hidden_size, fsdp)
+              * _split(m.moe_intermediate_size, tensor))  # fmt: skip
+    return (m.num_parameters() - experts) // (fsdp * tensor) + experts // shards
+
+
+def mlp_width(m: Any) -> int:
+    """The MLP width a token computes: the intermediate size, or k experts' for MoE."""
+    if getattr(m, "is_moe", False):
+        return m.num_experts_per_tok * m.moe_intermediate_size
+    return m.intermediate_size
+
+
+def dispatch_bytes(m: Any, tokens: int, bc: int, expert: int, tensor: int) -> int:
+    """One MoE layer's dispatch buffers for a sequence of ``tokens``: the expert group's tokens
+    gathered (expert × h) and each token's k rows sorted by expert, their block padding (up to
+    2×) with their gate, up and hidden outputs (0 for a dense model)."""
+    if not getattr(m, "is_moe", False):
+        return 0
+    h, k, fe = m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size
+    return bc * tokens * (expert * h + 2 * k * (2 * h + 3 * fe // _split(fe, tensor)))
 
 
 def layer_activations(m: Any, tokens: int, bc: int, tensor: int) -> int:
     """Bytes one sequence of ``tokens`` keeps for one layer without remat (A above)."""
     h, f, a, kv, d = (
-        m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads,
-        m.head_dim,
+        m.hidden_size, mlp_width(m), m.num_attention_heads, m.num_key_value_heads, m.head_dim,
     )  # fmt: skip
     t_a, t_kv, t_f = _split(a, tensor), _split(kv, tensor), _split(f, tensor)
     per_token = bc * (4 * h + 2 * a * d // t_a + 2 * kv * d // t_kv + 4 * f // t_f)
@@ -153,18 +200,18 @@ def layer_activations(m: Any, tokens: int, bc: int, tensor: int) -> int:
 
 def trainer_bytes(cfg: Any, m: Any) -> tuple[dict[str, int], str]:
     """Bytes per trainer device by kind, and a note on the activation terms."""
-    (data, fsdp, tensor), _ = _mesh_or_single(cfg, "trainer")
-    shards = fsdp * tensor
-    n_params = m.num_parameters()
+    (data, fsdp, expert, tensor), _ = _mesh_or_single(cfg, "trainer")
+    held = parameters_per_device(m, fsdp, expert, tensor)
     bp, bc = DTYPE_BYTES[cfg.model.param_dtype], DTYPE_BYTES[cfg.model.dtype]
     t = cfg.trainer
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     micro = t.micro_batch_size or batch
-    seqs = micro // (data * fsdp) if micro % (data * fsdp) == 0 else micro
+    replicas = data * fsdp * expert  # the batch is split over every data-parallel axis
+    seqs = micro // replicas if micro % replicas == 0 else micro
     tokens = cfg.workers.max_len
     a_layer = layer_activations(m, tokens, bc, tensor)
     h, f, a, kv, d, layers = (
-        m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads,
+        m.hidden_size, mlp_width(m), m.num_attention_heads, m.num_key_value_heads,
         m.head_dim, m.num_hidden_layers,
     )  # fmt: skip
     if t.remat == "none":
@@ -180,17 +227,22 @@ def trainer_bytes(cfg: Any, m: Any) -> tuple[dict[str, int], str]:
     budget = keep_logits_mb(t.keep_logits_mb, cfg.placement.platform) << 20
     kept = seqs * tokens * vocab * 4 if micro * tokens * m.vocab_size * 4 <= budget else 0
     parts = {
-        "params": n_params * bp // shards,
-        "reference": n_params * bc // shards if cfg.objective_config().needs_reference else 0,
-        "adam": 2 * n_params * bp // shards,
-        "grads": n_params * 4 // shards * (2 if micro < batch else 1),
+        "params": held * bp,
+        "reference": held * bc if cfg.objective_config().needs_reference else 0,
+        "adam": 2 * held * bp,
+        "grads": held * 4 * (2 if micro < batch else 1),
         "activations": seqs * per_seq,
         "logits": seqs * chunk * vocab * 4 * 3 + kept,
     }
+    dispatch = dispatch_bytes(m, tokens, bc, expert, tensor)
+    if dispatch:  # kept for every layer without remat, else one layer's at a time
+        parts["dispatch"] = seqs * dispatch * (layers if t.remat == "none" else 1)
     note = (
         f"trainer: {seqs} sequence(s) × {tokens} tokens per device (micro-batch {micro} over "
-        f"data×fsdp {data * fsdp}), remat {t.remat}"
+        f"data×fsdp{'×expert' if expert > 1 else ''} {replicas}), remat {t.remat}"
     )
+    if expert_parameters(m):
+        note += f"; {m.num_experts} experts split {_split(m.num_experts, expert)} way(s)"
     return parts, note
 
 
@@ -199,25 +251,29 @@ def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
     if job == COLOCATED:  # the sampler: workers.mesh_shape over the trainer's devices
         devices = job_devices(cfg, job)
         if devices is not None:
-            data, fsdp, tensor = resolve_mesh(cfg.workers.mesh_shape, len(devices))
+            shape = resolve_mesh(cfg.workers.mesh_shape, len(devices))
         else:
-            data, fsdp, tensor = (1 if s == -1 else s for s in cfg.workers.mesh_shape)
+            shape = tuple(1 if s == -1 else s for s in cfg.workers.mesh_shape)
+        data, fsdp, expert, tensor = _four_axes(shape)
     else:
-        (data, fsdp, tensor), _ = _mesh_or_single(cfg, job)
+        (data, fsdp, expert, tensor), _ = _mesh_or_single(cfg, job)
     w = cfg.workers
     bc = DTYPE_BYTES[cfg.model.dtype]
-    batch_shards = _split(w.slots, data * fsdp)
+    batch_shards = _split(w.slots, data * fsdp * expert)
     kv_shards = _split(m.num_key_value_heads, tensor)
-    weights = m.num_parameters() * bc // (fsdp * tensor)
+    held = parameters_per_device(m, fsdp, expert, tensor)
+    weights = held * bc
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
     layers_mlp = m.num_hidden_layers * m.hidden_size * m.intermediate_size
+    if expert_parameters(m):  # the largest array: one of the stacked expert weights
+        layers_mlp = expert_parameters(m) // 3 // _split(m.num_experts, expert)
     cache = w.slots * w.max_len * m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim
     vocab = m.vocab_size // _split(m.vocab_size, tensor)
     parts = {
         "weights": weights,
         "reload": max(m.vocab_size * m.hidden_size, layers_mlp) * bc // (fsdp * tensor),
         # (a CPU without a mesh keeps them whatever the setting: rollout/held_weights.py)
-        "decode_layers": (m.num_parameters() - embeddings) * bc // (fsdp * tensor)
+        "decode_layers": (held - embeddings // (fsdp * tensor)) * bc
         if w.decode_layer_copies or cfg.placement.platform == "cpu"
         else 0,
         "kv_cache": cache * bc // (batch_shards * kv_shards),

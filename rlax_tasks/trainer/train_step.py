@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from rlax_tasks.models import forward
+from rlax_tasks.models.moe import RouteStats, load_balancing_loss
 from rlax_tasks.models.sharding import BATCH, constrain
 
 # keys of the batch the train step reads ([B, T] unless noted)
@@ -33,6 +34,10 @@ PACKED_KEYS = ("packed_input_ids", "packed_segment_ids", "packed_token_index")
 # optional [B, T, R] int: the ids the sampler's top-k/top-p kept for token t (-1 padded; a token
 # without any keeps the whole vocabulary): old and current log-probs are renormalised over them
 SUPPORT_KEY = "support_ids"
+# optional [B, T, L, k] int: a mixture-of-experts model's experts the sampler routed each
+# generated token to, per layer (-1 elsewhere: the trainer routes those tokens); replayed by the
+# trainer's log-probs and loss when StepSettings.routing_replay (docs/design.md §14)
+ROUTES_KEY = "routed_experts"
 VALUE_HEAD = "value_head"
 MODEL = "model"
 # the step's non-finite check, a bit per quantity (0: all finite); the trainer pops it from the
@@ -60,6 +65,11 @@ class StepSettings:
     # the rollouts' sampling temperature: log-probs (old, current, reference) and entropy are
     # those of softmax(logits / temperature), the distribution the sampler drew from
     temperature: float = 1.0
+    # a mixture-of-experts model: route the tokens with recorded experts (ROUTES_KEY) through
+    # them (False: the trainer's own routes, compared with the record for the metrics)
+    routing_replay: bool = True
+    # weight of the load-balancing loss (moe.load_balancing_loss) added to the loss; 0: none
+    router_aux_loss_coef: float = 0.0
 
 
 def init_value_head(hidden_size: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -80,33 +90,40 @@ def policy_outputs(
     keep_logits_bytes: int = 0,
     temperature: float = 1.0,
     support: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    routes: jax.Array | None = None,
+    replay_routes: bool = True,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, RouteStats | None]:
     """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs,
     of softmax(logits / ``temperature``), renormalised over ``support`` [B, T, R] where given
-    (the ids the sampler's top-k/top-p kept for token t; -1 = none).
+    (the ids the sampler's top-k/top-p kept for token t; -1 = none), and a mixture-of-experts
+    model's ``moe.RouteStats`` (None for a dense one), its recorded ``routes`` [B, T, L, k]
+    replayed when ``replay_routes``.
 
     ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
     ``segment_ids``: packed rows (``forward.model_inputs``; ``attention_mask`` unused).
     """
     if VALUE_HEAD not in params:
-        out = forward.token_logprobs(
+        lp, ent, stats = forward.token_logprobs(
             graphdef,
             params[MODEL],
             input_ids,
             attention_mask,
             chunk_size=chunk_size,
             remat=remat,
-            with_entropy=with_entropy,
+            with_entropy=True,
             segment_ids=segment_ids,
             keep_logits_bytes=keep_logits_bytes,
             temperature=temperature,
             support=support,
+            routes=routes,
+            replay_routes=replay_routes,
+            with_route_stats=True,
         )
-        lp, ent = out if with_entropy else (out, None)
-        return lp, ent, None
+        return lp, (ent if with_entropy else None), None, stats
     model = nnx.merge(graphdef, params[MODEL])
     ids, positions, valid = forward.model_inputs(input_ids, attention_mask, segment_ids)
-    hidden = model.hidden_states(ids, positions, valid, remat=remat)
+    hidden, stats = model.hidden_states_and_routes(ids, positions, valid, remat, routes,
+                                                   replay_routes)  # fmt: skip
     lp, ent = forward.chunked_logprobs(
         hidden[:, :-1],
         model.unembedding(),
@@ -121,7 +138,7 @@ def policy_outputs(
     values = values + head["bias"].astype(jnp.float32)
     zero = jnp.zeros_like(lp[:, :1])
     lp, ent, values = (jnp.concatenate([zero, x], 1) for x in (lp, ent, values))
-    return lp, (ent if with_entropy else None), values
+    return lp, (ent if with_entropy else None), values, stats
 
 
 def _split_micro(x: jax.Array, n_micro: int) -> jax.Array:
@@ -181,6 +198,36 @@ def nonfinite_code(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax
         + jnp.where(jnp.isfinite(grad_norm), 0, bits["gradient norm"])
         + jnp.where(weights_ok, 0, bits["updated weights"])
     ).astype(jnp.int32)
+
+
+def sum_micro_stats(stats: RouteStats) -> RouteStats:
+    """The micro-batches' route statistics ([n_micro, L, ...]) summed into the batch's."""
+    return stats._replace(**{k: getattr(stats, k).sum(axis=0) for k in RouteStats._fields
+                             if k != "experts"})  # fmt: skip
+
+
+def route_metrics(stats: RouteStats) -> dict[str, jax.Array]:
+    """docs/design.md §14's metrics, overall and per layer (``/layer_i``): of the tokens with a
+    recorded route, the fraction computed through other experts (0 under replay) and the
+    fraction whose own top-k differs from it (the sampler/trainer numerics' gap); the expert
+    load's max over its mean; the router's mean entropy."""
+    recorded = jnp.maximum(stats.replayed.sum(), 1.0)
+    mismatch = stats.mismatch / jnp.maximum(stats.replayed, 1.0)
+    load = stats.load / jnp.maximum(stats.load.mean(axis=-1, keepdims=True), 1e-9)
+    imbalance = load.max(axis=-1)
+    entropy = stats.entropy_sum / jnp.maximum(stats.tokens, 1.0)
+    out = {
+        "moe/route_mismatch_frac": stats.mismatch.sum() / recorded,
+        "moe/own_route_mismatch_frac": stats.own_mismatch.sum() / recorded,
+        "moe/expert_load_max_over_mean": imbalance.mean(),
+        "moe/router_entropy": stats.entropy_sum.sum() / jnp.maximum(stats.tokens.sum(), 1.0),
+        "moe/recorded_routes_frac": stats.replayed.sum() / jnp.maximum(stats.tokens.sum(), 1.0),
+    }
+    for i in range(stats.load.shape[0]):
+        out[f"moe/route_mismatch_frac/layer_{i}"] = mismatch[i]
+        out[f"moe/expert_load_max_over_mean/layer_{i}"] = imbalance[i]
+        out[f"moe/router_entropy/layer_{i}"] = entropy[i]
+    return out
 
 
 def objective_batch(
@@ -252,21 +299,28 @@ def make_train_step(
                 return x
 
             to_rows = to_batch
-        # sampling-mask replay: the ids the sampler kept per token (-1: none) laid out like the
-        # rows; the micro-batches carry them beside ids and mask
-        rows_xs = (rows_ids, rows_mask)
+        # sampling-mask replay: the ids the sampler kept per token (-1: none) and routing
+        # replay: the experts it routed each token to (-1: none), laid out like the rows; the
+        # micro-batches carry them beside ids and mask (None where the batch has none)
+        support = routes = None
         if SUPPORT_KEY in batch:
             support = batch[SUPPORT_KEY].astype(jnp.int32)
             if packed:  # shifted by one: where no token lands reads 0, -1 after the shift back
                 support = to_rows(support + 1) - 1
-            rows_xs = (*rows_xs, support)
-        micro_xs = tuple(_split_micro(x, n_micro) for x in rows_xs)
+        if ROUTES_KEY in batch:
+            routes = batch[ROUTES_KEY].astype(jnp.int32)
+            if packed:
+                routes = to_rows(routes + 1) - 1
+        rows_xs = (rows_ids, rows_mask, support, routes)
+        micro_xs = tuple(None if x is None else _split_micro(x, n_micro) for x in rows_xs)
+        aux_coef = settings.router_aux_loss_coef
 
         def outputs(
             p: Params,
             ids: jax.Array,
             mask: jax.Array,
-            kept: jax.Array | None = None,
+            kept: jax.Array | None,
+            routed: jax.Array | None,
             *,
             with_entropy: bool,
         ) -> tuple:
@@ -282,7 +336,12 @@ def make_train_step(
                 keep_logits_bytes=settings.keep_logits_bytes,
                 temperature=settings.temperature,
                 support=kept,
+                routes=routed,
+                replay_routes=settings.routing_replay,
             )
+
+        def aux_loss(stats: RouteStats | None) -> jax.Array | None:
+            return None if stats is None or not aux_coef else load_balancing_loss(stats)
 
         # 1. the current parameters' (old policy's) log-probs, values and entropy. One
         # micro-batch: the forward pass is linearised once and serves both the old log-probs
@@ -290,20 +349,24 @@ def make_train_step(
         fused = n_micro == 1 and settings.one_forward_pass
         if fused:
 
-            def primal(p: Params) -> tuple[tuple, jax.Array]:
-                lp, ent, values = outputs(p, *rows_xs, with_entropy=True)
-                # the entropy: a statistic, not differentiated
-                return (to_batch(lp), to_batch(values)), to_batch(ent)
+            def primal(p: Params) -> tuple[tuple, tuple]:
+                lp, ent, values, stats = outputs(p, *rows_xs, with_entropy=True)
+                # the entropy and the routes' stats: statistics, not differentiated
+                return (to_batch(lp), to_batch(values), aux_loss(stats)), (to_batch(ent), stats)
 
-            (old, old_values), backward, entropy = jax.vjp(primal, params, has_aux=True)
+            (old, old_values, aux), backward, (entropy, route_stats) = jax.vjp(
+                primal, params, has_aux=True
+            )
         else:  # a prefill without gradients, micro-batch by micro-batch
             frozen = jax.lax.stop_gradient(params)
-            old, entropy, old_values = jax.lax.map(
+            old, entropy, old_values, route_stats = jax.lax.map(
                 lambda xs: outputs(frozen, *xs, with_entropy=True),
                 micro_xs,
             )
             old, entropy = to_batch(_join_micro(old)), to_batch(_join_micro(entropy))
             old_values = to_batch(_join_micro(old_values)) if has_values else None
+            route_stats = None if route_stats is None else sum_micro_stats(route_stats)
+            aux = aux_loss(route_stats)
         obj_batch = objective_batch(batch, old, old_values)
 
         # 2. the objective on the full batch and its cotangent w.r.t. log-probs / values
@@ -326,16 +389,19 @@ def make_train_step(
         # 3. the gradient: of sum(g * logp(params)) (+ values), through the linearised forward
         # pass, or micro-batch by micro-batch (forward again and backward), accumulated
         if fused:
-            (grads,) = backward((g_logp, g_values))
+            g_aux = None if aux is None else jnp.asarray(aux_coef, aux.dtype)
+            (grads,) = backward((g_logp, g_values, g_aux))
         else:
             micro_g = _split_micro(to_rows(g_logp), n_micro)
             micro_gv = _split_micro(to_rows(g_values), n_micro) if has_values else micro_g
 
             def surrogate(p: Params, g: jax.Array, gv: jax.Array, *rows: jax.Array) -> jax.Array:
-                lp, _, values = outputs(p, *rows, with_entropy=False)
+                lp, _, values, stats = outputs(p, *rows, with_entropy=False)
                 s = jnp.sum(lp * g)
                 if values is not None:
                     s = s + jnp.sum(values * gv)
+                if aux is not None:  # each micro-batch's balance, their mean
+                    s = s + aux_coef * aux_loss(stats) / n_micro
                 return s
 
             def accumulate(acc: Params, xs: tuple) -> tuple[Params, None]:
@@ -380,6 +446,11 @@ def make_train_step(
         if "ref_logprobs" in obj_batch:
             diff = obj_batch["ref_logprobs"] - old
             metrics["kl"] = masked_mean(jnp.exp(diff) - diff - 1.0, mask)
+        if route_stats is not None:
+            metrics.update(route_metrics(route_stats))
+        if aux is not None:
+            metrics["moe/aux_loss"] = aux
+            metrics["loss"] = loss + aux_coef * aux
         return params, opt_state, metrics
 
     return train_step

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rlax_tasks.models import Policy
 from rlax_tasks.models.policy import cast_params
-from rlax_tasks.models.sharding import BATCH, fit_spec, make_mesh, param_shardings
+from rlax_tasks.models.sharding import BATCH, fit_spec, mesh_from_shape, param_shardings
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.trainer.batch_format import BatchFormatError, checked_ids, host_batch
@@ -76,18 +76,18 @@ class RestoredCheckpoint:
     data_cursor: dict[str, Any] | None
 
 
-def build_mesh(mesh_shape: tuple[int, int, int]) -> Mesh:
-    """The (data, fsdp, tensor) mesh; without a -1 entry it uses the first prod(shape) devices."""
-    data, fsdp, tensor = mesh_shape
+def build_mesh(mesh_shape: tuple[int, ...]) -> Mesh:
+    """The (data, fsdp[, expert], tensor) mesh; without a -1 entry it uses the first
+    prod(shape) devices."""
     devices = jax.devices()
     if -1 not in mesh_shape:
-        need = data * fsdp * tensor
+        need = math.prod(mesh_shape)
         if need > len(devices):
             raise ValueError(
                 f"mesh_shape={list(mesh_shape)} needs {need} devices, only {len(devices)} exist"
             )
         devices = devices[:need]
-    return make_mesh(data, fsdp, tensor, devices=devices)
+    return mesh_from_shape(mesh_shape, devices)
 
 
 def fresh_copy(tree: Any, shardings: Any) -> Any:
@@ -194,6 +194,8 @@ class Trainer:
             << 20,
             value_loss_coef=config.value_loss_coef,
             temperature=sampling_temperature,
+            routing_replay=config.routing_replay == "replay",
+            router_aux_loss_coef=config.router_aux_loss_coef,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
             # one-pass step over several host devices (a rendezvous timeout; passes with that
             # scheduler off): simulated meshes keep the prefill
@@ -363,7 +365,9 @@ class Trainer:
         """Validates the numpy batch and places it on the mesh, batch axis over (data, fsdp)."""
         vocab = self._template.config.vocab_size
         ids = checked_ids(batch, vocab)
-        host = host_batch(batch, ids, vocab, self._padded_width(ids.shape[1]))
+        c = self._template.config
+        experts = (c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) if c.is_moe else None
+        host = host_batch(batch, ids, vocab, self._padded_width(ids.shape[1]), experts)
         b = ids.shape[0]
         mb = self.config.micro_batch_size
         if mb is not None and b % mb:

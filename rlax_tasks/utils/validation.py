@@ -128,19 +128,20 @@ def check_known(
             )
 
 
-def check_mesh_shape(field: str, value: Any, error: ErrorFactory) -> tuple[int, int, int]:
-    """``value`` as a (data, fsdp, tensor) tuple of positive integers, at most one of them -1."""
+def check_mesh_shape(field: str, value: Any, error: ErrorFactory) -> tuple[int, ...]:
+    """``value`` as a (data, fsdp, tensor) or (data, fsdp, expert, tensor) tuple of positive
+    integers, at most one of them -1."""
     shape = tuple(value) if isinstance(value, list | tuple) else None
     if (
         shape is None
-        or len(shape) != 3
+        or len(shape) not in (3, 4)
         or not all(_is_int(s) for s in shape)
         or any(s == 0 or s < -1 for s in shape)
         or shape.count(-1) > 1
     ):
         raise error(
             field,
-            "must be three positive integers (data, fsdp, tensor), at most one of them -1 for "
-            f"'the remaining devices'; got {value!r}",
+            "must be three positive integers (data, fsdp, tensor) or four (data, fsdp, expert, "
+            f"tensor), at most one of them -1 for 'the remaining devices'; got {value!r}",
         )
     return shape  # type: ignore[return-value]

@@ -19,6 +19,7 @@ CONFIG = tiny_model_config(
 )
 PROMPTS = [[5, 17, 99, 3], [200, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 6]
 SLOTS, MAX_LEN, NEW = 4, 64, 12
+THREE_AXES = tuple(a for a in MESH_AXES if a != "expert")  # a dense model's user mesh
 
 
 def _peaked_policy(seed: int = 0) -> Policy:
@@ -124,8 +125,10 @@ def test_a_sampler_never_frees_the_callers_weights() -> None:
 
 def test_worker_mesh_flag() -> None:
     mesh = service.worker_mesh("1,2,-1")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
-    for bad in ("1,1", "1,0,1", "a,b,c", "-1,-1,1"):
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 4}
+    mesh = service.worker_mesh("1,1,4,2")  # data, fsdp, expert, tensor
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 2}
+    for bad in ("1,1", "1,0,1", "a,b,c", "-1,-1,1", "1,1,1,1,8"):
         with pytest.raises(ValueError, match="--mesh-shape"):
             service.worker_mesh(bad)
     with pytest.raises(ValueError, match="needs"):
@@ -163,7 +166,7 @@ def test_groups_on_a_mesh_share_their_prefill_and_sample_as_on_one_device(
 
 @pytest.mark.parametrize(
     ("shape", "axes"),
-    [((1, 8), ("fsdp", "tensor")), ((1, 2, 4), MESH_AXES), ((2, 1, 4), MESH_AXES)],
+    [((1, 8), ("fsdp", "tensor")), ((1, 2, 4), THREE_AXES), ((2, 1, 4), THREE_AXES)],
     ids=["1x8", "1x2x4", "2x1x4"],
 )
 def test_a_jax_make_mesh_mesh_gives_the_one_device_tokens(single_device, shape, axes, tmp_path):

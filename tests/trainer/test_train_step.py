@@ -55,7 +55,7 @@ def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name, micro):
 
     def direct_loss(p):
         ids, attn = batch["input_ids"], batch["attention_mask"]
-        logp, _, values = policy_outputs(policy.graphdef, p, ids, attn)
+        logp, _, values, _ = policy_outputs(policy.graphdef, p, ids, attn)
         obj_batch = {
             "old_logprobs": jax.lax.stop_gradient(logp),
             "mask": (batch["completion_mask"] * attn).astype(jnp.float32),
