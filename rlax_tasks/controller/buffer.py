@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rlax_tasks.algorithms import filter_groups
+from rlax_tasks.rollout.routes import RoutedExperts
 from rlax_tasks.rollout.staleness import within_staleness
 
 # verdicts of a verifier that failed (the completion scores 0, the run goes on)
@@ -34,7 +35,9 @@ class ScoredGroup:
     ``token_versions``: per completion, the weight version each token was sampled with (a
     worker that continued it on newer weights mid-sequence); ``version`` is the oldest.
     ``resumed``: per completion, how many of its first tokens were handed back from a partial
-    rollout (generated before a preemption, not again); empty when none were."""
+    rollout (generated before a preemption, not again); empty when none were.
+    ``routed_experts``: per completion, a mixture-of-experts sampler's experts per token and
+    layer (docs/design.md §14); empty for a dense model."""
 
     prompt_id: str
     seq: int
@@ -49,6 +52,7 @@ class ScoredGroup:
     support: tuple[Support | None, ...] = ()
     token_versions: tuple[tuple[int, ...] | None, ...] = ()
     resumed: tuple[int, ...] = ()
+    routed_experts: tuple[RoutedExperts | None, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.completions)
@@ -56,15 +60,16 @@ class ScoredGroup:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.resumed)} resumed for {g}")
         if self.verdicts and len(self.verdicts) != g:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.verdicts)} verdicts for {g}")
-        for field in ("support", "token_versions"):
+        for field in ("support", "token_versions", "routed_experts"):
             per_token = getattr(self, field)
             if per_token and len(per_token) != g:
                 raise ValueError(f"group {self.prompt_id!r}: {len(per_token)} {field} for {g}")
             for i, values in enumerate(per_token):
-                if values is not None and len(values) != len(self.completions[i]):
+                n = values.tokens if isinstance(values, RoutedExperts) else len(values or ())
+                if values is not None and n != len(self.completions[i]):
                     raise ValueError(
                         f"group {self.prompt_id!r}: completion {i} has "
-                        f"{len(self.completions[i])} tokens but {len(values)} {field}"
+                        f"{len(self.completions[i])} tokens but {n} {field}"
                     )
         lengths = {
             len(self.logprobs),
@@ -107,6 +112,12 @@ class ScoredGroup:
                 else {}
             ),
             **({"resumed": list(self.resumed)} if self.resumed else {}),
+            **(
+                {"routed_experts": [None if r is None else r.to_json()
+                                    for r in self.routed_experts]}
+                if self.routed_experts
+                else {}
+            ),  # fmt: skip
         }
 
     @classmethod
@@ -125,6 +136,10 @@ class ScoredGroup:
             tuple(support_tuples(k) for k in d.get("support") or ()),
             tuple(version_tuple(v) for v in d.get("token_versions") or ()),
             tuple(int(n) for n in d.get("resumed") or ()),
+            tuple(
+                None if r is None else RoutedExperts.from_json(r, len(c), f"{d['prompt_id']}")
+                for r, c in zip(d.get("routed_experts") or (), d["completions"], strict=False)
+            ),
         )
 
     def version_counts(self) -> list[list[int]]:
@@ -273,7 +288,29 @@ class Batch:
                 tv = g.token_versions[i] if g.token_versions else None
                 versions[r, p : p + c] = tv if tv is not None else g.version
             out["token_versions"] = versions
+        if any(g.routed_experts for g in self.groups):
+            out["routed_experts"] = self._routes(rows, width)
         return out
+
+    def _routes(self, rows: list, width: int) -> np.ndarray:
+        """[B, T, L, k] int16 recorded experts of the generated tokens (-1 elsewhere); groups
+        recorded with another (layers, k) are refused naming the rollout."""
+        shapes = {r.shape[1:] for g in self.groups for r in g.routed_experts if r is not None}
+        if len(shapes) != 1:
+            named = [f"{g.prompt_id}: {sorted({r.shape[1:] for r in g.routed_experts if r})}"
+                     for g in self.groups if g.routed_experts]  # fmt: skip
+            raise ValueError(
+                "the batch's rollouts recorded expert routes of different (layers, k): "
+                + "; ".join(named)
+            )
+        (shape,) = shapes
+        routes = np.full((len(rows), width, *shape), -1, np.int16)
+        for r, (_, g, i) in enumerate(rows):
+            record = g.routed_experts[i] if g.routed_experts else None
+            if record is not None:
+                p = len(g.prompt_tokens)
+                routes[r, p : p + record.tokens] = record.array()
+        return routes
 
 
 class RolloutBuffer:

@@ -20,6 +20,7 @@ from rlax_tasks.controller.buffer import (
     support_tuples,
     version_tuple,
 )
+from rlax_tasks.rollout.routes import RoutedExperts
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -74,6 +75,10 @@ def schema() -> Any:
             # how many of its first tokens were resumed from a partial rollout (a snapshot's,
             # a failed worker's last report) rather than generated again
             ("resumed_tokens", pa.int32()),
+            # a mixture-of-experts sampler's experts per token and layer: int16 bytes of
+            # [tokens, layers, k] (docs/design.md §14), and its [layers, k] (null: not recorded)
+            ("routed_experts", pa.binary()),
+            ("routed_experts_shape", pa.list_(pa.int32())),
         ]
     )
 
@@ -104,6 +109,9 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             versions = g.token_versions[i] if g.token_versions else None
             cols["token_versions"].append(None if versions is None else list(versions))
             cols["resumed_tokens"].append(g.resumed[i] if g.resumed else 0)
+            routes = g.routed_experts[i] if g.routed_experts else None
+            cols["routed_experts"].append(None if routes is None else routes.data)
+            cols["routed_experts_shape"].append(None if routes is None else list(routes.shape[1:]))
     return cols
 
 
@@ -164,9 +172,21 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 resumed=tuple(cols["resumed_tokens"][i] for i in idx)
                 if "resumed_tokens" in cols and any(cols["resumed_tokens"][i] for i in idx)
                 else (),
+                routed_experts=tuple(_routes(cols, i) for i in idx)
+                if any(cols.get("routed_experts", [None] * (i + 1))[i] is not None for i in idx)
+                else (),
             )
         )
     return Batch(step, tuple(groups))
+
+
+def _routes(cols: dict[str, list], i: int) -> RoutedExperts | None:
+    """Row ``i``'s recorded experts from their bytes and [layers, k] (None: not recorded)."""
+    data = cols["routed_experts"][i]
+    if data is None:
+        return None
+    layers, k = cols["routed_experts_shape"][i]
+    return RoutedExperts((len(cols["tokens"][i]), layers, k), data)
 
 
 def read_rollouts(run_dir: str) -> Any:

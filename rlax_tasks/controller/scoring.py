@@ -16,6 +16,7 @@ from rlax_tasks.controller.buffer import ScoredGroup, support_tuples, version_tu
 from rlax_tasks.controller.mixture import Prompt
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.rollout.requests import GroupResult
+from rlax_tasks.rollout.routes import record_of
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ def scored_group(
         else (),
         token_versions=token_versions,
         resumed=tuple(c.resumed for c in comps) if any(c.resumed for c in comps) else (),
+        routed_experts=tuple(record_of(c.routed_experts) for c in comps)
+        if any(c.routed_experts is not None for c in comps)
+        else (),
     )
 
 

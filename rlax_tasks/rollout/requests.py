@@ -10,6 +10,8 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from rlax_tasks.rollout.routes import RoutedExperts, array_of, record_of
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -149,6 +151,7 @@ class SampleProgress:
     versions: tuple[int, ...] | None = None
     support: tuple[tuple[int, ...], ...] | None = None
     finish_reason: FinishReason | None = None
+    routed_experts: RoutedExperts | None = None
 
     @classmethod
     def of(cls, sample: int, c: Completion | Partial) -> SampleProgress:
@@ -160,6 +163,7 @@ class SampleProgress:
             None if c.versions is None else tuple(c.versions),
             None if c.support is None else tuple(tuple(k) for k in c.support),
             c.finish_reason if isinstance(c, Completion) else None,
+            record_of(c.routed_experts),
         )
 
     def completion(self, request: Request, resumed: int) -> Completion:
@@ -169,14 +173,16 @@ class SampleProgress:
         versions = None if self.versions is None else list(self.versions)
         tokens, logprobs = list(self.tokens), list(self.logprobs)
         return Completion(
-            request, tokens, logprobs, self.finish_reason, support, versions, resumed=resumed
+            request, tokens, logprobs, self.finish_reason, support, versions, resumed=resumed,
+            routed_experts=array_of(self.routed_experts),
         )
 
     def partial(self, request: Request) -> Partial:
         """The unfinished request this record holds, to be admitted again."""
         support = None if self.support is None else [list(k) for k in self.support]
         versions = None if self.versions is None else list(self.versions)
-        return Partial(request, list(self.tokens), list(self.logprobs), support, versions)
+        return Partial(request, list(self.tokens), list(self.logprobs), support, versions,
+                       array_of(self.routed_experts))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +192,8 @@ class SampleProgress:
             "versions": None if self.versions is None else list(self.versions),
             "support": None if self.support is None else [list(k) for k in self.support],
             "finish_reason": self.finish_reason,
+            **({} if self.routed_experts is None
+               else {"routed_experts": self.routed_experts.to_json()}),  # fmt: skip
         }
 
     @classmethod
@@ -194,7 +202,9 @@ class SampleProgress:
         the sample and the field."""
         if not isinstance(d, dict):
             raise ValueError(f"resume: each entry must be an object, got {d!r}")
-        unknown = set(d) - {"sample", "tokens", "logprobs", "versions", "support", "finish_reason"}
+        known = {"sample", "tokens", "logprobs", "versions", "support", "finish_reason",
+                 "routed_experts"}  # fmt: skip
+        unknown = set(d) - known
         if unknown:
             raise ValueError(f"resume: unknown field(s) {sorted(unknown)}")
         sample = d.get("sample")
@@ -231,6 +241,7 @@ class SampleProgress:
             )
         if reason is not None and not 0 < len(tokens) <= max_new_tokens:
             raise ValueError(f"{where}: a finished sample holds 1 to max_new_tokens tokens")
+        routes = d.get("routed_experts")
         return cls(
             sample,
             tuple(tokens),
@@ -238,6 +249,7 @@ class SampleProgress:
             None if versions is None else tuple(versions),
             None if support is None else tuple(tuple(int(i) for i in k) for k in support),
             reason,
+            None if routes is None else RoutedExperts.from_json(routes, len(tokens), where),
         )
 
 
@@ -339,7 +351,9 @@ class GroupResult:
                     **({"support": c.support} if c.support is not None else {}),
                     **({"versions": c.versions} if c.versions is not None else {}),
                     **({"resumed": c.resumed} if c.resumed else {}),
-                }
+                    **({} if c.routed_experts is None
+                       else {"routed_experts": RoutedExperts.of(c.routed_experts).to_json()}),
+                }  # fmt: skip
                 for i, c in enumerate(self.completions)
             ],
             "seconds": self.seconds,
@@ -359,8 +373,17 @@ class GroupResult:
                 None if c.get("support") is None else [list(ids) for ids in c["support"]],
                 None if c.get("versions") is None else [int(v) for v in c["versions"]],
                 int(c.get("resumed", 0)),
+                _routes_from_json(c, f"{r['prompt_id']} completion {i}"),
             )
             for i, c in enumerate(r["completions"])
         ]
         texts = [c.get("text", "") for c in r["completions"]]
         return cls(r["prompt_id"], int(r["version"]), prompt, completions, texts, r["seconds"])
+
+
+def _routes_from_json(c: dict[str, Any], where: str) -> np.ndarray | None:
+    """A wire completion's routed experts as an array (None when it carries none)."""
+    routes = c.get("routed_experts")
+    if routes is None:
+        return None
+    return RoutedExperts.from_json(routes, len(c["tokens"]), where).array().copy()
