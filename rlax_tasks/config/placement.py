@@ -78,8 +78,11 @@ class PlacementSettings:
     # processes that share a GPU
     memory_fraction: float | None = None
     # RAM of a host (bytes or "2TiB"); null = this machine's. The parameter server keeps
-    # versions in 25% of it (rlax_tasks/run/memory_plan.py)
+    # versions in ps_memory_fraction of it (rlax_tasks/run/memory_plan.py)
     host_memory: int | None = None
+    # the share of its host's RAM the parameter server keeps versions in (the rest: the jobs
+    # beside it, a worker's delta copy, the page cache)
+    ps_memory_fraction: float = 0.25  # memory_plan.PS_RAM_FRACTION
 
     def __post_init__(self) -> None:
         if self.mode is not None:
@@ -121,6 +124,7 @@ class PlacementSettings:
             check_float(self, "memory_fraction", low=0.0, high=1.0, open_low=True)
             if self.platform != "gpu":
                 raise ConfigError("memory_fraction", "applies to platform gpu only")
+        check_float(self, "ps_memory_fraction", low=0.0, high=0.9, open_low=True)
         if self.host_memory is not None:
             try:
                 set_field(self, "host_memory", parse_bytes(self.host_memory, minimum=1))

@@ -68,7 +68,8 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 #   none with workers.decode_layer_copies false on an accelerator;
 #   KV cache slots·max_len·L·2·kv·d·bc / (data·fsdp (slots, when it divides them) · t_kv);
 #   logits (slots/(data·fsdp))·(V/t_V)·4·2 (float32 logits and sampling probabilities).
-# Parameter server, host RAM: a version is P·bc; keep_bytes = PS_RAM_FRACTION of the host's RAM
+# Parameter server, host RAM: a version is P·bc; keep_bytes = placement.ps_memory_fraction
+# (PS_RAM_FRACTION by default) of the host's RAM
 # (placement.host_memory, else this machine's); keep_versions = max(2, min(k + 2, keep_bytes //
 # version − 1)): keep_bytes also counts the push in flight, hence the − 1; k =
 # staleness.max_staleness (reload_every when unbounded). The PS needs keep_bytes ≥ 2 versions
@@ -77,7 +78,7 @@ ATTENTION_BLOCK = 128  # rlax_tasks.models.attention.ATTENTION_BLOCK (no JAX imp
 # the host's RAM for every job together (not refused, only flagged). XLA's temporaries and the
 # prefill of the samplers are not counted: keep some headroom.
 
-TRAINER_KINDS = ("params", "reference", "adam", "grads", "activations")
+TRAINER_KINDS = ("params", "reference", "adam", "grads", "activations", "dispatch")
 WORKER_KINDS = ("weights", "reload", "decode_layers", "kv_cache")
 KINDS = (*TRAINER_KINDS, *WORKER_KINDS, "logits")
 
@@ -114,7 +115,7 @@ class PsRetention:
 
 
 def ps_retention(cfg: Any, model: Any) -> PsRetention:
-    """keep_bytes = the budget, a stated share (PS_RAM_FRACTION) of the host's RAM
+    """keep_bytes = the budget, a stated share (placement.ps_memory_fraction) of the host's RAM
     (placement.host_memory, else this machine's); keep_versions = max(2, min(k + 2, versions
     that fit beside a push in flight))."""
     version = model.num_parameters() * DTYPE_BYTES[cfg.model.dtype]
@@ -122,7 +123,7 @@ def ps_retention(cfg: Any, model: Any) -> PsRetention:
     source = "placement.host_memory"
     if host is None:
         host, source = host_memory(), "this machine's RAM"
-    budget = int(host * PS_RAM_FRACTION)
+    budget = int(host * cfg.placement.ps_memory_fraction)
     s = cfg.staleness
     wanted = (s.max_staleness if s.max_staleness is not None else s.reload_every) + 2
     keep = max(2, min(wanted, budget // max(version, 1) - 1))
@@ -411,7 +412,7 @@ class MemoryPlan:
             f"parameter server (host RAM): a version is {format_bytes(ps.version_bytes)} "
             f"({self.cfg.model.dtype}); keeps {ps.keep_versions} versions (k+2 = {ps.wanted}) "
             f"+ a push = {format_bytes((ps.keep_versions + 1) * ps.version_bytes)} of --keep-bytes "
-            f"{format_bytes(ps.keep_bytes)} ({PS_RAM_FRACTION:.0%} of "
+            f"{format_bytes(ps.keep_bytes)} ({self.cfg.placement.ps_memory_fraction:.0%} of "
             f"{format_bytes(ps.host_memory)}, {ps.host_source})"
         )
         out.append(
@@ -527,9 +528,10 @@ def plan_for(
         problems.append(
             f"ps needs {format_bytes(2 * ps.version_bytes)} of host RAM for the newest version "
             f"and a push ({format_bytes(ps.version_bytes)} each) but --keep-bytes is "
-            f"{format_bytes(ps.keep_bytes)} ({PS_RAM_FRACTION:.0%} of {ps.host_source}, "
-            f"{format_bytes(ps.host_memory)}): set placement.host_memory to the RAM of the run's "
-            f"hosts, or use hosts with more RAM"
+            f"{format_bytes(ps.keep_bytes)} ({cfg.placement.ps_memory_fraction:.0%} of "
+            f"{ps.host_source}, {format_bytes(ps.host_memory)}): set placement.host_memory to "
+            "the RAM of the run's hosts, raise placement.ps_memory_fraction, or use hosts with "
+            "more RAM"
         )
     elif not ps.roomy:
         warnings.append(

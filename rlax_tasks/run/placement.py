@@ -95,11 +95,13 @@ def sharers(cfg: Any, devices: Sequence[int]) -> int:
 def gpu_memory_fraction(cfg: Any, job: str) -> float | None:
     """XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU job (None: not a GPU job)."""
     p = cfg.placement
-    devices = job_devices(cfg, job)
-    if p.platform != "gpu" or devices is None:
+    if p.platform != "gpu" or job in CPU_JOBS:
         return None
     if p.memory_fraction is not None:
         return p.memory_fraction
+    devices = job_devices(cfg, job)
+    if devices is None:  # every GPU of a host of its own (separate_worker_hosts): alone there
+        return GPU_MEMORY_TOTAL
     return round(GPU_MEMORY_TOTAL / sharers(cfg, devices), 4)
 
 

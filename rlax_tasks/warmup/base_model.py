@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlax_tasks.utils.file_lock import exclusive
-from rlax_tasks.warmup.recipe import WarmupRecipe
+from rlax_tasks.warmup.recipe import WarmupRecipe, recipe_for
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,8 @@ def is_cached(cache_dir: str, name: str, recipe: WarmupRecipe | None = None) -> 
     """Whether ``cache_dir/name`` holds the recipe's base model, built and complete (JAX-free:
     a caller that only needs the check starts no backend)."""
     marker = read_marker(os.path.join(cache_dir, name))
-    return (
-        marker is not None and marker.get("fingerprint") == (recipe or WarmupRecipe()).fingerprint()
-    )
+    want = (recipe or recipe_for(name)).fingerprint()
+    return marker is not None and marker.get("fingerprint") == want
 
 
 def ensure_base_model(
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         check_job_devices("warm-up")
-        ensure_base_model(args[0], name=args[1])
+        ensure_base_model(args[0], recipe_for(args[1]), name=args[1])
     except ValueError as e:
         print(f"base model warm-up: error: {e}", file=sys.stderr)
         return 2

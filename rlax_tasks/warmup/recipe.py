@@ -47,6 +47,11 @@ class WarmupRecipe:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    # mixture of experts (0: the dense Qwen2 MLP): a Qwen3-MoE of ``num_experts`` experts of
+    # width ``moe_intermediate_size``, ``num_experts_per_tok`` per token, in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
     # supervised training
     steps: int = 3000
     batch_size: int = 64
@@ -82,7 +87,12 @@ class WarmupRecipe:
             "num_train_problems",
         ):
             check_int(name, getattr(self, name), _error, minimum=1)
-        for name in ("lr_warmup_steps", "seed", "data_seed", "heldout_size"):
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size"):
+                check_int(name, getattr(self, name), _error, minimum=1)
+            if self.num_experts_per_tok > self.num_experts:
+                raise WarmupRecipeError("num_experts_per_tok must not exceed num_experts")
+        for name in ("lr_warmup_steps", "seed", "data_seed", "heldout_size", "num_experts"):
             check_int(name, getattr(self, name), _error, minimum=0)
         check_int("heldout_seed", self.heldout_seed, _error, minimum=0, optional=True)
         if self.heldout_seed is not None and self.heldout_seed == self.data_seed:
@@ -124,10 +134,17 @@ class WarmupRecipe:
         return TinyArith(self.task())
 
     def model_config(self) -> ModelConfig:
-        """The Qwen2 config (vocabulary = the char tokenizer's, untied embeddings)."""
+        """The Qwen2 config (vocabulary = the char tokenizer's, untied embeddings), or with
+        ``num_experts`` the Qwen3-MoE one."""
         tokenizer = char_tokenizer()
         fmt = self.task_format()
-        return ModelConfig(
+        moe = {}
+        if self.num_experts:
+            moe = dict(model_type="qwen3_moe", qkv_bias=False, qk_norm=True,
+                       num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=True)  # fmt: skip
+        return ModelConfig(**{**dict(
             model_type="qwen2",
             vocab_size=len(tokenizer),
             hidden_size=self.hidden_size,
@@ -145,13 +162,16 @@ class WarmupRecipe:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-        )
+        ), **moe})  # fmt: skip
 
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly fields (inverse of ``from_dict``)."""
         d = dataclasses.asdict(self)
         d["ops"] = list(self.ops)
+        if not self.num_experts:  # a dense recipe's fields (and fingerprint) as before MoE
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                del d[name]
         return d
 
     @classmethod
@@ -170,3 +190,19 @@ class WarmupRecipe:
         }
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+# the recipes a model directory is built by, by its name (model.path's last component; any
+# other name: the default, tiny-arith's)
+NAMED_RECIPES: dict[str, WarmupRecipe] = {
+    "tiny-arith": WarmupRecipe(),
+    # the tiny-arith-moe preset's base: 4 experts of width 128, 2 per token (the dense model's
+    # MLP width 256 active), over the same task
+    "tiny-arith-moe": WarmupRecipe(num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=128),  # fmt: skip
+}
+
+
+def recipe_for(name: str) -> WarmupRecipe:
+    """The recipe that builds the model directory ``name``."""
+    return NAMED_RECIPES.get(name, NAMED_RECIPES["tiny-arith"])
