@@ -58,6 +58,47 @@ def grouped_matmul_implementation() -> str:
     return "tiled" if jax.default_backend() == "cpu" else "ragged"
 
 
+@jax.custom_vjp
+def moved_rows(
+    x: jax.Array, index: jax.Array, mask: jax.Array, back: jax.Array, back_mask: jax.Array
+) -> jax.Array:
+    """Rows ``x[index]`` where ``mask`` (0 elsewhere), for a one-to-one map: ``back`` sends each
+    row of ``x`` (where ``back_mask``) to the one output row that reads it, so the transpose is
+    the gather ``g[back]``, not the scatter-add XLA:CPU runs slowly."""
+    return jnp.where(mask[:, None], x[index], 0)
+
+
+def _moved_rows_fwd(x, index, mask, back, back_mask):  # noqa: ANN001, ANN202
+    return moved_rows(x, index, mask, back, back_mask), (index, mask, back, back_mask)
+
+
+def _moved_rows_bwd(res, g):  # noqa: ANN001, ANN202
+    index, mask, back, back_mask = res
+    return jnp.where(back_mask[:, None], g[back], 0), None, None, None, None
+
+
+moved_rows.defvjp(_moved_rows_fwd, _moved_rows_bwd)
+
+
+@jax.custom_vjp
+def repeated_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """``x[order // k]``: each of x's N rows k times, in the permutation ``order`` of the N·k
+    (token, slot) pairs; the transpose sums each token's k rows (gathered by ``inverse``)."""
+    return x[order // k]
+
+
+def _repeated_rows_fwd(x, order, inverse, k):  # noqa: ANN001, ANN202
+    return repeated_rows(x, order, inverse, k), (inverse, k)
+
+
+def _repeated_rows_bwd(res, g):  # noqa: ANN001, ANN202
+    inverse, k = res
+    return g[inverse].reshape(-1, k, g.shape[-1]).sum(axis=1), None, None, None
+
+
+repeated_rows.defvjp(_repeated_rows_fwd, _repeated_rows_bwd)
+
+
 def _tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, K] sorted by group, w [G, K, N] -> [M, N]: each group's rows padded to whole
     blocks of one group, the blocks multiplied by their group's weights in one batched product
@@ -78,13 +119,15 @@ def _tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     within = slot - pad_starts[group]
     filled = (within < group_sizes[group]) & (slot < pad_ends[-1])
     source = jnp.where(filled, starts[group] + within, 0)
-    xs = jnp.where(filled[:, None], x[source], 0).reshape(tiles, block, k)
-    ys = jnp.einsum("tbk,tkn->tbn", xs, w[tile_group], preferred_element_type=jnp.float32)
     row = jnp.arange(m)
     row_group = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, g - 1)
-    position = jnp.clip(pad_starts[row_group] + row - starts[row_group], 0, tiles * block - 1)
-    out = ys.reshape(tiles * block, n)[position]
-    return jnp.where((row < ends[-1])[:, None], out, 0).astype(x.dtype)
+    in_group = row < ends[-1]
+    position = jnp.where(in_group, pad_starts[row_group] + row - starts[row_group], 0)
+    # rows into their blocks and back: one-to-one on the filled slots and the grouped rows
+    xs = moved_rows(x, source, filled, position, in_group).reshape(tiles, block, k)
+    ys = jnp.einsum("tbk,tkn->tbn", xs, w[tile_group], preferred_element_type=jnp.float32)
+    ys = ys.astype(x.dtype).reshape(tiles * block, n)
+    return moved_rows(ys, position, in_group, source, filled)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -124,11 +167,13 @@ def expert_outputs(
     key = jnp.where(here, local, held)  # the experts held elsewhere sort last
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
-    rows = x[order // k]
+    inverse = jnp.argsort(order)
+    rows = repeated_rows(x, order, inverse, k)
     h = jax.nn.silu(grouped_matmul(rows, gate, group_sizes)) * grouped_matmul(rows, up, group_sizes)
     y = grouped_matmul(h, down, group_sizes)
     y = y * jnp.where(here, weights.reshape(-1), 0).astype(y.dtype)[order][:, None]
-    unsorted = y[jnp.argsort(order)]  # back to (token, slot) order
+    every = jnp.ones(order.shape, bool)
+    unsorted = moved_rows(y, inverse, every, order, every)  # back to (token, slot) order
     return unsorted.reshape(n, k, -1).sum(axis=1)
 
 

@@ -209,6 +209,26 @@ def test_dry_run_prints_each_job_its_devices_and_gib_per_device(preset, lines, c
     assert "--keep-bytes 435.9 GiB" in out and "verdict: fits h100-80gb" in out
 
 
+@pytest.mark.parametrize(
+    ("preset", "experts", "fits"),
+    [("qwen3-30b-a3b-grpo-gpu", "128 experts split 4 way(s)", "verdict: fits h200"),
+     ("qwen3-30b-a3b-grpo-tpu", "128 experts split 8 way(s)", "verdict: fits v5p"),
+     ("qwen3-235b-a22b-grpo-gpu", "128 experts split 16 way(s)", "verdict: fits h200")],
+)  # fmt: skip
+def test_the_moe_presets_plan_their_experts_and_fit(preset, experts, fits, capsys, no_network):
+    """Each MoE preset's --dry-run: the experts split over the expert axis, the dispatch
+    buffers counted, a plan that fits; without the expert axis the 30B one does not."""
+    assert main(["run", "--preset", preset, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model: qwen3_moe" in out and experts in out and fits in out, out
+    assert " dispatch " in out  # the experts' dispatch buffers, a column of the table
+    # the same GPU run with the experts only over fsdp 2: each GPU holds 64 experts a layer
+    argv = ["run", "--preset", "qwen3-30b-a3b-grpo-gpu", "--dry-run"]
+    assert main([*argv, "--set", "trainer.mesh_shape=[1,2,1,1]", "--set",
+                 "placement.trainer=[0,1]", "--set", "workers.mesh_shape=[1,1,2,1]"]) == 2
+    assert "verdict: DOES NOT FIT" in capsys.readouterr().out
+
+
 def test_a_held_out_evaluation_on_its_own_gpu_is_planned_there(capsys, no_network):
     """placement.evaluator [7] beside worker-3 on GPU 7: a row of the placement table and of
     the memory plan, each of the two with half of the 0.9 of GPU 7."""
