@@ -103,8 +103,9 @@ def test_device_check_script_runs_its_cpu_form_and_says_what_it_skipped(tmp_path
     assert all(r["tokens_per_s"] > 0 and r["fraction_of_roofline"] is None
                for r in figures["decode"])  # fmt: skip
     assert figures["train"]["tokens_per_s"] > 0 and figures["train"]["mfu"] is None
-    measured = figures["train"]["measured"]  # the sweep: each setting in turn, the fastest kept
-    assert len(measured) >= 2 and measured[0]["remat"] == "full", measured
+    # the sweep: each setting in turn within its budget (its choice: tests/test_benchmarks.py)
+    measured = figures["train"]["measured"]
+    assert measured and measured[0]["remat"] == "full", measured
     assert figures["train"]["settings"][0].startswith("trainer.remat=")
     for program in ("decode", "train"):  # the profile's table: time, bytes and rates per op
         table = figures["profile"][program]

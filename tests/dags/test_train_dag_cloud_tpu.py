@@ -140,7 +140,8 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         assert "fake libtpu: v4-8: every chip of its one host; 4 TPU device(s)" in log
     # the worker took every chip of its host (a trainer over several TPU hosts leaves it none)
     assert all(
-        "worker mesh {'data': 1, 'fsdp': 1, 'tensor': 4}" in log for log in worker_logs.values()
+        "worker mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 4}" in log
+        for log in worker_logs.values()
     )
     # the worker's slice is another VM than the PS's: it pulls the weights over TCP, never
     # through the PS's shared memory, though the fake's hosts share this machine's kernel

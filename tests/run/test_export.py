@@ -107,6 +107,24 @@ def llama_run(tmp_path_factory) -> Run:
     return Run(cfg.run_dir, base, logits)
 
 
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Run:
+    """Qwen3-MoE (4 experts, 2 per token), float32, GRPO, trained on an expert mesh (expert 2 ×
+    fsdp 2): its checkpoints hold the stacked, expert-sharded expert weights."""
+    from rlax_tasks.models import ModelConfig, Policy, load_pretrained
+
+    root = tmp_path_factory.mktemp("moe")
+    base = str(root / "base")
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, qk_norm=True, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    Policy.init(config, seed=2).save_pretrained(base)
+    cfg = _config(str(root / "runs"), "moe", base, "grpo", mesh_shape=[1, 2, 2, 1])
+    logits = _train(cfg, load_pretrained(base), lambda p: np.asarray(p.logits(PROBE)))
+    return Run(cfg.run_dir, base, logits)
+
+
 def _hf_logits(path: str) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
@@ -152,6 +170,15 @@ def test_newest_and_earlier_steps_load_in_transformers_with_the_trained_logits(
     assert max(np.abs(trained[k] - base[k]).max() for k in base) > 1e-3
     assert _dtypes(newest) == {"torch.float32"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left
+
+
+def test_a_moe_run_exports_per_expert_tensors_transformers_loads(moe_run, tmp_path, capsys):
+    out = str(tmp_path / "moe")
+    assert _export(capsys, moe_run.run_dir, out)[0] == 0
+    np.testing.assert_allclose(_hf_logits(out), moe_run.logits[STEPS], atol=1e-4, rtol=0)
+    base, trained = _tensors(moe_run.base), _tensors(out)
+    assert set(trained) == set(base) and "model.layers.1.mlp.experts.3.down_proj.weight" in base
+    assert max(np.abs(trained[k] - base[k]).max() for k in base if ".experts." in k) > 1e-3
 
 
 def test_big_models_are_written_in_shards_with_an_index(qwen_run, tmp_path):

@@ -1,6 +1,6 @@
 """The tiny-arith-moe preset end to end, as a user runs it (`rlax run --preset tiny-arith-moe`):
 the warm-up builds its 4-expert Qwen3-MoE base, training replays the sampler's routes, and the
-held-out pass@1 rises (measured: 0.201 -> 0.626 in 300 steps, benchmarks/README.md)."""
+held-out pass@1 rises (measured: 0.138 -> 0.382 in 300 steps, benchmarks/README.md)."""
 
 from __future__ import annotations
 
