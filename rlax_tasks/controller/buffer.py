@@ -137,7 +137,7 @@ class ScoredGroup:
             tuple(version_tuple(v) for v in d.get("token_versions") or ()),
             tuple(int(n) for n in d.get("resumed") or ()),
             tuple(
-                None if r is None else RoutedExperts.from_json(r, len(c), f"{d['prompt_id']}")
+                None if r is None else RoutedExperts.from_json(r, len(c), str(d["prompt_id"]))
                 for r, c in zip(d.get("routed_experts") or (), d["completions"], strict=False)
             ),
         )
@@ -297,8 +297,11 @@ class Batch:
         recorded with another (layers, k) are refused naming the rollout."""
         shapes = {r.shape[1:] for g in self.groups for r in g.routed_experts if r is not None}
         if len(shapes) != 1:
-            named = [f"{g.prompt_id}: {sorted({r.shape[1:] for r in g.routed_experts if r})}"
-                     for g in self.groups if g.routed_experts]  # fmt: skip
+            named = [
+                f"{g.prompt_id}: {sorted({r.shape[1:] for r in g.routed_experts if r is not None})}"
+                for g in self.groups
+                if g.routed_experts
+            ]
             raise ValueError(
                 "the batch's rollouts recorded expert routes of different (layers, k): "
                 + "; ".join(named)

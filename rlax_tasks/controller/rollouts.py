@@ -173,7 +173,8 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 if "resumed_tokens" in cols and any(cols["resumed_tokens"][i] for i in idx)
                 else (),
                 routed_experts=tuple(_routes(cols, i) for i in idx)
-                if any(cols.get("routed_experts", [None] * (i + 1))[i] is not None for i in idx)
+                if "routed_experts" in cols
+                and any(cols["routed_experts"][i] is not None for i in idx)
                 else (),
             )
         )

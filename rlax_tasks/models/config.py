@@ -158,19 +158,25 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * hd
         mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-        if self.is_moe:
-            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        if self.is_moe:  # the router; the experts are added below
+            mlp = d * self.num_experts
         layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embed + d
+        return self.num_hidden_layers * layer + embed + d + self.num_expert_parameters()
+
+    def num_expert_parameters(self) -> int:
+        """Parameters of the experts' SwiGLU weights, every layer's (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_hidden_layers * self.num_experts * expert
 
     def num_active_parameters(self) -> int:
         """Parameters one token computes with: all but the experts it is not routed to."""
         if not self.is_moe:
             return self.num_parameters()
         idle = self.num_experts - self.num_experts_per_tok
-        expert = 3 * self.hidden_size * self.moe_intermediate_size
-        return self.num_parameters() - self.num_hidden_layers * idle * expert
+        return self.num_parameters() - self.num_expert_parameters() * idle // self.num_experts
 
     # ----------------------------------------------------------------- HF config.json
     @classmethod

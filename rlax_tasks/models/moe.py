@@ -69,11 +69,11 @@ def moved_rows(
 
 
 def _moved_rows_fwd(x, index, mask, back, back_mask):  # noqa: ANN001, ANN202
-    return moved_rows(x, index, mask, back, back_mask), (index, mask, back, back_mask)
+    return moved_rows(x, index, mask, back, back_mask), (back, back_mask)
 
 
 def _moved_rows_bwd(res, g):  # noqa: ANN001, ANN202
-    index, mask, back, back_mask = res
+    back, back_mask = res
     return jnp.where(back_mask[:, None], g[back], 0), None, None, None, None
 
 
@@ -234,7 +234,6 @@ class Experts(nnx.Module):
         self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), param_dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), param_dtype))
-        self.dtype = dtype
 
 
 class SparseMoE(nnx.Module):

@@ -212,7 +212,7 @@ class Sampler:
         held = [w for w in self._waiting if isinstance(w, Partial)]
         held += [
             Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
-                    _stacked_routes(s.routes))  # fmt: skip
+                    self._stacked_routes(s.routes))  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -276,7 +276,7 @@ class Sampler:
         same random stream. Returns how many were in flight."""
         partials = [
             Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
-                    _stacked_routes(s.routes))  # fmt: skip
+                    self._stacked_routes(s.routes))  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -468,6 +468,12 @@ class Sampler:
         return _Slot(request, list(item.tokens), list(item.logprobs), stops, eos, support,
                      versions, routes)  # fmt: skip
 
+    def _stacked_routes(self, routes: list[np.ndarray] | None) -> np.ndarray | None:
+        """A slot's per-token routes as one [tokens, L, k] int16 array (None: a dense model)."""
+        if routes is None:
+            return None
+        return np.stack(routes) if routes else np.zeros((0, *self.route_shape), np.int16)
+
     def support_size(self, filtering: bool) -> int:
         """Kept ids recorded per token by a prefill or decode call (static): the capacity when
         a request in it filters, else none."""
@@ -569,7 +575,7 @@ class Sampler:
         out.append(
             Completion(
                 state.request, state.tokens, state.logprobs, reason, state.support, state.versions,
-                routed_experts=_stacked_routes(state.routes),
+                routed_experts=self._stacked_routes(state.routes),
             )
         )
         self._slots[slot] = None
@@ -580,12 +586,3 @@ class Sampler:
     def _hits_stop_string(self, state: _Slot) -> bool:
         tail = self.policy.tokenizer.decode(state.tokens[-32:], skip_special_tokens=False)
         return any(s in tail for s in state.request.params.stop_strings)
-
-
-def _stacked_routes(routes: list[np.ndarray] | None) -> np.ndarray | None:
-    """A slot's per-token routes as one [tokens, L, k] int16 array (None: a dense model)."""
-    if routes is None:
-        return None
-    if not routes:
-        return np.zeros((0, 0, 0), np.int16)
-    return np.stack(routes).astype(np.int16)

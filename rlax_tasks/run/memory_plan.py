@@ -153,17 +153,10 @@ def _mesh_or_single(cfg: Any, job: str) -> tuple[tuple[int, int, int, int], bool
     return _four_axes(tuple(1 if s == -1 else s for s in shape)), False
 
 
-def expert_parameters(m: Any) -> int:
-    """The parameters of a mixture-of-experts model's experts (0 for a dense model)."""
-    if not getattr(m, "is_moe", False):
-        return 0
-    return m.num_hidden_layers * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
-
-
 def parameters_per_device(m: Any, fsdp: int, expert: int, tensor: int) -> int:
     """Parameters one device holds: the dense ones over fsdp × tensor, the experts' over
     expert × fsdp × tensor (each axis where it divides their dimension)."""
-    experts = expert_parameters(m)
+    experts = m.num_expert_parameters()
     if not experts:
         return m.num_parameters() // (fsdp * tensor)
     shards = (_split(m.num_experts, expert) * _split(m.hidden_size, fsdp)
@@ -173,7 +166,7 @@ def parameters_per_device(m: Any, fsdp: int, expert: int, tensor: int) -> int:
 
 def mlp_width(m: Any) -> int:
     """The MLP width a token computes: the intermediate size, or k experts' for MoE."""
-    if getattr(m, "is_moe", False):
+    if m.is_moe:
         return m.num_experts_per_tok * m.moe_intermediate_size
     return m.intermediate_size
 
@@ -182,7 +175,7 @@ def dispatch_bytes(m: Any, tokens: int, bc: int, expert: int, tensor: int) -> in
     """One MoE layer's dispatch buffers for a sequence of ``tokens``: the expert group's tokens
     gathered (expert × h) and each token's k rows sorted by expert, their block padding (up to
     2×) with their gate, up and hidden outputs (0 for a dense model)."""
-    if not getattr(m, "is_moe", False):
+    if not m.is_moe:
         return 0
     h, k, fe = m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size
     return bc * tokens * (expert * h + 2 * k * (2 * h + 3 * fe // _split(fe, tensor)))
@@ -242,7 +235,7 @@ def trainer_bytes(cfg: Any, m: Any) -> tuple[dict[str, int], str]:
         f"trainer: {seqs} sequence(s) × {tokens} tokens per device (micro-batch {micro} over "
         f"data×fsdp{'×expert' if expert > 1 else ''} {replicas}), remat {t.remat}"
     )
-    if expert_parameters(m):
+    if m.num_expert_parameters():
         note += f"; {m.num_experts} experts split {_split(m.num_experts, expert)} way(s)"
     return parts, note
 
@@ -266,8 +259,8 @@ def worker_bytes(cfg: Any, m: Any, job: str) -> tuple[dict[str, int], str]:
     weights = held * bc
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
     layers_mlp = m.num_hidden_layers * m.hidden_size * m.intermediate_size
-    if expert_parameters(m):  # the largest array: one of the stacked expert weights
-        layers_mlp = expert_parameters(m) // 3 // _split(m.num_experts, expert)
+    if m.num_expert_parameters():  # the largest array: one of the stacked expert weights
+        layers_mlp = m.num_expert_parameters() // 3 // _split(m.num_experts, expert)
     cache = w.slots * w.max_len * m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim
     vocab = m.vocab_size // _split(m.vocab_size, tensor)
     parts = {
