@@ -171,6 +171,67 @@ def _prefill(
     return constrain_cache(cache), state, tokens, logprobs, active, kept
 
 
+def _extend(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    held: HeldWeights,
+    cache: KVCache,
+    state: SlotState,
+    ids: jax.Array,
+    lengths: jax.Array,
+    starts: jax.Array,
+    slots: jax.Array,
+    new: SlotState,
+    filtering: bool,
+    sampling: bool,
+    support: int = 0,
+) -> tuple[KVCache, SlotState, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Prefills ids [n, T] behind what cache rows ``slots`` [n] already hold (``starts`` [n]
+    entries: an episode's earlier turns) and draws each row's first token; returns what
+    ``_prefill`` does. Only the new tokens are computed: the rows' entries are gathered, extended
+    at their offsets and written back (padding rows: ``slots`` out of range, dropped)."""
+    width = ids.shape[1]
+    rows = jnp.minimum(slots, cache.positions.shape[0] - 1)  # (padding rows read, never written)
+    part = KVCache(
+        k=tuple(jnp.take(c, rows, axis=0) for c in cache.k),
+        v=tuple(jnp.take(c, rows, axis=0) for c in cache.v),
+        positions=jnp.take(cache.positions, rows, axis=0),
+        valid=jnp.take(cache.valid, rows, axis=0),
+    )
+    offsets = jnp.arange(width, dtype=jnp.int32)
+    positions = starts[:, None] + offsets
+    valid = offsets[None, :] < lengths[:, None]
+    logits, part = forward.extend_cache(
+        graphdef,
+        params,
+        ids,
+        positions,
+        valid,
+        part,
+        starts,
+        logits_at=lengths - 1,
+        unembedding=held.unembedding,
+        layers=held.layers,
+    )
+    keys = jax.vmap(token_key)(new.key, new.generated)
+    tokens, logprobs, kept = sample_tokens(
+        logits[:, 0], keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
+    )
+    generated = new.generated + 1
+    active = ~_finished(tokens, generated, new)
+    cache = KVCache(
+        k=tuple(c.at[slots].set(f, mode="drop") for c, f in zip(cache.k, part.k, strict=True)),
+        v=tuple(c.at[slots].set(f, mode="drop") for c, f in zip(cache.v, part.v, strict=True)),
+        positions=cache.positions.at[slots].set(part.positions, mode="drop"),
+        valid=cache.valid.at[slots].set(part.valid, mode="drop"),
+    )
+    admitted = new._replace(
+        last_token=tokens, position=starts + lengths, generated=generated, active=active
+    )
+    state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
+    return constrain_cache(cache), state, tokens, logprobs, active, kept
+
+
 def _decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -251,6 +312,7 @@ def _decode(
 # programs keep the names _prefill / _decode: the persistent cache's entries are named after them)
 PREFILL = jax.jit(_prefill, static_argnums=(0, 1, 11, 12, 13), donate_argnums=(4, 5))
 DECODE = jax.jit(_decode, static_argnums=(0, 5, 6, 7, 8, 10, 11), donate_argnums=(3, 4))
+EXTEND = jax.jit(_extend, static_argnums=(0, 10, 11, 12), donate_argnums=(3, 4))
 
 
 def admission_arrays(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from rlax_tasks.rollout.routes import RoutedExperts, array_of, record_of
@@ -62,12 +62,17 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One completion to generate: ``sample_index`` separates the n samples of one prompt."""
+    """One completion to generate: ``sample_index`` separates the n samples of one prompt.
+    ``keep_cache``: when it ends on a stop id its slot keeps the KV cache for a next turn (an
+    episode's, docs/design.md §15); ``continues``: the id of such a turn, whose cached prefix
+    this request's prompt extends (only the rest is prefilled while that cache is kept)."""
 
     prompt: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     sample_index: int = 0
     request_id: Any = None
+    keep_cache: bool = False
+    continues: Any = None
 
     @classmethod
     def make(
@@ -101,6 +106,12 @@ class Completion:
     versions: list[int] | None = None
     resumed: int = 0  # its first tokens, handed back from a record (not sampled again)
     routed_experts: np.ndarray | None = None
+    prefilled: int = 0  # tokens its admission prefilled (a continued turn: only the new ones)
+    # an episode (docs/design.md §15): 1 for the model's tokens, 0 for observations (no
+    # log-prob, never trained on); its environment's reward; its turns and tool counters
+    mask: list[int] | None = None
+    reward: float | None = None
+    episode: dict[str, Any] | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -152,6 +163,9 @@ class SampleProgress:
     support: tuple[tuple[int, ...], ...] | None = None
     finish_reason: FinishReason | None = None
     routed_experts: RoutedExperts | None = None
+    # an episode's: the loss mask of its tokens and its state (``rollout.episodes``)
+    mask: tuple[int, ...] | None = None
+    episode: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, sample: int, c: Completion | Partial) -> SampleProgress:
@@ -173,7 +187,13 @@ class SampleProgress:
         versions = None if self.versions is None else list(self.versions)
         tokens, logprobs = list(self.tokens), list(self.logprobs)
         return Completion(
-            request, tokens, logprobs, self.finish_reason, support, versions, resumed=resumed,
+            request,
+            tokens,
+            logprobs,
+            self.finish_reason,
+            support,
+            versions,
+            resumed=resumed,
             routed_experts=array_of(self.routed_experts),
         )
 
@@ -192,8 +212,13 @@ class SampleProgress:
             "versions": None if self.versions is None else list(self.versions),
             "support": None if self.support is None else [list(k) for k in self.support],
             "finish_reason": self.finish_reason,
-            **({} if self.routed_experts is None
-               else {"routed_experts": self.routed_experts.to_json()}),  # fmt: skip
+            **(
+                {}
+                if self.routed_experts is None
+                else {"routed_experts": self.routed_experts.to_json()}
+            ),  # fmt: skip
+            **({} if self.mask is None else {"mask": list(self.mask)}),
+            **({} if self.episode is None else {"episode": dict(self.episode)}),
         }
 
     @classmethod
@@ -203,7 +228,7 @@ class SampleProgress:
         if not isinstance(d, dict):
             raise ValueError(f"resume: each entry must be an object, got {d!r}")
         known = {"sample", "tokens", "logprobs", "versions", "support", "finish_reason",
-                 "routed_experts"}  # fmt: skip
+                 "routed_experts", "mask", "episode"}  # fmt: skip
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"resume: unknown field(s) {sorted(unknown)}")
@@ -234,12 +259,20 @@ class SampleProgress:
         reason = d.get("finish_reason")
         if reason is not None and reason not in FINISH_REASONS:
             raise ValueError(f"{where}: finish_reason must be one of {FINISH_REASONS} or null")
-        if reason is None and len(tokens) >= max_new_tokens:
+        mask, episode = d.get("mask"), d.get("episode")
+        if mask is not None and (
+            not isinstance(mask, list) or len(mask) != len(tokens) or set(mask) - {0, 1}
+        ):
+            raise ValueError(f"{where}: mask must be one 0 or 1 per token, or null")
+        if episode is not None and not isinstance(episode, dict):
+            raise ValueError(f"{where}: episode must be an object, or null")
+        # (an episode's budget is its environment's, not one turn's)
+        if episode is None and reason is None and len(tokens) >= max_new_tokens:
             raise ValueError(
                 f"{where}: an unfinished sample holds {len(tokens)} tokens, the group's "
                 f"max_new_tokens is {max_new_tokens}"
             )
-        if reason is not None and not 0 < len(tokens) <= max_new_tokens:
+        if episode is None and reason is not None and not 0 < len(tokens) <= max_new_tokens:
             raise ValueError(f"{where}: a finished sample holds 1 to max_new_tokens tokens")
         routes = d.get("routed_experts")
         return cls(
@@ -250,6 +283,8 @@ class SampleProgress:
             None if support is None else tuple(tuple(int(i) for i in k) for k in support),
             reason,
             None if routes is None else RoutedExperts.from_json(routes, len(tokens), where),
+            None if mask is None else tuple(mask),
+            episode,
         )
 
 
@@ -267,6 +302,10 @@ class GroupRequest:
     # what the group's samples held when they were last recorded (a snapshot, a failed worker's
     # last report): the worker goes on from there instead of generating those tokens again
     resume: tuple[SampleProgress, ...] = ()
+    # an episode group (docs/design.md §15): its environment (``EnvironmentSpec.to_dict``) and
+    # the dataset row it resets from; the worker renders the prompt from them
+    environment: Mapping[str, Any] | None = None
+    row: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON the controller sends to ``POST /v1/groups`` (``from_dict`` reads it back)."""
@@ -279,12 +318,15 @@ class GroupRequest:
                 k: list(v) if isinstance(v, tuple) else v for k, v in vars(self.params).items()
             },
             **({"resume": [s.to_dict() for s in self.resume]} if self.resume else {}),
-        }
+            **({} if self.environment is None
+               else {"environment": dict(self.environment), "row": dict(self.row or {})}),
+        }  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupRequest:
         """From JSON: prompt_id, prompt_tokens, group_size, params (SamplingParams fields)."""
-        known = {"prompt_id", "prompt_tokens", "group_size", "params", "min_version", "resume"}
+        known = {"prompt_id", "prompt_tokens", "group_size", "params", "min_version", "resume",
+                 "environment", "row"}  # fmt: skip
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown group request field(s): {sorted(unknown)}")
@@ -314,6 +356,11 @@ class GroupRequest:
         samples = [r.sample for r in resume]
         if len(set(samples)) != len(samples):
             raise ValueError(f"resume: a sample appears twice ({sorted(samples)})")
+        environment, row = d.get("environment"), d.get("row")
+        if environment is not None and not isinstance(environment, dict):
+            raise ValueError("environment must be an object (name, max_turns, ...)")
+        if row is not None and not isinstance(row, dict):
+            raise ValueError("row must be an object (the dataset row an episode resets from)")
         return cls(
             str(d["prompt_id"]),
             tuple(int(t) for t in d["prompt_tokens"]),
@@ -321,6 +368,8 @@ class GroupRequest:
             params,
             min_version,
             resume,
+            environment,
+            row,
         )
 
 
@@ -351,8 +400,14 @@ class GroupResult:
                     **({"support": c.support} if c.support is not None else {}),
                     **({"versions": c.versions} if c.versions is not None else {}),
                     **({"resumed": c.resumed} if c.resumed else {}),
-                    **({} if c.routed_experts is None
-                       else {"routed_experts": RoutedExperts.of(c.routed_experts).to_json()}),
+                    **(
+                        {}
+                        if c.routed_experts is None
+                        else {"routed_experts": RoutedExperts.of(c.routed_experts).to_json()}
+                    ),
+                    **({} if c.mask is None else {"mask": c.mask}),
+                    **({} if c.reward is None else {"reward": c.reward}),
+                    **({} if c.episode is None else {"episode": c.episode}),
                 }  # fmt: skip
                 for i, c in enumerate(self.completions)
             ],
@@ -374,6 +429,9 @@ class GroupResult:
                 None if c.get("versions") is None else [int(v) for v in c["versions"]],
                 int(c.get("resumed", 0)),
                 _routes_from_json(c, f"{r['prompt_id']} completion {i}"),
+                mask=None if c.get("mask") is None else [int(m) for m in c["mask"]],
+                reward=None if c.get("reward") is None else float(c["reward"]),
+                episode=c.get("episode"),
             )
             for i, c in enumerate(r["completions"])
         ]

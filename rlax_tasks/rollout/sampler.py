@@ -20,7 +20,14 @@ from rlax_tasks.models.kv_cache import cache_shardings, init_cache
 from rlax_tasks.models.policy import Policy
 from rlax_tasks.models.transformer import resolve_dtype
 from rlax_tasks.rollout.held_weights import HeldWeights, held_weights, weights_device
-from rlax_tasks.rollout.kernels import DECODE, PREFILL, admission_arrays, empty_state, request_keys
+from rlax_tasks.rollout.kernels import (
+    DECODE,
+    EXTEND,
+    PREFILL,
+    admission_arrays,
+    empty_state,
+    request_keys,
+)
 from rlax_tasks.rollout.precompile import Precompiler
 from rlax_tasks.rollout.requests import Completion, FinishReason, Partial, Request, SamplingParams
 from rlax_tasks.rollout.shapes import (
@@ -43,6 +50,7 @@ class _Slot:
     versions: list[int] | None = None  # each token's weight version, when the weights have one
     # a mixture-of-experts model: each token's experts [L, k] once it was fed back (-1 before)
     routes: list[np.ndarray] | None = None
+    prefilled: int = 0  # tokens its admission prefilled
 
 
 @dataclasses.dataclass
@@ -53,6 +61,9 @@ class SamplerStats:
     decode_calls: int = 0
     generated_tokens: int = 0
     completions: int = 0
+    prefilled_tokens: int = 0  # prompt tokens computed by admissions (extensions included)
+    extended_tokens: int = 0  # of those, behind a kept cache (an episode's next turn)
+    evicted: int = 0  # kept caches given up for a waiting request
     prefill_s: float = 0.0
     decode_s: float = 0.0
     last_swap_s: float | None = None
@@ -130,6 +141,11 @@ class Sampler:
         self._state = jax.device_put(empty_state(max_slots, max_stop_ids), place)
         self._slots: list[_Slot | None] = [None] * max_slots
         self._waiting: collections.deque[Request | Partial] = collections.deque()
+        # turns that ended on a stop id with ``keep_cache``: request id -> (slot, cached ids),
+        # oldest first (the first given up when a waiting request needs a slot)
+        self._kept: collections.OrderedDict[Any, tuple[int, tuple[int, ...]]] = (
+            collections.OrderedDict()
+        )
         self.version: int | None = None  # of the weights (set_params): each token records it
         self._prefill_fn = PREFILL
         self._decode_fn = DECODE
@@ -211,8 +227,14 @@ class Sampler:
         back by ``interrupt`` or ``add_partial`` and not admitted yet); nothing changes."""
         held = [w for w in self._waiting if isinstance(w, Partial)]
         held += [
-            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
-                    self._stacked_routes(s.routes))  # fmt: skip
+            Partial(
+                s.request,
+                s.tokens,
+                s.logprobs,
+                s.support,
+                s.versions,
+                self._stacked_routes(s.routes),
+            )  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -253,6 +275,20 @@ class Sampler:
         if request.params.stop_strings and self.policy.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer; the policy has none")
 
+    def release(self, request_id: Any) -> None:
+        """Gives up the cache a finished ``keep_cache`` turn kept (its episode ended)."""
+        self._kept.pop(request_id, None)
+
+    @property
+    def kept_caches(self) -> int:
+        """Slots holding a finished turn's cache for its next turn."""
+        return len(self._kept)
+
+    def _free(self) -> list[int]:
+        """Slots neither decoding nor keeping a turn's cache."""
+        kept = {slot for slot, _ in self._kept.values()}
+        return [i for i, s in enumerate(self._slots) if s is None and i not in kept]
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slots)
@@ -275,8 +311,14 @@ class Sampler:
         prompt and tokens are prefilled under the weights of then and it draws on from the
         same random stream. Returns how many were in flight."""
         partials = [
-            Partial(s.request, s.tokens, s.logprobs, s.support, s.versions,
-                    self._stacked_routes(s.routes))  # fmt: skip
+            Partial(
+                s.request,
+                s.tokens,
+                s.logprobs,
+                s.support,
+                s.versions,
+                self._stacked_routes(s.routes),
+            )  # fmt: skip
             for s in self._slots
             if s is not None
         ]
@@ -285,8 +327,9 @@ class Sampler:
         return len(partials)
 
     def _free_slots(self) -> None:
-        """Every slot free, on the device too."""
+        """Every slot free, on the device too (kept caches given up: their weights may go)."""
         self._slots = [None] * self.max_slots
+        self._kept.clear()
         # placed like the rest of the state: an uncommitted array here made the next prefill
         # and decode compile a second program for every admission shape (once per reload)
         active = jax.device_put(np.zeros(self.max_slots, bool), self._state.active.sharding)
@@ -371,7 +414,16 @@ class Sampler:
         return [seen[id(p)] for p in params]
 
     def _admit(self, finished: list[Completion]) -> None:
-        free = [i for i, s in enumerate(self._slots) if s is None]
+        if self._kept and self._waiting:
+            self._admit_continued(finished)
+        free = self._free()
+        if self._waiting and len(free) < len(self._waiting) and self._kept:
+            # a turn waiting on its tool leaves the batch: its cache is given up for a
+            # waiting request (its next turn prefills its whole history instead)
+            for _ in range(min(len(self._waiting) - len(free), len(self._kept))):
+                self._kept.popitem(last=False)
+                self.stats.evicted += 1
+            free = self._free()
         if not self._waiting or not free:
             return
         if self.batching == "static" and len(free) < self.max_slots:
@@ -440,13 +492,105 @@ class Sampler:
             tokens, logprobs, active, kept = jax.device_get((tokens, logprobs, active, kept))
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
-        # the admitted rows first (padding rows after them), each with its free slot
+        self.stats.prefilled_tokens += sum(len(p) for p in prefixes)
+        self._place(items, free[:n], [len(p) for p in prefixes], stop_sets,
+                    (tokens, logprobs, active, kept), finished)  # fmt: skip
+
+    def _place(
+        self,
+        items: list[Request | Partial],
+        slots: list[int],
+        prefilled: list[int],
+        stop_sets: list[frozenset[int]],
+        drawn: tuple[np.ndarray, ...],
+        finished: list[Completion],
+    ) -> None:
+        """Puts an admission's rows in their slots and emits each one's first token (``drawn``:
+        the call's tokens, log-probs, active flags and kept ids, padding rows after them)."""
+        n = len(items)
+        tokens, logprobs, active, kept = drawn
         tokens, logprobs, active = tokens[:n].tolist(), logprobs[:n].tolist(), active[:n].tolist()
         kept = kept[:n]
-        rows_out = zip(items, free[:n], stop_sets, tokens, logprobs, active, kept, strict=True)
-        for item, slot, stops, token, logprob, still, ids in rows_out:
+        rows_out = zip(items, slots, prefilled, stop_sets, tokens, logprobs, active, kept,
+                       strict=True)  # fmt: skip
+        for item, slot, count, stops, token, logprob, still, ids in rows_out:
             self._slots[slot] = self._slot(item, stops, bool(kept.shape[-1]))
+            self._slots[slot].prefilled = count
             self._emit(slot, token, logprob, still, finished, ids)
+
+    def _admit_continued(self, finished: list[Completion]) -> None:
+        """Admits the waiting turns whose episode's cache is kept: each prefills only its new
+        tokens (an observation) behind that cache, in its own slot, in one call."""
+        take: list[tuple[Request, int, int]] = []  # (request, slot, cached length)
+        rest: collections.deque[Request | Partial] = collections.deque()
+        top_start = top_new = 0
+        for item in self._waiting:
+            kept = None if isinstance(item, Partial) else self._kept.get(item.continues)
+            if kept is None or len(take) == self.max_slots:
+                rest.append(item)
+                continue
+            slot, cached = kept
+            if item.prompt[: len(cached)] != cached or len(item.prompt) == len(cached):
+                self._kept.pop(item.continues)  # not its prefix: prefilled whole instead
+                rest.append(item)
+                continue
+            start, extra = max(top_start, len(cached)), max(top_new, len(item.prompt) - len(cached))
+            if extra > self.max_len - start:  # no one width fits the call: the next one
+                rest.append(item)
+                continue
+            top_start, top_new = start, extra
+            take.append((item, slot, len(cached)))
+            del self._kept[item.continues]
+        if not take:
+            return
+        self._waiting = rest
+        n = len(take)
+        rows = admission_rows(n, self.max_slots)
+        width = min(prompt_bucket(top_new, self.max_len), self.max_len - top_start)
+        ids, lengths, _, slots, new = admission_arrays(
+            rows, width, None, self.max_slots, self.max_stop_ids
+        )
+        starts = np.zeros(rows, np.int32)
+        params = [r.params for r, _, _ in take]
+        for row, (request, slot, cached) in enumerate(take):
+            extra = request.prompt[cached:]
+            ids[row, : len(extra)] = extra
+            lengths[row], starts[row], slots[row] = len(extra), cached, slot
+        new.budget[:n] = [p.max_new_tokens for p in params]
+        new.temperature[:n] = [p.temperature for p in params]
+        new.top_k[:n] = [p.top_k for p in params]
+        new.top_p[:n] = [p.top_p for p in params]
+        stop_sets = self._stop_sets(params)
+        for row, stops in enumerate(stop_sets):
+            new.stop_ids[row, : len(stops)] = sorted(stops)
+        new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r, _, _ in take])
+        filtering = any(p.filtering for p in params)
+        sampling = any(p.temperature > 0 for p in params)
+        t0 = time.perf_counter()
+        with self.policy._scope():
+            self._cache, self._state, *drawn = EXTEND(
+                self.policy.graphdef,
+                self.policy.params,
+                self._held,
+                self._cache,
+                self._state,
+                ids,
+                lengths,
+                starts,
+                slots,
+                new,
+                filtering,
+                sampling,
+                self.support_size(filtering),
+            )
+            drawn = jax.device_get(tuple(drawn))
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
+        counts = [int(x) for x in lengths[:n]]
+        self.stats.prefilled_tokens += sum(counts)
+        self.stats.extended_tokens += sum(counts)
+        self._place([r for r, _, _ in take], [slot for _, slot, _ in take], counts, stop_sets,
+                    tuple(drawn), finished)  # fmt: skip
 
     def _slot(self, item: Request | Partial, stops: frozenset[int], recording: bool) -> _Slot:
         """A slot's host state for an admitted request, or a continued one with its tokens so
@@ -574,11 +718,21 @@ class Sampler:
             return False
         out.append(
             Completion(
-                state.request, state.tokens, state.logprobs, reason, state.support, state.versions,
+                state.request,
+                state.tokens,
+                state.logprobs,
+                reason,
+                state.support,
+                state.versions,
                 routed_experts=self._stacked_routes(state.routes),
+                prefilled=state.prefilled,
             )
         )
         self._slots[slot] = None
+        if state.request.keep_cache and token in state.stop_set and self.batching == "continuous":
+            # the device stopped it too: the cache holds its prompt and every token but the last
+            cached = state.request.prompt + tuple(state.tokens[:-1])
+            self._kept[state.request.request_id] = (slot, cached)
         if still_active:  # ended on the host (stop string): stop the device slot too
             self._state = self._state._replace(active=self._state.active.at[slot].set(False))
         return True
