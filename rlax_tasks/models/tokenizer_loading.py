@@ -28,6 +28,10 @@ def load_tokenizer(path: str) -> Any:
     it picks once that choice is remembered."""
     import transformers  # lazy: heavy, and loaded only by processes that tokenize
 
+    if _word_level(path):
+        # a word-level tokenizer built from a tokenizers object (our tiny models'): AutoTokenizer
+        # would pick the model type's BPE class, whose pre-tokenizer drops spaces and newlines
+        return transformers.TokenizersBackend.from_pretrained(path)
     key = _key(path)
     name = _classes().get(key)
     cls = getattr(transformers, name, None) if name else None
@@ -43,6 +47,21 @@ def load_tokenizer(path: str) -> Any:
     if getattr(transformers, kind.__name__, None) is kind:  # importable by name: remember it
         _remember(key, kind.__name__)
     return tokenizer
+
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _word_level(path: str) -> bool:
+    """Whether ``path`` holds a generic (tokenizers-built) tokenizer with a word-level model."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            if json.load(f).get("tokenizer_class") not in GENERIC_CLASSES:
+                return False
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            return json.load(f).get("model", {}).get("type") == "WordLevel"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def classes_path() -> str:

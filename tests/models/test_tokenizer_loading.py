@@ -12,7 +12,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlax_tasks.models import Policy, model_cache
-from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.models.tokenizer_loading import classes_path, load_tokenizer
 from tests.data.chat_model import CORPUS
 from tests.tiny_model import tiny_model_config
@@ -25,15 +24,6 @@ def classes_in_tmp(tmp_path, monkeypatch):
     """The remembered classes under tmp_path (beside a model cache there)."""
     monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "cache" / "models"))
     return tmp_path / "cache" / "tokenizer-classes.json"
-
-
-@pytest.fixture(scope="module")
-def char_model_dir(tmp_path_factory):
-    """A checkpoint with the embedded default's character tokenizer (no chat template)."""
-    path = str(tmp_path_factory.mktemp("char-model"))
-    policy = Policy.init(tiny_model_config(vocab_size=78), seed=0, tokenizer=char_tokenizer())
-    policy.save_pretrained(path)
-    return path
 
 
 def _same_behaviour(got, want, chat: bool) -> None:  # noqa: ANN001 - transformers tokenizers
@@ -55,11 +45,12 @@ def _same_behaviour(got, want, chat: bool) -> None:  # noqa: ANN001 - transforme
         )
 
 
-@pytest.mark.parametrize("which", ["chat", "char"])
+# (a character tokenizer is loaded as saved, not as AutoTokenizer would: the test below)
+@pytest.mark.parametrize("which", ["chat"])
 def test_the_remembered_class_loads_what_autotokenizer_loads(
-    which, classes_in_tmp, chat_model_dir, char_model_dir, monkeypatch
+    which, classes_in_tmp, chat_model_dir, monkeypatch
 ) -> None:  # noqa: ANN001
-    path = chat_model_dir if which == "chat" else char_model_dir
+    path = chat_model_dir
     want = AutoTokenizer.from_pretrained(path)
     first = load_tokenizer(path)  # through AutoTokenizer: remembers its choice
     _same_behaviour(first, want, chat=which == "chat")
@@ -74,15 +65,15 @@ def test_the_remembered_class_loads_what_autotokenizer_loads(
 
 
 def test_changed_files_or_a_bad_entry_go_through_autotokenizer(
-    classes_in_tmp, char_model_dir, tmp_path
+    classes_in_tmp, chat_model_dir, tmp_path
 ) -> None:
-    load_tokenizer(char_model_dir)
+    load_tokenizer(chat_model_dir)
     (key,) = json.loads(classes_in_tmp.read_text())
     # another directory with a different tokenizer_config.json: another key, AutoTokenizer
     other = tmp_path / "other"
     other.mkdir()
-    for name in os.listdir(char_model_dir):
-        with open(os.path.join(char_model_dir, name), "rb") as f:
+    for name in os.listdir(chat_model_dir):
+        with open(os.path.join(chat_model_dir, name), "rb") as f:
             (other / name).write_bytes(f.read())
     config = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
@@ -90,8 +81,8 @@ def test_changed_files_or_a_bad_entry_go_through_autotokenizer(
     assert len(json.loads(classes_in_tmp.read_text())) == 2
     # an entry naming no transformers class: AutoTokenizer again, and the entry corrected
     classes_in_tmp.write_text(json.dumps({key: "NoSuchTokenizer"}))
-    want = AutoTokenizer.from_pretrained(char_model_dir)
-    _same_behaviour(load_tokenizer(char_model_dir), want, chat=False)
+    want = AutoTokenizer.from_pretrained(chat_model_dir)
+    _same_behaviour(load_tokenizer(chat_model_dir), want, chat=True)
     assert json.loads(classes_in_tmp.read_text())[key] == type(want).__name__
 
 
@@ -109,3 +100,19 @@ def test_a_remembered_load_does_not_import_autotokenizer(classes_in_tmp, chat_mo
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == [type(AutoTokenizer.from_pretrained(chat_model_dir)).__name__, "False", "False"]
+
+
+def test_a_saved_character_tokenizer_keeps_spaces_newlines_and_chat_tokens(tmp_path) -> None:
+    """Our tokenizers-built tokenizers load as saved: AutoTokenizer's pick for a Qwen2 config
+    rebuilt them with a pre-tokenizer that dropped every space and newline."""
+    from rlax_tasks.models.tokenizer import chat_char_tokenizer
+
+    tok = chat_char_tokenizer()
+    config = tiny_model_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    Policy.init(config, seed=0, tokenizer=tok).save_pretrained(str(tmp_path))
+    text = "<|im_start|>user\n1 + 2<|im_end|>\n"
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.encode(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False
+    )
+    assert loaded.eos_token_id == tok.eos_token_id and loaded.chat_template == tok.chat_template
