@@ -17,6 +17,7 @@ from rlax_tasks.config.checks import (
     check_str,
     set_field,
 )
+from rlax_tasks.config.environment import EnvironmentSpec
 from rlax_tasks.data.files import file_format
 from rlax_tasks.data.formats import FORMAT_NAMES, get_format
 from rlax_tasks.rewards.tasks import TASKS, make_task
@@ -109,6 +110,9 @@ class DatasetSpec:
     name: str
     source: SyntheticSource | FileSource
     weight: float = 1.0
+    # its prompts are multi-turn episodes in this environment (docs/design.md §15); without
+    # one, each is a single completion (an environment of one step)
+    environment: EnvironmentSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -122,6 +126,11 @@ class DatasetSpec:
         if not isinstance(self.source, SyntheticSource | FileSource):
             raise ConfigError("source", f"must be a synthetic task or a file, got {self.source!r}")
         check_float(self, "weight", low=0.0, open_low=True)
+        if self.environment is not None and not isinstance(self.environment, EnvironmentSpec):
+            try:
+                set_field(self, "environment", EnvironmentSpec.from_dict(self.environment))
+            except ConfigError as e:
+                raise e.under("environment") from None
 
     @property
     def verifier(self) -> str:

@@ -53,6 +53,10 @@ class ScoredGroup:
     token_versions: tuple[tuple[int, ...] | None, ...] = ()
     resumed: tuple[int, ...] = ()
     routed_experts: tuple[RoutedExperts | None, ...] = ()
+    # per completion of an episode group (docs/design.md §15): 1 where the model's token
+    # trains, 0 for observations; and the episode's counters (turns, tool calls, ...)
+    loss_masks: tuple[tuple[int, ...] | None, ...] = ()
+    episodes: tuple[Mapping[str, float] | None, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.completions)
@@ -60,7 +64,9 @@ class ScoredGroup:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.resumed)} resumed for {g}")
         if self.verdicts and len(self.verdicts) != g:
             raise ValueError(f"group {self.prompt_id!r}: {len(self.verdicts)} verdicts for {g}")
-        for field in ("support", "token_versions", "routed_experts"):
+        if self.episodes and len(self.episodes) != g:
+            raise ValueError(f"group {self.prompt_id!r}: {len(self.episodes)} episodes for {g}")
+        for field in ("support", "token_versions", "routed_experts", "loss_masks"):
             per_token = getattr(self, field)
             if per_token and len(per_token) != g:
                 raise ValueError(f"group {self.prompt_id!r}: {len(per_token)} {field} for {g}")
@@ -113,9 +119,22 @@ class ScoredGroup:
             ),
             **({"resumed": list(self.resumed)} if self.resumed else {}),
             **(
-                {"routed_experts": [None if r is None else r.to_json()
-                                    for r in self.routed_experts]}
+                {
+                    "routed_experts": [
+                        None if r is None else r.to_json() for r in self.routed_experts
+                    ]
+                }
                 if self.routed_experts
+                else {}
+            ),  # fmt: skip
+            **(
+                {"loss_masks": [None if m is None else list(m) for m in self.loss_masks]}
+                if self.loss_masks
+                else {}
+            ),
+            **(
+                {"episodes": [None if e is None else dict(e) for e in self.episodes]}
+                if self.episodes
                 else {}
             ),  # fmt: skip
         }
@@ -140,6 +159,10 @@ class ScoredGroup:
                 None if r is None else RoutedExperts.from_json(r, len(c), str(d["prompt_id"]))
                 for r, c in zip(d.get("routed_experts") or (), d["completions"], strict=False)
             ),
+            tuple(
+                None if m is None else tuple(int(x) for x in m) for m in d.get("loss_masks") or ()
+            ),  # fmt: skip
+            tuple(None if e is None else dict(e) for e in d.get("episodes") or ()),
         )
 
     def version_counts(self) -> list[list[int]]:
@@ -151,6 +174,28 @@ class ScoredGroup:
             for v in versions if versions is not None else (self.version,) * len(tokens):
                 counts[v] = counts.get(v, 0) + 1
         return [[v, counts[v]] for v in sorted(counts)]
+
+
+def episode_stats(groups: Iterable[ScoredGroup]) -> dict[str, float]:
+    """Per-step figures of the batch's episodes (none when it holds no episode group): turns
+    per episode, the share of tool calls that parsed, tool errors and seconds in tools, and
+    the tokens trained on against those masked out (observations)."""
+    episodes = [e for g in groups for e in g.episodes if e is not None]
+    if not episodes:
+        return {}
+    masks = [m for g in groups for m in g.loss_masks if m is not None]
+    trained = sum(sum(m) for m in masks)
+    calls = sum(float(e.get("tool_calls", 0)) for e in episodes)
+    valid = sum(float(e.get("valid_calls", 0)) for e in episodes)
+    return {
+        "episode/turns": float(np.mean([float(e.get("turns", 0)) for e in episodes])),
+        "episode/tool_calls": calls / len(episodes),
+        "episode/valid_call_rate": valid / calls if calls else 1.0,
+        "episode/tool_errors": sum(float(e.get("tool_errors", 0)) for e in episodes),
+        "episode/tool_seconds": sum(float(e.get("tool_seconds", 0)) for e in episodes),
+        "episode/tokens_trained": float(trained),
+        "episode/tokens_masked": float(sum(len(m) for m in masks) - trained),
+    }
 
 
 def support_lists(kept: Support | None) -> list[list[int]] | None:
@@ -226,6 +271,7 @@ class Batch:
         return {
             "prompts_skipped": float(len(self.skipped)),
             "verifier_errors": float(failures),
+            **episode_stats(self.groups),
             **{k: float(v) for k, v in self.timings.items()},
         }
 
@@ -259,7 +305,8 @@ class Batch:
             p, c = len(g.prompt_tokens), len(g.completions[i])
             ids[r, :p] = g.prompt_tokens
             ids[r, p : p + c] = g.completions[i]
-            mask[r, p : p + c] = 1.0
+            loss_mask = g.loss_masks[i] if g.loss_masks else None
+            mask[r, p : p + c] = 1.0 if loss_mask is None else loss_mask
             attention[r, : p + c] = 1
             beh[r, p : p + c] = g.logprobs[i]
             rewards[r] = g.rewards[i]

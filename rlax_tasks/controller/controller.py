@@ -30,7 +30,7 @@ from rlax_tasks.controller.ports import (
     WorkerPool,
 )
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
-from rlax_tasks.controller.scoring import scored_group
+from rlax_tasks.controller.scoring import environment_scores, scored_group
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
 from rlax_tasks.controller.worker_health import WorkerHealth
@@ -328,6 +328,10 @@ class Controller:
             dataclasses.replace(self.settings.sampling, seed=seed),
             min_version=min_version,
             resume=self.partials.resume(prompt.id, min_version),
+            # an episode's prompt is rendered by the worker from its environment's first
+            # messages (tokens above: the dataset's prompt, what the length screen used)
+            environment=prompt.environment,
+            row=None if prompt.environment is None else prompt.episode_row(),
         )
 
     def _submit(self, worker: str, prompts: list[Prompt]) -> None:
@@ -463,6 +467,14 @@ class Controller:
         if not self._unscored:
             return
         items, self._unscored = self._unscored, []
+        # episode groups come scored by their environment; the others go to the scorer
+        episodes = [(item, environment_scores(item[1])) for item in items]
+        scored = [(item, s) for item, s in episodes if s is not None]
+        if scored:
+            self._buffer_scored([item for item, _ in scored], [s for _, s in scored])
+        items = [item for item, s in episodes if s is None]
+        if not items:
+            return
         prompts, results = [p for p, _ in items], [r for _, r in items]
         if self._scorer_threads is None:
             try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,6 +35,14 @@ class Prompt:
     content: str | list[dict[str, str]]
     reference: str
     verifier: str  # "task" (the synthetic task's scorer), "math" or "code"
+    # the dataset's environment (``EnvironmentSpec.to_dict``): the prompt is an episode's
+    environment: Mapping[str, Any] | None = None
+
+    def episode_row(self) -> dict[str, Any]:
+        """The row an episode resets from: the prompt and what scores it (an answer, or a
+        code test suite as JSON under "tests")."""
+        key = "tests" if self.verifier == "code" else "answer"
+        return {"prompt": self.content, key: self.reference}
 
 
 class PromptSource(Protocol):
@@ -124,6 +132,7 @@ class MixtureComponent:
     weight: float
     source: PromptSource
     verifier: str = "task"
+    environment: Mapping[str, Any] | None = None  # its prompts are episodes (docs/design.md §15)
 
 
 @dataclasses.dataclass
@@ -160,7 +169,17 @@ class PromptMixture:
     def from_specs(cls, specs: Sequence[DatasetSpec], seed: int = 0) -> PromptMixture:
         """The mixture of a run configuration's ``datasets``."""
         return cls(
-            [MixtureComponent(s.name, s.weight, make_source(s), s.verifier) for s in specs], seed
+            [
+                MixtureComponent(
+                    s.name,
+                    s.weight,
+                    make_source(s),
+                    s.verifier,
+                    None if s.environment is None else s.environment.to_dict(),
+                )  # fmt: skip
+                for s in specs
+            ],
+            seed,
         )
 
     # ------------------------------------------------------------------ drawing
@@ -196,7 +215,15 @@ class PromptMixture:
         c = self.components[i]
         text, reference = c.source.get(index)
         return Prompt(
-            f"{c.name}/{epoch}/{index}", seq, c.name, index, epoch, text, reference, c.verifier
+            f"{c.name}/{epoch}/{index}",
+            seq,
+            c.name,
+            index,
+            epoch,
+            text,
+            reference,
+            c.verifier,
+            c.environment,
         )
 
     def prompt(self, prompt_id: str, seq: int) -> Prompt:

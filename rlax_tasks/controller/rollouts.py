@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
@@ -79,6 +80,10 @@ def schema() -> Any:
             # [tokens, layers, k] (docs/design.md §14), and its [layers, k] (null: not recorded)
             ("routed_experts", pa.binary()),
             ("routed_experts_shape", pa.list_(pa.int32())),
+            # an episode's (docs/design.md §15): 1 where a token trains (the model's), 0 for
+            # observations (null: every token trains); its counters as JSON
+            ("loss_mask", pa.list_(pa.int8())),
+            ("episode", pa.string()),
         ]
     )
 
@@ -112,6 +117,10 @@ def rollout_rows(step: int, batch: Batch, verifiers: Mapping[str, str]) -> dict[
             routes = g.routed_experts[i] if g.routed_experts else None
             cols["routed_experts"].append(None if routes is None else routes.data)
             cols["routed_experts_shape"].append(None if routes is None else list(routes.shape[1:]))
+            loss_mask = g.loss_masks[i] if g.loss_masks else None
+            cols["loss_mask"].append(None if loss_mask is None else list(loss_mask))
+            episode = g.episodes[i] if g.episodes else None
+            cols["episode"].append(None if episode is None else json.dumps(dict(episode)))
     return cols
 
 
@@ -175,6 +184,18 @@ def read_step_batch(run_dir: str, step: int) -> Batch:
                 routed_experts=tuple(_routes(cols, i) for i in idx)
                 if "routed_experts" in cols
                 and any(cols["routed_experts"][i] is not None for i in idx)
+                else (),
+                loss_masks=tuple(
+                    None if cols["loss_mask"][i] is None else tuple(cols["loss_mask"][i])
+                    for i in idx
+                )
+                if "loss_mask" in cols and any(cols["loss_mask"][i] is not None for i in idx)
+                else (),
+                episodes=tuple(
+                    None if cols["episode"][i] is None else json.loads(cols["episode"][i])
+                    for i in idx
+                )
+                if "episode" in cols and any(cols["episode"][i] is not None for i in idx)
                 else (),
             )
         )

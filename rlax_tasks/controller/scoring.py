@@ -85,7 +85,33 @@ def scored_group(
         routed_experts=tuple(record_of(c.routed_experts) for c in comps)
         if any(c.routed_experts is not None for c in comps)
         else (),
+        loss_masks=tuple(None if c.mask is None else tuple(int(m) for m in c.mask) for c in comps)
+        if any(c.mask is not None for c in comps)
+        else (),
+        episodes=tuple(episode_counters(c.episode) for c in comps)
+        if any(c.episode is not None for c in comps)
+        else (),
     )
+
+
+EPISODE_COUNTERS = ("turns", "tool_calls", "valid_calls", "tool_errors", "tool_seconds",
+                    "step_timeouts", "masked_tokens")  # fmt: skip
+
+
+def episode_counters(episode: Any) -> dict[str, float] | None:
+    """An episode's counters from a worker's report (its history is not kept: the tokens
+    hold it); None for a completion that is no episode."""
+    if not isinstance(episode, dict):
+        return None
+    stats = episode.get("stats") if isinstance(episode.get("stats"), dict) else {}
+    merged = {**stats, **{k: v for k, v in episode.items() if k != "stats"}}
+    return {k: finite_or_none(merged.get(k)) or 0.0 for k in EPISODE_COUNTERS}
+
+
+def environment_scores(result: GroupResult) -> list[float] | None:
+    """The rewards an episode group's environment gave (None: a group the scorer scores)."""
+    rewards = [c.reward for c in result.completions]
+    return None if any(r is None for r in rewards) else [float(r) for r in rewards]
 
 
 def _float(value: Any) -> float:

@@ -19,3 +19,27 @@ def char_tokenizer(alphabet: str = DIGITS_AND_SYMBOLS) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )
+
+
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+CHAT_ALPHABET = DIGITS_AND_SYMBOLS + '{}[]"_<>!#%&;|'
+# ChatML, compact: a tiny model's prompts stay short. Tools are listed by name in the system
+# turn; a tool's result comes back as a "tool" turn (docs/design.md §15).
+COMPACT_CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | map(attribute='function') | "
+    "map(attribute='name') | join(', ')) + '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_char_tokenizer(alphabet: str = CHAT_ALPHABET) -> PreTrainedTokenizerFast:
+    """``char_tokenizer`` with ChatML's turn markers and Hermes tool-call tags as single tokens
+    and a compact ChatML template (tiny models' multi-turn episodes); ``<|im_end|>`` ends a
+    turn (its eos)."""
+    tok = char_tokenizer(alphabet)
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = COMPACT_CHATML_TEMPLATE
+    return tok
