@@ -86,7 +86,7 @@ def run_tool(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutput:
         return ToolOutput(f"{tool.name}: {problem}", error=True)
     try:
         out = tool.run(call.arguments)
-    except Exception as exc:  # noqa: BLE001 - a tool failure is an observation (§15)
+    except Exception as exc:  # noqa: BLE001 - a tool failure is an observation
         logger.warning("tool %s failed on %r", tool.name, call.arguments, exc_info=True)
         return ToolOutput(f"{tool.name}: the tool failed: {type(exc).__name__}: {exc}", True)
     if not isinstance(out, ToolOutput):
