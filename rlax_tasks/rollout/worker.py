@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from rlax_tasks.process.garbage_collection import collect_if_due
+from rlax_tasks.rollout.episodes import EpisodeDriver
 from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exported
     Completion,
     GroupRequest,
@@ -70,6 +71,7 @@ class _Pending:
     started: float
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
     resumed: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> tokens handed
+    prompt: tuple[int, ...] | None = None  # an episode group's: rendered by its environment
 
 
 @dataclasses.dataclass
@@ -93,6 +95,7 @@ class WorkerStats:
     pulled_bytes: int = 0  # received by the reloads (deltas where the source sent them) ...
     pulled_full_bytes: int = 0  # ... and what whole versions would have taken
     resumed_tokens: int = 0  # handed back in resume records: not generated again
+    episodes_done: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -133,12 +136,16 @@ class InferenceWorker:
         self._reset_sampler = False
         self._unacked: int | None = None  # a loaded version the source has not heard of yet
         self._progress_calls: list[_ProgressCall] = []
+        self._driver: EpisodeDriver | None = None  # episode groups' (docs/design.md §15)
 
     # ------------------------------------------------------------------ controller side
     def submit(self, groups: Sequence[GroupRequest]) -> None:
         """Queues groups (validated first: nothing is queued if one is invalid); a group's
         ``resume`` records go on from their tokens."""
         for g in groups:
+            if g.environment is not None:
+                self._check_episodes(g)
+                continue
             for i in range(g.group_size):
                 self.sampler.validate(self._request(g, i))
             for r in g.resume:
@@ -152,6 +159,28 @@ class InferenceWorker:
                     raise ValueError(f"prompt_id {g.prompt_id!r} is already in flight")
                 known.add(g.prompt_id)
             self._queue.extend(groups)
+            self._lock.notify_all()
+
+    def _check_episodes(self, g: GroupRequest) -> None:
+        """ValueError naming what an episode group gets wrong (its environment, its settings)."""
+        from rlax_tasks.environments import EnvironmentSpec
+
+        try:
+            EnvironmentSpec.from_dict(dict(g.environment or {}))
+        except ValueError as e:
+            raise ValueError(f"{g.prompt_id!r}: environment: {e}") from None
+        g.params.validate(self.sampler.policy.config.vocab_size)
+        if self.sampler.policy.tokenizer is None:
+            raise ValueError(f"{g.prompt_id!r}: episodes need the model's tokenizer; it has none")
+
+    def episodes(self) -> EpisodeDriver:
+        """The driver of this worker's episodes (made on first use)."""
+        if self._driver is None:
+            self._driver = EpisodeDriver(self.sampler, wake=self._wake)
+        return self._driver
+
+    def _wake(self) -> None:
+        with self._lock:
             self._lock.notify_all()
 
     def results(self, wait_s: float = 0.0, max_groups: int | None = None) -> list[GroupResult]:
@@ -204,7 +233,10 @@ class InferenceWorker:
             if not self._progress_calls:
                 return
             partials: dict[str, dict[int, SampleProgress]] = collections.defaultdict(dict)
-            for p in self.sampler.in_progress():
+            in_progress = self.sampler.in_progress()
+            for p in in_progress:
+                if self._driver is not None and self._driver.owns(p):
+                    continue  # an episode's turn: its record is the driver's
                 prompt_id, sample = p.request.request_id
                 if p.tokens and prompt_id in self._pending:
                     partials[prompt_id][sample] = SampleProgress.of(sample, p)
@@ -214,6 +246,12 @@ class InferenceWorker:
                 held.update(partials.get(prompt_id, {}))
                 if held:
                     groups[prompt_id] = [held[i] for i in sorted(held)]
+            if self._driver is not None and self._driver.episodes:
+                for (prompt_id, sample), r in self._driver.records(in_progress).items():
+                    if prompt_id in self._pending:
+                        held = {x.sample: x for x in groups.get(prompt_id, [])}
+                        held[sample] = r
+                        groups[prompt_id] = [held[i] for i in sorted(held)]
             for g in self._queue:  # handed back records not admitted yet: still held
                 if g.resume:
                     groups[g.prompt_id] = list(g.resume)
@@ -229,6 +267,9 @@ class InferenceWorker:
             self._queue.clear()
             self._pending.clear()
             self._results.clear()
+            if self._driver is not None:
+                for key in list(self._driver.episodes):
+                    self._driver.drop(key)
             self._reset_sampler = True
             self._lock.notify_all()
             return dropped
@@ -296,7 +337,10 @@ class InferenceWorker:
                 else:
                     with self._lock:
                         if not self._queue and not self._stop.is_set():
+                            # (a step ending wakes it: a slot waiting on a tool comes back)
                             self._lock.wait(self.poll_interval_s)
+                if self._driver is not None and self._driver.episodes:
+                    self._collect([])
                 if time.monotonic() - last_status >= self.status_every_s:
                     last_status = time.monotonic()
                     s = self.status()
@@ -336,6 +380,9 @@ class InferenceWorker:
                     continue
                 pending = self._pending[g.prompt_id] = _Pending(g, time.monotonic())
                 records = {r.sample: r for r in g.resume}
+                if g.environment is not None:
+                    self._start_episodes(g, pending, records)
+                    continue
                 for i in range(g.group_size):
                     request, record = self._request(g, i), records.get(i)
                     if record is None or not record.tokens:
@@ -354,7 +401,41 @@ class InferenceWorker:
                     self._lock.notify_all()
             self._queue = waiting
 
+    def _start_episodes(
+        self, g: GroupRequest, pending: _Pending, records: dict[int, SampleProgress]
+    ) -> None:
+        """Starts a group's episodes, or goes on with them from their records."""
+        from rlax_tasks.environments import EnvironmentSpec
+
+        driver = self.episodes()
+        spec = EnvironmentSpec.from_dict(dict(g.environment or {}))
+        row = dict(g.row or {})
+        pending.prompt = driver.initial_prompt(spec, row)
+        for i in range(g.group_size):
+            record = records.get(i)
+            if record is not None and record.tokens:
+                pending.resumed[i] = len(record.tokens)
+                self.stats.resumed_tokens += len(record.tokens)
+            driver.start((g.prompt_id, i), spec, row, g.params, resume=record)
+
     def _collect(self, finished: list[Completion]) -> None:
+        driver = self._driver
+        if driver is not None:
+            turns = [c for c in finished if driver.owns(c)]
+            finished = [c for c in finished if not driver.owns(c)]
+            before = driver.generated
+            for c in turns:
+                driver.on_turn(c)
+            self.stats.tokens_generated += driver.generated - before
+            for ep in driver.poll():
+                prompt_id, sample = ep.key
+                pending = self._pending.get(prompt_id)
+                if pending is None:
+                    continue
+                request = Request(ep.prompt, pending.group.params, sample_index=sample,
+                                  request_id=ep.key)  # fmt: skip
+                finished.append(ep.completion(request))
+                self.stats.episodes_done += 1
         with self._lock:
             for c in finished:
                 prompt_id, sample = c.request.request_id
@@ -364,7 +445,8 @@ class InferenceWorker:
                 c.resumed = pending.resumed.get(sample, 0)
                 pending.done[sample] = c
                 self.stats.completions_done += 1
-                self.stats.tokens_generated += len(c.tokens) - c.resumed
+                if c.episode is None:  # (an episode's turns counted as they ended)
+                    self.stats.tokens_generated += len(c.tokens) - c.resumed
                 if len(pending.done) == pending.group.group_size:
                     del self._pending[prompt_id]
                     self._results.append(self._result(pending))
@@ -384,7 +466,7 @@ class InferenceWorker:
         return GroupResult(
             p.group.prompt_id,
             oldest,
-            p.group.prompt_tokens,
+            p.group.prompt_tokens if p.prompt is None else p.prompt,
             completions,
             texts,
             time.monotonic() - p.started,
@@ -429,6 +511,8 @@ class InferenceWorker:
                 self.sampler.abort()
                 again, continued = [p.group for p in self._pending.values()], 0
                 self.stats.groups_discarded += len(again)
+                for key in list(self._driver.episodes if self._driver else ()):
+                    self._driver.drop(key)
                 self._pending.clear()
                 self._queue.extendleft(reversed(again))
         donate = getattr(self.source, "fresh_arrays", False)
