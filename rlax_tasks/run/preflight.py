@@ -29,8 +29,28 @@ def _named(cfg: Any) -> list[tuple[str, Any]]:
     return specs
 
 
+def check_environment(field: str, spec: Any) -> None:
+    """DatasetError naming ``<field>.environment`` when the dataset's environment is not
+    registered (nor installed by a package's entry point) or its settings do not make one."""
+    if getattr(spec, "environment", None) is None:
+        return
+    from rlax_tasks.environments import check_environment as registered
+    from rlax_tasks.environments import make_environment
+
+    where = f"{field}.environment"
+    try:
+        registered(spec.environment)
+    except ValueError as e:
+        raise DatasetError(f"{where}.{e}") from None
+    try:
+        make_environment(spec.environment)
+    except (TypeError, ValueError) as e:
+        raise DatasetError(f"{where}: {e}") from None
+
+
 def check_dataset(field: str, spec: Any) -> None:
     """Opens one dataset spec's file as training would; DatasetError when it cannot be used."""
+    check_environment(field, spec)
     source = spec.source
     if not isinstance(source, FileSource):
         return

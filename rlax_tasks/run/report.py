@@ -48,17 +48,22 @@ class HeldOutEvaluator:
         self.cfg, self.name = cfg, spec.name
         self.policy = load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.base_params = self.policy.params
+        environment = None if spec.environment is None else spec.environment.to_dict()
         mixture = PromptMixture(
-            [MixtureComponent(spec.name, 1.0, make_source(spec), spec.verifier)]
+            [MixtureComponent(spec.name, 1.0, make_source(spec), spec.verifier, environment)]
         )
         count = min(cfg.eval.num_prompts, len(mixture.components[0].source))
         prompts = [mixture.prompt(f"{spec.name}/0/{i}", i) for i in range(count)]
         self.renderer = PromptRenderer(cfg.prompt, self.policy.tokenizer)
-        ids, errors = encode_prompts(
-            self.renderer,
-            [p.content for p in prompts],
-            cfg.workers.max_len - cfg.rollout.max_new_tokens,
-        )
+        self.environment = spec.environment  # multi-turn pass@k: episodes as in training
+        if self.environment is None:
+            ids, errors = encode_prompts(
+                self.renderer,
+                [p.content for p in prompts],
+                cfg.workers.max_len - cfg.rollout.max_new_tokens,
+            )
+        else:
+            ids, errors = self._episode_prompts(prompts)
         self.skipped = [
             {"prompt_id": p.id, "reason": e} for p, e in zip(prompts, errors, strict=True) if e
         ]
@@ -78,8 +83,31 @@ class HeldOutEvaluator:
         self.sampler = Sampler(
             self.policy,
             max_slots=cfg.workers.slots,
-            max_len=max(16, longest + cfg.rollout.max_new_tokens),
+            max_len=max(16, longest + cfg.rollout.max_new_tokens)
+            if self.environment is None
+            else cfg.workers.max_len,  # an episode's turns and observations follow its prompt
         )
+
+    def _episode_prompts(self, prompts: list[Any]) -> tuple[list[Any], list[str | None]]:
+        """The tokens each prompt's episode starts from (its environment's first messages),
+        or why it cannot start (too long, or the environment refuses the row)."""
+        from rlax_tasks.rollout.episodes import episode_prompt
+
+        limit = self.cfg.workers.max_len - self.cfg.rollout.max_new_tokens
+        ids: list[Any] = []
+        errors: list[str | None] = []
+        for p in prompts:
+            try:
+                tokens = episode_prompt(self.policy.tokenizer, self.environment, p.episode_row())
+            except ValueError as e:
+                ids.append(None)
+                errors.append(f"the environment cannot start it: {e}")
+                continue
+            too_long = len(tokens) > limit
+            ids.append(None if too_long else list(tokens))
+            errors.append(f"its episode's prompt has {len(tokens)} tokens, more than {limit}"
+                          if too_long else None)  # fmt: skip
+        return ids, errors
 
     def sample(self, params: Any) -> list[list[Any]]:
         """``eval.num_samples`` completions of every prompt with ``params`` (per-prompt seeds)."""
@@ -95,6 +123,12 @@ class HeldOutEvaluator:
         n = e.num_samples
         meter = ProgressMeter("held-out eval", len(self.prompt_ids) * n, logger=log, unit="samples")
         with meter:
+            if self.environment is not None:
+                from rlax_tasks.rollout.episodes import run_episodes
+
+                rows = [p.episode_row() for p in self.prompts]
+                return run_episodes(self.sampler, self.environment, rows, n, settings,
+                                    on_done=lambda _: meter.update())  # fmt: skip
             outs = self.sampler.generate(
                 self.prompt_ids, n=n, params=settings, on_complete=lambda _: meter.update()
             )
@@ -117,8 +151,11 @@ class HeldOutEvaluator:
                         [decode(c.tokens, skip_special_tokens=True) for c in comps], 0.0)
             for p, ids, comps in zip(self.prompts, self.prompt_ids, groups, strict=True)
         ]  # fmt: skip
-        scores = self.scorer.score(self.prompts, results)
-        rewards = [[reward_and_verdict(x)[0] for x in row] for row in scores]
+        if self.environment is None:
+            scores = self.scorer.score(self.prompts, results)
+            rewards = [[reward_and_verdict(x)[0] for x in row] for row in scores]
+        else:  # scored by their environment, as in training
+            rewards = [[float(c.reward or 0.0) for c in comps] for comps in groups]
         e = self.cfg.eval
         correct = [sum(r > 0 for r in row) for row in rewards]
         result: dict[str, Any] = {

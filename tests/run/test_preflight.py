@@ -95,6 +95,26 @@ def test_no_usable_row_or_no_reference_for_the_verifier_is_refused(tmp_path):
         check_datasets(_config(tmp_path, path, verifier="code"))
 
 
+def test_an_unknown_environment_or_bad_settings_name_the_field(tmp_path):
+    from rlax_tasks.config import ConfigError
+
+    raw = _raw(tmp_path, _jsonl(tmp_path / "a.jsonl", GOOD))
+    raw["datasets"][0]["environment"] = {"name": "calculater", "max_turns": 3}
+    with pytest.raises(DatasetError) as info:
+        check_datasets(RunConfig.from_dict(raw))
+    msg = str(info.value)
+    assert msg.startswith("datasets[0].environment.name: unknown environment 'calculater'")
+    assert "did you mean 'calculator'" in msg
+    raw["datasets"][0]["environment"] = {"name": "calculator", "settings": {"sistem": "x"}}
+    with pytest.raises(DatasetError, match=r"^datasets\[0\]\.environment: .*sistem"):
+        check_datasets(RunConfig.from_dict(raw))
+    raw["datasets"][0]["environment"] = {"name": "calculator", "max_turns": 0}
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.environment\.max_turns"):
+        RunConfig.from_dict(raw)
+    raw["datasets"][0]["environment"] = {"name": "calculator", "max_turns": 2}
+    check_datasets(RunConfig.from_dict(raw))
+
+
 def test_rlax_run_exits_2_before_anything_starts(tmp_path, capsys):
     model = model_shapes_only(tmp_path / "model")
     broken = _jsonl(tmp_path / "b.jsonl", GOOD, {2: "not json"})
