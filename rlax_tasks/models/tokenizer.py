@@ -21,6 +21,7 @@ def char_tokenizer(alphabet: str = DIGITS_AND_SYMBOLS) -> PreTrainedTokenizerFas
     )
 
 
+# ChatML's turn markers (special) and the Hermes tool-call tags
 CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 CHAT_ALPHABET = DIGITS_AND_SYMBOLS + '{}[]"_<>!#%&;|'
 # ChatML, compact: a tiny model's prompts stay short. Tools are listed by name in the system
@@ -35,11 +36,14 @@ COMPACT_CHATML_TEMPLATE = (
 
 
 def chat_char_tokenizer(alphabet: str = CHAT_ALPHABET) -> PreTrainedTokenizerFast:
-    """``char_tokenizer`` with ChatML's turn markers and Hermes tool-call tags as single tokens
-    and a compact ChatML template (tiny models' multi-turn episodes); ``<|im_end|>`` ends a
+    """``char_tokenizer`` with ChatML's turn markers (special) and Hermes tool-call tags as
+    single tokens and a compact ChatML template (tiny models' multi-turn episodes); ``<|im_end|>`` ends a
     turn (its eos)."""
     tok = char_tokenizer(alphabet)
-    tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS[:2])})
+    # the tool-call tags are single tokens but not special (as Qwen2.5's): a turn decoded
+    # without special tokens keeps its calls
+    tok.add_tokens(list(CHAT_SPECIAL_TOKENS[2:]))
     tok.eos_token = "<|im_end|>"
     tok.chat_template = COMPACT_CHATML_TEMPLATE
     return tok

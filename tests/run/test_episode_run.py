@@ -4,14 +4,22 @@ masked out, and written to the rollouts with their masks and counters."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+import yaml
 
 from rlax_tasks.config import load_config
-from rlax_tasks.controller import read_rollouts
+from rlax_tasks.config.loading import merge_overrides
+from rlax_tasks.controller import SnapshotStore, read_rollouts
 from rlax_tasks.controller.rollouts import read_step_batch
+from rlax_tasks.rollout.episodes import LOST_STEP
 from rlax_tasks.run.local_run import run_local
 from rlax_tasks.rundir import storage
 from tests.conftest import TEST_XLA_FLAGS
@@ -21,6 +29,9 @@ from tests.rollout.episode_helpers import (
     install_test_environments,
     turn_ending_policy,
 )
+from tests.run.test_local_run import job_pid
+
+PRESETS = os.path.join(os.path.dirname(__file__), "..", "..", "rlax_tasks", "presets")
 
 
 def episode_settings(tmp_path, **extra) -> dict:
@@ -101,3 +112,83 @@ def test_rlax_run_trains_on_episodes_with_observations_masked(tmp_path, monkeypa
               if "evaluating" not in r]  # fmt: skip
     assert [r["version"] for r in scores] == [0, 3]
     assert all(r["num_prompts"] == 8 and 0.0 < r["mean_reward"] <= 0.5 for r in scores)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_then_of_rlax_run_mid_episode_resumes_every_held_turn(tmp_path):
+    """Mid-episode, kill -9 of the worker, then of `rlax run` itself, each while the last
+    snapshot holds episodes waiting on a step (a step takes 0.5 s); `rlax run` again finishes
+    every step once. Every episode the restored snapshot held on a step is trained with the
+    tokens and mask of its record (counted as resumed, not generated again), and its step is
+    not run again: the turn's observation says the result was lost. (After the worker's kill
+    the controller re-issues what it last gathered; a group that came back between that
+    snapshot and the kill trained as generated, so there at least one resumed is asked for.)"""
+    steps = 6
+    settings = episode_settings(tmp_path, **{
+        "placement.mode": "disaggregated", "workers.count": 1,
+        "staleness.max_staleness": 1000,  # every held record is resumed (none too stale)
+    })  # fmt: skip
+    environment = settings["datasets"][0]["environment"]
+    environment.update(settings={"delay_s": 0.5}, max_observation_tokens=160)
+    raw = merge_overrides(yaml.safe_load(open(os.path.join(PRESETS, "tiny-arith.yaml"))),
+                          settings)  # fmt: skip
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--config", str(config),
+            "--steps", str(steps), "--no-eval"]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, CALLS_ENV: str(tmp_path / "calls.jsonl"),
+           "PYTHONPATH": install_test_environments(str(tmp_path / "site"))}  # fmt: skip
+    run_dir = str(tmp_path / "runs" / "run")
+    store = SnapshotStore(run_dir)
+
+    def waiting() -> dict[tuple[str, int], dict]:
+        """The last snapshot's records of in-flight episodes waiting on a step."""
+        snap = store.read_latest() if os.path.exists(run_dir) else None
+        if snap is None:
+            return {}
+        at = {e["prompt_id"] for e in snap.in_flight}
+        return {(r["prompt_id"], r["sample"]): r for r in snap.partials
+                if r["prompt_id"] in at and (r.get("episode") or {}).get("awaiting")}  # fmt: skip
+
+    def wait_for_waiting(run: subprocess.Popen) -> None:
+        while run.poll() is None and not waiting():
+            time.sleep(0.05)
+        assert run.poll() is None, "rlax run ended before a snapshot held an episode on a step"
+
+    with open(tmp_path / "rlax-run.log", "ab") as log:
+        run = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for_waiting(run)
+        pid = job_pid(run.pid, "worker-0")
+        assert pid is not None, "no worker-0 process under rlax run"
+        os.kill(pid, signal.SIGKILL)
+        by_worker = waiting()  # what the controller re-issues the groups with
+        time.sleep(1.0)  # the next snapshot may still be the one above
+        wait_for_waiting(run)
+        run.send_signal(signal.SIGKILL)  # its jobs die with it (parent-death signal)
+        run.wait()
+        by_run = waiting()  # what the next `rlax run` restores
+        done = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 0, (tmp_path / "rlax-run.log").read_text()[-3000:]
+    lineage = [json.loads(line) for line in open(os.path.join(run_dir, "lineage.jsonl"))]
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
+    rows = read_rollouts(run_dir).set_index(["prompt_id", "sample"])
+    lost = TOKENIZER.encode(LOST_STEP, add_special_tokens=False)
+
+    def resumed_with_lost_step(key: tuple[str, int], record: dict) -> bool:
+        row, n = rows.loc[key], len(record["tokens"])
+        assert list(row["tokens"])[:n] == record["tokens"], key
+        assert list(row["loss_mask"])[:n] == record["mask"], key
+        if int(row["resumed_tokens"]) < n:
+            return False
+        after = list(row["tokens"])[n : n + len(lost) + 40]
+        assert any(after[i : i + len(lost)] == lost for i in range(len(after))), key
+        return True
+
+    trained = [k for k in by_run if k in rows.index]
+    assert trained, "no episode the restored snapshot held on a step was trained"
+    assert all(resumed_with_lost_step(k, by_run[k]) for k in trained)
+    after_worker = sum(resumed_with_lost_step(k, r) for k, r in by_worker.items()
+                       if k in rows.index)  # fmt: skip
+    assert after_worker > 0
+    print(f"kill -9 of worker-0: {after_worker} episodes on a step resumed; of rlax run: "
+          f"{len(trained)}; each step reported lost, not run again")  # fmt: skip
