@@ -20,7 +20,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, RunLocked, ComponentFailed)
 COMMANDS = {
     "verify": ("rlax_tasks.rewards.service", "add_verify_parser"),
     "curate": ("rlax_tasks.curation.cli", "add_curate_parser"),
-    "data": ("rlax_tasks.data.cli", "add_data_parser"),
+    "data": ("rlax_tasks.run.episode_preview", "add_data_parser"),
     "eval": ("rlax_tasks.evaluation.cli", "add_eval_parser"),
     "ps": ("rlax_tasks.paramserver.server", "add_ps_parser"),
     "worker": ("rlax_tasks.rollout.service", "add_worker_parser"),

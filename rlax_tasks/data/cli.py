@@ -166,8 +166,9 @@ def preview(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_data_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax data preview`."""
+def add_data_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Registers `rlax data preview`; returns the `data` sub-commands (a higher layer adds
+    `rlax data episodes`)."""
     data = sub.add_parser("data", help="datasets: preview how a file is read and rendered")
     data_sub = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
     p = data_sub.add_parser(
@@ -179,3 +180,4 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", type=int, default=3, help="rows to show (default 3)")
     add_prompt_args(p)
     p.set_defaults(func=preview)
+    return data_sub

@@ -37,8 +37,8 @@ COMPACT_CHATML_TEMPLATE = (
 
 def chat_char_tokenizer(alphabet: str = CHAT_ALPHABET) -> PreTrainedTokenizerFast:
     """``char_tokenizer`` with ChatML's turn markers (special) and Hermes tool-call tags as
-    single tokens and a compact ChatML template (tiny models' multi-turn episodes); ``<|im_end|>`` ends a
-    turn (its eos)."""
+    single tokens and a compact ChatML template (tiny models' multi-turn episodes);
+    ``<|im_end|>`` ends a turn (its eos)."""
     tok = char_tokenizer(alphabet)
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS[:2])})
     # the tool-call tags are single tokens but not special (as Qwen2.5's): a turn decoded

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
 from rlax_tasks.config.loading import merge_overrides
 from rlax_tasks.controller import SnapshotStore, read_rollouts
@@ -78,7 +79,7 @@ def episode_settings(tmp_path, **extra) -> dict:
 
 
 @pytest.mark.slow
-def test_rlax_run_trains_on_episodes_with_observations_masked(tmp_path, monkeypatch):
+def test_rlax_run_trains_on_episodes_with_observations_masked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
     monkeypatch.setenv(CALLS_ENV, str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("PYTHONPATH", install_test_environments(str(tmp_path / "site")))
@@ -105,6 +106,12 @@ def test_rlax_run_trains_on_episodes_with_observations_masked(tmp_path, monkeypa
     metrics = storage.read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
     assert all(m["episode/turns"] >= 1 for m in metrics)
     assert any(m["episode/tokens_masked"] > 0 for m in metrics)
+    # `rlax data episodes` shows them turn by turn, observations marked as masked
+    assert main(["data", "episodes", cfg.run_dir, "--step", "1", "-n", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("step 1, arith-episodes/") == 2
+    assert "model turn 1 (" in shown and "tokens, masked out of the loss):" in shown
+    assert "<|im_start|>tool" in shown and "tools: echo" in shown
     # multi-turn pass@k of the held-out episodes, before and after (scored by the environment:
     # counted-echo's reward is 0.5 for an episode that reached a step)
     scores = [r for r in storage.read_jsonl(os.path.join(cfg.run_dir, "eval",
