@@ -1,6 +1,7 @@
 """The tiny-arith-moe preset end to end, as a user runs it (`rlax run --preset tiny-arith-moe`):
 the warm-up builds its 4-expert Qwen3-MoE base, training replays the sampler's routes, and the
-held-out pass@1 rises (measured: 0.138 -> 0.382 in 300 steps, benchmarks/README.md)."""
+held-out pass@1 rises (measured: 0.138 -> 0.382 in 300 steps, benchmarks/README.md; the test
+runs the first 150, where a CI run measured 0.133 -> 0.330)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ def _jsonl(path: str) -> list[dict]:
 def test_tiny_arith_moe_learns_with_its_routes_replayed(tmp_path):
     env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     argv = [sys.executable, "-m", "rlax_tasks.cli", "run", "--preset", "tiny-arith-moe",
-            "--run-root", str(tmp_path / "runs")]  # fmt: skip
+            "--run-root", str(tmp_path / "runs"), "--steps", "150"]  # fmt: skip
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     run_dir = tmp_path / "runs" / "tiny-arith-moe"
     progress = _jsonl(str(run_dir / "eval" / "progress.jsonl"))
     before, after = progress[0], progress[-1]
-    assert (before["version"], after["version"]) == (0, 300)
+    assert (before["version"], after["version"]) == (0, 150)
     assert after["pass@1"] > before["pass@1"] + 0.15, (before, after)
     steps = _jsonl(str(run_dir / "metrics.jsonl"))
     assert all(s["moe/route_mismatch_frac"] == 0 for s in steps)  # every route replayed
