@@ -413,6 +413,25 @@ class Sampler:
                 seen[id(p)] = self._stop_set(p)
         return [seen[id(p)] for p in params]
 
+    def _fill_settings(
+        self, new: Any, requests: list[Request]
+    ) -> tuple[list[frozenset[int]], bool, bool]:
+        """Fills an admission's first rows of ``new`` (``SlotState``) with the requests'
+        budgets, sampling settings, stop ids and keys; returns their stop sets and whether any
+        filters (top-k/top-p) or samples (temperature > 0): the call's static flags."""
+        n, params = len(requests), [r.params for r in requests]
+        new.budget[:n] = [p.max_new_tokens for p in params]
+        new.temperature[:n] = [p.temperature for p in params]
+        new.top_k[:n] = [p.top_k for p in params]
+        new.top_p[:n] = [p.top_p for p in params]
+        stop_sets = self._stop_sets(params)
+        for row, stops in enumerate(stop_sets):
+            new.stop_ids[row, : len(stops)] = sorted(stops)
+        new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r in requests])
+        filtering = any(p.filtering for p in params)
+        sampling = any(p.temperature > 0 for p in params)
+        return stop_sets, filtering, sampling
+
     def _admit(self, finished: list[Completion]) -> None:
         if self._kept and self._waiting:
             self._admit_continued(finished)
@@ -446,7 +465,6 @@ class Sampler:
         )
         # filled column by column: an admission can hold hundreds of requests
         n = len(take)
-        params = [r.params for r in take]
         if source is None:
             prompts = prefixes
         else:
@@ -458,17 +476,8 @@ class Sampler:
             t for prompt in prompts for t in prompt
         ]
         slots[:n] = free[:n]
-        new.budget[:n] = [p.max_new_tokens for p in params]
         new.generated[:n] = [len(w.tokens) if isinstance(w, Partial) else 0 for w in items]
-        new.temperature[:n] = [p.temperature for p in params]
-        new.top_k[:n] = [p.top_k for p in params]
-        new.top_p[:n] = [p.top_p for p in params]
-        stop_sets = self._stop_sets(params)
-        for row, stops in enumerate(stop_sets):
-            new.stop_ids[row, : len(stops)] = sorted(stops)
-        new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r in take])
-        filtering = any(p.filtering for p in params)
-        sampling = any(p.temperature > 0 for p in params)
+        stop_sets, filtering, sampling = self._fill_settings(new, take)
         group = n // len(prompts)  # requests per distinct prompt
         self._precompiler.admitted(rows, prompt_rows, bucket, filtering, sampling, group)
         t0 = time.perf_counter()
@@ -551,21 +560,11 @@ class Sampler:
             rows, width, None, self.max_slots, self.max_stop_ids
         )
         starts = np.zeros(rows, np.int32)
-        params = [r.params for r, _, _ in take]
         for row, (request, slot, cached) in enumerate(take):
             extra = request.prompt[cached:]
             ids[row, : len(extra)] = extra
             lengths[row], starts[row], slots[row] = len(extra), cached, slot
-        new.budget[:n] = [p.max_new_tokens for p in params]
-        new.temperature[:n] = [p.temperature for p in params]
-        new.top_k[:n] = [p.top_k for p in params]
-        new.top_p[:n] = [p.top_p for p in params]
-        stop_sets = self._stop_sets(params)
-        for row, stops in enumerate(stop_sets):
-            new.stop_ids[row, : len(stops)] = sorted(stops)
-        new.key[:n] = request_keys([p.seed for p in params], [r.sample_index for r, _, _ in take])
-        filtering = any(p.filtering for p in params)
-        sampling = any(p.temperature > 0 for p in params)
+        stop_sets, filtering, sampling = self._fill_settings(new, [r for r, _, _ in take])
         t0 = time.perf_counter()
         with self.policy._scope():
             self._cache, self._state, *drawn = EXTEND(
