@@ -98,6 +98,20 @@ def _finished(tokens: jax.Array, generated: jax.Array, state: SlotState) -> jax.
     return hit_stop | (generated >= state.budget)
 
 
+def _draw_first(
+    logits: jax.Array, new: SlotState, filtering: bool, sampling: bool, support: int
+) -> tuple[jax.Array, ...]:
+    """An admission's first draw from each row's last logits [n, V]: tokens, log-probs, kept
+    ids, the rows' ``generated`` counts after it and whether each goes on. A continued request
+    (``new.generated`` tokens already drawn) draws its next index of the same stream."""
+    keys = jax.vmap(token_key)(new.key, new.generated)
+    tokens, logprobs, kept = sample_tokens(
+        logits, keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
+    )
+    generated = new.generated + 1
+    return tokens, logprobs, kept, generated, ~_finished(tokens, generated, new)
+
+
 def _prefill(
     config: Any,
     graphdef: nnx.GraphDef,
@@ -145,13 +159,9 @@ def _prefill(
             v=tuple(jnp.take(v, source, axis=0) for v in fresh.v),
         )
         positions = positions[source]
-    # a continued request (``new.generated`` tokens already drawn) draws its next index
-    keys = jax.vmap(token_key)(new.key, new.generated)
-    tokens, logprobs, kept = sample_tokens(
-        last, keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
+    tokens, logprobs, kept, generated, active = _draw_first(
+        last, new, filtering, sampling, support
     )
-    generated = new.generated + 1
-    active = ~_finished(tokens, generated, new)
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
     cache = KVCache(
@@ -213,12 +223,9 @@ def _extend(
         unembedding=held.unembedding,
         layers=held.layers,
     )
-    keys = jax.vmap(token_key)(new.key, new.generated)
-    tokens, logprobs, kept = sample_tokens(
-        logits[:, 0], keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
+    tokens, logprobs, kept, generated, active = _draw_first(
+        logits[:, 0], new, filtering, sampling, support
     )
-    generated = new.generated + 1
-    active = ~_finished(tokens, generated, new)
     cache = KVCache(
         k=tuple(c.at[slots].set(f, mode="drop") for c, f in zip(cache.k, part.k, strict=True)),
         v=tuple(c.at[slots].set(f, mode="drop") for c, f in zip(cache.v, part.v, strict=True)),
