@@ -19,11 +19,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# Workers die with the *thread* that started them (PR_SET_PDEATHSIG follows the parent thread),
+# so a pool made or refilled on a short-lived thread (an environment step's) lost its workers
+# when that thread ended. Every worker is started from this one thread, which lives as long as
+# the process.
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="rlax-pool-starter")
 
 
 @dataclass(frozen=True)
@@ -79,13 +86,14 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         try:
-            self.process = subprocess.Popen(
+            self.process = _STARTER.submit(
+                subprocess.Popen,
                 [sys.executable, "-m", "rlax_tasks.rewards.pool", str(child_sock.fileno())],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
                 close_fds=True,
-            )
+            ).result()
         finally:
             child_sock.close()
         self.conn = Connection(parent_sock.detach())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import psutil
@@ -28,6 +29,24 @@ def test_crash_is_an_error_and_the_pool_keeps_going():
         raised = pool.call(int, ("not a number",), timeout_s=10)
         assert raised.status == "error" and "ValueError" in raised.error
         assert pool.call(max, (1, 5), timeout_s=10).value == 5
+
+
+def test_workers_outlive_the_thread_that_made_the_pool():
+    # an environment step makes the process's verifier on its own short-lived thread
+    made: list[IsolatedPool] = []
+
+    def make_and_use() -> None:
+        made.append(IsolatedPool(1))
+        assert made[0].call(abs, (-2,), timeout_s=30).value == 2  # the worker is running
+
+    thread = threading.Thread(target=make_and_use)
+    thread.start()
+    thread.join()
+    with made[0] as pool:
+        (pid,) = pool.pids()
+        time.sleep(0.5)  # a worker killed with its parent thread is gone by now
+        assert pool.call(abs, (-3,), timeout_s=10).value == 3
+        assert pool.pids() == [pid] and pool.replaced == 0
 
 
 def test_close_leaves_no_worker_behind():
