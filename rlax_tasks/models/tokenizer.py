@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -9,21 +11,33 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 DIGITS_AND_SYMBOLS = "0123456789+-*/=()., ?:abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 
 
-def char_tokenizer(alphabet: str = DIGITS_AND_SYMBOLS) -> PreTrainedTokenizerFast:
-    """One token per character of ``alphabet`` plus <pad>/<bos>/<eos> (ids 0, 1, 2)."""
+def char_tokenizer(
+    alphabet: str = DIGITS_AND_SYMBOLS, unk_token: str | None = None
+) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus <pad>/<bos>/<eos> (ids 0, 1, 2); with
+    ``unk_token`` (the last id), a character outside the alphabet encodes to it instead of
+    failing."""
     chars = list(dict.fromkeys(alphabet))
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    extra = [unk_token] if unk_token else []
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars, *extra])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk_token))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        **({"unk_token": unk_token} if unk_token else {}),
     )
 
 
 # ChatML's turn markers (special) and the Hermes tool-call tags
 CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
-CHAT_ALPHABET = DIGITS_AND_SYMBOLS + '{}[]"_<>!#%&;|'
+# every printable ASCII character: tool outputs and error messages quote what they like
+CHAT_ALPHABET = DIGITS_AND_SYMBOLS + "".join(
+    c for c in string.printable if c not in DIGITS_AND_SYMBOLS and c not in "\r\x0b\x0c"
+)
 # ChatML, compact: a tiny model's prompts stay short. Tools are listed by name in the system
 # turn; a tool's result comes back as a "tool" turn (docs/design.md §15).
 COMPACT_CHATML_TEMPLATE = (
@@ -38,8 +52,9 @@ COMPACT_CHATML_TEMPLATE = (
 def chat_char_tokenizer(alphabet: str = CHAT_ALPHABET) -> PreTrainedTokenizerFast:
     """``char_tokenizer`` with ChatML's turn markers (special) and Hermes tool-call tags as
     single tokens and a compact ChatML template (tiny models' multi-turn episodes);
-    ``<|im_end|>`` ends a turn (its eos)."""
-    tok = char_tokenizer(alphabet)
+    ``<|im_end|>`` ends a turn (its eos); any other character (a tool's non-ASCII output)
+    is ``<unk>``."""
+    tok = char_tokenizer(alphabet, unk_token="<unk>")
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS[:2])})
     # the tool-call tags are single tokens but not special (as Qwen2.5's): a turn decoded
     # without special tokens keeps its calls

@@ -116,3 +116,18 @@ def test_a_saved_character_tokenizer_keeps_spaces_newlines_and_chat_tokens(tmp_p
         text, add_special_tokens=False
     )
     assert loaded.eos_token_id == tok.eos_token_id and loaded.chat_template == tok.chat_template
+
+
+def test_the_chat_tokenizer_encodes_any_tool_output(tmp_path) -> None:
+    """A tool's error message quotes what the model wrote ('2^3', '…'): every printable
+    character is a token and anything else is <unk>, never an encoding error (saved or not)."""
+    from rlax_tasks.models.tokenizer import chat_char_tokenizer
+
+    tok = chat_char_tokenizer()
+    text = "error: '2^3' is not supported; try 2**3 ~ `x` @ $5 \\ done…"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids.count(tok.unk_token_id) == 1  # the ellipsis
+    assert tok.decode(ids[:-1]) == text[:-1]
+    config = tiny_model_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    Policy.init(config, seed=0, tokenizer=tok).save_pretrained(str(tmp_path))
+    assert load_tokenizer(str(tmp_path)).encode(text, add_special_tokens=False) == ids
