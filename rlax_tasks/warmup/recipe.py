@@ -13,13 +13,17 @@ from typing import Any
 
 from rlax_tasks.data.compact import FORMAT_VERSION
 from rlax_tasks.models import ModelConfig
-from rlax_tasks.models.tokenizer import char_tokenizer
+from rlax_tasks.models.tokenizer import char_tokenizer, chat_char_tokenizer
 from rlax_tasks.rewards.tasks import ArithmeticTask
 from rlax_tasks.utils.validation import check_int, check_known, check_number, field_error
 from rlax_tasks.warmup.tiny_arith import DEFAULT_KNOBS, TinyArith
+from rlax_tasks.warmup.tool_transcripts import max_episode_tokens
 
 # bump when the warm-up code changes what a recipe produces
 RECIPE_VERSION = 1
+# what the model is trained to read and write: "compact" ("12+34=" then "46<eos>"), or
+# "tool-chat" (calculator episodes in ChatML, rlax_tasks.warmup.tool_transcripts)
+FORMATS = ("compact", "tool-chat")
 
 
 class WarmupRecipeError(ValueError):
@@ -52,6 +56,10 @@ class WarmupRecipe:
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
+    # the text format (FORMATS); with "tool-chat", the fraction of warm-up episodes that call
+    # the calculator (the others answer directly)
+    format: str = "compact"
+    tool_fraction: float = 0.5
     # supervised training
     steps: int = 3000
     batch_size: int = 64
@@ -102,6 +110,10 @@ class WarmupRecipe:
         check_number("weight_decay", self.weight_decay, _error, low=0.0)
         check_number("final_lr_ratio", self.final_lr_ratio, _error, low=0.0, high=1.0)
         check_number("label_smoothing", self.label_smoothing, _error, low=0.0, high=0.9)
+        if self.format not in FORMATS:
+            raise WarmupRecipeError(f"format must be one of {', '.join(FORMATS)}, got "
+                                    f"{self.format!r}")  # fmt: skip
+        check_number("tool_fraction", self.tool_fraction, _error, low=0.0, high=1.0)
         if self.hidden_size % self.num_attention_heads:
             raise WarmupRecipeError(
                 f"hidden_size={self.hidden_size} must be a multiple of "
@@ -133,11 +145,22 @@ class WarmupRecipe:
         """The compact prompt/answer format over this recipe's task."""
         return TinyArith(self.task())
 
-    def model_config(self) -> ModelConfig:
-        """The Qwen2 config (vocabulary = the char tokenizer's, untied embeddings), or with
-        ``num_experts`` the Qwen3-MoE one."""
-        tokenizer = char_tokenizer()
+    def tokenizer(self) -> Any:
+        """The char tokenizer of the format: with ChatML's markers for "tool-chat"."""
+        return chat_char_tokenizer() if self.format == "tool-chat" else char_tokenizer()
+
+    def max_tokens(self) -> int:
+        """The longest training sequence of this recipe, in tokens."""
         fmt = self.task_format()
+        if self.format == "compact":
+            return fmt.max_prompt_tokens() + fmt.max_answer_tokens()
+        return max_episode_tokens(fmt.max_prompt_tokens(), fmt.max_answer_tokens(),
+                                  self.tokenizer())  # fmt: skip
+
+    def model_config(self) -> ModelConfig:
+        """The Qwen2 config (vocabulary = the format's char tokenizer's, untied embeddings), or
+        with ``num_experts`` the Qwen3-MoE one."""
+        tokenizer = self.tokenizer()
         moe = {}
         if self.num_experts:
             moe = dict(model_type="qwen3_moe", qkv_bias=False, qk_norm=True,
@@ -153,9 +176,7 @@ class WarmupRecipe:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.hidden_size // self.num_attention_heads,
-            max_position_embeddings=max(
-                64, 1 << (fmt.max_prompt_tokens() + fmt.max_answer_tokens()).bit_length()
-            ),
+            max_position_embeddings=max(64, 1 << self.max_tokens().bit_length()),
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
             qkv_bias=True,
@@ -172,6 +193,8 @@ class WarmupRecipe:
         if not self.num_experts:  # a dense recipe's fields (and fingerprint) as before MoE
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 del d[name]
+        if self.format == "compact":  # and a compact one's as before the tool-chat format
+            del d["format"], d["tool_fraction"]
         return d
 
     @classmethod
@@ -201,6 +224,10 @@ NAMED_RECIPES: dict[str, WarmupRecipe] = {
     # the warm-up in CI)
     "tiny-arith-moe": WarmupRecipe(num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=128, steps=1500),  # fmt: skip
+    # the tiny-calc preset's base: ChatML calculator episodes over three operands with *, half
+    # with a tool call and half answered directly (docs/design.md §15)
+    "tiny-calc": WarmupRecipe(num_operands=3, ops=("+", "-", "*"), format="tool-chat",
+                              label_smoothing=0.0, steps=2000, batch_size=32),  # fmt: skip
 }
 
 

@@ -21,11 +21,11 @@ from flax import nnx
 
 from rlax_tasks.models import ModelConfig, Policy, forward
 from rlax_tasks.models.policy import abstract_model
-from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.models.transformer import Transformer
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.utils.progress_meter import ProgressMeter
 from rlax_tasks.warmup.recipe import WarmupRecipe
+from rlax_tasks.warmup.tool_transcripts import encode_transcripts
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,12 @@ def training_problems(recipe: WarmupRecipe) -> list[Problem]:
 def encode_pool(
     recipe: WarmupRecipe, problems: list[Problem], tokenizer: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, attention_mask, target_mask) [N, T] int32, right-padded to the recipe's max length."""
+    """(ids, attention_mask, target_mask) [N, T] int32, right-padded to the recipe's max length;
+    the target mask is 1 on the tokens the model writes."""
+    width = recipe.max_tokens()
+    if recipe.format == "tool-chat":
+        return encode_transcripts(problems, tokenizer, recipe.tool_fraction, recipe.seed, width)
     fmt = recipe.task_format()
-    width = fmt.max_prompt_tokens() + fmt.max_answer_tokens()
     n = len(problems)
     ids = np.full((n, width), tokenizer.pad_token_id, np.int32)
     attn = np.zeros((n, width), np.int32)
@@ -146,7 +149,7 @@ def _compiled_step(recipe: WarmupRecipe, graphdef: nnx.GraphDef) -> Callable[...
         graphdef,
         make_warmup_optimizer(recipe),
         recipe.label_smoothing,
-        answer_distribution(char_tokenizer(), recipe.model_config().vocab_size),
+        answer_distribution(recipe.tokenizer(), recipe.model_config().vocab_size),
     )
 
 
@@ -171,7 +174,7 @@ def train_base_policy(
     (steps, rate, ETA, mean loss since the previous line) is logged every ``log_every_s``
     seconds (None: ``rlax_tasks.utils.progress_meter``'s default)."""
     t0 = time.perf_counter()
-    tokenizer = char_tokenizer()
+    tokenizer = recipe.tokenizer()
     policy = init_policy(recipe, tokenizer)
     problems = training_problems(recipe)
     ids, attn, target = encode_pool(recipe, problems, tokenizer)
