@@ -27,6 +27,11 @@ from rlax_tasks.rewards.tasks import Problem
 ENVIRONMENT_SETTINGS: dict[str, Any] = {"system": None}
 
 
+def calculator_renderer(tokenizer: Any) -> ChatRenderer:
+    """The chat renderer of the preset's calculator environment (its tools listed)."""
+    return ChatRenderer(tokenizer, CalculatorEnvironment(**ENVIRONMENT_SETTINGS).tools)
+
+
 def episode_tokens(
     renderer: ChatRenderer, problem: Problem, use_tool: bool
 ) -> tuple[list[int], list[int]]:
@@ -60,7 +65,7 @@ def encode_transcripts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids, attention_mask, target_mask) [N, width] of the problems' episodes; which ones call
     the tool is drawn from ``seed`` with probability ``tool_fraction``."""
-    renderer = ChatRenderer(tokenizer, CalculatorEnvironment(**ENVIRONMENT_SETTINGS).tools)
+    renderer = calculator_renderer(tokenizer)
     uses = np.random.default_rng(seed).random(len(problems)) < tool_fraction
     n = len(problems)
     ids = np.full((n, width), tokenizer.pad_token_id, np.int32)
@@ -82,5 +87,5 @@ def max_episode_tokens(max_prompt_tokens: int, max_answer_tokens: int, tokenizer
     chars = max(max_prompt_tokens - 1, max_answer_tokens - 1)  # the prompt's "=", the <eos>
     expression = "1" * chars  # the calculator's result of it is as many characters
     problem = Problem("arithmetic", "bound", expression + "=", expression)
-    renderer = ChatRenderer(tokenizer, CalculatorEnvironment(**ENVIRONMENT_SETTINGS).tools)
+    renderer = calculator_renderer(tokenizer)
     return len(episode_tokens(renderer, problem, use_tool=True)[0])

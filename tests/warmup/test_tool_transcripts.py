@@ -7,19 +7,23 @@ import numpy as np
 
 from rlax_tasks.config import load_config
 from rlax_tasks.controller.mixture import Prompt, make_source
-from rlax_tasks.environments import CalculatorEnvironment, ChatRenderer
+from rlax_tasks.environments import ChatRenderer
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout.episodes import episode_prompt
 from rlax_tasks.warmup.recipe import NAMED_RECIPES, recipe_for
 from rlax_tasks.warmup.supervised import encode_pool, training_problems
-from rlax_tasks.warmup.tool_transcripts import ENVIRONMENT_SETTINGS, episode_tokens
+from rlax_tasks.warmup.tool_transcripts import (
+    ENVIRONMENT_SETTINGS,
+    calculator_renderer,
+    episode_tokens,
+)
 
 RECIPE = recipe_for("tiny-calc")
 TOKENIZER = RECIPE.tokenizer()
 
 
 def _renderer() -> ChatRenderer:
-    return ChatRenderer(TOKENIZER, CalculatorEnvironment(**ENVIRONMENT_SETTINGS).tools)
+    return calculator_renderer(TOKENIZER)
 
 
 def test_a_tool_episode_trains_the_call_and_the_answer_not_the_observation() -> None:
