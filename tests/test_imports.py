@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+
+import pytest
 
 import rlax_tasks
 
@@ -346,3 +349,15 @@ def test_lazy_packages_list_and_resolve_their_names() -> None:
     assert callable(make_objective) and pass_at_k(2, 1, 1) == 0.5
     assert Sampler.__module__ == "rlax_tasks.rollout.sampler"
     assert GroupRequest.__module__ == "rlax_tasks.rollout.requests"
+
+
+@pytest.mark.parametrize("first", ["import rlax_tasks", ""])
+def test_no_pytorch_advice_on_import_without_pytorch(first):
+    """transformers' "PyTorch was not found" line never reaches a user of the package (who needs
+    no PyTorch); without the package's import first it does (the check's positive control)."""
+    code = f"import sys; sys.modules['torch'] = None; {first}\nimport transformers"
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert ("PyTorch was not found" in out.stderr + out.stdout) == (not first)
