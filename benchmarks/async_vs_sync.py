@@ -1,4 +1,5 @@
-"""Asynchronous vs on-policy lockstep RL on the tiny-arith preset (`rlax run`), in one run:
+"""Asynchronous vs on-policy lockstep RL on a preset (`rlax run`; tiny-arith, or ``--preset
+tiny-calc`` for multi-turn calculator episodes), in one run:
 lockstep (reload_every = max_staleness = 1) vs async (``--async-j 2 --async-k 4``), same seed and
 steps, each in a fresh run root. Reports seconds per step, held-out pass@1/pass@8 before and
 after, and the wall time to a held-out pass@1 target (base + ``--gain``). Runs take turns, never
@@ -7,7 +8,9 @@ overlap. ``.venv/bin/python benchmarks/async_vs_sync.py [--steps 150] [--json-ou
 ``--compare interrupt``: two async runs instead, workers continuing their sequences on new
 weights (``workers.interrupt_on_reload``) against finishing them on the old version, with the
 trainer's jobs and the workers pinned to separate cores (``--pin``, as taskset would); adds the
-rollout tokens trained on per second."""
+rollout tokens trained on per second. Both modes report the model tokens trained on (an
+episode's observations are masked out) and the share of episodes whose tokens span more than one
+weight version (a weight update landed mid-episode)."""
 
 from __future__ import annotations
 
@@ -43,14 +46,14 @@ log = logging.getLogger("benchmarks.async_vs_sync")
 PRESET = "tiny-arith"
 
 
-def base_model_dir() -> str:
+def base_model_dir(preset: str = PRESET) -> str:
     """The preset's base model (built by the supervised warm-up when missing), absolute."""
     from rlax_tasks.config import load_config
-    from rlax_tasks.warmup import ensure_base_model
+    from rlax_tasks.run.launch import ensure_model
 
-    path = os.path.abspath(load_config(PRESET).model.path)
-    parent, name = os.path.split(path)
-    return ensure_base_model(parent, name=name)
+    cfg = load_config(preset)
+    ensure_model(cfg)  # as `rlax run` does: the recipe named by the model directory
+    return os.path.abspath(cfg.model.path)
 
 
 def step_times(metrics: list[dict[str, Any]]) -> dict[int, float]:
@@ -203,12 +206,22 @@ def parse_pin(text: str) -> tuple[set[int], set[int]]:
     return cores(workers), cores(rest)
 
 
-def rollout_tokens(run_dir: str) -> int:
-    """Completion tokens in the rollouts the run trained on."""
+def rollout_figures(run_dir: str) -> dict[str, Any]:
+    """The rollouts the run trained on: model tokens (observation tokens, masked out of the
+    loss, not counted), sequences, and how many of them span more than one weight version."""
     from rlax_tasks.controller import read_rollouts
 
     rows = read_rollouts(run_dir)
-    return int(sum(len(t) for t in rows["tokens"])) if len(rows) else 0
+    trained = spanning = 0
+    for i in range(len(rows)):
+        mask = rows["loss_mask"].iat[i] if "loss_mask" in rows else None
+        versions = rows["token_versions"].iat[i] if "token_versions" in rows else None
+        n = len(rows["tokens"].iat[i])
+        keep = [True] * n if mask is None or len(mask) != n else [bool(m) for m in mask]
+        trained += sum(keep)
+        if versions is not None and len(versions) == n:
+            spanning += len({int(v) for v, k in zip(versions, keep, strict=True) if k}) > 1
+    return {"rollout_tokens": trained, "sequences": len(rows), "multi_version_sequences": spanning}
 
 
 def run_ours(
@@ -218,6 +231,7 @@ def run_ours(
     *,
     model_dir: str,
     keep: bool = False,
+    preset: str = PRESET,
     stop_when: Callable[[list[dict[str, Any]], float], str | None] | None = None,
     pause_for_eval: bool = False,
     pins: CorePins | None = None,
@@ -231,7 +245,7 @@ def run_ours(
 
     root = tempfile.mkdtemp(prefix=f"rlax-bench-{label}-")
     cfg = load_config(
-        PRESET, {"run_root": root, "run_id": label, "model.path": model_dir, **overrides}
+        preset, {"run_root": root, "run_id": label, "model.path": model_dir, **overrides}
     )
     progress_path = os.path.join(cfg.run_dir, "eval", "progress.jsonl")
     started: list[float] = []
@@ -296,7 +310,7 @@ def run_ours(
             for r in curve(progress)
         ],
         "restarts": report.get("restarts"),
-        "rollout_tokens": rollout_tokens(cfg.run_dir),
+        **rollout_figures(cfg.run_dir),
         "reward_last10": (
             statistics.fmean(m["reward_mean"] for m in metrics[-10:] if "reward_mean" in m)
             if metrics
@@ -368,6 +382,7 @@ def print_table(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default=PRESET, help=f"run-config preset (default {PRESET})")
     ap.add_argument("--steps", type=int, default=150, help="training steps of each run")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out pass@k every N steps")
     ap.add_argument("--gain", type=float, default=0.15, help="target = base pass@1 + gain")
@@ -396,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = machine_load(log)
     busy = load_before["busy_cores"]
-    model_dir = base_model_dir()
+    model_dir = base_model_dir(args.preset)
     # the paper's layout: separate jobs, 2 workers (the tiny preset itself runs colocated)
     common = {
         "eval.every_steps": args.eval_every,
@@ -431,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             model_dir=model_dir,
             keep=args.keep,
+            preset=args.preset,
             pins=pins,
         )
     load_after = machine_load(log, when="after")
@@ -442,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         r["target"] = target
         r["time_to_target"] = time_to_target(r["curve"], target)
 
+    def spanning(r: dict[str, Any]) -> str:
+        n = r["sequences"]
+        return f"{r['multi_version_sequences']} of {n}" if n else "-"
+
     def ttt(r: dict[str, Any]) -> str:
         t = r["time_to_target"]
         return "not reached" if t is None else f"{t['seconds']:.1f}s (step {t['step']})"
@@ -452,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"tiny-arith, {args.steps} steps per run, eval every {args.eval_every} steps, "
+        f"{args.preset}, {args.steps} steps per run, eval every {args.eval_every} steps, "
         f"{os.cpu_count()} CPUs (before: {describe_load(load_before)}; after: "
         f"{describe_load(load_after)}){mark}; target held-out pass@1 {target:.3f}"
         + (
@@ -478,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             ("pass@8 after", lambda r: fmt_value((r["after"] or {}).get("pass@8"))),
             ("mean reward, last 10 steps", lambda r: fmt_value(r["reward_last10"])),
             ("rollout tokens trained on", lambda r: str(r["rollout_tokens"])),
+            ("sequences spanning 2+ versions", spanning),
             ("  per second of training", lambda r: fmt_value(r["rollout_tokens_per_s"], "{:.1f}")),
             ("time to target", ttt),
             ("  of which after the 1st step", ttt_after_first),
@@ -516,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"peak RSS of this process: {peak_rss_bytes() / 2**20:.0f} MiB")
     out = {
-        "preset": PRESET,
+        "preset": args.preset,
         "steps": args.steps,
         "eval_every": args.eval_every,
         "compare": args.compare,

@@ -474,3 +474,22 @@ def test_the_train_sweep_keeps_the_fastest_setting_and_records_one_that_fails(mo
     assert accelerator.train_settings(8, 2, "gpu", sweep=False) == [
         accelerator.TrainSetting("full", 2)
     ]
+
+
+def test_rollout_figures_count_model_tokens_and_episodes_across_versions(monkeypatch):
+    """async_vs_sync: observation tokens (loss mask 0) are not rollout tokens trained on, and a
+    sequence whose model tokens carry two weight versions had an update land mid-episode."""
+    import pandas as pd
+
+    from benchmarks.async_vs_sync import rollout_figures
+
+    rows = pd.DataFrame(
+        {
+            "tokens": [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10]],
+            "loss_mask": [[1, 1, 0, 0, 1], [1, 1, 1], [1, 0]],
+            "token_versions": [[3, 3, -1, -1, 4], [5, 5, 5], [2, -1]],
+        }
+    )
+    monkeypatch.setattr("rlax_tasks.controller.read_rollouts", lambda run_dir: rows)
+    figures = rollout_figures("unused")
+    assert figures == {"rollout_tokens": 7, "sequences": 3, "multi_version_sequences": 1}
