@@ -83,7 +83,9 @@ def _eval_argv(cfg: Any, dataset: str, weights: list[str], version: int) -> list
     paths = run_paths(cfg.run_dir)
     e = cfg.eval
     source = e.dataset.source if e.dataset is not None else None
-    data_format = []
+    data_format: list[str] = []
+    if e.dataset is not None and e.dataset.environment is not None:  # multi-turn, as in training
+        data_format = ["--environment-from", paths.config]
     if isinstance(source, FileSource):
         data_format = ["--format", source.format]
         if source.columns:

@@ -20,11 +20,11 @@ from rlax_tasks.rundir.paths import EVAL_RESULTS, base_eval_dir, run_paths
 log = logging.getLogger(__name__)
 
 # bump when what an evaluation computes changes (the evaluator, the scoring): old entries miss
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a run whose eval.dataset has an environment evaluates episodes
 BASE_VERSION = 0  # the starting weights are weight version 0: eval/v0
 INPUTS = "inputs.json"  # beside a cached evaluation: what its fingerprint was computed from
 # `rlax eval` flags whose values are paths: hashed by what they name, not by their spelling
-_PATH_FLAGS = ("--model-dir", "--dataset", "--out", "--prompt-config")
+_PATH_FLAGS = ("--model-dir", "--dataset", "--out", "--prompt-config", "--environment-from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,7 @@ def fingerprint_inputs(cfg: Any, argv: Sequence[str]) -> dict[str, Any]:
         "model": model_identity(flags["--model-dir"]),
         "dataset": dataset,
         "prompt": plain["prompt"] if "--prompt-config" in flags else None,
+        "episodes": "--environment-from" in flags,  # the environment itself: in the spec
     }
 
 

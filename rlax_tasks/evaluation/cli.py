@@ -55,6 +55,26 @@ def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str |
     )
 
 
+def make_episode_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
+    """An EpisodeGenerator for ``--environment-from``'s environment, sampling as `make_generator`
+    does (its stop strings from the prompt flags)."""
+    from rlax_tasks.evaluation.checkpoints import load_model  # lazy: JAX
+    from rlax_tasks.evaluation.episodes import EpisodeGenerator, load_environment
+
+    environment = load_environment(args.environment_from)  # a bad config fails before the model
+    settings = prompt_settings(args)
+    return EpisodeGenerator(
+        load_model(model_dir, weights_from, args.dtype),
+        environment,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        args.max_slots,
+        args.max_len,
+        tuple(settings.stop),
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     # lazy: pandas and JAX load only when `rlax eval` runs
     from rlax_tasks.data.dataset import load_dataset
@@ -68,13 +88,18 @@ def _run(args: argparse.Namespace) -> int:
         models.append((args.compare, args.compare_weights_from))
     results = []
     for model_dir, weights_from in models:
-        generator = make_generator(args, model_dir, weights_from)
+        if args.environment_from:
+            generator = make_episode_generator(args, model_dir, weights_from)
+            unusable = None  # it screens each row's episode itself
+        else:
+            generator = make_generator(args, model_dir, weights_from)
+            unusable = generator.unusable
         name = os.path.basename(os.path.normpath(model_dir)) + (
             f"@{weights_from}" if weights_from else ""
         )
         if any(r.name == name for r in results):
             name = f"{name} (compare)"
-        results.append(evaluate(dataset.frame, generator, config, name, generator.unusable))
+        results.append(evaluate(dataset.frame, generator, config, name, unusable))
     data = write_eval_outputs(results, args.dataset, args.out)
     for model in data["models"]:
         o = model["overall"]
@@ -112,5 +137,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", default="1,8", help="comma-separated k values for pass@k and maj@k")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     p.add_argument("--out", required=True, help="output directory (local or gs://)")
+    p.add_argument(
+        "--environment-from",
+        default=None,
+        metavar="YAML",
+        help="run each row as an episode of this run config's eval.dataset.environment (e.g. "
+        "a run's config.yaml), with its tools, scored by the environment as in training",
+    )
     add_generation_args(p)
     p.set_defaults(func=_run)

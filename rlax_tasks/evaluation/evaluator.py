@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlax_tasks.evaluation.episodes import EpisodeGenerator, episode_rows
 from rlax_tasks.evaluation.generation import GenerateFn
 from rlax_tasks.evaluation.metrics import maj_at_k, pass_at_k
 from rlax_tasks.rewards.scoring import score_completions
@@ -101,16 +102,21 @@ class EvalResult:
 
 def evaluate(
     frame: pd.DataFrame,
-    generate: GenerateFn,
+    generate: GenerateFn | EpisodeGenerator,
     config: EvalConfig,
     name: str = "model",
     unusable: Callable[[Sequence[Any]], list[str | None]] | None = None,
 ) -> EvalResult:
     """Samples `config.n` completions per row with `generate`, scores them, and aggregates;
     rows `unusable` names a reason for (a prompt too long to sample) are skipped and listed.
-    Logs prompts done / total, ETA and the mean reward so far every few seconds."""
+    An `EpisodeGenerator` runs each row as an episode of its environment instead, which scores
+    it (and screens the rows itself). Logs prompts done / total, ETA and the mean reward so far
+    every few seconds."""
     rows: list[dict] = []
     skipped: list[dict[str, Any]] = []
+    episodes = generate if isinstance(generate, EpisodeGenerator) else None
+    if episodes is not None:
+        unusable = lambda _: episodes.unusable(episode_rows(frame))  # noqa: E731
     if unusable is not None:
         reasons = unusable(frame["prompt"].tolist())
         bad = [i for i, r in enumerate(reasons) if r is not None]
@@ -130,10 +136,16 @@ def evaluate(
     reward_sum = 0.0
     for lo in range(0, len(frame), config.batch_size):
         hi = min(lo + config.batch_size, len(frame))
-        completions = generate(prompts[lo:hi], config.n)
+        if episodes is not None:  # scored by their environment, as in training
+            scored = episodes(episode_rows(frame.iloc[lo:hi]), config.n)
+            completions = [[text for text, _ in row] for row in scored]
+            scores = [[score for _, score in row] for row in scored]
+        else:
+            completions = generate(prompts[lo:hi], config.n)
         if len(completions) != hi - lo or any(len(c) != config.n for c in completions):
             raise RuntimeError(f"generator returned a wrong number of completions (n={config.n})")
-        scores = score_completions(answers[lo:hi], tests[lo:hi], completions)
+        if episodes is None:
+            scores = score_completions(answers[lo:hi], tests[lo:hi], completions)
         for i, (comps, row_scores) in enumerate(zip(completions, scores, strict=True)):
             r = lo + i
             meta = frame["metadata"].iat[r]
@@ -143,7 +155,8 @@ def evaluate(
                     "id": _row_id(frame, r),
                     "source": frame["source"].iat[r] or "(no source)",
                     "difficulty": difficulty_of(meta),
-                    "has_answer": answers[r] is not None,
+                    # an episode's answer is not extracted: no maj@k vote
+                    "has_answer": answers[r] is not None and episodes is None,
                     "correct": int(sum(x > 0 for x in rewards)),
                     "rewards": rewards,
                     "answers": [s.answer for s in row_scores],

@@ -162,3 +162,29 @@ def test_a_job_that_wrote_no_results_is_not_cached(tmp_path, model_dir):
     with pytest.raises(FileNotFoundError, match="results.json does not exist"):
         rc.record_base_eval(plan)
     assert rc.prepare_base_eval(cfg.run_dir)["argv"]  # still to evaluate
+
+
+def test_a_tool_run_is_evaluated_as_episodes_of_its_environment(tmp_path):
+    """The DAG's evaluations of a run whose held-out dataset names an environment (tiny-calc)
+    run `rlax eval --environment-from` the run's config, and its base evaluation is cached
+    apart from a single-turn one of the same data."""
+    model = str(tmp_path / "models" / "tiny-calc")
+    overrides = {"run_root": str(tmp_path / "runs"), "model.path": model,
+                 "model.warmup_if_missing": False}  # fmt: skip
+    tools = load_config("tiny-calc", {**overrides, "run_id": "tools"})
+    argv = rc.eval_argv(tools, 3, rc.eval_dataset_file(tools))
+    i = argv.index("--environment-from")
+    assert argv[i + 1] == run_paths(tools.run_dir).config
+    single = load_config("tiny-calc", {**overrides, "run_id": "single",
+                                       "eval.dataset.environment": None})  # fmt: skip
+    assert "--environment-from" not in rc.eval_argv(single, 3, rc.eval_dataset_file(single))
+    from rlax_tasks.evaluation.base_eval import fingerprint_inputs
+
+    os.makedirs(model)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        f.write('{"model_type": "qwen2"}')
+    base = rc.base_eval_argv(tools, "d.jsonl")
+    j = base.index("--environment-from")
+    with_env = fingerprint_inputs(tools, base)
+    without = fingerprint_inputs(tools, base[:j] + base[j + 2 :])
+    assert with_env["episodes"] is True and without["episodes"] is False
