@@ -83,7 +83,7 @@ def model_config(shape: str, layers: int | None = None) -> Any:
     """The benchmark's ``ModelConfig``: a public model's shapes (``layers`` of them when given),
     or the small one."""
     from rlax_tasks.models import ModelConfig
-    from rlax_tasks.run.model_shapes import KNOWN_MODELS
+    from rlax_tasks.plan.model_shapes import KNOWN_MODELS
 
     fields = dict(SMALL if SHAPES[shape] is None else KNOWN_MODELS[SHAPES[shape]])
     if layers is not None:

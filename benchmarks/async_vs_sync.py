@@ -49,7 +49,7 @@ PRESET = "tiny-arith"
 def base_model_dir(preset: str = PRESET) -> str:
     """The preset's base model (built by the supervised warm-up when missing), absolute."""
     from rlax_tasks.config import load_config
-    from rlax_tasks.run.launch import ensure_model
+    from rlax_tasks.plan.launch import ensure_model
 
     cfg = load_config(preset)
     ensure_model(cfg)  # as `rlax run` does: the recipe named by the model directory

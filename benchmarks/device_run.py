@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rlax_tasks.run.supervisor import dies_with_parent  # noqa: E402  (a part dies with this run)
+from rlax_tasks.process.parent_death import dies_with_parent  # noqa: E402  (a part dies with this run)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DEADLINE_S = 480

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(name: str) -> Any:
     from rlax_tasks.models import ModelConfig
-    from rlax_tasks.run.model_shapes import KNOWN_MODELS
+    from rlax_tasks.plan.model_shapes import KNOWN_MODELS
 
     if name not in MODELS:
         raise SystemExit(f"--models: {name!r} is not one of {sorted(MODELS)}")

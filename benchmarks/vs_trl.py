@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = base_model_dir()
     cache_state = "cold (a fresh cache per run)"
     if args.compilation_cache:
-        from rlax_tasks.run.compilation_cache import DIR_ENV
+        from rlax_tasks.plan.compilation_cache import DIR_ENV
 
         os.makedirs(args.compilation_cache, exist_ok=True)
         entries = len(os.listdir(args.compilation_cache))

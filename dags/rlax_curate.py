@@ -6,7 +6,7 @@ from airflow.sdk import Param, task
 
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow.run_status import write_status
-from rlax_tasks.run.slices import single_host_slice
+from rlax_tasks.plan.slices import single_host_slice
 
 DOC = """
 ### rlax_curate

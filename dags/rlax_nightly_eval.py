@@ -9,7 +9,7 @@ from airflow.sdk import Param, task
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning as ev
 from rlax_tasks.airflow.run_status import write_status
-from rlax_tasks.run.slices import single_host_slice
+from rlax_tasks.plan.slices import single_host_slice
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from airflow.sdk import Param, task
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning as ev
 from rlax_tasks.airflow.run_status import write_status
-from rlax_tasks.run.slices import RUNTIME_VERSION_PATTERN
+from rlax_tasks.plan.slices import RUNTIME_VERSION_PATTERN
 
 # the evaluations' watchers poll more often than the services' (10 s): an evaluation is short
 # next to training, and the run waits on each (a small model's is done in seconds)

@@ -20,7 +20,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, RunLocked, ComponentFailed)
 COMMANDS = {
     "verify": ("rlax_tasks.rewards.service", "add_verify_parser"),
     "curate": ("rlax_tasks.curation.cli", "add_curate_parser"),
-    "data": ("rlax_tasks.run.episode_preview", "add_data_parser"),
+    "data": ("rlax_tasks.tools.episode_preview", "add_data_parser"),
     "eval": ("rlax_tasks.evaluation.cli", "add_eval_parser"),
     "ps": ("rlax_tasks.paramserver.server", "add_ps_parser"),
     "worker": ("rlax_tasks.rollout.service", "add_worker_parser"),
@@ -29,9 +29,9 @@ COMMANDS = {
     "controller": ("rlax_tasks.controller.service", "add_controller_parser"),
     "colocated": ("rlax_tasks.run.colocated", "add_colocated_parser"),
     "heldout": ("rlax_tasks.run.heldout", "add_heldout_parser"),
-    "export": ("rlax_tasks.run.export", "add_export_parser"),
+    "export": ("rlax_tasks.tools.export", "add_export_parser"),
     "import": ("rlax_tasks.models.gguf_import", "add_import_parser"),
-    "doctor": ("rlax_tasks.run.doctor", "add_doctor_parser"),
+    "doctor": ("rlax_tasks.tools.doctor", "add_doctor_parser"),
     "airflow": ("rlax_tasks.airflow.local_dag_run", "add_airflow_parser"),
 }
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from rlax_tasks.config import load_config
+from rlax_tasks.plan.placement import describe, job_env
 from rlax_tasks.process.device_check import EXPECTED_ENV, DeviceMismatch, check_devices
-from rlax_tasks.run.placement import describe, job_env
 from tests.conftest import REPO
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rlax_tasks.run.model_shapes import KNOWN_MODELS
+from rlax_tasks.plan.model_shapes import KNOWN_MODELS
 from tests.conftest import REPO, TEST_XLA_FLAGS
 from tests.data.chat_model import build_chat_model
 

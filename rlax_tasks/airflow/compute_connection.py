@@ -19,7 +19,7 @@ from typing import Any
 from airflow.sdk import BaseHook
 
 from rlax_tasks.compute import setting_names
-from rlax_tasks.run.slices import PlanError
+from rlax_tasks.plan.slices import PlanError
 
 CONN_ID_ENV = "RLAX_COMPUTE_CONN_ID"
 DEFAULT_CONN_ID = "rlax_compute"

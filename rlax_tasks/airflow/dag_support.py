@@ -29,7 +29,7 @@ from rlax_tasks.airflow.operators import (
 from rlax_tasks.compute import MANAGED_LABEL, RUN_ID_LABEL, SliceSpec
 from rlax_tasks.compute.cloud_tpu import local_run_root_error
 from rlax_tasks.compute.types import slice_name
-from rlax_tasks.run.slices import PlanError, run_slices
+from rlax_tasks.plan.slices import PlanError, run_slices
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -157,7 +157,7 @@ def plan_slices(
 ) -> list[dict]:
     """The slices of a run as ProvisionSlicesOperator takes them: [{"role", "name",
     "accelerator_type", "runtime_version", **provisioning}] (``slices``:
-    ``rlax_tasks.run.slices.run_slices``; ``provisioning``: ``slice_provisioning``)."""
+    ``rlax_tasks.plan.slices.run_slices``; ``provisioning``: ``slice_provisioning``)."""
     return [
         {"role": role, "name": slice_name(run_id, role), "accelerator_type": kind,
          "runtime_version": runtime, **(provisioning or {})}
@@ -191,11 +191,11 @@ def plan_training(
     (a curated file from the rlax_curate Asset) replaces the preset's datasets."""
     # the run config loads JAX-free but heavy: in the task, never when the scheduler parses
     from rlax_tasks.config import ConfigChangeError, ConfigError, load_config
-    from rlax_tasks.run import launch, slices
-    from rlax_tasks.run.memory_plan import PlanDoesNotFit
-    from rlax_tasks.run.placement import COLOCATED, is_colocated
-    from rlax_tasks.run.preflight import DatasetError
-    from rlax_tasks.run.topology import TRAINER_SLICE, Job
+    from rlax_tasks.plan import launch, slices
+    from rlax_tasks.plan.memory_plan import PlanDoesNotFit
+    from rlax_tasks.plan.placement import COLOCATED, is_colocated
+    from rlax_tasks.plan.preflight import DatasetError
+    from rlax_tasks.plan.topology import TRAINER_SLICE, Job
     from rlax_tasks.services.http import run_token
 
     run_root = params.get("run_root") or default_run_root()

@@ -16,7 +16,7 @@ from typing import Any
 
 from rlax_tasks.airflow.dag_support import RUN_ID_PATTERN
 from rlax_tasks.airflow.run_status import read_status
-from rlax_tasks.run.slices import PlanError
+from rlax_tasks.plan.slices import PlanError
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 

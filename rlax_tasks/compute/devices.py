@@ -2,7 +2,7 @@
 mesh shapes (docs/design.md §12).
 
 The run configuration validates its ``placement`` against these names and the launchers turn it
-into each job's environment (rlax_tasks/run/placement.py, which re-exports them). No JAX."""
+into each job's environment (rlax_tasks/plan/placement.py, which re-exports them). No JAX."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def _device_list(value: Any, name: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementSettings:
-    """Where the jobs run and on which devices (docs/design.md §12); run/placement.py sets each
+    """Where the jobs run and on which devices (docs/design.md §12); plan/placement.py sets each
     job's env.
 
     ``trainer``, each ``workers`` list: device indices on a host (on cpu n indices force n host
@@ -78,7 +78,7 @@ class PlacementSettings:
     # processes that share a GPU
     memory_fraction: float | None = None
     # RAM of a host (bytes or "2TiB"); null = this machine's. The parameter server keeps
-    # versions in ps_memory_fraction of it (rlax_tasks/run/memory_plan.py)
+    # versions in ps_memory_fraction of it (rlax_tasks/plan/memory_plan.py)
     host_memory: int | None = None
     # the share of its host's RAM the parameter server keeps versions in (the rest: the jobs
     # beside it, a worker's delta copy, the page cache)
@@ -342,7 +342,7 @@ def _check_multi_host_tpu(run: RunConfig) -> None:
     """A trainer over several TPU hosts is one libtpu slice over every chip of its hosts (libtpu
     reads the slice's shape from the TPU VM; a process cannot take part of a multi-host slice):
     it lists all the chips of a host. Its workers run on slices of their own (the DAG's plan
-    checks: ``rlax_tasks.run.slices.evaluation_slice``)."""
+    checks: ``rlax_tasks.plan.slices.evaluation_slice``)."""
     p = run.placement
     if p.trainer != TPU_MULTI_HOST_CHIPS:
         raise ConfigError(

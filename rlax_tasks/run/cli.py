@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from rlax_tasks.config import load_config
+from rlax_tasks.plan.memory_plan import dry_run_text, memory_plan
 from rlax_tasks.run.local_run import run_local
-from rlax_tasks.run.memory_plan import dry_run_text, memory_plan
 from rlax_tasks.run.slice_supervisor import node_plan
 from rlax_tasks.run.supervisor import Interrupted
 

@@ -27,11 +27,11 @@ from rlax_tasks.controller.snapshot import SnapshotStore
 from rlax_tasks.paramserver import ParameterServerClient
 from rlax_tasks.paramserver.client import VersionConflictError
 from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
+from rlax_tasks.plan.compilation_cache import enable_in_process
 from rlax_tasks.process.device_check import check_job_devices
 from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
 from rlax_tasks.process.host_malloc import tune_if_host_compute
 from rlax_tasks.rollout.service import PROGRESS_WAIT_S, worker_mesh
-from rlax_tasks.run.compilation_cache import enable_in_process
 from rlax_tasks.run.trainer_process import load_trainer_policy
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import notices

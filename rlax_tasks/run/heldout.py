@@ -17,7 +17,7 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig
 from rlax_tasks.paramserver import mirror
-from rlax_tasks.run.placement import HELDOUT, job_env, trainer_job
+from rlax_tasks.plan.placement import HELDOUT, job_env, trainer_job
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
@@ -120,8 +120,8 @@ def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, aft
 
 def _heldout_command(args: argparse.Namespace) -> int:
     from rlax_tasks.config import load_config
+    from rlax_tasks.plan.compilation_cache import enable_in_process
     from rlax_tasks.process.device_check import check_job_devices
-    from rlax_tasks.run.compilation_cache import enable_in_process
 
     cfg = load_config(args.config)
     if args.every < 0 or args.after < 0 or (args.last is not None and args.last < 1):

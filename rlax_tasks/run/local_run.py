@@ -1,7 +1,7 @@
 """`rlax run`: every component as a local process under a supervisor, then a report; with a
 compute backend (`--backend ray`), every job on the backend's slices instead.
 
-The launch steps are the DAG's (rlax_tasks.run.launch), under the run lock; the supervisor
+The launch steps are the DAG's (rlax_tasks.plan.launch), under the run lock; the supervisor
 restarts a component that dies (all resume from the run's files), prints status and notices,
 and a fatal notice or repeated failure stops the run with that component's own message."""
 
@@ -13,13 +13,13 @@ import time
 from typing import Any
 
 from rlax_tasks.config import RunConfig
-from rlax_tasks.run import launch
+from rlax_tasks.plan import launch
+from rlax_tasks.plan.topology import free_ports
 from rlax_tasks.run.heldout import HeldOutJobs
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
 from rlax_tasks.run.report import write_report
 from rlax_tasks.run.slice_supervisor import SliceSupervisor, run_slices
 from rlax_tasks.run.supervisor import Component, ComponentFailed, Supervisor, stop_on_signals
-from rlax_tasks.run.topology import free_ports
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import notices
 from rlax_tasks.rundir.paths import run_paths

@@ -30,7 +30,8 @@ from rlax_tasks.compute import (
 )
 from rlax_tasks.compute.ray_cluster import slice_shape
 from rlax_tasks.compute.types import RUN_ID_LABEL, slice_name
-from rlax_tasks.run.placement import COLOCATED, host_devices, is_colocated
+from rlax_tasks.plan.placement import COLOCATED, host_devices, is_colocated
+from rlax_tasks.plan.topology import TRAINER_SLICE, WorkerSlices, worker_place, worker_slice
 from rlax_tasks.run.supervisor import (
     JOB_NAME_ENV,
     Component,
@@ -39,7 +40,6 @@ from rlax_tasks.run.supervisor import (
     error_line,
     judge_restart,
 )
-from rlax_tasks.run.topology import TRAINER_SLICE, WorkerSlices, worker_place, worker_slice
 
 log = logging.getLogger(__name__)
 

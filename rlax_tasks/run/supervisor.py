@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlax_tasks.process.host_malloc import with_huge_pages
+from rlax_tasks.process.parent_death import dies_with_parent
 
 log = logging.getLogger(__name__)
 
 JOB_NAME_ENV = "RLAX_JOB_NAME"  # rlax_tasks.rundir.notices reads it as a notice's source
-_PR_SET_PDEATHSIG = 1
 # the last error line of a component's log: an `rlax <cmd>: error: ...` line (a user error) or
 # the last line of a Python traceback
 _CLI_ERROR = re.compile(r"^rlax [\w .-]*: error: ")
@@ -80,28 +79,6 @@ class Component:
     last_failure: tuple[str, Any] | None = None
     # stopped by ``Supervisor.stop``: not restarted until it is added again
     stopped: bool = False
-
-
-# Runs argv[2:] with SIGKILL as its parent-death signal (kept across exec): set here, in the
-# child, because a preexec_fn would make the parent fork() with its threads (JAX's) running.
-# The signal comes when the parent's starting thread dies: use a Supervisor from one
-# long-lived thread (`rlax run`'s main thread).
-_LAUNCHER = """
-import ctypes, os, signal, sys
-if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
-    sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)  # the parent died before prctl: nobody would kill this one later
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
-def dies_with_parent(command: list[str]) -> list[str]:
-    """``command`` started so that it dies with this process (Linux; elsewhere as it is)."""
-    if not sys.platform.startswith("linux"):
-        return command
-    program = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
-    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), program, *command[1:]]
 
 
 class Supervisor:

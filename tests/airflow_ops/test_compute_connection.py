@@ -9,7 +9,7 @@ import pytest
 
 from rlax_tasks.airflow.compute_connection import compute_backend
 from rlax_tasks.compute import get_backend
-from rlax_tasks.run.slices import PlanError
+from rlax_tasks.plan.slices import PlanError
 
 
 def connect(monkeypatch, conn: dict, conn_id: str = "rlax_compute") -> None:

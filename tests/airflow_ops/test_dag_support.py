@@ -1,4 +1,4 @@
-"""rlax_train's plan task: the slice checks (``rlax_tasks.run.slices``) it runs before anything
+"""rlax_train's plan task: the slice checks (``rlax_tasks.plan.slices``) it runs before anything
 is provisioned, the runtime version it provisions with, and the plan's XComs."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning
 from rlax_tasks.compute import tpu_types
-from rlax_tasks.run import slices
-from rlax_tasks.run.topology import WorkerSlices
+from rlax_tasks.plan import slices
+from rlax_tasks.plan.topology import WorkerSlices
 
 
 def _refusal(*args) -> str:
@@ -341,7 +341,7 @@ def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_pa
     """Qwen2.5-7B shapes with float32 master weights and Adam on a v5litepod-8 trainer slice:
     one line naming accelerator_type and the chip's memory, nothing written (no
     placement.accelerator set: the slice's type decides)."""
-    from tests.run.test_slice_memory import QWEN_7B, model_dir
+    from tests.plan.test_slice_memory import QWEN_7B, model_dir
 
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
     params = {

@@ -33,7 +33,7 @@ def test_trigger_module_imports_no_heavy_modules():
         "rlax_tasks.airflow.eval_planning",
         "rlax_tasks.airflow.janitor",
         "rlax_tasks.airflow.run_status",
-        "rlax_tasks.run.slices",
+        "rlax_tasks.plan.slices",
     ],
 )
 def test_modules_the_dag_files_import_load_no_heavy_modules(module):

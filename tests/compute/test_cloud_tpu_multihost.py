@@ -148,7 +148,7 @@ def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
     inconsistent process bounds fail at once; the variables the product's placement gives a
     process of some chips of a host pass."""
     from rlax_tasks.config import load_config
-    from rlax_tasks.run.placement import job_env
+    from rlax_tasks.plan.placement import job_env
 
     backend, _, handle = tpu
 
@@ -182,7 +182,7 @@ def test_the_fake_libtpu_refuses_what_libtpu_would(tpu):
     _, status = run("tpu-two", (0,), {**bounds, "TPU_PROCESS_BOUNDS": "1,2,1"})
     assert status.state is JobState.FAILED and "need 8 chips; this host has 4" in status.message
 
-    # a worker of two chips beside the trainer on one host, as rlax_tasks.run.placement says
+    # a worker of two chips beside the trainer on one host, as rlax_tasks.plan.placement says
     overrides = {
         "placement.platform": "tpu",
         "placement.mode": "disaggregated",

@@ -186,8 +186,8 @@ def test_colocated_settings_it_cannot_carry_name_the_field(tmp_path, overrides, 
 
 
 def test_a_colocated_plan_is_one_job_with_the_trainer_and_the_sampler_on_its_devices(tmp_path):
-    from rlax_tasks.run.memory_plan import memory_plan
-    from rlax_tasks.run.topology import Ports, plan_topology
+    from rlax_tasks.plan.memory_plan import memory_plan
+    from rlax_tasks.plan.topology import Ports, plan_topology
 
     cfg = small_config(tmp_path, **COLOCATED)
     plan = memory_plan(cfg)

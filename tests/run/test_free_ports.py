@@ -9,9 +9,9 @@ import socket
 import pytest
 
 from rlax_tasks.config import load_config
+from rlax_tasks.plan.topology import free_ports
 from rlax_tasks.process import ports as port_draws
 from rlax_tasks.process.ports import free_port
-from rlax_tasks.run.topology import free_ports
 
 
 def _bindable(port: int) -> bool:

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
-from rlax_tasks.run.export import export_checkpoint
 from rlax_tasks.run.local_run import run_local
+from rlax_tasks.tools.export import export_checkpoint
 from tests.conftest import TEST_XLA_FLAGS
 from tests.run.test_local_run import small_config
 from tests.tiny_model import save_char_model

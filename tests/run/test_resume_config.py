@@ -19,7 +19,7 @@ from rlax_tasks.config import (
     save_resolved,
 )
 from rlax_tasks.rundir.paths import run_paths
-from tests.run.test_preflight import model_shapes_only
+from tests.plan.test_preflight import model_shapes_only
 
 LR_CHANGE = "trainer.learning_rate 0.0003 → 1000000000.0"
 

@@ -11,9 +11,9 @@ import pytest
 from rlax_tasks.cli import main
 from rlax_tasks.compute import JobState, get_backend
 from rlax_tasks.config import load_config
+from rlax_tasks.plan.topology import WorkerSlices, worker_place
 from rlax_tasks.run.slice_supervisor import SliceSupervisor, node_plan, run_slices
 from rlax_tasks.run.supervisor import Component, ComponentFailed
-from rlax_tasks.run.topology import WorkerSlices, worker_place
 from tests.compute.helpers import ENTRYPOINT, wait_for
 
 TWO_CPU_HOSTS = {

@@ -12,8 +12,8 @@ from typing import Any
 
 from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
 from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from rlax_tasks.plan.placement import COLOCATED, is_colocated, job_envs, worker_host
 from rlax_tasks.process.ports import free_port
-from rlax_tasks.run.placement import COLOCATED, is_colocated, job_envs, worker_host
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.endpoints import service_file
@@ -143,7 +143,7 @@ def plan_topology(
 ) -> Topology:
     """The jobs of run ``cfg`` for ``steps`` training steps (``ps_args``: the memory plan's
     ``--keep-versions``/``--keep-bytes``), with ``token`` and ``base_env`` in every job's
-    environment and each job's own devices (rlax_tasks.run.placement). ``ports=None``: published
+    environment and each job's own devices (rlax_tasks.plan.placement). ``ports=None``: published
     addresses (see the module docstring); ``worker_slices``: the workers' own slices."""
     if not token:
         raise ValueError(f"no token for the run: every job needs {TOKEN_ENV}")

@@ -12,18 +12,18 @@ import subprocess
 import sys
 
 from rlax_tasks.config import RunConfig, save_resolved
-from rlax_tasks.run.compilation_cache import cache_env
-from rlax_tasks.run.memory_plan import MemoryPlan, memory_plan
-from rlax_tasks.run.placement import describe, is_colocated, job_env, trainer_job
-from rlax_tasks.run.preflight import check_datasets
-from rlax_tasks.run.supervisor import dies_with_parent
-from rlax_tasks.run.topology import (
+from rlax_tasks.plan.compilation_cache import cache_env
+from rlax_tasks.plan.memory_plan import MemoryPlan, memory_plan
+from rlax_tasks.plan.placement import describe, is_colocated, job_env, trainer_job
+from rlax_tasks.plan.preflight import check_datasets
+from rlax_tasks.plan.topology import (
     Ports,
     Topology,
     WorkerSlices,
     plan_topology,
     write_workers_file,
 )
+from rlax_tasks.process.parent_death import dies_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from rlax_tasks.cli import main
-from rlax_tasks.run import doctor
+from rlax_tasks.tools import doctor
 
 
 def test_doctor_prints_the_cpu_devices_and_kernels_and_passes_its_self_check(capsys):

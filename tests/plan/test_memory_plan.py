@@ -1,4 +1,4 @@
-"""The memory plan (rlax_tasks/run/memory_plan.py): numbers for a small model computed by hand,
+"""The memory plan (rlax_tasks/plan/memory_plan.py): numbers for a small model computed by hand,
 `rlax run --dry-run` on the real presets (no network), and a plan that cannot fit refused by
 `rlax run` and by the DAG's plan before anything starts."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
-from rlax_tasks.run.memory_plan import PlanDoesNotFit, memory_plan, ps_retention
-from rlax_tasks.run.model_shapes import resolve_model
+from rlax_tasks.plan.memory_plan import PlanDoesNotFit, memory_plan, ps_retention
+from rlax_tasks.plan.model_shapes import resolve_model
 from rlax_tasks.rundir import storage
 
 MiB, GiB = 2**20, 2**30
@@ -109,7 +109,7 @@ def test_remat_keeps_less(small_model, remat, activations):
 
 
 def test_logits_kept_for_the_backward_count_only_when_they_fit_the_budget(small_model, monkeypatch):
-    from rlax_tasks.run.placement import ACCELERATORS, Accelerator
+    from rlax_tasks.plan.placement import ACCELERATORS, Accelerator
 
     # the micro-batch's logits are 4 × 64 × 256 × 4 B = 256 KiB: a 1 MiB budget keeps them,
     # 2 sequences × 64 × 256 × 4 B per device; 0 recomputes them; unset on GPUs: 0
@@ -144,7 +144,7 @@ def test_parameter_server_keeps_what_fits_its_budget(small_model):
 
 
 def test_a_job_that_does_not_fit_names_itself_and_the_fix(small_model, monkeypatch):
-    from rlax_tasks.run.placement import ACCELERATORS, Accelerator
+    from rlax_tasks.plan.placement import ACCELERATORS, Accelerator
 
     # an accelerator of 1 MiB: 0.9 MiB usable; the trainer needs 2.3 MiB, the worker 0.27
     monkeypatch.setitem(ACCELERATORS, "h100-80gb", Accelerator("h100-80gb", "gpu", MiB))

@@ -22,8 +22,8 @@ import optax
 from rlax_tasks.config import load_config
 from rlax_tasks.models import ModelConfig, Policy
 from rlax_tasks.models.attention import default_implementation
+from rlax_tasks.plan.placement import CPU_JOBS, describe_devices, job_mesh, job_names
 from rlax_tasks.rollout.sampler import Sampler
-from rlax_tasks.run.placement import CPU_JOBS, describe_devices, job_mesh, job_names
 from rlax_tasks.utils.byte_sizes import format_bytes
 
 # the self-check's model: a small Qwen2 (2 layers, 4 heads of 16, vocab 256)

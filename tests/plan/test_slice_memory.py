@@ -1,4 +1,4 @@
-"""The memory plan of a run on Cloud TPU slices (rlax_tasks/run/slices.py, slice_memory_plan): the
+"""The memory plan of a run on Cloud TPU slices (rlax_tasks/plan/slices.py, slice_memory_plan): the
 trainer over every chip of the accelerator_type slice, the workers on a worker slice type (or
 on the devices the config gives them), each checked against its family's HBM per chip, whatever
 placement.accelerator says (unset, or the same family) — so a model that cannot fit a slice is
@@ -12,10 +12,12 @@ import json
 import pytest
 
 from rlax_tasks.config import load_config
-from rlax_tasks.run.slices import slice_fit_error, slice_memory_plan
+from rlax_tasks.plan.slices import slice_fit_error, slice_memory_plan
 from rlax_tasks.rundir import storage
-from tests.run.test_plan import SMALL, GiB
-from tests.run.test_plan import P as P_SMALL  # the small qwen2's parameters, counted by hand
+from tests.plan.test_memory_plan import SMALL, GiB
+from tests.plan.test_memory_plan import (
+    P as P_SMALL,  # the small qwen2's parameters, counted by hand
+)
 
 # Qwen2.5-7B's shapes (its public config.json): 7,615,616,512 parameters
 QWEN_7B = {

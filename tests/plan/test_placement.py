@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from rlax_tasks.config import ConfigError, RunConfig, load_config
-from rlax_tasks.run.placement import describe, job_env, job_envs
+from rlax_tasks.plan.placement import describe, job_env, job_envs
 from rlax_tasks.utils.byte_sizes import parse_bytes
 
 ACCELERATOR_VARS = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "XLA_PYTHON_CLIENT_MEM_FRACTION")

@@ -2,15 +2,15 @@
 
 ``memory_plan(cfg)`` is what ``rlax run --dry-run`` prints and what both launchers check before
 anything starts; ``ps_retention`` gives the parameter server's --keep-versions/--keep-bytes.
-The formulas are in the comment below; rlax_tasks.run.slices runs the plan on Cloud TPU slices."""
+The formulas are in the comment below; rlax_tasks.plan.slices runs the plan on Cloud TPU slices."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from rlax_tasks.run.model_shapes import resolve_model
-from rlax_tasks.run.placement import (
+from rlax_tasks.plan.model_shapes import resolve_model
+from rlax_tasks.plan.placement import (
     ACCELERATORS,
     COLOCATED,
     CPU_JOBS,

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlax_tasks.compute.ray_cluster import RayBackendError, slice_shape
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, slice_hosts, tpu_type
-from rlax_tasks.run.memory_plan import (
+from rlax_tasks.plan.memory_plan import (
     MemoryPlan,
     SliceJob,
     job_advice,
@@ -23,9 +23,9 @@ from rlax_tasks.run.memory_plan import (
     plan_for,
     worker_bytes,
 )
-from rlax_tasks.run.model_shapes import resolve_model
-from rlax_tasks.run.placement import ACCELERATORS, is_colocated, job_devices, trainer_job
-from rlax_tasks.run.topology import TRAINER_SLICE, WorkerSlices, worker_slice
+from rlax_tasks.plan.model_shapes import resolve_model
+from rlax_tasks.plan.placement import ACCELERATORS, is_colocated, job_devices, trainer_job
+from rlax_tasks.plan.topology import TRAINER_SLICE, WorkerSlices, worker_slice
 from rlax_tasks.utils.byte_sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def single_host_slice(accelerator_type: str | None, backend: str) -> tuple[str, 
 def worker_slice_layout(
     worker_accelerator_type: str | None, worker_slices: Any, backend: str
 ) -> WorkerSlices | None:
-    """The workers' own slices (``rlax_tasks.run.topology.WorkerSlices``) the Params ask for
+    """The workers' own slices (``rlax_tasks.plan.topology.WorkerSlices``) the Params ask for
     (``worker_accelerator_type``, ``worker_slices``), or None: the workers run on the trainer
     slice."""
     kind = worker_accelerator_type

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from rlax_tasks.config import load_config
-from rlax_tasks.run.compilation_cache import DIR_ENV, MIN_SECONDS_ENV, cache_env
+from rlax_tasks.plan.compilation_cache import DIR_ENV, MIN_SECONDS_ENV, cache_env
 
 
 def test_cache_lives_under_the_run_root_unless_the_user_says_otherwise(tmp_path, monkeypatch):

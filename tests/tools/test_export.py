@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config, save_resolved
-from rlax_tasks.run.export import ExportError, export_checkpoint, parse_run_spec
+from rlax_tasks.tools.export import ExportError, export_checkpoint, parse_run_spec
 from tests.trainer.helpers import random_batch
 
 PROBE = np.random.default_rng(7).integers(0, 64, (2, 12)).astype(np.int32)
@@ -233,7 +233,7 @@ def test_dtype_bfloat16_writes_bfloat16_safetensors(qwen_run, tmp_path, capsys):
 def test_tied_embeddings_bfloat16_master_weights_and_a_value_head(llama_run, tmp_path, caplog):
     """Default dtype = the checkpoint's (bfloat16 here); the PPO value head is left out."""
     default, f32 = str(tmp_path / "default"), str(tmp_path / "f32")
-    with caplog.at_level(logging.INFO, logger="rlax_tasks.run.export"):
+    with caplog.at_level(logging.INFO, logger="rlax_tasks.tools.export"):
         result = export_checkpoint(llama_run.run_dir, default)
     assert (result.step, result.dtype) == (STEPS, "bfloat16")
     assert "value head" in caplog.text and "left out" in caplog.text

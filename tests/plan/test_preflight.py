@@ -11,7 +11,7 @@ import yaml
 
 from rlax_tasks.cli import main
 from rlax_tasks.config import RunConfig
-from rlax_tasks.run.preflight import DatasetError, check_datasets
+from rlax_tasks.plan.preflight import DatasetError, check_datasets
 
 PRESETS = os.path.join(os.path.dirname(__file__), "..", "..", "rlax_tasks", "presets")
 
