@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from airflow.sdk import Param, task
 
-from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import factories as rc
+from rlax_tasks.airflow import settings
+from rlax_tasks.airflow.params import DATA_FORMATS, accelerator_type_param, dag_run_run_id
 from rlax_tasks.airflow.run_status import write_status
+from rlax_tasks.compute.types import slice_name
 from rlax_tasks.plan.slices import single_host_slice
 
 DOC = """
@@ -31,7 +34,7 @@ The slice is deleted by a teardown task whatever happens.
             description="JSONL/Parquet/CSV files or directories (local or gs://)",
         ),
         "format": Param(
-            "rlax", type="string", enum=list(rc.DATA_FORMATS),
+            "rlax", type="string", enum=list(DATA_FORMATS),
             description="input layout (docs/design.md §11): gsm8k, math, dapo, messages, code, "
             "columns (with the columns mapping) or rlax (the row schema)",
         ),
@@ -52,8 +55,8 @@ The slice is deleted by a teardown task whatever happens.
             None, type=["null", "string"], format="date",
             description="rows before this ISO date go to train, the rest to test",
         ),
-        "accelerator_type": rc.accelerator_type_param(),
-        "run_root": Param(rc.default_run_root(), type="string", minLength=1),
+        "accelerator_type": accelerator_type_param(),
+        "run_root": Param(settings.default_run_root(), type="string", minLength=1),
     },
 )  # fmt: skip
 def rlax_curate():
@@ -61,13 +64,13 @@ def rlax_curate():
     def plan(params: dict, run_id: str) -> dict:
         from rlax_tasks.rundir import storage
 
-        rid = rc.dag_run_run_id(run_id)
+        rid = dag_run_run_id(run_id)
         out = params["out"] or storage.join(params["run_root"], "datasets", rid)
         argv = ["curate", *params["inputs"], "--out", out, "--format", params["format"]]
         if params.get("columns"):
             argv += ["--columns", ",".join(f"{k}={v}" for k, v in params["columns"].items())]
         # the janitor leaves this run's slice alone while the status is fresh
-        write_status(storage.join(rc.default_run_root(), rid), "running", run_id)
+        write_status(storage.join(settings.default_run_root(), rid), "running", run_id)
         for e in params["eval_sets"]:
             argv += ["--eval-set", e]
         if params.get("split_date"):
@@ -77,10 +80,10 @@ def rlax_curate():
         # a bad format/columns or slice fails here, naming it, before anything is provisioned
         verifier = get_format(params["format"], params.get("columns") or None).verifier
         accelerator_type, runtime_version = single_host_slice(
-            params.get("accelerator_type"), rc.backend_name()
+            params.get("accelerator_type"), settings.backend_name()
         )
         return {
-            "slice": rc.slice_name(rid, "curate"),
+            "slice": slice_name(rid, "curate"),
             "accelerator_type": accelerator_type,
             "runtime_version": runtime_version,
             "run_id": rid,

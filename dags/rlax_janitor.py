@@ -6,8 +6,10 @@ import logging
 
 from airflow.sdk import Param, task
 
-from rlax_tasks.airflow import dag_support as rc
+from rlax_tasks.airflow import factories as rc
+from rlax_tasks.airflow import settings
 from rlax_tasks.airflow.janitor import orphaned_slices
+from rlax_tasks.airflow.params import silence_param
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +29,7 @@ by its own DAG at the same time is harmless.
     tags=["maintenance"],
     doc_md=DOC,
     params={
-        "grace_minutes": Param(
-            30, type="integer", minimum=1, description="a run silent this long is not active"
-        ),
+        "grace_minutes": silence_param(30, "minutes"),
         "dry_run": Param(False, type="boolean", description="only list what would be deleted"),
     },
 )
@@ -39,8 +39,8 @@ def rlax_janitor():
         from rlax_tasks.compute import MANAGED_LABEL, get_backend
 
         orphans = []
-        for root in rc.run_roots():
-            backend = get_backend(rc.backend_name(), **rc.backend_settings(root))
+        for root in settings.run_roots():
+            backend = get_backend(settings.backend_name(), **settings.backend_settings(root))
             slices = [
                 {**h.to_dict(), "run_root": root}
                 for h in backend.list_slices({MANAGED_LABEL: "true"})
@@ -60,7 +60,7 @@ def rlax_janitor():
             if params["dry_run"]:
                 log.info("dry run: would delete slice %s", handle["name"])
                 continue
-            get_backend(rc.backend_name(), **rc.backend_settings(root)).teardown(handle)
+            get_backend(settings.backend_name(), **settings.backend_settings(root)).teardown(handle)
             log.info("deleted orphaned slice %s", handle["name"])
             deleted.append(handle["name"])
         return deleted

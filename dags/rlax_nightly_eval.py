@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from airflow.sdk import Param, task
+from airflow.sdk import task
 
-from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning as ev
+from rlax_tasks.airflow import factories as rc
+from rlax_tasks.airflow import settings
+from rlax_tasks.airflow.params import accelerator_type_param, dag_run_run_id, silence_param
 from rlax_tasks.airflow.run_status import write_status
+from rlax_tasks.compute.types import slice_name
 from rlax_tasks.plan.slices import single_host_slice
 
 log = logging.getLogger(__name__)
@@ -31,31 +34,31 @@ was evaluated. All evaluations share one slice, deleted by a teardown task.
     tags=["evaluation"],
     doc_md=DOC,
     params={
-        "active_hours": Param(
-            24, type="integer", minimum=1, description="runs silent longer than this are skipped"
-        ),
-        "accelerator_type": rc.accelerator_type_param(),
+        "active_hours": silence_param(24, "hours"),
+        "accelerator_type": accelerator_type_param(),
     },
 )
 def rlax_nightly_eval():
     @task
     def plan(params: dict, run_id: str, dag_run=None) -> dict:
         accelerator_type, runtime_version = single_host_slice(
-            params.get("accelerator_type"), rc.backend_name()
+            params.get("accelerator_type"), settings.backend_name()
         )
-        todo = ev.runs_to_evaluate(rc.run_roots(), 3600.0 * params["active_hours"])
+        todo = ev.runs_to_evaluate(settings.run_roots(), 3600.0 * params["active_hours"])
         argvs = []
         for item in todo:
             cfg = ev.load_run_config(item["run_dir"])
             argvs.append(ev.eval_argv(cfg, item["version"], ev.eval_dataset_file(cfg)))
-        rid = rc.dag_run_run_id(f"nightly-{run_id}")
+        rid = dag_run_run_id(f"nightly-{run_id}")
         # the janitor leaves this run's slice alone while the status is fresh
-        write_status(f"{rc.default_run_root()}/{rid}", "running", run_id, dag_id=dag_run.dag_id)
+        write_status(
+            f"{settings.default_run_root()}/{rid}", "running", run_id, dag_id=dag_run.dag_id
+        )
         log.info("evaluating %d run(s): %s", len(todo), todo)
         return {
             "runs": todo,
             "argvs": argvs,
-            "slice": rc.slice_name(rid, "eval"),
+            "slice": slice_name(rid, "eval"),
             "run_id": rid,
             "accelerator_type": accelerator_type,
             "runtime_version": runtime_version,

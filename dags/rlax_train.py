@@ -3,12 +3,16 @@ teardown — triggered from the UI with a validated Params form (or by a curated
 
 from __future__ import annotations
 
-from airflow.sdk import Param, task
+from airflow.sdk import task
 
-from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning as ev
+from rlax_tasks.airflow import factories as rc
+from rlax_tasks.airflow import settings
+from rlax_tasks.airflow.params import train_params
+from rlax_tasks.airflow.plan_task import plan_training
 from rlax_tasks.airflow.run_status import write_status
-from rlax_tasks.plan.slices import RUNTIME_VERSION_PATTERN
+from rlax_tasks.plan.run_plan import TrainingPlan
+from rlax_tasks.plan.slices import PlanError
 
 # the evaluations' watchers poll more often than the services' (10 s): an evaluation is short
 # next to training, and the run waits on each (a small model's is done in seconds)
@@ -68,86 +72,8 @@ One RLAX run (docs/design.md §2) with the compute backend `RLAX_BACKEND` (defau
     max_active_runs=4,
     tags=["training"],
     doc_md=DOC,
-    params={
-        "preset": Param(
-            "tiny-arith", type="string", enum=rc.preset_names(),
-            description="run configuration preset (rlax_tasks/presets)",
-        ),
-        "model_path": Param(
-            None, type=["null", "string"],
-            description="base model (HF directory, local or gs://); empty = the preset's",
-        ),
-        "algorithm": Param(
-            None, type=["null", "string"], enum=[None, *rc.ALGORITHMS],
-            description="objective preset (docs/design.md §4); empty = the preset's",
-        ),
-        "reload_every": Param(
-            1, type="integer", minimum=1, title="staleness j",
-            description="workers reload when the PS is >= j versions ahead",
-        ),
-        "max_staleness": Param(
-            1, type=["null", "integer"], minimum=1, title="staleness k",
-            description="a rollout of version u trains version v only if v - u <= k (null: any)",
-        ),
-        "accelerator_type": Param(
-            "cpu", type="string", minLength=1,
-            description="slice accelerator: a Cloud TPU type on cloud_tpu (e.g. v5litepod-8), a "
-            "Ray slice type on ray (cpu, gpu-8, 2xgpu-8: hosts x GPUs), cpu for the local backend",
-        ),
-        "runtime_version": Param(
-            None, type=["null", "string"], pattern=RUNTIME_VERSION_PATTERN,
-            description="TPU VM runtime version; empty = the accelerator family's default "
-            "(cpu needs none)",
-        ),
-        "capacity": Param(
-            "spot", type="string", enum=["spot", "on-demand", "reserved"],
-            description="how the slices are bought: spot (reclaimable: the run resumes from "
-            "its checkpoint), on-demand, or the project's reservation",
-        ),
-        "service_account": Param(
-            None, type=["null", "string"],
-            description="the service account the TPU VMs run as (email); empty = the default",
-        ),
-        "network": Param(
-            None, type=["null", "string"], description="the VPC network; empty = the default"
-        ),
-        "subnetwork": Param(
-            None, type=["null", "string"], description="its subnetwork; empty = the default"
-        ),
-        "worker_accelerator_type": Param(
-            None, type=["null", "string"], minLength=1,
-            description="workers on slices of their own, one worker per host (e.g. v5litepod-4, "
-            "or gpu-4 on ray); "
-            "empty = the workers run on the trainer slice",
-        ),
-        "worker_slices": Param(
-            1, type="integer", minimum=1, maximum=64,
-            description="how many worker slices (with worker_accelerator_type)",
-        ),
-        "num_workers": Param(
-            None, type=["null", "integer"], minimum=1, maximum=256,
-            description="empty = the preset's (or one per host of the worker slices)",
-        ),
-        "steps": Param(20, type="integer", minimum=1, description="training steps in total"),
-        "run_root": Param(
-            rc.default_run_root(), type="string", minLength=1,
-            description="local directory or gs://bucket/prefix",
-        ),
-        "run_id": Param(
-            None, type=["null", "string"], pattern=r"^([a-z0-9][a-z0-9_-]{0,62})?$",
-            description="same id = resume that run; empty = derived from the DAG run id",
-        ),
-        "overrides": Param(
-            {}, type="object",
-            description='run-config overrides by dotted key, e.g. {"rollout.group_size": 4}',
-        ),
-        "allow_config_change": Param(
-            False, type="boolean",
-            description="resume this run_id with settings that change training (recorded in "
-            "config_changes.jsonl); off: such a resume fails the plan, listing the fields",
-        ),
-    },
-)  # fmt: skip
+    params=train_params(),
+)
 def rlax_train():
     @task(retries=0)
     def plan(params: dict, run_id: str, dag_run=None, triggering_asset_events=None) -> dict:
@@ -159,11 +85,11 @@ def rlax_train():
                 dataset = (event.extra or {}).get("path", dataset)
                 verifier = (event.extra or {}).get("verifier", verifier)
         try:
-            p = rc.plan_training(dict(params), run_id, dataset, verifier)
+            p = plan_training(dict(params), run_id, dataset, verifier)
         except (ValueError, FileNotFoundError) as e:  # user mistakes: retrying cannot help
             raise AirflowFailException(str(e)) from None
-        write_status(p["run_dir"], "running", run_id, dag_id=dag_run.dag_id, steps=p["steps"])
-        return p
+        write_status(p.run_dir, "running", run_id, dag_id=dag_run.dag_id, steps=p.steps)
+        return p.to_dict()  # the tasks read its fields: p["trainer"], p["run_dir"], ...
 
     @task
     def finish(p: dict, slice_handles: list) -> None:
@@ -171,8 +97,9 @@ def rlax_train():
         from rlax_tasks.compute import get_backend
         from rlax_tasks.rundir import storage
 
-        storage.write_bytes(p["done_marker"], b"")  # the watchers stop their jobs
-        backend = get_backend(rc.backend_name(), **rc.backend_settings(p["run_root"]))
+        plan = TrainingPlan.from_dict(p)
+        storage.write_bytes(plan.done_marker, b"")  # the watchers stop their jobs
+        backend = get_backend(settings.backend_name(), **settings.backend_settings(plan.run_root))
         for handle in rc.service_job_handles(slice_handles):
             backend.stop_job(handle)
 
@@ -183,7 +110,7 @@ def rlax_train():
 
         try:
             return ev.prepare_base_eval(p["run_dir"])
-        except rc.PlanError as e:  # no held-out dataset: retrying cannot help
+        except PlanError as e:  # no held-out dataset: retrying cannot help
             raise AirflowFailException(str(e)) from None
 
     @task(trigger_rule="none_failed")  # also after a skipped evaluate_base (a cache hit)
@@ -206,12 +133,12 @@ def rlax_train():
     @task
     def worker_jobs(p: dict, slices: dict) -> list[dict]:
         # a task of its own: Airflow maps only over a task's whole return value
-        return rc.worker_jobs(p, slices)  # each worker: argv, env, its slice and host
+        return rc.worker_jobs(TrainingPlan.from_dict(p), slices)  # each: its job and slice
 
     @task
     def start_services(p: dict, slices: dict) -> dict:
         """Starts every job before any watcher waits (dag.test() runs triggers one by one)."""
-        return rc.start_services(p, slices)
+        return rc.start_services(TrainingPlan.from_dict(p), slices)
 
     @task(trigger_rule="all_done")
     def record_state(p: dict | None, dag_run=None, ti=None) -> str:
@@ -237,22 +164,21 @@ def rlax_train():
     base = base_eval(p)  # beside provisioning: it needs no slice
     # the starting weights on the trainer's devices, before training takes them
     evaluate_base = rc.job(
-        "evaluate_base", root, on, base["argv"], p["env"], poll_interval_s=EVAL_POLL_S
+        "evaluate_base", root, on, base["argv"], p["eval_env"], poll_interval_s=EVAL_POLL_S
     )
     started = start_services(p, everything)
     evaluate_base >> record_base_eval(base) >> started
     watch = {"started_jobs": started, "done_when": "controller", "done_marker": p["done_marker"]}
-    ps = rc.job("ps", root, h, p["argv_ps"], p["env_ps"], **watch)
-    trainer = rc.job(
-        "trainer", root, h, p["argv_trainer"], p["env_trainer"], hosts=p["hosts_trainer"], **watch
-    )
-    workers = rc.mapped_jobs_with_env("worker", root, worker_jobs(p, everything), **watch)
-    controller = rc.job("controller", root, h, p["argv_controller"], p["env_controller"], **watch)
-    # held-out pass@k during training, on devices of its own (skipped where it has none)
-    heldout = rc.job("heldout", root, h, p["argv_heldout"], p["env_heldout"], **watch)
+    # each watcher takes its job of the plan (an unplanned one: skipped, e.g. a colocated run's
+    # ps and trainer, or heldout without devices of its own)
+    ps = rc.planned_job("ps", root, h, p["ps"], **watch)
+    trainer = rc.planned_job("trainer", root, h, p["trainer"], **watch)
+    workers = rc.mapped_planned_jobs("worker", root, worker_jobs(p, everything), **watch)
+    controller = rc.planned_job("controller", root, h, p["controller"], **watch)
+    heldout = rc.planned_job("heldout", root, h, p["heldout"], **watch)  # pass@k meanwhile
     stop = finish(p, everything["all"])
     final_eval = eval_argv(p)
-    evaluate = rc.job("evaluate", root, on, final_eval, p["env"], poll_interval_s=EVAL_POLL_S)
+    evaluate = rc.job("evaluate", root, on, final_eval, p["eval_env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
     p >> slices >> started >> [ps, trainer, workers, controller, heldout]
     controller >> stop >> final_eval >> evaluate >> report(p) >> cleanup

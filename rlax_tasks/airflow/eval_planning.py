@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any
 
-from rlax_tasks.airflow.dag_support import RUN_ID_PATTERN
+from rlax_tasks.airflow.params import RUN_ID_PATTERN
 from rlax_tasks.airflow.run_status import read_status
 from rlax_tasks.plan.slices import PlanError
 from rlax_tasks.rundir import storage

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import (
-    AirflowException,
     AirflowFailException,
     AirflowRescheduleException,
     AirflowSkipException,
 )
 
 from rlax_tasks.airflow.compute_connection import compute_backend
+from rlax_tasks.airflow.job_outcome import (
+    SliceUnavailableError,
+    failed_sibling_tasks,
+    job_name_for,
+    raise_for_job_event,
+)
 from rlax_tasks.airflow.triggers import JobStateTrigger, SliceReadyTrigger
 from rlax_tasks.compute import (
     JobSpec,
@@ -31,22 +35,10 @@ from rlax_tasks.compute import (
     SliceState,
     get_backend,
 )
-from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE
+from rlax_tasks.plan.run_plan import Job, PlanFormatError
 from rlax_tasks.rundir import storage
 
 log = logging.getLogger(__name__)
-
-
-class JobPreemptedError(AirflowException):
-    """The job or its slice was taken away; a retry resumes it (retryable)."""
-
-
-class JobFailedError(AirflowException):
-    """The job failed for a reason other than configuration (retryable)."""
-
-
-class SliceUnavailableError(AirflowException):
-    """The slice could not be provisioned or was lost (retryable)."""
 
 
 def _as_handle_dict(value: Any, field: str) -> dict[str, Any]:
@@ -63,50 +55,6 @@ def _as_handle_dict(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
-def failed_sibling_tasks(context: Any, siblings: list[str]) -> list[str]:
-    """The tasks of this DAG run that run the jobs named ``siblings`` and failed for good (their
-    retries spent), as Airflow keys them (``task``, ``task_<map index>``); [] where the run's
-    task states cannot be read."""
-    ti, dag_run = context.get("ti"), context.get("dag_run")
-    if ti is None or dag_run is None or not hasattr(ti, "get_task_states"):
-        return []
-    try:
-        runs = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id])
-    except Exception as e:  # noqa: BLE001 - a watcher that cannot tell goes on watching
-        log.warning("could not read the task states of run %s: %s", dag_run.run_id, e)
-        return []
-    failed = []
-    for key, state in (runs.get(dag_run.run_id) or {}).items():
-        mapped = re.fullmatch(r"(.+)_(\d+)", key)
-        name = job_name_for(mapped[1], int(mapped[2])) if mapped else job_name_for(key)
-        if state == "failed" and name in siblings:
-            failed.append(key)
-    return sorted(failed)
-
-
-def job_name_for(task_id: str, map_index: int = -1) -> str:
-    """A valid job name (lowercase letters, digits, hyphens) for a task (and map index)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", task_id.lower()).strip("-") or "job"
-    if not name[0].isalpha():
-        name = "j-" + name
-    suffix = f"-{map_index}" if map_index is not None and map_index >= 0 else ""
-    return name[: 63 - len(suffix)].rstrip("-") + suffix
-
-
-def raise_for_job_event(event: dict[str, Any]) -> None:
-    """Maps a JobStateTrigger event to the task outcome: returns on success, else raises the
-    retryable or non-retryable exception (see the module docstring)."""
-    state, message = event.get("state"), event.get("message", "")
-    name = event.get("job", {}).get("name", "?")
-    if state == JobState.SUCCEEDED.value:
-        return
-    if state == JobState.FAILED.value and event.get("exit_code") == CONFIG_ERROR_EXIT_CODE:
-        raise AirflowFailException(f"job {name}: {message} — fix the configuration; not retrying")
-    if state == JobState.PREEMPTED.value:
-        raise JobPreemptedError(f"job {name} preempted: {message}; the retry resumes it")
-    raise JobFailedError(f"job {name} {str(state).lower()}: {message}")
-
-
 def _raise_unless_ready(event: dict[str, Any]) -> None:
     """A SliceReadyTrigger event (or its in-process twin) for a slice that is not READY raises
     the retryable SliceUnavailableError."""
@@ -119,7 +67,16 @@ def _raise_unless_ready(event: dict[str, Any]) -> None:
 class _BackendOperator(BaseOperator):
     """Shared: a named backend with settings, rebuilt wherever the task runs. The settings are
     a template field: the DAG's run root (their slices' control directory) comes from the run's
-    plan (an XComArg), not from the environment the DAG file was parsed in."""
+    plan (an XComArg), not from the environment the DAG file was parsed in.
+
+    Args:
+        backend: ``local``, ``cloud_tpu`` or ``ray``; None: the compute Connection's, found
+            when the task runs (``backend_settings`` then needs a ``run_root``).
+        backend_settings: the backend's settings (``rlax_tasks.compute.get_backend``).
+        deferrable: wait in the triggerer (True) or poll in the task's process.
+        poll_interval_s: how often a slice or job is checked.
+        **kwargs: BaseOperator's (``task_id``, ``retries``, ...).
+    """
 
     def __init__(
         self,
@@ -131,8 +88,6 @@ class _BackendOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        # None: the compute Connection's backend (rlax_tasks.airflow.compute_connection), found
-        # when the task runs, with backend_settings' run_root
         self.backend = backend
         self.backend_settings = dict(backend_settings or {})
         self.deferrable = deferrable
@@ -157,7 +112,9 @@ class _BackendOperator(BaseOperator):
         """Defers to SliceReadyTrigger until ``handle`` leaves PROVISIONING, then resumes in
         ``method_name`` (each subclass sets ``provision_timeout_s``)."""
         self.defer(
-            trigger=SliceReadyTrigger(*self._resolved(), handle, self.poll_interval_s),
+            trigger=SliceReadyTrigger(
+                *self._resolved(), handle, poll_interval_s=self.poll_interval_s
+            ),
             method_name=method_name,
             timeout=timedelta(seconds=self.provision_timeout_s),
         )
@@ -201,8 +158,26 @@ def _slice_spec(fields: dict[str, Any], spot: bool, labels: dict[str, str]) -> S
 
 class ProvisionSliceOperator(_BackendOperator):
     """Provisions one slice (idempotent by name) and returns its handle dict once READY.
-    ``spot`` / ``reserved`` (neither: on-demand), ``service_account``, ``network`` and
-    ``subnetwork`` as in ``SliceSpec``."""
+
+    Args:
+        name: the slice's name (a template or XComArg).
+        accelerator_type: its type (``cpu``, ``v5litepod-8``, ``gpu-8``, ...).
+        runtime_version: its image ("": the family's default; none on the local backend).
+        spot: reclaimable capacity; ``reserved``: the project's reservation (neither:
+            on-demand).
+        reserved: see ``spot``.
+        service_account: the identity its VMs run as ("": the default).
+        network: the VPC network ("": the default); ``subnetwork`` its subnetwork.
+        subnetwork: see ``network``.
+        labels: the slice's labels (the janitor finds a run's slices by them).
+        zone: the zone ("": the backend's); ``project`` the project ("": the backend's).
+        project: see ``zone``.
+        provision_timeout_s: how long it may stay PROVISIONING.
+        **kwargs: ``_BackendOperator``'s.
+
+    Returns:
+        (``execute``) the slice's handle dict.
+    """
 
     template_fields = (
         "name", "accelerator_type", "runtime_version", "labels", "zone", "project",
@@ -260,12 +235,22 @@ class ProvisionSliceOperator(_BackendOperator):
 
 
 class ProvisionSlicesOperator(_BackendOperator):
-    """Provisions the slices of a run at once (idempotent by name) and returns, once every one
-    is READY, ``{role: handle dict, ..., "all": [handle dicts], "evaluation": handle dict}``
-    (``multiple_outputs``: each role is an XCom key; ``evaluation``: the slice marked
-    ``"evaluation": true``, else the first). ``slices``: [{"role", "name", "accelerator_type",
-    "runtime_version"}] (``rlax_tasks.airflow.dag_support.plan_slices``); a slice that fails
-    fails the task (retryable)."""
+    """Provisions the slices of a run at once (idempotent by name); a slice that fails fails
+    the task (retryable).
+
+    Args:
+        slices: [{"role", "name", "accelerator_type", "runtime_version", ...}]: a
+            TrainingPlan's ``slices`` (``SlicePlan.to_dict``), an XComArg of the plan.
+        spot: the capacity of a slice that names none.
+        labels: every slice's labels.
+        provision_timeout_s: how long a slice may stay PROVISIONING.
+        **kwargs: ``_BackendOperator``'s.
+
+    Returns:
+        (``execute``) ``{role: handle dict, ..., "all": [handle dicts], "evaluation": handle
+        dict}`` (``multiple_outputs``: each role an XCom key; ``evaluation``: the slice marked
+        ``"evaluation": true``, else the first).
+    """
 
     template_fields = ("slices", "labels", "backend_settings")
 
@@ -354,22 +339,41 @@ def start_jobs(
 
 
 class RlaxJobOperator(_BackendOperator):
-    """Runs ``rlax <argv>`` on a slice until it ends; returns ``{"job", "exit_code", "message"}``.
+    """Runs ``rlax <argv>`` on a slice until it ends. PREEMPTED raises ``JobPreemptedError``,
+    other failures ``JobFailedError`` (retryable), exit 2 ``AirflowFailException``.
 
-    PREEMPTED raises ``JobPreemptedError``, other failures ``JobFailedError`` (retryable), exit 2
-    ``AirflowFailException``. With ``started_jobs`` the job may already run (taken as is on the
-    first try); the watch also ends on ``done_when``, ``done_marker`` or a lost sibling."""
+    Args:
+        slice_handle: the slice's handle dict (an XComArg of the provisioning task).
+        argv: the `rlax` command line; empty: the task is skipped (no such job in this run).
+        env: the job's environment.
+        hosts: the slice's hosts the job spans.
+        job: a planned job (a TrainingPlan's ``Job.to_dict``, e.g. ``plan["trainer"]``) whose
+            argv, env and hosts replace the three above.
+        job_name: the job's name (default: from the task id and map index).
+        run_root: the job's run root, for the backend's job files.
+        heartbeat_timeout_s: a job silent this long is lost.
+        provision_timeout_s: how long a re-provisioned slice may stay PROVISIONING.
+        started_jobs: {job name: handle} of ``start_jobs``: the job may already run (taken as
+            is on the first try).
+        done_when: the job among ``started_jobs`` whose success ends this watch too.
+        sibling_grace_s: how long a lost sibling may take to come back before this job fails.
+        done_marker: a file whose presence ends the watch (the run is complete).
+        **kwargs: ``_BackendOperator``'s.
+
+    Returns:
+        (``execute``) ``{"job", "exit_code", "message"}``.
+    """
 
     template_fields = (
         "slice_handle", "argv", "env", "job_name", "run_root", "started_jobs", "hosts",
-        "done_marker", "backend_settings",
+        "done_marker", "backend_settings", "job",
     )  # fmt: skip
 
     def __init__(
         self,
         *,
         slice_handle: Any,
-        argv: list[str],
+        argv: Any = None,
         env: dict[str, str] | None = None,
         hosts: Any = (0,),
         job_name: str | None = None,
@@ -380,6 +384,7 @@ class RlaxJobOperator(_BackendOperator):
         done_when: str | None = None,
         sibling_grace_s: float = 600.0,
         done_marker: str | None = None,
+        job: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -387,6 +392,7 @@ class RlaxJobOperator(_BackendOperator):
         self.argv = argv
         self.env = env or {}
         self.hosts = hosts  # the slice's hosts the job runs on (a list, or an XComArg)
+        self.job = job
         self.job_name = job_name
         self.run_root = run_root
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
@@ -402,7 +408,19 @@ class RlaxJobOperator(_BackendOperator):
             jobs = json.loads(jobs)
         return dict(jobs)
 
+    def _take_planned_job(self) -> None:
+        """argv, env and hosts from ``job`` (rendered: a planned Job's dict), where given."""
+        if self.job is None:
+            return
+        raw = json.loads(self.job) if isinstance(self.job, str) else self.job
+        try:
+            planned = Job.from_dict(raw, f"{self.task_id}: job")
+        except PlanFormatError as e:
+            raise AirflowFailException(str(e)) from None
+        self.argv, self.env, self.hosts = planned.argv, planned.env, list(planned.hosts)
+
     def execute(self, context: Any) -> dict[str, Any]:
+        self._take_planned_job()
         if not self.argv:  # the plan has no such job (a colocated run is the controller's one)
             raise AirflowSkipException(f"{self.task_id}: this run has no {self.task_id} job")
         backend = self._backend()
@@ -442,6 +460,7 @@ class RlaxJobOperator(_BackendOperator):
         return self._start(context, self._backend(), event["slice"])
 
     def _job_spec(self, context: Any) -> JobSpec:
+        self._take_planned_job()
         ti = context.get("ti") if hasattr(context, "get") else None
         map_index = getattr(ti, "map_index", -1) if ti is not None else -1
         argv = self.argv
@@ -474,7 +493,7 @@ class RlaxJobOperator(_BackendOperator):
         trigger = JobStateTrigger(
             *self._resolved(),
             job,
-            self.poll_interval_s,
+            poll_interval_s=self.poll_interval_s,
             done_when=done_when,
             siblings=siblings,
             sibling_grace_s=self.sibling_grace_s,
@@ -517,7 +536,14 @@ class RlaxJobOperator(_BackendOperator):
 
 
 class TeardownSliceOperator(_BackendOperator):
-    """Deletes a slice (idempotent). Use as the DAG's teardown (trigger_rule="all_done")."""
+    """Deletes a slice, or each of a list (idempotent); the DAG's teardown (trigger_rule
+    "all_done" unless given).
+
+    Args:
+        slice_handle: a slice's handle dict or a list of them (an XComArg); empty: nothing
+            was provisioned, nothing to delete.
+        **kwargs: ``_BackendOperator``'s.
+    """
 
     template_fields = ("slice_handle", "backend_settings")
 

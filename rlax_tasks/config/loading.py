@@ -16,16 +16,11 @@ import yaml
 
 from rlax_tasks.config.checks import ConfigError
 from rlax_tasks.config.schema import RunConfig
+from rlax_tasks.presets import preset_names  # (re-exported: the presets' one list)
 from rlax_tasks.rundir import storage
 from rlax_tasks.utils import validation
 
 PRESET_PACKAGE = "rlax_tasks.presets"
-
-
-def preset_names() -> list[str]:
-    """Names of the presets shipped in rlax_tasks/presets/ (file stems)."""
-    root = resources.files(PRESET_PACKAGE)
-    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def _read_yaml(path_or_preset: str) -> tuple[dict[str, Any], str]:

@@ -1,7 +1,8 @@
 """The launch steps `rlax run` and the rlax_train DAG share, in the order both take them.
 
 ``check_run`` (memory plan and datasets, before anything starts), ``prepare_run_dir`` (base
-model, resolved config), ``plan_jobs`` (every job's command line, environment and addresses).
+model, resolved config), ``plan_jobs`` (the TrainingPlan: every job's command line,
+environment and addresses).
 Each launcher adds its own: `rlax run` its lock and supervisor, the DAG its Params and slices."""
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import sys
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.plan.compilation_cache import cache_env
 from rlax_tasks.plan.memory_plan import MemoryPlan, memory_plan
-from rlax_tasks.plan.placement import describe, is_colocated, job_env, trainer_job
+from rlax_tasks.plan.placement import COLOCATED, describe, is_colocated, job_env, trainer_job
 from rlax_tasks.plan.preflight import check_datasets
+from rlax_tasks.plan.run_plan import Job, TrainingPlan
 from rlax_tasks.plan.topology import (
     Ports,
     Topology,
@@ -24,6 +26,7 @@ from rlax_tasks.plan.topology import (
     write_workers_file,
 )
 from rlax_tasks.process.parent_death import dies_with_parent
+from rlax_tasks.rundir.paths import run_paths
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +90,35 @@ def plan_jobs(
     ports: Ports | None = None,
     env: dict[str, str] | None = None,
     worker_slices: WorkerSlices | None = None,
-) -> Topology:
-    """Every job of the run (``plan_topology``; ``ports=None``: published addresses) with the
-    compilation cache and ``env`` in each environment; writes workers.json for the controller."""
+) -> TrainingPlan:
+    """The run's plan (``plan_topology``; ``ports=None``: published addresses) with the
+    compilation cache and ``env`` in each job's environment; writes workers.json for the
+    controller."""
     topology = plan_topology(
         cfg, steps, config_path, ports, plan.ps.argv(), token,
         base_env={**cache_env(cfg), **(env or {})}, worker_slices=worker_slices,
     )  # fmt: skip
     if not is_colocated(cfg):
         write_workers_file(cfg, topology)
-    return topology
+    return training_plan(cfg, steps, config_path, topology)
+
+
+def training_plan(cfg: RunConfig, steps: int, config_path: str, topology: Topology) -> TrainingPlan:
+    """``topology`` as the run's TrainingPlan: its jobs by role (a colocated run's one job is
+    the controller's, the job whose exit ends the run), no held-out job, no slices yet."""
+    jobs = {job.name: job for job in topology.jobs}
+    if is_colocated(cfg):
+        ps, trainer, workers = Job.unplanned("ps"), Job.unplanned("trainer"), ()
+        controller = jobs[COLOCATED]
+    else:
+        ps, trainer, controller = jobs["ps"], jobs["trainer"], jobs["controller"]
+        workers = tuple(jobs[w] for w in topology.workers)
+    return TrainingPlan(
+        run_id=cfg.run_id, run_root=cfg.run_root, run_dir=cfg.run_dir, config_path=config_path,
+        steps=steps, ps_url=topology.ps_url, done_marker=run_paths(cfg.run_dir).done, ps=ps,
+        trainer=trainer, workers=workers, controller=controller,
+        heldout=Job.unplanned("heldout"),
+        # the evaluations before and after training: on the trainer's devices, free by then
+        eval_env=dict((controller if is_colocated(cfg) else trainer).env),
+        coordinator=topology.coordinator,
+    )  # fmt: skip

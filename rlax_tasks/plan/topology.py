@@ -10,16 +10,13 @@ import dataclasses
 import json
 from typing import Any
 
-from rlax_tasks.compute.types import COORDINATOR_ADDRESS_ENV as COORDINATOR_ENV
-from rlax_tasks.compute.types import NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from rlax_tasks.plan.placement import COLOCATED, is_colocated, job_envs, worker_host
+from rlax_tasks.plan.run_plan import TRAINER_SLICE, Job, processes
 from rlax_tasks.process.ports import free_port
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.services.endpoints import service_file
 from rlax_tasks.services.http import TOKEN_ENV  # (re-exported: the run's one token)
-
-TRAINER_SLICE = "trainer"
 
 
 def worker_slice(index: int) -> str:
@@ -71,19 +68,6 @@ def free_ports(cfg: Any) -> Ports:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """One job of the run: ``rlax <argv>`` with ``env`` on ``hosts`` of slice ``slice``."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    slice: str = TRAINER_SLICE
-    hosts: tuple[int, ...] = (0,)
-    # False: the job may finish (exit 0 = done, the controller); services run until stopped
-    service: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
 class Topology:
     """Every job of a run and the addresses the services are reached at."""
 
@@ -103,26 +87,7 @@ class Topology:
     def processes(self) -> list[tuple[str, Job, dict[str, str]]]:
         """(process name, job, environment) of every process, a multi-host job once per host:
         ``trainer`` (host 0, the one that serves), ``trainer-host1``, ... (followers)."""
-        if self.coordinator is None:
-            raise ValueError("processes() needs the ports plan (rlax run); slices run jobs whole")
-        out = []
-        for job in self.jobs:
-            if len(job.hosts) == 1:
-                out.append((job.name, job, job.env))
-                continue
-            for index in range(len(job.hosts)):
-                name = job.name if index == 0 else f"{job.name}-host{index}"
-                out.append((name, job, {**job.env, **group_env(self.coordinator, job, index)}))
-        return out
-
-
-def group_env(coordinator: str, job: Job, index: int) -> dict[str, str]:
-    """The process-group variables of the process on ``job.hosts[index]``."""
-    return {
-        COORDINATOR_ENV: coordinator,
-        NUM_PROCESSES_ENV: str(len(job.hosts)),
-        PROCESS_ID_ENV: str(index),
-    }
+        return processes(self.jobs, self.coordinator)
 
 
 def mesh_arg(cfg: Any) -> str:

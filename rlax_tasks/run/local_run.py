@@ -1,7 +1,8 @@
 """`rlax run`: every component as a local process under a supervisor, then a report; with a
 compute backend (`--backend ray`), every job on the backend's slices instead.
 
-The launch steps are the DAG's (rlax_tasks.plan.launch), under the run lock; the supervisor
+The launch steps are the DAG's (rlax_tasks.plan.launch), under the run lock, and what starts
+is the same TrainingPlan the rlax_train DAG launches (docs/design.md §10); the supervisor
 restarts a component that dies (all resume from the run's files), prints status and notices,
 and a fatal notice or repeated failure stops the run with that component's own message."""
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from rlax_tasks.config import RunConfig
 from rlax_tasks.plan import launch
+from rlax_tasks.plan.run_plan import TrainingPlan
 from rlax_tasks.plan.topology import free_ports
 from rlax_tasks.run.heldout import HeldOutJobs
 from rlax_tasks.run.progress import HeldOutProgress, status_line, trained_step
@@ -90,7 +92,7 @@ def run_local(
             token = run_token()
             # every job's environment names this lock's holder: the controller finds the lock
             # held for it (run_lock.for_job)
-            topology = launch.plan_jobs(
+            run_plan = launch.plan_jobs(
                 cfg, steps, config_path, plan, token,
                 None if slices is not None else free_ports(cfg),  # slices: published addresses
                 run_lock.holder_env(lock),
@@ -101,9 +103,8 @@ def run_local(
                 progress = HeldOutProgress(run_dir, time.time())
                 progress.record(0, report["before"])
             _, seen = notices.read_since(run_dir)  # a resume prints only the notices of this run
-            training = _add_jobs(sup, topology, on_slices=slices is not None)
-            # the job whose exit 0 ends the run: the controller (a colocated run: its one job)
-            ending = next(job.name for job in topology.jobs if not job.service)
+            training = _add_jobs(sup, run_plan, on_slices=slices is not None)
+            ending = run_plan.controller.name  # its exit 0 ends the run (colocated: its one job)
             last = 0.0
             while True:
                 lock.check()
@@ -140,19 +141,19 @@ def run_local(
     return report
 
 
-def _add_jobs(sup: Any, topology: Any, on_slices: bool) -> list[str]:
-    """Starts every job of ``topology`` under ``sup``; returns the names of its components.
+def _add_jobs(sup: Any, run_plan: TrainingPlan, on_slices: bool) -> list[str]:
+    """Starts every job of ``run_plan`` under ``sup``; returns the names of its components.
     Exit 0 of the controller = done (a crash is still restarted). Local processes: a multi-host
     job is one process per host, restarted together; on slices, one job over its hosts."""
     if on_slices:
-        for job in topology.jobs:
+        for job in run_plan.jobs():
             component = Component(job.name, job.argv, job.env, restart=job.service)
             sup.add(component, job.slice, job.hosts)
-        return [job.name for job in topology.jobs]
-    for name, job, env in topology.processes():
+        return [job.name for job in run_plan.jobs()]
+    for name, job, env in run_plan.processes():
         group = job.name if len(job.hosts) > 1 else None
         sup.add(Component(name, job.argv, env, restart=job.service, group=group))
-    return [name for name, _, _ in topology.processes()]
+    return [name for name, _, _ in run_plan.processes()]
 
 
 def _print_notices(run_dir: str, offset: int) -> int:

@@ -54,7 +54,7 @@ def _dag_run_conf(tmp_path, monkeypatch, *args: str) -> dict:
 @pytest.mark.parametrize("flag", [[], ["--allow-config-change"]])
 def test_allow_config_change_reaches_the_dag_run(flag, tmp_path, monkeypatch, capsys):
     """The flag becomes rlax_train's allow_config_change Param (the plan task's resume check
-    is tested in tests/airflow_ops/test_dag_support.py)."""
+    is tested in tests/airflow_ops/test_plan_task.py)."""
     conf = _dag_run_conf(tmp_path, monkeypatch, *flag)
     assert conf["allow_config_change"] is bool(flag)
 

@@ -71,7 +71,7 @@ def drill_dag(monkeypatch, tmp_path, connection: dict):
     retries after 1 s, slices and jobs checked every second, devices from placement only."""
     from airflow.dag_processing.dagbag import DagBag
 
-    from rlax_tasks.airflow import dag_support
+    from rlax_tasks.airflow import factories
     from tests.conftest import TEST_XLA_FLAGS
 
     monkeypatch.delenv("RLAX_BACKEND", raising=False)
@@ -82,7 +82,7 @@ def drill_dag(monkeypatch, tmp_path, connection: dict):
     monkeypatch.setenv("RLAX_POLL_INTERVAL_S", "1")
     monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)
     monkeypatch.chdir(tmp_path)
-    importlib.reload(dag_support)  # re-read the settings above
+    importlib.reload(factories)  # re-read the settings above (DEFAULT_ARGS' retry delay)
     return DagBag(dag_folder=DAGS).dags["rlax_train"]
 
 

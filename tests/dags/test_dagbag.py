@@ -116,17 +116,42 @@ def test_train_runtime_version_param(dagbag):
 
 
 def test_algorithm_choices_match_the_objective_presets():
-    from rlax_tasks.airflow import dag_support
+    from rlax_tasks.airflow import params
     from rlax_tasks.algorithms.config import PRESETS
 
-    assert set(dag_support.ALGORITHMS) == set(PRESETS)
+    assert set(params.ALGORITHMS) == set(PRESETS)
 
 
 def test_data_format_choices_match_the_dataset_formats():
-    from rlax_tasks.airflow import dag_support
+    from rlax_tasks.airflow import params
     from rlax_tasks.data.formats import FORMAT_NAMES
 
-    assert dag_support.DATA_FORMATS == FORMAT_NAMES
+    assert params.DATA_FORMATS == FORMAT_NAMES
+
+
+def test_the_train_form_and_the_typed_params_name_the_same_params(dagbag):
+    """Every Param of the rlax_train form is a TrainParams field and back: the plan task reads
+    the form into the record (a Param added to one only would be lost or refused)."""
+    import dataclasses
+
+    from rlax_tasks.airflow.params import TrainParams
+
+    fields = [f.name for f in dataclasses.fields(TrainParams)]
+    assert sorted(dagbag.dags["rlax_train"].params) == sorted(fields)
+    validated = dagbag.dags["rlax_train"].params.validate()
+    assert TrainParams.from_params(validated).preset == validated["preset"]
+
+
+def test_one_list_of_presets():
+    """The presets package owns the list (light: the DAGs' form names them without loading the
+    run config); the config's loader and the form use that one function."""
+    import rlax_tasks.config
+    from rlax_tasks import presets
+    from rlax_tasks.airflow.params import train_params
+    from rlax_tasks.config import loading
+
+    assert loading.preset_names is rlax_tasks.config.preset_names is presets.preset_names
+    assert train_params()["preset"].schema["enum"] == presets.preset_names()
 
 
 def test_train_graph_shape(dagbag):
@@ -145,8 +170,10 @@ def test_train_graph_shape(dagbag):
     slices = dag.get_task("provision").slices  # checked by plan: types, runtime versions
     assert (slices.operator.task_id, slices.key) == ("plan", "slices")
     # the trainer runs on all of its slice's hosts; the workers each on their slice and host
-    hosts = dag.get_task("trainer").hosts
-    assert (hosts.operator.task_id, hosts.key) == ("plan", "hosts_trainer")
+    # each service watcher takes its job of the plan (argv, env, hosts): plan["<job>"]
+    for job in ("ps", "trainer", "controller", "heldout"):
+        planned = dag.get_task(job).job
+        assert (planned.operator.task_id, planned.key) == ("plan", job)
 
 
 def test_train_evaluates_the_starting_weights_before_training(dagbag):
@@ -156,7 +183,7 @@ def test_train_evaluates_the_starting_weights_before_training(dagbag):
     dag = dagbag.dags["rlax_train"]
     job = dag.get_task("evaluate_base")
     assert (job.argv.operator.task_id, job.argv.key) == ("base_eval", "argv")
-    assert (job.env.operator.task_id, job.env.key) == ("plan", "env")  # the final eval's devices
+    assert (job.env.operator.task_id, job.env.key) == ("plan", "eval_env")  # the final eval's too
     assert job.slice_handle.operator.task_id == "provision"
     assert dag.get_task("base_eval").upstream_task_ids == {"plan"}  # beside provisioning
     record = dag.get_task("record_base_eval")
@@ -184,14 +211,15 @@ def test_curation_and_evaluation_provision_what_their_plan_checked(dagbag, dag_i
         assert (value.operator.task_id, value.key) == ("plan", field)
 
 
-def test_dag_support_names():
-    from rlax_tasks.airflow import dag_support as rc
+def test_slice_and_run_names():
+    from rlax_tasks.airflow.params import dag_run_run_id
+    from rlax_tasks.compute.types import slice_name
 
-    assert rc.slice_name("manual__2025-01-01t00-00-00-00-00", "worker") == (
+    assert slice_name("manual__2025-01-01t00-00-00-00-00", "worker") == (
         "rlax-manual-2025-01-01t00-00-00-00-00-worker"
     )
-    name = rc.slice_name("x" * 80, "controller")
+    name = slice_name("x" * 80, "controller")
     assert len(name) <= 63 and name.endswith("-controller")
-    assert rc.dag_run_run_id("manual__2025-01-01T00:00:00+00:00") == (
+    assert dag_run_run_id("manual__2025-01-01T00:00:00+00:00") == (
         "manual__2025-01-01t00-00-00-00-00"
     )

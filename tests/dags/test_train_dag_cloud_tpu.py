@@ -72,7 +72,7 @@ def test_rlax_train_on_cloud_tpu_slices_survives_a_preemption(tmp_path, monkeypa
         run_root = conf["run_root"] = f"{bucket}/runs"
         conf["model_path"] = _upload(conf["model_path"], f"{bucket}/models/char")
         run_dir = storage.join(run_root, RUN_ID)
-        settings = fake_backend_settings(url)  # run_root: the run's, added by dag_support
+        settings = fake_backend_settings(url)  # run_root: the run's, added by factories
         # the run_root Param, not the environment the DAG file was parsed in, places the run
         # and its slices' control directories
         elsewhere = tmp_path / "parse-time-root"

@@ -269,14 +269,15 @@ def test_a_plan_that_cannot_fit_exits_2_before_anything_starts(tmp_path, capsys,
 
 
 def test_the_dag_plan_refuses_it_too(tmp_path, no_network):
-    from rlax_tasks.airflow import dag_support as rc
+    from rlax_tasks.airflow.plan_task import plan_training
+    from rlax_tasks.plan.slices import PlanError
 
     params = {
         "preset": "qwq-32b-code", "run_root": str(tmp_path / "runs"), "steps": 4,
         "overrides": {"placement": {"hosts": 1, "trainer": [0], "workers": [[0]]},
                       "workers.count": 1, "trainer.mesh_shape": [1, 1, 1]},
     }  # fmt: skip
-    with pytest.raises(rc.PlanError, match="the memory plan does not fit") as info:
-        rc.plan_training(params, "manual__qwq")
+    with pytest.raises(PlanError, match="the memory plan does not fit") as info:
+        plan_training(params, "manual__qwq")
     assert "trainer needs 1.1 TiB per device" in str(info.value)
     assert not (tmp_path / "runs").exists()

@@ -437,7 +437,7 @@ def test_rlax_run_refuses_a_placement_across_hosts(tmp_path, monkeypatch):
 
 
 def test_dag_plan_gives_each_job_its_own_devices(tmp_path):
-    from rlax_tasks.airflow import dag_support as rc
+    from rlax_tasks.airflow.plan_task import plan_training
 
     _small(tmp_path)
     params = {"preset": "tiny-arith", "run_root": str(tmp_path / "runs"), "steps": 2,
@@ -445,22 +445,20 @@ def test_dag_plan_gives_each_job_its_own_devices(tmp_path):
               "num_workers": 2,
               "overrides": {"placement": {"mode": "disaggregated", "platform": "gpu",
                                           "trainer": [0, 1], "workers": [[1], [2]]}}}  # fmt: skip
-    p = rc.plan_training(params, "manual__gpu")
-    assert set(p["envs"]) == {"ps", "trainer", "worker-0", "worker-1", "controller"}
-    assert p["env_trainer"]["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert p["env_trainer"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"  # GPU 1 is shared
-    assert p["env_ps"]["JAX_PLATFORMS"] == p["env_controller"]["JAX_PLATFORMS"] == "cpu"
-    assert "JAX_PLATFORMS" not in p["env_trainer"]
-    token = p["env_ps"]["RLAX_PS_TOKEN"]
-    assert all(env["RLAX_PS_TOKEN"] == token for env in p["envs"].values())
-    jobs = p["worker_jobs"]
-    assert [j["env"]["CUDA_VISIBLE_DEVICES"] for j in jobs] == ["1", "2"]
-    assert all("--mesh-shape=1,1,-1" in j["argv"] for j in jobs)
-    assert [j["argv"] for j in jobs] == p["argv_workers"]
-    assert "--keep-bytes" in p["argv_ps"] and "--keep-versions" in p["argv_ps"]
+    p = plan_training(params, "manual__gpu")
+    assert [j.name for j in p.jobs()] == ["ps", "trainer", "worker-0", "worker-1", "controller"]
+    assert p.trainer.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert p.trainer.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"  # GPU 1 is shared
+    assert p.ps.env["JAX_PLATFORMS"] == p.controller.env["JAX_PLATFORMS"] == "cpu"
+    assert "JAX_PLATFORMS" not in p.trainer.env
+    token = p.ps.env["RLAX_PS_TOKEN"]
+    assert all(job.env["RLAX_PS_TOKEN"] == token for job in p.jobs())
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in p.workers] == ["1", "2"]
+    assert all("--mesh-shape=1,1,-1" in w.argv for w in p.workers)
+    assert "--keep-bytes" in p.ps.argv and "--keep-versions" in p.ps.argv
     # the embedded default: one colocated job, watched by the controller task
-    tiny = rc.plan_training({**params, "num_workers": None, "overrides": {}}, "manual__cpu")
-    assert tiny["argv_controller"][0] == "colocated" and tiny["colocated"]
-    assert tiny["argv_ps"] == tiny["argv_trainer"] == tiny["argv_workers"] == []
-    assert tiny["env_controller"]["JAX_PLATFORMS"] == "cpu"
-    assert tiny["env"]["JAX_PLATFORMS"] == "cpu"  # the final `rlax eval`
+    tiny = plan_training({**params, "num_workers": None, "overrides": {}}, "manual__cpu")
+    assert tiny.controller.argv[0] == "colocated" and tiny.colocated
+    assert tiny.ps.argv == tiny.trainer.argv == [] and tiny.workers == ()
+    assert tiny.controller.env["JAX_PLATFORMS"] == "cpu"
+    assert tiny.eval_env["JAX_PLATFORMS"] == "cpu"  # the final `rlax eval`

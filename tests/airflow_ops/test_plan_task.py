@@ -1,5 +1,6 @@
 """rlax_train's plan task: the slice checks (``rlax_tasks.plan.slices``) it runs before anything
-is provisioned, the runtime version it provisions with, and the plan's XComs."""
+is provisioned, the runtime version it provisions with, the Params it maps onto the run
+config, and the TrainingPlan it hands the DAG's tasks (its XCom)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import os
 
 import pytest
 
-from rlax_tasks.airflow import dag_support as rc
 from rlax_tasks.airflow import eval_planning
+from rlax_tasks.airflow import factories as rc
+from rlax_tasks.airflow.plan_task import plan_training
 from rlax_tasks.compute import tpu_types
 from rlax_tasks.plan import slices
+from rlax_tasks.plan.run_plan import TrainingPlan
+from rlax_tasks.plan.slices import PlanError
 from rlax_tasks.plan.topology import WorkerSlices
 
 
 def _refusal(*args) -> str:
-    with pytest.raises(rc.PlanError) as info:
+    with pytest.raises(PlanError) as info:
         slices.check_slice(*args)
     message = str(info.value)
     assert "\n" not in message  # one line, for the task log and the UI
@@ -89,7 +93,7 @@ def test_ray_slice_types_are_checked_against_trainer_hosts():
     )
     # worker slices: one worker per host of each
     assert slices.worker_slice_layout("2xgpu-4", 3, "ray") == WorkerSlices(3, 2)
-    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: "):
+    with pytest.raises(PlanError, match="^worker_accelerator_type: "):
         slices.worker_slice_layout("gpu", 1, "ray")
 
 
@@ -122,12 +126,12 @@ def test_the_plan_refuses_a_slice_before_writing_anything(tmp_path, monkeypatch)
     run is written, no model built, nothing provisioned."""
     monkeypatch.setenv("RLAX_BACKEND", "cloud_tpu")
     params = {"preset": "tiny-arith", "run_root": str(tmp_path / "runs"), "steps": 2}
-    with pytest.raises(rc.PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
-        rc.plan_training({**params, "accelerator_type": "cpu"}, "manual__a")
-    with pytest.raises(rc.PlanError, match=r"^runtime_version: ''"):
-        rc.plan_training({**params, "accelerator_type": "v4-8", "runtime_version": ""}, "manual__b")
-    with pytest.raises(rc.PlanError, match=r"v4-16 has 2 hosts but trainer.hosts is 1"):
-        rc.plan_training({**params, "accelerator_type": "v4-16"}, "manual__c")
+    with pytest.raises(PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
+        plan_training({**params, "accelerator_type": "cpu"}, "manual__a")
+    with pytest.raises(PlanError, match=r"^runtime_version: ''"):
+        plan_training({**params, "accelerator_type": "v4-8", "runtime_version": ""}, "manual__b")
+    with pytest.raises(PlanError, match=r"v4-16 has 2 hosts but trainer.hosts is 1"):
+        plan_training({**params, "accelerator_type": "v4-16"}, "manual__c")
     assert not (tmp_path / "runs").exists()
 
 
@@ -167,51 +171,50 @@ def test_a_run_plans_a_trainer_slice_and_its_worker_slices(tmp_path, monkeypatch
         worker_slices=2,
         overrides={"trainer.hosts": 2, "placement.mode": "disaggregated"},
     )
-    p = rc.plan_training(params, "manual__a")
+    p = plan_training(params, "manual__a")
     # the capacity, service_account, network and subnetwork Params' defaults
     spot = {"spot": True, "reserved": False, "service_account": "", "network": "", "subnetwork": ""}
-    assert p["slices"] == [
+    unmarked = {**spot, "evaluation": False}  # the evaluations run on the trainer slice
+    assert [s.to_dict() for s in p.slices] == [
         {"role": "trainer", "name": "rlax-r1-trainer", "accelerator_type": "v4-16",
-         "runtime_version": "tpu-ubuntu2204-base", **spot},
+         "runtime_version": "tpu-ubuntu2204-base", **unmarked},
         {"role": "workers-0", "name": "rlax-r1-workers-0", "accelerator_type": "v5litepod-8",
-         "runtime_version": "v2-alpha-tpuv5-lite", **spot},  # its own family's default
+         "runtime_version": "v2-alpha-tpuv5-lite", **unmarked},  # its own family's default
         {"role": "workers-1", "name": "rlax-r1-workers-1", "accelerator_type": "v5litepod-8",
-         "runtime_version": "v2-alpha-tpuv5-lite", **spot},
+         "runtime_version": "v2-alpha-tpuv5-lite", **unmarked},
     ]  # fmt: skip
-    reserved = rc.plan_training(
+    reserved = plan_training(
         {**params, "capacity": "reserved", "service_account": "rl@p.iam.gserviceaccount.com",
          "network": "rl-net", "subnetwork": "rl-subnet"}, "manual__e",
-    )["slices"]  # fmt: skip
+    ).to_dict()["slices"]  # fmt: skip
     expected = {
         **spot, "spot": False, "reserved": True, "network": "rl-net",
         "service_account": "rl@p.iam.gserviceaccount.com", "subnetwork": "rl-subnet",
     }  # fmt: skip
     assert all({k: s[k] for k in spot} == expected for s in reserved), reserved
-    on_demand = rc.plan_training({**params, "capacity": "on-demand"}, "manual__f")["slices"]
-    assert all(not s["spot"] and not s["reserved"] for s in on_demand)
-    with pytest.raises(rc.PlanError, match=r"^capacity: capacity 'preemptible' is not one of"):
-        rc.plan_training({**params, "capacity": "preemptible"}, "manual__g")
-    with pytest.raises(rc.PlanError, match=r"^service_account 'rl': give the service account"):
-        rc.plan_training({**params, "service_account": "rl"}, "manual__h")
-    assert p["num_workers"] == 2  # one per host of 2 one-host slices
-    assert p["hosts_trainer"] == [0, 1]
-    assert [(w["slice"], w["hosts"]) for w in p["worker_jobs"]] == [
-        ("workers-0", [0]),
-        ("workers-1", [0]),
-    ]
-    assert p["ps_url"] == str(tmp_path / "runs" / "r1" / "services" / "ps.json")
-    handles = {s["role"]: {"name": s["name"]} for s in p["slices"]}
-    jobs = rc.worker_jobs(p, handles)
+    on_demand = plan_training({**params, "capacity": "on-demand"}, "manual__f").slices
+    assert all(not s.spot and not s.reserved for s in on_demand)
+    with pytest.raises(PlanError, match=r"^capacity: capacity 'preemptible' is not one of"):
+        plan_training({**params, "capacity": "preemptible"}, "manual__g")
+    with pytest.raises(PlanError, match=r"^service_account 'rl': give the service account"):
+        plan_training({**params, "service_account": "rl"}, "manual__h")
+    assert len(p.workers) == 2  # one per host of 2 one-host slices
+    assert p.trainer.hosts == (0, 1)
+    assert [(w.slice, w.hosts) for w in p.workers] == [("workers-0", (0,)), ("workers-1", (0,))]
+    assert p.ps_url == str(tmp_path / "runs" / "r1" / "services" / "ps.json")
+    handles = {s.role: {"name": s.name} for s in p.slices}
+    jobs = rc.worker_jobs(p, handles)  # the mapped worker tasks' kwargs: each its job and slice
     assert [j["slice_handle"]["name"] for j in jobs] == ["rlax-r1-workers-0", "rlax-r1-workers-1"]
+    assert [j["job"] for j in jobs] == [w.to_dict() for w in p.workers]
 
-    with pytest.raises(rc.PlanError, match="^num_workers: 3 workers, but 2 worker_slices"):
-        rc.plan_training({**params, "num_workers": 3}, "manual__b")
+    with pytest.raises(PlanError, match="^num_workers: 3 workers, but 2 worker_slices"):
+        plan_training({**params, "num_workers": 3}, "manual__b")
     monkeypatch.delenv("RLAX_BACKEND_SETTINGS")  # the real API: TPU VMs cannot read this disk
-    with pytest.raises(rc.PlanError, match=r"^run_root: '.*' is a path on this machine, which TPU"):
-        rc.plan_training({**params, "run_id": "r2"}, "manual__d")
+    with pytest.raises(PlanError, match=r"^run_root: '.*' is a path on this machine, which TPU"):
+        plan_training({**params, "run_id": "r2"}, "manual__d")
     assert not (tmp_path / "runs" / "r2").exists()  # refused before anything was written
-    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: accelerator type 'cpu'"):
-        rc.plan_training({**params, "worker_accelerator_type": "cpu"}, "manual__c")
+    with pytest.raises(PlanError, match="^worker_accelerator_type: accelerator type 'cpu'"):
+        plan_training({**params, "worker_accelerator_type": "cpu"}, "manual__c")
 
 
 def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slice(
@@ -228,28 +231,28 @@ def test_under_a_trainer_over_tpu_hosts_evaluation_runs_on_the_first_worker_slic
         "workers.count": 2,
     }
     params = tiny_params(tmp_path, "r1", accelerator_type="v5p-16", overrides=overrides)
-    with pytest.raises(rc.PlanError, match="^worker_accelerator_type: a trainer over 2 TPU hosts"):
-        rc.plan_training(params, "manual__a")
+    with pytest.raises(PlanError, match="^worker_accelerator_type: a trainer over 2 TPU hosts"):
+        plan_training(params, "manual__a")
     listed = {**overrides, "placement.workers": [[4], [5]]}
     with pytest.raises(
-        rc.PlanError, match="^run config: placement.workers: the workers run on hosts of their own"
+        PlanError, match="^run config: placement.workers: the workers run on hosts of their own"
     ):
-        rc.plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
+        plan_training({**params, "overrides": listed, "worker_accelerator_type": "v5p-8",
                           "worker_slices": 2}, "manual__c")  # fmt: skip
     # a worker alone on a host of a 2-host TPU slice would wait for the other host
     with pytest.raises(
-        rc.PlanError,
+        PlanError,
         match=r"^worker_accelerator_type: a worker runs on one TPU "
         r"host.* \(e.g. v5p-8, v4-8\) with worker_slices: 2 for 2 workers$",
     ):
-        rc.plan_training({**params, "worker_accelerator_type": "v5p-16"}, "manual__d")
+        plan_training({**params, "worker_accelerator_type": "v5p-16"}, "manual__d")
     assert not (tmp_path / "runs" / "r1").exists()
-    p = rc.plan_training(
+    p = plan_training(
         {**params, "worker_accelerator_type": "v5p-8", "worker_slices": 2}, "manual__b"
     )
-    assert [s["role"] for s in p["slices"] if s.get("evaluation")] == ["workers-0"]
-    assert p["env"] == p["envs"]["worker-0"] != p["envs"]["trainer"]
-    assert not [k for k in p["env_trainer"] if k.startswith("TPU_")]  # libtpu: the whole slice
+    assert [s.role for s in p.slices if s.evaluation] == ["workers-0"]
+    assert p.eval_env == p.workers[0].env != p.trainer.env
+    assert not [k for k in p.trainer.env if k.startswith("TPU_")]  # libtpu: the whole slice
 
 
 def test_workers_on_slices_of_their_own_take_every_chip_of_their_host(tmp_path, monkeypatch):
@@ -269,26 +272,28 @@ def test_workers_on_slices_of_their_own_take_every_chip_of_their_host(tmp_path, 
         tmp_path, "r1", accelerator_type="v4-8", worker_accelerator_type="v4-8",
         worker_slices=2, overrides=overrides,
     )  # fmt: skip
-    p = rc.plan_training(params, "manual__a")
-    assert p["num_workers"] == 2 and [w["slice"] for w in p["worker_jobs"]] == [
-        "workers-0",
-        "workers-1",
-    ]
-    for worker in ("worker-0", "worker-1"):  # libtpu gives the process every chip of its VM
-        env = p["envs"][worker]
+    p = plan_training(params, "manual__a")
+    assert [w.slice for w in p.workers] == ["workers-0", "workers-1"]
+    for worker in p.workers:  # libtpu gives the process every chip of its VM
+        env = worker.env
         assert env[EXPECTED_ENV] == "tpu any" and not [k for k in env if k.startswith("TPU_")]
-    assert p["envs"]["trainer"][EXPECTED_ENV] == "tpu 4"
+    assert p.trainer.env[EXPECTED_ENV] == "tpu 4"
     one_chip = {**overrides, "placement.trainer": [0]}
-    p = rc.plan_training(
+    p = plan_training(
         {**params, "run_id": "r2", "worker_slices": 1, "overrides": one_chip}, "manual__b"
     )
-    assert sorted(p["envs"]) == ["controller", "ps", "trainer", "worker-0"]  # disaggregated
+    assert [j.name for j in p.jobs()] == [
+        "ps",
+        "trainer",
+        "worker-0",
+        "controller",
+    ]  # disaggregated
     listed = {**overrides, "placement.workers": [[0, 1, 2, 3]]}
-    with pytest.raises(rc.PlanError, match="^run config: placement.workers: the workers run on"):
-        rc.plan_training({**params, "run_id": "r3", "overrides": listed}, "manual__c")
+    with pytest.raises(PlanError, match="^run config: placement.workers: the workers run on"):
+        plan_training({**params, "run_id": "r3", "overrides": listed}, "manual__c")
     colocated = {**overrides, "placement.mode": "colocated"}
-    with pytest.raises(rc.PlanError, match="^run config: placement.mode: a colocated run samples"):
-        rc.plan_training({**params, "run_id": "r4", "overrides": colocated}, "manual__d")
+    with pytest.raises(PlanError, match="^run config: placement.mode: a colocated run samples"):
+        plan_training({**params, "run_id": "r4", "overrides": colocated}, "manual__d")
 
 
 def test_the_heldout_task_evaluates_during_training_only_on_devices_of_its_own(tmp_path):
@@ -296,45 +301,42 @@ def test_the_heldout_task_evaluates_during_training_only_on_devices_of_its_own(t
     placement.evaluator; none when no version before the last is due, or without devices of its
     own (a cpu run too: under dag.test a second watcher would hold the controller's back)."""
     every = {"eval.every_steps": 2, "placement.evaluator": [0]}
-    p = rc.plan_training(tiny_params(tmp_path, "r1", steps=5, overrides=every), "manual__a")
-    assert p["argv_heldout"] == [
-        "heldout", "--config", p["config_path"], "--every", "2", "--after", "0"
+    p = plan_training(tiny_params(tmp_path, "r1", steps=5, overrides=every), "manual__a")
+    assert p.heldout.argv == [
+        "heldout", "--config", p.config_path, "--every", "2", "--after", "0"
     ]  # fmt: skip
-    assert p["env_heldout"]["JAX_PLATFORMS"] == "cpu"
-    p = rc.plan_training(tiny_params(tmp_path, "r2", steps=2, overrides=every), "manual__b")
-    assert p["argv_heldout"] == []  # version 2 is the last: the evaluate task's
+    assert p.heldout.env["JAX_PLATFORMS"] == "cpu"
+    p = plan_training(tiny_params(tmp_path, "r2", steps=2, overrides=every), "manual__b")
+    assert p.heldout.argv == []  # version 2 is the last: the evaluate task's
     shared = {"eval.every_steps": 2}  # the cpu run's devices: not beside training in the DAG
-    p = rc.plan_training(tiny_params(tmp_path, "r5", steps=5, overrides=shared), "manual__e")
-    assert p["argv_heldout"] == []
+    p = plan_training(tiny_params(tmp_path, "r5", steps=5, overrides=shared), "manual__e")
+    assert p.heldout.argv == []
     gpu = {
         **shared, "placement.platform": "gpu", "placement.mode": "colocated",
         "placement.trainer": [0], "model.dtype": "bfloat16",
     }  # fmt: skip
-    p = rc.plan_training(tiny_params(tmp_path, "r3", steps=5, overrides=gpu), "manual__c")
-    assert p["argv_heldout"] == []  # on the trainer's GPU: before and after only
+    p = plan_training(tiny_params(tmp_path, "r3", steps=5, overrides=gpu), "manual__c")
+    assert p.heldout.argv == []  # on the trainer's GPU: before and after only
     own = {**gpu, "placement.evaluator": [1]}
-    p = rc.plan_training(tiny_params(tmp_path, "r4", steps=5, overrides=own), "manual__d")
-    assert p["argv_heldout"][:5] == ["heldout", "--config", p["config_path"], "--every", "2"]
-    assert p["env_heldout"]["CUDA_VISIBLE_DEVICES"] == "1"
+    p = plan_training(tiny_params(tmp_path, "r4", steps=5, overrides=own), "manual__d")
+    assert p.heldout.argv[:5] == ["heldout", "--config", p.config_path, "--every", "2"]
+    assert p.heldout.env["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_workers_share_the_trainer_slice_unless_told(tmp_path):
     params = tiny_params(
         tmp_path, "r2", num_workers=2, overrides={"placement.mode": "disaggregated"}
     )
-    p = rc.plan_training(params, "manual__d")  # the local backend
-    assert [s["role"] for s in p["slices"]] == ["trainer"]
-    assert {w["slice"] for w in p["worker_jobs"]} == {"trainer"}
-    assert p["placement"]["controller"] == {"slice": "trainer", "hosts": [0]}
+    p = plan_training(params, "manual__d")  # the local backend
+    assert [s.role for s in p.slices] == ["trainer"]
+    assert {w.slice for w in p.workers} == {"trainer"}
+    assert (p.controller.slice, p.controller.hosts) == ("trainer", (0,))
     # local worker slices are this machine: one host each, whatever type is named
-    local = rc.plan_training(
+    local = plan_training(
         {**params, "worker_accelerator_type": "v4-16", "worker_slices": 2, "num_workers": None},
         "manual__e",
     )
-    assert [(w["slice"], w["hosts"]) for w in local["worker_jobs"]] == [
-        ("workers-0", [0]),
-        ("workers-1", [0]),
-    ]
+    assert [(w.slice, w.hosts) for w in local.workers] == [("workers-0", (0,)), ("workers-1", (0,))]
 
 
 def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_path, monkeypatch):
@@ -351,8 +353,8 @@ def test_a_model_that_cannot_fit_the_slice_is_refused_before_provisioning(tmp_pa
         "model_path": str(model_dir(tmp_path, "qwen7b", QWEN_7B)),
         "accelerator_type": "v5litepod-8",
     }
-    with pytest.raises(rc.PlanError) as info:
-        rc.plan_training(params, "manual__big")
+    with pytest.raises(PlanError) as info:
+        plan_training(params, "manual__big")
     message = str(info.value)
     assert "\n" not in message
     # the tiny preset runs colocated: trainer and sampler on the slice's chips together
@@ -366,9 +368,9 @@ def test_curation_and_evaluation_slices_are_one_host_types_on_cloud_tpu():
     v5e = slices.single_host_slice("v5litepod-1", "cloud_tpu")
     assert v5e == ("v5litepod-1", "v2-alpha-tpuv5-lite")
     assert slices.single_host_slice("v4-8", "cloud_tpu") == ("v4-8", "tpu-ubuntu2204-base")
-    with pytest.raises(rc.PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
+    with pytest.raises(PlanError, match="^accelerator_type: accelerator type 'cpu' is not"):
         slices.single_host_slice("cpu", "cloud_tpu")
-    with pytest.raises(rc.PlanError, match="^accelerator_type: v4-16 has 2 hosts but this job"):
+    with pytest.raises(PlanError, match="^accelerator_type: v4-16 has 2 hosts but this job"):
         slices.single_host_slice("v4-16", "cloud_tpu")
 
 
@@ -379,12 +381,12 @@ def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
     from rlax_tasks.rundir.paths import run_paths
 
     params = tiny_params(tmp_path, "resumed")
-    rc.plan_training(params, "manual__1")
+    plan_training(params, "manual__1")
     changed = {**params, "overrides": {"trainer.learning_rate": 0.5}}
-    with pytest.raises(rc.PlanError, match="trainer.learning_rate.*allow_config_change") as info:
-        rc.plan_training(changed, "manual__2")
+    with pytest.raises(PlanError, match="trainer.learning_rate.*allow_config_change") as info:
+        plan_training(changed, "manual__2")
     assert "\n" not in str(info.value)
-    rc.plan_training({**changed, "allow_config_change": True}, "manual__3")
+    plan_training({**changed, "allow_config_change": True}, "manual__3")
     with open(run_paths(str(tmp_path / "runs" / "resumed")).config_changes) as f:
         assert "trainer.learning_rate" in f.read()
 
@@ -392,8 +394,8 @@ def test_plan_refuses_a_resume_that_changes_training_unless_allowed(tmp_path):
 def test_plan_refuses_a_dataset_it_cannot_read(tmp_path):
     missing = str(tmp_path / "nowhere.jsonl")
     params = tiny_params(tmp_path, "nodata")
-    with pytest.raises(rc.PlanError, match="nowhere.jsonl") as info:  # the curated dataset
-        rc.plan_training(params, "manual__1", dataset=missing, verifier="math")
+    with pytest.raises(PlanError, match="nowhere.jsonl") as info:  # the curated dataset
+        plan_training(params, "manual__1", dataset=missing, verifier="math")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "runs" / "nodata" / "config.yaml").exists()  # refused before writing
 
@@ -405,7 +407,7 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
     from rlax_tasks.rundir.paths import run_paths
     from tests.evaluation.test_history import write_results
 
-    run_dir = rc.plan_training(tiny_params(tmp_path, "reported", steps=6), "manual__1")["run_dir"]
+    run_dir = plan_training(tiny_params(tmp_path, "reported", steps=6), "manual__1").run_dir
     paths = run_paths(run_dir)
     write_results(run_dir, 6, 0.5)
     with pytest.raises(FileNotFoundError, match=r"starting weights \(v0\).*found \['v6'\]"):
@@ -438,3 +440,68 @@ def test_the_report_task_compares_the_starting_weights_with_the_trained_ones(tmp
     curve = storage.read_jsonl(paths.eval_progress)
     assert [(r["step"], r["pass@1"]) for r in curve] == [(0, 0.25), (2, 0.3), (4, 0.45), (6, 0.5)]
     assert curve[-1]["seconds"] == 42.5  # from the first step's time
+
+
+def test_the_plan_is_the_xcom_and_comes_back_whole(tmp_path):
+    """The plan task returns ``to_dict()``: JSON (an Airflow 3 XCom), one key per field, read
+    back by the tasks as the same TrainingPlan; a dict of another shape (the old flat keys) is
+    refused, naming the key."""
+    from rlax_tasks.plan.run_plan import PlanFormatError
+
+    params = tiny_params(
+        tmp_path, "xcom", num_workers=2, overrides={"placement.mode": "disaggregated"}
+    )
+    plan = plan_training(params, "manual__x")
+    xcom = json.loads(json.dumps(plan.to_dict()))
+    assert TrainingPlan.from_dict(xcom) == plan
+    assert TrainingPlan.from_dict(xcom).to_dict() == xcom
+    assert xcom["trainer"]["argv"][0] == "trainer" and len(xcom["workers"]) == 2
+    with pytest.raises(PlanFormatError, match=r"^plan: .*unknown key\(s\) \['argv_ps'\]"):
+        TrainingPlan.from_dict({**xcom, "argv_ps": xcom["ps"]["argv"]})
+    with pytest.raises(PlanFormatError, match=r"^plan: .*missing key\(s\) \['eval_env'\]"):
+        TrainingPlan.from_dict({k: v for k, v in xcom.items() if k != "eval_env"})
+    worker = {k: v for k, v in xcom["workers"][1].items() if k != "hosts"}
+    with pytest.raises(
+        PlanFormatError, match=r"^plan\['workers'\]\[1\]: .*missing key\(s\) \['hosts'\]"
+    ):
+        TrainingPlan.from_dict({**xcom, "workers": [xcom["workers"][0], worker]})
+
+
+def test_a_watcher_runs_the_job_of_the_plan_it_is_given(tmp_path):
+    """planned_job: the operator takes argv, env and hosts from the plan's job (as the DAG hands
+    it: rendered from the XCom), and refuses a job dict that is not one, naming the key."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    params = tiny_params(
+        tmp_path, "watched", num_workers=2, overrides={"placement.mode": "disaggregated"}
+    )
+    plan = plan_training(params, "manual__w")
+    op = rc.planned_job("trainer", "runs", {}, plan.trainer.to_dict())
+    spec = op._job_spec({})
+    assert (spec.argv, spec.env, spec.hosts) == (plan.trainer.argv, plan.trainer.env, (0,))
+    assert "job" in op.template_fields  # an XComArg of the plan, resolved when the task runs
+    broken = {k: v for k, v in plan.ps.to_dict().items() if k != "env"}
+    with pytest.raises(AirflowFailException, match=r"^ps: job: .*missing key\(s\) \['env'\]"):
+        rc.planned_job("ps", "runs", {}, broken)._job_spec({})
+
+
+def test_params_that_the_run_config_refuses_are_named(tmp_path):
+    """config_from_params maps each Param onto its field; a value the run config refuses names
+    the Param first (the overrides Param's fields: "run config"), and an unknown Param too."""
+    params = tiny_params(tmp_path, "named")
+    with pytest.raises(PlanError, match=r"^max_staleness: staleness.max_staleness: must be >="):
+        plan_training({**params, "reload_every": 3, "max_staleness": 2}, "manual__1")
+    with pytest.raises(PlanError, match=r"^algorithm: algorithm.preset: unknown objective"):
+        plan_training({**params, "algorithm": "sgd"}, "manual__2")
+    with pytest.raises(PlanError, match=r"^max_stalenes: not a Param of rlax_train.*max_staleness"):
+        plan_training({**params, "max_stalenes": 2}, "manual__3")
+    with pytest.raises(PlanError, match=r"^run config: staleness.max_staleness: must be >="):
+        plan_training({**params, "overrides": {"staleness.reload_every": 4}}, "manual__4")
+    with pytest.raises(PlanError, match=r"^preset: unknown preset 'tiny-arithm'"):
+        plan_training({**params, "preset": "tiny-arithm"}, "manual__5")
+    assert not (tmp_path / "runs" / "named").exists()  # refused before anything was written
+    plan = plan_training({**params, "reload_every": 2, "max_staleness": None}, "manual__6")
+    from rlax_tasks.airflow.eval_planning import load_run_config
+
+    staleness = load_run_config(plan.run_dir).staleness
+    assert (staleness.reload_every, staleness.max_staleness) == (2, None)
