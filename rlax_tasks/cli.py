@@ -22,7 +22,7 @@ COMMANDS = {
     "curate": ("rlax_tasks.curation.cli", "add_curate_parser"),
     "data": ("rlax_tasks.tools.episode_preview", "add_data_parser"),
     "eval": ("rlax_tasks.evaluation.cli", "add_eval_parser"),
-    "ps": ("rlax_tasks.paramserver.server", "add_ps_parser"),
+    "ps": ("rlax_tasks.paramserver.cli", "add_ps_parser"),
     "worker": ("rlax_tasks.rollout.service", "add_worker_parser"),
     "trainer": ("rlax_tasks.run.trainer_process", "add_trainer_parser"),
     "run": ("rlax_tasks.run.cli", "add_run_parser"),

@@ -15,7 +15,7 @@ from rlax_tasks.utils.byte_sizes import exact_bytes, format_bytes, parse_bytes, 
         # what placement.host_memory read (compute/devices.py)
         (123, 123), (0, 0), ("64GiB", 64 * 2**30), ("500GB", 500 * 10**9),
         ("1.5 TiB", int(1.5 * 2**40)), ("2kb", 2000), ("7B", 7),
-        # what ps serve --keep-bytes read (paramserver/server.py)
+        # what ps serve --keep-bytes read (paramserver/cli.py)
         ("1024", 1024), ("500MB", 500 * 10**6), ("1.5kib", 1536), ("2 TB", 2 * 10**12),
         ("3PB", 3 * 10**15), ("1PiB", 2**50), (".5KiB", 512), ("2.GiB", 2 * 2**30),
         (" 8 mib ", 8 * 2**20), ("123456789012345678901", 123456789012345678901),

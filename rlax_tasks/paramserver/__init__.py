@@ -1,7 +1,8 @@
 """Parameter server: versioned weights in host memory, streamed over HTTP, mirrored durably.
 
 docs/design.md §6 is the contract: ``ParameterServerClient.push / pull / ack / latest_version``,
-``rlax ps serve``; ``server`` holds the protocol, ``wire`` the byte format."""
+``rlax ps serve`` (``cli``); ``server`` runs it, ``protocol`` names its HTTP headers, ``wire`` the
+byte format."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "PullTimeoutError": ".errors",
         "PushAssemblyTimeoutError": ".errors",
         "PushTimeoutError": ".errors",
-        "ServerConfig": ".server",
+        "ServerConfig": ".server_config",
         "ServerUnavailableError": ".errors",
-        "VersionConflictError": ".store",
-        "add_ps_parser": ".server",
+        "VersionConflictError": ".errors",
+        "add_ps_parser": ".cli",
         "flatten_named": ".naming",
         "unflatten_named": ".naming",
     },

@@ -16,22 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from rlax_tasks.paramserver.store import Block, VersionGoneError, WeightVersion
-from rlax_tasks.paramserver.wire import (
-    FORMAT,
-    LEGACY_FORMATS,
-    BlockHeader,
-    ChecksumError,
-    Manifest,
-    WireError,
-    crc32c,
-    read_block_header,
-    read_block_header_v1,
-    read_end,
-    read_end_v1,
-    read_manifest,
-    version_digest,
-)
+from rlax_tasks.paramserver import wire
+from rlax_tasks.paramserver.errors import VersionGoneError
+from rlax_tasks.paramserver.versions import Block, WeightVersion
+from rlax_tasks.paramserver.wire import BlockHeader, ChecksumError, Manifest, WireError
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -93,23 +81,23 @@ def read_version(run_root: str, version: int) -> WeightVersion:
     prefix = version_dir(run_root, version)
     marker = json.loads(storage.read_bytes(storage.join(prefix, COMMIT)))
     with storage.open_read(storage.join(prefix, DATA)) as fh:
-        manifest = read_manifest(fh, (FORMAT, *LEGACY_FORMATS))
+        manifest = wire.read_manifest(fh, (wire.FORMAT, *wire.LEGACY_FORMATS))
         if manifest.version != version:
             raise WireError(f"{prefix} holds version {manifest.version}, not {version}")
-        if manifest.format != FORMAT:
+        if manifest.format != wire.FORMAT:
             return _read_v1(fh, manifest, prefix)
         blocks = []
         for i in range(manifest.num_blocks):
-            header = read_block_header(fh, manifest)
+            header = wire.read_block_header(fh, manifest)
             data = np.empty(header.nbytes, np.uint8)
             storage.read_into(fh, memoryview(data))
-            if crc32c(data) != header.crc32c:
+            if wire.crc32c(data) != header.crc32c:
                 name = manifest.arrays[header.array].name
                 raise ChecksumError(f"{prefix}: block {i} (array {name!r}) fails its CRC32C")
             blocks.append(Block(header, data))
-        read_end(fh, manifest, [b.header for b in blocks])
+        wire.read_end(fh, manifest, [b.header for b in blocks])
     parts = tuple(bytes.fromhex(d) for d in marker.get("parts") or ())
-    digest = version_digest(manifest, [b.header for b in blocks])  # read_end: the end frame's
+    digest = wire.version_digest(manifest, [b.header for b in blocks])  # the end frame's
     return WeightVersion(manifest, blocks, digest, parts)
 
 
@@ -117,19 +105,19 @@ def _read_v1(fh: Any, manifest: Manifest, prefix: str) -> WeightVersion:
     """The rest of a format-1 mirror (blocks with a sha256), verified, as a current version."""
     blocks, hashes = [], []
     for i in range(manifest.num_blocks):
-        old = read_block_header_v1(fh, manifest)
+        old = wire.read_block_header_v1(fh, manifest)
         data = np.empty(old.nbytes, np.uint8)
         storage.read_into(fh, memoryview(data))
         if hashlib.sha256(data).digest() != old.sha256:
             name = manifest.arrays[old.array].name
             raise ChecksumError(f"{prefix}: block {i} (array {name!r}) fails its sha256")
         hashes.append(old.sha256)
-        header = BlockHeader(old.array, old.start, old.stop, old.nbytes, crc32c(data))
+        header = BlockHeader(old.array, old.start, old.stop, old.nbytes, wire.crc32c(data))
         blocks.append(Block(header, data))
-    read_end_v1(fh, manifest, hashes)
+    wire.read_end_v1(fh, manifest, hashes)
     current = Manifest(manifest.version, manifest.arrays, manifest.num_blocks)
     log.info("%s: a format-1 mirror (sha256 blocks), verified and re-checksummed", prefix)
-    return WeightVersion(current, blocks, version_digest(current, [b.header for b in blocks]))
+    return WeightVersion(current, blocks, wire.version_digest(current, [b.header for b in blocks]))
 
 
 def load_latest(run_root: str) -> WeightVersion | None:

@@ -164,14 +164,14 @@ class Manifest:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockHeader:
-    """One block: which array, which region [start, stop) of it, how many bytes, their CRC32C."""
+class BlockRegion:
+    """Which array a block belongs to, which region [start, stop) of it, how many bytes: what
+    every format's block header says before its checksum."""
 
     array: int
     start: tuple[int, ...]
     stop: tuple[int, ...]
     nbytes: int
-    crc32c: int
 
     @property
     def region(self) -> tuple[slice, ...]:
@@ -180,6 +180,13 @@ class BlockHeader:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockHeader(BlockRegion):
+    """One block: its region (``BlockRegion``) and the CRC32C of its bytes."""
+
+    crc32c: int
 
     def encode(self) -> bytes:
         ndim = len(self.start)
@@ -415,13 +422,9 @@ def _region(
 
 # --------------------------------------------------------------------------- format 1 (read only)
 @dataclasses.dataclass(frozen=True)
-class BlockHeaderV1:
+class BlockHeaderV1(BlockRegion):
     """A format-1 block header (mirrors written before format 2): the payload's sha256."""
 
-    array: int
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-    nbytes: int
     sha256: bytes
 
 

@@ -208,7 +208,7 @@ def test_placed_arrays_never_share_memory_with_the_held_copy(make_server, client
 def test_the_server_sends_a_delta_only_from_the_content_the_worker_holds(server, client_for):
     """``have`` names a version and ``have_digest`` its content: a worker whose version 1 is
     another content (a server that restarted without its mirror) gets the whole version."""
-    from rlax_tasks.paramserver.server import DELTA_TYPE
+    from rlax_tasks.paramserver.protocol import DELTA_TYPE
     from tests.paramserver.helpers import TOKEN
 
     host, port = urllib.parse.urlsplit(server.address).netloc.split(":")

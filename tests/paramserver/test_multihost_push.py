@@ -19,7 +19,7 @@ import pytest
 
 from rlax_tasks.cli import build_parser
 from rlax_tasks.paramserver import ParameterServerError, ServerConfig, VersionConflictError
-from rlax_tasks.paramserver.server import PART_HEADER, PARTS_HEADER
+from rlax_tasks.paramserver.protocol import PART_HEADER, PARTS_HEADER
 from rlax_tasks.paramserver.wire import (
     ArraySpec,
     BlockHeader,
@@ -331,8 +331,8 @@ def test_bad_part_headers_are_refused(server):
 
 def test_assembly_timeout_is_a_validated_setting_and_a_cli_flag():
     args = build_parser().parse_args(["ps", "serve", "--assembly-timeout", "12.5"])
-    assert args.assembly_timeout == 12.5
-    assert build_parser().parse_args(["ps", "serve"]).assembly_timeout == 600.0
+    assert args.assembly_timeout_s == 12.5
+    assert build_parser().parse_args(["ps", "serve"]).assembly_timeout_s == 600.0
     assert ServerConfig(token="t").assembly_timeout_s == 600.0
     with pytest.raises(ValueError, match="assembly_timeout_s must be > 0"):
         ServerConfig(token="t", assembly_timeout_s=0)

@@ -15,7 +15,7 @@ import pytest
 
 from rlax_tasks.paramserver import CorruptedWeightsError, PullTimeoutError
 from rlax_tasks.paramserver import shared_memory as shm
-from rlax_tasks.paramserver.server import SHARED_MEMORY_TYPE
+from rlax_tasks.paramserver.protocol import SHARED_MEMORY_TYPE
 from rlax_tasks.paramserver.wire import WireError
 from tests.paramserver.helpers import TOKEN, start_server_process
 

@@ -5,14 +5,14 @@ import time
 import numpy as np
 import pytest
 
-from rlax_tasks.paramserver.store import (
+from rlax_tasks.paramserver.errors import (
     NoRoomError,
     UnknownVersionError,
     VersionConflictError,
-    VersionStore,
     VersionTooLargeError,
-    WeightVersion,
 )
+from rlax_tasks.paramserver.store import VersionStore
+from rlax_tasks.paramserver.versions import WeightVersion
 from rlax_tasks.paramserver.wire import ArraySpec, Manifest
 
 
@@ -51,6 +51,13 @@ def test_versions_strictly_increase():
     store.begin_push(6)
     with pytest.raises(VersionConflictError, match="already being pushed"):
         store.begin_push(6)
+    # a single-host stream holds the version: a multi-host part of it is refused, and says why
+    with pytest.raises(VersionConflictError, match="being pushed by a single-host push"):
+        store.begin_part(6, 0, 2)
+    assert store.assemblies() == {}
+    store.end_push(6)
+    assembly = store.begin_part(6, 1, 2)  # the stream ended: the parts may claim it now
+    assert store.assemblies()["6"]["streaming"] == [1] and assembly.parts == 2
 
 
 def test_old_version_goes_only_when_every_worker_acked_a_newer_one():
