@@ -1,4 +1,5 @@
 """The prompt mixture: weighted draws over several datasets with reproducible, saveable state.
+A file's rows come from ``rlax_tasks.data.prompt_source``; this module only samples them.
 
 The dataset of each draw comes from one PCG64 stream; within a dataset a cursor walks a
 per-epoch permutation of (seed, dataset, epoch). Prompt ids are ``<dataset>/<epoch>/<index>``;
@@ -9,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from rlax_tasks.config import DatasetSpec, FileSource, SyntheticSource
-from rlax_tasks.data.code_tests import CodeTests
+from rlax_tasks.config import DatasetSpec, SyntheticSource
 from rlax_tasks.data.compact import compact_answer, compact_prompt
+from rlax_tasks.data.prompt_source import FilePrompts, PromptSource, episode_row
 from rlax_tasks.rewards.tasks import make_task
 
 STATE_FORMAT = 1
@@ -41,16 +42,7 @@ class Prompt:
     def episode_row(self) -> dict[str, Any]:
         """The row an episode resets from: the prompt and what scores it (an answer, or a
         code test suite as JSON under "tests")."""
-        key = "tests" if self.verifier == "code" else "answer"
-        return {"prompt": self.content, key: self.reference}
-
-
-class PromptSource(Protocol):
-    """A fixed, indexable list of (prompt, reference) pairs; a prompt is text or messages."""
-
-    def __len__(self) -> int: ...
-
-    def get(self, index: int) -> tuple[Any, str]: ...
+        return episode_row(self.content, self.reference, self.verifier)
 
 
 class SyntheticPrompts:
@@ -86,39 +78,9 @@ class SyntheticPrompts:
         return p.prompt, p.reference
 
 
-class FilePrompts:
-    """Rows of a dataset file read through its format (rlax_tasks.data): the prompt and its
-    answer (math) or test suite (code). Rows that cannot be used are in ``rejected``."""
-
-    def __init__(self, spec: FileSource) -> None:
-        from rlax_tasks.data.dataset import load_dataset  # (pandas: only when a file is read)
-
-        rows = load_dataset(spec.path, spec.format, spec.columns)
-        frame = rows.frame
-        self.spec, self.rejected = spec, list(rows.rejected)
-        code = spec.verifier == "code"
-        values = frame["tests" if code else "answer"].tolist()
-        missing = [i for i, v in enumerate(values) if v is None]
-        if missing:
-            i = missing[0]
-            raise ValueError(
-                f"dataset {spec.path}: {len(missing)} row(s) have no "
-                f"{'tests' if code else 'answer'} for verifier {spec.verifier!r}; first: "
-                f"{frame['origin_file'].iat[i]} row {frame['origin_row'].iat[i]} (set the "
-                "dataset's verifier to match)"
-            )
-        self.prompts = frame["prompt"].tolist()
-        self.references = [CodeTests.from_value(v).to_json() if code else str(v) for v in values]
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def get(self, index: int) -> tuple[Any, str]:
-        return self.prompts[index], self.references[index]
-
-
 def make_source(spec: DatasetSpec) -> PromptSource:
-    """The prompt source of a dataset spec (synthetic task or file)."""
+    """The prompt source of a dataset spec: a synthetic task's stream, or a file's rows read by
+    ``rlax_tasks.data`` (docs/design.md §11)."""
     if isinstance(spec.source, SyntheticSource):
         return SyntheticPrompts(spec.source)
     return FilePrompts(spec.source)

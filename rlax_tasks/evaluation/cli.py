@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from rlax_tasks.data.cli import add_format_args, add_prompt_args, parse_columns, prompt_settings
 
@@ -37,6 +38,12 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -
     add_prompt_args(p)
 
 
+def sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as the generators' settings (``PolicySampling``'s fields)."""
+    names = ("max_new_tokens", "temperature", "seed", "max_slots", "max_len")
+    return {name: getattr(args, name) for name in names}
+
+
 def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
     """A PolicyGenerator for the model at `model_dir` with the sampling and prompt flags."""
     # lazy: JAX loads only when a model does (every `rlax` command builds this parser)
@@ -44,15 +51,8 @@ def make_generator(args: argparse.Namespace, model_dir: str, weights_from: str |
     from rlax_tasks.evaluation.generation import PolicyGenerator
 
     settings = prompt_settings(args)  # a bad flag fails before the model loads
-    return PolicyGenerator(
-        load_model(model_dir, weights_from, args.dtype),
-        args.max_new_tokens,
-        args.temperature,
-        args.seed,
-        args.max_slots,
-        args.max_len,
-        settings,
-    )
+    policy = load_model(model_dir, weights_from, args.dtype)
+    return PolicyGenerator(policy, prompt=settings, **sampling_settings(args))
 
 
 def make_episode_generator(args: argparse.Namespace, model_dir: str, weights_from: str | None):  # noqa: ANN201
@@ -62,27 +62,19 @@ def make_episode_generator(args: argparse.Namespace, model_dir: str, weights_fro
     from rlax_tasks.evaluation.episodes import EpisodeGenerator, load_environment
 
     environment = load_environment(args.environment_from)  # a bad config fails before the model
-    settings = prompt_settings(args)
-    return EpisodeGenerator(
-        load_model(model_dir, weights_from, args.dtype),
-        environment,
-        args.max_new_tokens,
-        args.temperature,
-        args.seed,
-        args.max_slots,
-        args.max_len,
-        tuple(settings.stop),
-    )
+    stop = tuple(prompt_settings(args).stop)
+    policy = load_model(model_dir, weights_from, args.dtype)
+    return EpisodeGenerator(policy, environment=environment, stop=stop, **sampling_settings(args))
 
 
 def _run(args: argparse.Namespace) -> int:
     # lazy: pandas and JAX load only when `rlax eval` runs
-    from rlax_tasks.data.dataset import load_dataset
+    from rlax_tasks.data.prompt_source import open_dataset, rejected_note
     from rlax_tasks.evaluation.evaluator import EvalConfig, evaluate
     from rlax_tasks.evaluation.report import write_eval_outputs
 
     config = EvalConfig(n=args.n, ks=parse_ks(args.k), limit=args.limit)
-    dataset = load_dataset(args.dataset, args.format, parse_columns(args.columns), config.limit)
+    dataset = open_dataset(args.dataset, args.format, parse_columns(args.columns), config.limit)
     models = [(args.model_dir, args.weights_from)]
     if args.compare:
         models.append((args.compare, args.compare_weights_from))
@@ -110,12 +102,9 @@ def _run(args: argparse.Namespace) -> int:
         )
         skipped = f" ({o['skipped']} skipped: too long or not encodable)" if o["skipped"] else ""
         print(f"{model['name']}: {o['prompts']} prompts{skipped}, {metrics}")
-    if dataset.rejected:
-        first = dataset.rejected[0]
-        print(
-            f"{len(dataset.rejected)} dataset row(s) could not be read as {dataset.format.name} "
-            f"and were left out; first: {first.file} row {first.row}: {first.reason}"
-        )
+    note = rejected_note(dataset)
+    if note:
+        print(note)
     print(f"results in {args.out}")
     return 0
 

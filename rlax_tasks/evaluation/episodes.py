@@ -11,6 +11,8 @@ from typing import Any
 
 import pandas as pd
 
+from rlax_tasks.data.prompt_source import episode_row
+from rlax_tasks.evaluation.generation import PolicySampling
 from rlax_tasks.rewards.scoring import SampleScore
 from rlax_tasks.utils.progress_meter import ProgressMeter
 
@@ -20,11 +22,14 @@ logger = logging.getLogger(__name__)
 def episode_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """The row each dataset row's episode resets from: its prompt and what scores it (the
     answer, else the code tests), as training's prompt mixture gives it."""
-    rows = []
-    for prompt, answer, tests in zip(frame["prompt"], frame["answer"], frame["tests"], strict=True):
-        rows.append({"prompt": prompt, "answer": answer} if answer is not None
-                    else {"prompt": prompt, "tests": tests})  # fmt: skip
-    return rows
+    return [
+        episode_row(prompt, answer, "math")
+        if answer is not None
+        else episode_row(prompt, tests, "code")
+        for prompt, answer, tests in zip(
+            frame["prompt"], frame["answer"], frame["tests"], strict=True
+        )
+    ]
 
 
 def load_environment(config_path: str) -> Any:
@@ -43,26 +48,13 @@ def load_environment(config_path: str) -> Any:
 
 
 @dataclasses.dataclass
-class EpisodeGenerator:
+class EpisodeGenerator(PolicySampling):
     """``n`` episodes of ``environment`` per row, sampled from ``policy``: (the episode's text,
     its turns and observations, and the environment's score) per episode; ``unusable`` screens
-    rows first."""
+    rows first. ``stop``: strings that end a turn besides the model's EOS ids."""
 
-    policy: Any
-    environment: Any
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    seed: int = 0
-    max_slots: int = 32
-    max_len: int = 2048
-    stop: tuple[str, ...] = ()
-    _sampler: Any = dataclasses.field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.max_len <= self.max_new_tokens:
-            raise ValueError(
-                f"max_len ({self.max_len}) must exceed max_new_tokens ({self.max_new_tokens})"
-            )
+    environment: Any = dataclasses.field(kw_only=True)
+    stop: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
 
     def unusable(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
         """Per row, why its episode cannot start (the environment refuses it, or its first
@@ -87,21 +79,12 @@ class EpisodeGenerator:
     def __call__(
         self, rows: Sequence[Mapping[str, Any]], n: int
     ) -> list[list[tuple[str, SampleScore]]]:
-        from rlax_tasks.rollout import Sampler, per_prompt_params  # lazy: JAX
-        from rlax_tasks.rollout.episodes import run_episodes
+        from rlax_tasks.rollout.episodes import run_episodes  # lazy: JAX
 
-        if self._sampler is None:
-            self._sampler = Sampler(self.policy, max_slots=self.max_slots, max_len=self.max_len)
-        params = per_prompt_params(
-            self.seed,
-            len(rows),
-            max_new_tokens=self.max_new_tokens,
-            temperature=float(self.temperature),
-            stop_strings=tuple(self.stop),
-        )
+        params = self.row_params(len(rows), self.stop)
         meter = ProgressMeter("episodes", len(rows) * n, logger=logger, unit="episodes")
         with meter:
-            groups = run_episodes(self._sampler, self.environment, list(rows), n, params,
+            groups = run_episodes(self.sampler, self.environment, list(rows), n, params,
                                   on_done=lambda _: meter.update())  # fmt: skip
         decode = self.policy.tokenizer.decode
         out = []

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlax_tasks.data.prompts import PromptRenderer, PromptSettings
 from rlax_tasks.data.schema import Prompt
+from rlax_tasks.rollout.requests import SamplingParams, per_prompt_params
 from rlax_tasks.utils.progress_meter import ProgressMeter
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def sample_token_ids(
     (a new one for `policy`, or `sampler` when given: it keeps its KV cache between calls);
     logs samples done / total every few seconds (`rlax_tasks.utils.progress_meter`)."""
     # lazy: JAX; curation imports this module for ``GenerateFn`` without sampling
-    from rlax_tasks.rollout import Sampler, per_prompt_params
+    from rlax_tasks.rollout import Sampler
 
     if not prompt_ids:
         return []
@@ -92,9 +93,9 @@ def sample_token_ids(
 
 
 @dataclass
-class PolicyGenerator:
-    """A `GenerateFn` sampling from `policy`, prompts rendered by ``prompt`` settings with the
-    policy's tokenizer; `unusable` screens prompts first (too long, not encodable)."""
+class PolicySampling:
+    """What an evaluation samples with: ``policy`` and the sampler's settings (per-row seeds
+    from ``seed``), and one Sampler built on first use, kept across calls and weight versions."""
 
     policy: Any
     max_new_tokens: int = 256
@@ -102,8 +103,6 @@ class PolicyGenerator:
     seed: int = 0
     max_slots: int = 32
     max_len: int = 2048
-    prompt: PromptSettings = dataclasses.field(default_factory=PromptSettings)
-    renderer: PromptRenderer = dataclasses.field(init=False, repr=False)
     _sampler: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +114,42 @@ class PolicyGenerator:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def sampler(self) -> Any:
+        """The Sampler of ``policy`` (compiled once; it keeps its KV cache between calls)."""
+        if self._sampler is None:
+            from rlax_tasks.rollout import Sampler  # lazy: JAX, as in sample_token_ids
+
+            self._sampler = Sampler(self.policy, max_slots=self.max_slots, max_len=self.max_len)
+        return self._sampler
+
+    def set_params(self, params: Any) -> None:
+        """Samples from now on with ``params`` (another weight version of the policy) on the
+        same compiled sampler."""
+        self.sampler.set_params(params)
+
+    def row_params(self, count: int, stop: Sequence[str]) -> list[SamplingParams]:
+        """One SamplingParams per row, each row with its own seed (``per_prompt_params``)."""
+        return per_prompt_params(
+            self.seed,
+            count,
+            max_new_tokens=self.max_new_tokens,
+            temperature=float(self.temperature),
+            stop_strings=tuple(stop),
+        )
+
+
+@dataclass
+class PolicyGenerator(PolicySampling):
+    """A `GenerateFn` sampling from `policy`, prompts rendered by ``prompt`` settings with the
+    policy's tokenizer; `unusable` screens prompts first (too long, not encodable)."""
+
+    prompt: PromptSettings = dataclasses.field(default_factory=PromptSettings)
+    renderer: PromptRenderer = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         # a chat template the tokenizer lacks fails here, before any work
         self.renderer = PromptRenderer(self.prompt, self.policy.tokenizer)
 
@@ -132,10 +167,6 @@ class PolicyGenerator:
         if bad:
             i, err = bad[0]
             raise ValueError(f"prompt {i}: {err} ({len(bad)} prompt(s) affected)")
-        if self._sampler is None:
-            from rlax_tasks.rollout import Sampler  # lazy: JAX, as in sample_token_ids
-
-            self._sampler = Sampler(self.policy, max_slots=self.max_slots, max_len=self.max_len)
         tokens = sample_token_ids(
             self.policy,
             ids,  # type: ignore[arg-type]
@@ -145,7 +176,7 @@ class PolicyGenerator:
             seed=self.seed,
             max_slots=self.max_slots,
             max_len=self.max_len,
-            sampler=self._sampler,
+            sampler=self.sampler,
             stop_strings=self.prompt.stop,
         )
         decode = self.policy.tokenizer.decode

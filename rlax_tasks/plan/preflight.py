@@ -1,24 +1,16 @@
 """Checks a run's datasets before anything starts: `rlax run` and the training DAG's plan task.
 
-``check_datasets(cfg)`` opens every dataset file with the controller's and evaluator's readers
-and raises ``DatasetError`` naming dataset, file, row and fault (missing, unreadable, damaged, no
-usable row, no reference); rows that only misfit the format are skipped and counted (docs/design.md
-§11)."""
+``check_datasets(cfg)`` opens every dataset file with the prompt source training and evaluation
+read it with (``rlax_tasks.data.prompt_source``) and raises ``DatasetError`` naming dataset, file,
+row and fault (missing, unreadable, damaged, no usable row, no reference); rows that only misfit
+the format are skipped and counted (docs/design.md §11)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rlax_tasks.config import FileSource
-from rlax_tasks.controller.mixture import FilePrompts
-
-
-class DatasetError(ValueError):
-    """A dataset of the run configuration cannot be used; the message names the file and row."""
-
-    def __init__(self, message: str, file: str = "", row: int | None = None) -> None:
-        super().__init__(message)
-        self.file, self.row = file, row
+from rlax_tasks.data.prompt_source import DatasetError, FilePrompts
 
 
 def _named(cfg: Any) -> list[tuple[str, Any]]:
@@ -56,23 +48,9 @@ def check_dataset(field: str, spec: Any) -> None:
         return
     where = f"{field} ({spec.name!r}, {source.path}, format {source.format})"
     try:
-        prompts = FilePrompts(source)
-    except FileNotFoundError as e:
-        raise DatasetError(f"{where}: {e}: fix the path", source.path) from None
-    except ValueError as e:
-        raise DatasetError(f"{where}: {e}", source.path) from None
-    except OSError as e:
-        raise DatasetError(f"{where}: cannot be read: {e}", source.path) from None
-    broken = [r for r in prompts.rejected if r.stage == "ingest"]
-    if broken:
-        first = broken[0]
-        raise DatasetError(
-            f"{where}: {first.file} row {first.row} cannot be read: {first.reason} "
-            f"({len(broken)} such row(s)); the file is damaged: repair or remove those rows "
-            "(`rlax data preview` lists them, `rlax curate` writes a clean copy)",
-            first.file,
-            first.row,
-        )
+        FilePrompts(source).check_intact()
+    except DatasetError as e:
+        raise DatasetError(f"{where}: {e}", e.file, e.row) from None
 
 
 def check_datasets(cfg: Any) -> None:

@@ -20,9 +20,10 @@ from rlax_tasks.controller.service import RewardScorer
 from rlax_tasks.data.prompts import PromptRenderer
 from rlax_tasks.evaluation import mean_pass_at_k
 from rlax_tasks.evaluation.checkpoints import mirror_arrays, with_named_arrays
-from rlax_tasks.evaluation.generation import encode_prompts
+from rlax_tasks.evaluation.episodes import EpisodeGenerator
+from rlax_tasks.evaluation.generation import PolicySampling, encode_prompts
 from rlax_tasks.paramserver.mirror import newest_committed
-from rlax_tasks.rollout.requests import GroupResult, per_prompt_params
+from rlax_tasks.rollout.requests import GroupResult
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 from rlax_tasks.utils.progress_meter import ProgressMeter
@@ -40,7 +41,6 @@ class HeldOutEvaluator:
     def __init__(self, cfg: RunConfig) -> None:
         # lazy: `rlax run`'s supervisor imports this module; the model loads only to evaluate
         from rlax_tasks.models import load_pretrained
-        from rlax_tasks.rollout import Sampler
 
         spec = cfg.eval.dataset
         if spec is None:
@@ -55,15 +55,23 @@ class HeldOutEvaluator:
         count = min(cfg.eval.num_prompts, len(mixture.components[0].source))
         prompts = [mixture.prompt(f"{spec.name}/0/{i}", i) for i in range(count)]
         self.renderer = PromptRenderer(cfg.prompt, self.policy.tokenizer)
-        self.environment = spec.environment  # multi-turn pass@k: episodes as in training
-        if self.environment is None:
+        # sampled as training samples: seed 0's per-prompt seeds, the workers' slots
+        sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "seed": 0,
+                    "temperature": cfg.eval.temperature,
+                    "max_slots": cfg.workers.slots}  # fmt: skip
+        if spec.environment is None:
             ids, errors = encode_prompts(
                 self.renderer,
                 [p.content for p in prompts],
                 cfg.workers.max_len - cfg.rollout.max_new_tokens,
             )
-        else:
-            ids, errors = self._episode_prompts(prompts)
+        else:  # multi-turn pass@k: episodes as in training, turns and observations to max_len
+            self.sampling: PolicySampling = EpisodeGenerator(
+                self.policy, max_len=cfg.workers.max_len, environment=spec.environment,
+                stop=tuple(cfg.prompt.stop), **sampling,
+            )  # fmt: skip
+            errors = self.sampling.unusable([p.episode_row() for p in prompts])
+            ids = []  # the generator tokenizes each episode's turns itself
         self.skipped = [
             {"prompt_id": p.id, "reason": e} for p, e in zip(prompts, errors, strict=True) if e
         ]
@@ -79,60 +87,43 @@ class HeldOutEvaluator:
                 f"eval.dataset {spec.name}: no prompt fits ({self.skipped[0]['reason']})"
             )
         self.scorer = RewardScorer(mixture)
-        longest = max(len(t) for t in self.prompt_ids)
-        self.sampler = Sampler(
-            self.policy,
-            max_slots=cfg.workers.slots,
-            max_len=max(16, longest + cfg.rollout.max_new_tokens)
-            if self.environment is None
-            else cfg.workers.max_len,  # an episode's turns and observations follow its prompt
-        )
-
-    def _episode_prompts(self, prompts: list[Any]) -> tuple[list[Any], list[str | None]]:
-        """The tokens each prompt's episode starts from (its environment's first messages),
-        or why it cannot start (too long, or the environment refuses the row)."""
-        from rlax_tasks.rollout.episodes import episode_prompt
-
-        limit = self.cfg.workers.max_len - self.cfg.rollout.max_new_tokens
-        ids: list[Any] = []
-        errors: list[str | None] = []
-        for p in prompts:
-            try:
-                tokens = episode_prompt(self.policy.tokenizer, self.environment, p.episode_row())
-            except ValueError as e:
-                ids.append(None)
-                errors.append(f"the environment cannot start it: {e}")
-                continue
-            too_long = len(tokens) > limit
-            ids.append(None if too_long else list(tokens))
-            errors.append(f"its episode's prompt has {len(tokens)} tokens, more than {limit}"
-                          if too_long else None)  # fmt: skip
-        return ids, errors
+        if spec.environment is None:  # one compiled sampler as long as the longest prompt needs
+            longest = max(len(t) for t in self.prompt_ids)
+            max_len = max(16, longest + cfg.rollout.max_new_tokens)
+            self.sampling = PolicySampling(self.policy, max_len=max_len, **sampling)
 
     def sample(self, params: Any) -> list[list[Any]]:
-        """``eval.num_samples`` completions of every prompt with ``params`` (per-prompt seeds)."""
-        e = self.cfg.eval
-        self.sampler.set_params(params)
-        settings = per_prompt_params(
-            0,
-            len(self.prompt_ids),
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            temperature=float(e.temperature),
-            stop_strings=self.cfg.prompt.stop,
-        )
-        n = e.num_samples
+        """``eval.num_samples`` completions of every prompt with ``params`` (per-prompt seeds),
+        for a dataset without an environment."""
+        self.sampling.set_params(params)
+        settings = self.sampling.row_params(len(self.prompt_ids), self.cfg.prompt.stop)
+        n = self.cfg.eval.num_samples
         meter = ProgressMeter("held-out eval", len(self.prompt_ids) * n, logger=log, unit="samples")
         with meter:
-            if self.environment is not None:
-                from rlax_tasks.rollout.episodes import run_episodes
-
-                rows = [p.episode_row() for p in self.prompts]
-                return run_episodes(self.sampler, self.environment, rows, n, settings,
-                                    on_done=lambda _: meter.update())  # fmt: skip
-            outs = self.sampler.generate(
+            outs = self.sampling.sampler.generate(
                 self.prompt_ids, n=n, params=settings, on_complete=lambda _: meter.update()
             )
         return [outs[i * n : (i + 1) * n] for i in range(len(self.prompt_ids))]
+
+    def rewards(self, params: Any, version: int = 0) -> list[list[float]]:
+        """Per prompt, the rewards of its ``eval.num_samples`` samples with ``params`` (weight
+        ``version``): scored as in training, by the verifiers, or (episodes) by their
+        environment."""
+        if isinstance(self.sampling, EpisodeGenerator):
+            self.sampling.set_params(params)
+            scored = self.sampling(
+                [p.episode_row() for p in self.prompts], self.cfg.eval.num_samples
+            )
+            return [[score.reward for _, score in row] for row in scored]
+        groups = self.sample(params)
+        decode = self.policy.tokenizer.decode
+        results = [
+            GroupResult(p.id, version, tuple(ids), comps,
+                        [decode(c.tokens, skip_special_tokens=True) for c in comps], 0.0)
+            for p, ids, comps in zip(self.prompts, self.prompt_ids, groups, strict=True)
+        ]  # fmt: skip
+        scores = self.scorer.score(self.prompts, results)
+        return [[reward_and_verdict(x)[0] for x in row] for row in scores]
 
     def evaluate(self, ps: Any | None = None, version: int | None = None) -> dict[str, Any]:
         """pass@k of the base model (``ps`` None), else of the newest version (at least
@@ -144,18 +135,7 @@ class HeldOutEvaluator:
         else:  # the trainer records a step just before it pushes that version: wait for it
             got, params = ps.pull(min_version=version, like=self.base_params, timeout_s=60.0)
         t0 = time.perf_counter()
-        groups = self.sample(params)
-        decode = self.policy.tokenizer.decode
-        results = [
-            GroupResult(p.id, got, tuple(ids), comps,
-                        [decode(c.tokens, skip_special_tokens=True) for c in comps], 0.0)
-            for p, ids, comps in zip(self.prompts, self.prompt_ids, groups, strict=True)
-        ]  # fmt: skip
-        if self.environment is None:
-            scores = self.scorer.score(self.prompts, results)
-            rewards = [[reward_and_verdict(x)[0] for x in row] for row in scores]
-        else:  # scored by their environment, as in training
-            rewards = [[float(c.reward or 0.0) for c in comps] for comps in groups]
+        rewards = self.rewards(params, got)
         e = self.cfg.eval
         correct = [sum(r > 0 for r in row) for row in rewards]
         result: dict[str, Any] = {

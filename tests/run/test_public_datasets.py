@@ -17,9 +17,10 @@ import yaml
 from rlax_tasks.cli import main
 from rlax_tasks.config import load_config
 from rlax_tasks.controller import read_rollouts
-from rlax_tasks.controller.mixture import FilePrompts, Prompt, PromptMixture
+from rlax_tasks.controller.mixture import Prompt, PromptMixture
 from rlax_tasks.controller.service import RewardScorer
 from rlax_tasks.data import load_dataset
+from rlax_tasks.data.prompt_source import FilePrompts
 from rlax_tasks.rewards.scoring import score_completions
 from rlax_tasks.rollout.requests import Completion, GroupResult, Request
 from rlax_tasks.rollout.sampler import Sampler
