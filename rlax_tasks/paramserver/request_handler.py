@@ -2,7 +2,7 @@
 
 One request per call on the standard library's threading server (docs/design.md §6 explains why
 not FastAPI); bodies stream between the socket and numpy buffers. Routes: above
-``RequestHandler._route`` (every one needs the run's token, §13)."""
+``RequestHandler._route`` (every one needs the run's token, docs/design.md §13)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "rlax-ps/1"
+    # TCP_NODELAY: a reply's headers and its small body are separate writes; without it the body
+    # waits for the client's delayed ACK on a kept-alive connection
+    disable_nagle_algorithm = True
     ps: ParameterServer  # set on the subclass built in ParameterServer.start
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
