@@ -28,6 +28,8 @@ from rlax_tasks.compute.types import (
     SliceHandle,
     SliceSpec,
     SliceState,
+    has_labels,
+    managed_labels,
 )
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import SLICES
@@ -197,7 +199,7 @@ class CloudTpuBackend:
         node = tpu_v2.Node(
             accelerator_type=spec.accelerator_type,
             runtime_version=spec.runtime_version,
-            labels={**spec.labels, MANAGED_LABEL: "true"},
+            labels=managed_labels(spec.labels),
             metadata={
                 "startup-script": script,
                 MD_SLICE_ROOT: root,
@@ -322,7 +324,6 @@ class CloudTpuBackend:
         """Queued resources in the backend's project/zone with all of ``label_filter``."""
         if not self.project or not self.zone:
             raise ValueError("cloud_tpu list_slices: set the backend's project and zone")
-        want = dict(label_filter or {})
         parent = f"projects/{self.project}/locations/{self.zone}"
         out = []
         for qr in self.client.list_queued_resources(parent=parent):
@@ -331,20 +332,11 @@ class CloudTpuBackend:
             node = qr.tpu.node_spec[0].node
             if MD_INSTANCE_ID not in node.metadata:
                 continue  # not created by RLAX
-            if all(node.labels.get(k) == v for k, v in want.items()):
+            if has_labels(node.labels, label_filter):
                 out.append(self._handle_from_qr(qr))
         return out
 
     # ------------------------------------------------------------------ jobs
-    def _job_dirs(self, handle: SliceHandle, job_name: str) -> list[tuple[int, str]]:
-        jobs = storage.join(handle.root, "jobs")
-        out = []
-        for child in storage.list_children(jobs):
-            base, _, attempt = child.rpartition(".")
-            if base == job_name and attempt.isdigit():
-                out.append((int(attempt), storage.join(jobs, child)))
-        return sorted(out)
-
     def start_job(self, handle: SliceHandle | dict, job: JobSpec) -> JobHandle:
         """Submits ``job`` to the slice's agent (a job of that name still running is returned)."""
         handle = SliceHandle.from_dict(handle)
@@ -352,28 +344,14 @@ class CloudTpuBackend:
         state, why = self._slice_state(handle)
         if state is not SliceState.READY:
             raise RuntimeError(f"slice {handle.name} is {state.value} ({why}), not READY")
-        attempts = self._job_dirs(handle, job.name)
-        if attempts:
-            previous = jobstatus.read_json(storage.join(attempts[-1][1], jobstatus.SPEC))
-            if previous is not None:
-                old = JobHandle.from_dict(previous["handle"])
-                if self.job_state(old).state is JobState.RUNNING:
-                    log.info("job %s already running on %s", job.name, handle.name)
-                    return old
-        attempt = attempts[-1][0] + 1 if attempts else 1
-        status_dir = storage.join(handle.root, "jobs", f"{job.name}.{attempt}")
-        job_handle = JobHandle(
-            backend=self.name,
-            name=job.name,
-            slice=handle.to_dict(),
-            status_dir=status_dir,
-            heartbeat_timeout_s=job.heartbeat_timeout_s,
-            submitted_at=time.time(),
-            hosts=job.hosts,
-        )
-        env = dict(job.env)
-        if job.run_root:
-            env.setdefault("RLAX_RUN_ROOT", job.run_root)
+        jobs = storage.join(handle.root, "jobs")
+        attempt, running = jobstatus.next_attempt(jobs, job.name, self.job_state)
+        if running is not None:
+            log.info("job %s already running on %s", job.name, handle.name)
+            return running
+        status_dir = storage.join(jobs, f"{job.name}.{attempt}")
+        job_handle = JobHandle.submitted(self.name, job, handle, status_dir)
+        env = job.process_env()
         jobstatus.write_json(
             storage.join(status_dir, jobstatus.SPEC),
             {

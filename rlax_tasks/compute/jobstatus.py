@@ -10,11 +10,12 @@ import json
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
-from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE, JobState, JobStatus
+from rlax_tasks.compute.types import CONFIG_ERROR_EXIT_CODE, JobHandle, JobState, JobStatus
 from rlax_tasks.rundir import storage
 
 SPEC = "spec.json"  # the job spec and command line, written when the job is submitted
@@ -41,6 +42,33 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 def write_json(path: str, obj: dict[str, Any]) -> None:
     storage.write_bytes(path, json.dumps(obj, sort_keys=True).encode())
+
+
+def running_handle(spec_path: str, job_state: Callable[[JobHandle], JobStatus]) -> JobHandle | None:
+    """The handle in the job spec at ``spec_path`` while that job still runs (``job_state``: the
+    backend's), else None: a job started again while it runs is returned, not started twice."""
+    previous = read_json(spec_path)
+    if previous is None:
+        return None
+    old = JobHandle.from_dict(previous["handle"])
+    return old if job_state(old).state is JobState.RUNNING else None
+
+
+def next_attempt(
+    jobs_dir: str, job_name: str, job_state: Callable[[JobHandle], JobStatus]
+) -> tuple[int, JobHandle | None]:
+    """The next attempt number of ``job_name`` (its attempts are ``<jobs_dir>/<job>.<n>/``) and
+    the handle of the last attempt while it still runs (``running_handle``)."""
+    attempts = []
+    for child in storage.list_children(jobs_dir):
+        base, _, n = child.rpartition(".")
+        if base == job_name and n.isdigit():
+            attempts.append(int(n))
+    if not attempts:
+        return 1, None
+    last = max(attempts)
+    spec = storage.join(jobs_dir, f"{job_name}.{last}", SPEC)
+    return last + 1, running_handle(spec, job_state)
 
 
 def classify_exit(returncode: int, stopped: bool, stderr_tail: str = "") -> JobStatus:

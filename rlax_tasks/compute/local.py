@@ -20,7 +20,6 @@ from typing import Any
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.runner import runner_argv
 from rlax_tasks.compute.types import (
-    MANAGED_LABEL,
     JobHandle,
     JobSpec,
     JobState,
@@ -28,6 +27,7 @@ from rlax_tasks.compute.types import (
     SliceHandle,
     SliceSpec,
     SliceState,
+    has_labels,
 )
 from rlax_tasks.rundir.paths import SLICES
 
@@ -89,8 +89,7 @@ class LocalBackend:
         info = jobstatus.read_json(path)
         if info is not None and info.get("state") == SliceState.READY.value:
             return self._handle(SliceSpec.from_dict(info["spec"]), info)
-        labels = {**spec.labels, MANAGED_LABEL: "true"}
-        spec = SliceSpec.from_dict({**spec.to_dict(), "labels": labels})
+        spec = spec.managed()
         info = {
             "state": SliceState.READY.value,
             "instance_id": uuid.uuid4().hex[:12],
@@ -128,7 +127,6 @@ class LocalBackend:
     def list_slices(self, label_filter: dict[str, str] | None = None) -> list[SliceHandle]:
         """Every live slice under run_root whose labels include ``label_filter``."""
         out = []
-        want = dict(label_filter or {})
         runs = sorted(os.listdir(self.run_root)) if os.path.isdir(self.run_root) else []
         for run in runs:
             slices = os.path.join(self.run_root, run, SLICES)
@@ -137,7 +135,7 @@ class LocalBackend:
                 if info is None or info.get("state") == SliceState.DELETED.value:
                     continue
                 spec = SliceSpec.from_dict(info["spec"])
-                if all(spec.labels.get(k) == v for k, v in want.items()):
+                if has_labels(spec.labels, label_filter):
                     out.append(self._handle(spec, info))
         return out
 
@@ -155,21 +153,13 @@ class LocalBackend:
         if state is not SliceState.READY:
             raise RuntimeError(f"slice {handle.name} is {state.value}, not READY")
         status_dir = os.path.join(handle.root, "jobs", job.name)
-        job_handle = JobHandle(
-            backend=self.name,
-            name=job.name,
-            slice=handle.to_dict(),
-            status_dir=status_dir,
-            heartbeat_timeout_s=job.heartbeat_timeout_s,
-            submitted_at=time.time(),
-        )
+        job_handle = JobHandle.submitted(self.name, job, handle, status_dir)
         spec_path = os.path.join(status_dir, jobstatus.SPEC)
-        previous = jobstatus.read_json(spec_path)
-        if previous is not None:
-            old = JobHandle.from_dict(previous["handle"])
-            if self.job_state(old).state is JobState.RUNNING:
-                log.info("job %s already running on %s", job.name, handle.name)
-                return old
+        running = jobstatus.running_handle(spec_path, self.job_state)
+        if running is not None:
+            log.info("job %s already running on %s", job.name, handle.name)
+            return running
+        if jobstatus.read_json(spec_path) is not None:
             self._archive(status_dir)
         os.makedirs(status_dir, exist_ok=True)
         command = [*self.entrypoint, *job.argv]

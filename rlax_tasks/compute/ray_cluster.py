@@ -16,21 +16,19 @@ import json
 import logging
 import os
 import re
-import socket
 import tempfile
-import threading
 import time
 from typing import Any
 
 from rlax_tasks.compute import jobstatus
 from rlax_tasks.compute.local import heartbeat_interval
+from rlax_tasks.compute.ray_connect import RayBackendError, connect, import_ray
 from rlax_tasks.compute.ray_host import HostProcess, free_coordinator_port, sees_path
 from rlax_tasks.compute.tpu_types import UnknownAcceleratorError, tpu_type
 from rlax_tasks.compute.types import (
     COORDINATOR_ADDRESS_ENV,
     COORDINATOR_PORT_ENV,
     HOST_ADDRESS_ENV,
-    MANAGED_LABEL,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
     WORKER_ID_ENV,
@@ -42,6 +40,7 @@ from rlax_tasks.compute.types import (
     SliceSpec,
     SliceState,
     coordinator_port,
+    has_labels,
 )
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import SLICES
@@ -56,13 +55,7 @@ ACTOR_PREFIX = "rlax-job:"
 _SHAPE_RE = re.compile(r"^(?:(?P<hosts>[1-9]\d*)x)?(?:cpu|gpu-(?P<gpus>[1-9]\d*))$")
 # when two hosts end abnormally together, the more telling cause wins (as jobstatus ranks them)
 _CAUSE_RANK = {JobState.FAILED: 1, JobState.PREEMPTED: 2}
-_CONNECT_LOCK = threading.Lock()
 STATUS_TIMEOUT_S = 10.0  # how long job_state waits for the hosts of a job to answer
-
-
-class RayBackendError(ValueError):
-    """A mistake in the ray backend's settings, or a slice the cluster cannot hold: a user error
-    (one line from `rlax`, not retried by the Airflow operators)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,55 +81,6 @@ def slice_shape(accelerator_type: str) -> SliceShape:
             "(v5litepod-16)"
         ) from None
     return SliceShape(tpu.hosts, {"TPU": float(tpu.chips_per_host)})
-
-
-def _import_ray():  # noqa: ANN202 - the ray module
-    try:
-        # lazy: Ray is an optional extra, and rlax_tasks.compute is imported by Airflow's
-        # scheduler and triggerer, which must neither need Ray nor pay for importing it
-        import ray
-    except ImportError:
-        raise RayBackendError(
-            "the ray backend needs Ray, which is not installed here: install the ray extra "
-            "(.venv/bin/pip install -c constraints.txt -e '.[ray]'; `bash scripts/setup.sh "
-            "--test` installs it too)"
-        ) from None
-    return ray
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """RayBackendError unless something listens at ``address`` (ray.init would retry for
-    minutes, then exit the process)."""
-    if address == "auto":
-        return
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        raise RayBackendError(
-            f"ray backend: address={address!r} is not host:port (the head node's GCS address, "
-            "e.g. 10.0.0.2:6379), ray://host:port or auto"
-        )
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise RayBackendError(
-            f"cannot reach the Ray cluster at {address} ({e.strerror or e}): check the ray "
-            "backend's address setting and that the cluster is up (`ray status` on its head)"
-        ) from None
-
-
-def _same_gcs(address: str, gcs: str) -> bool:
-    """Whether ``address`` (a setting) names the GCS at ``gcs`` (host:port, as Ray reports it):
-    the same port on the same host, any host for a loopback address, ``auto`` and ``ray://``
-    always."""
-    if address == "auto" or address.startswith("ray://"):
-        return True
-    host, _, port = address.rpartition(":")
-    gcs_host, _, gcs_port = gcs.rpartition(":")
-    try:
-        ip = socket.gethostbyname(host.strip("[]"))
-    except OSError:
-        ip = host
-    return port == gcs_port and (ip == gcs_host or ip.startswith("127."))
 
 
 class RayBackend:
@@ -178,29 +122,7 @@ class RayBackend:
 
     # ------------------------------------------------------------------ connection
     def _ray(self):  # noqa: ANN202 - the ray module, connected to this backend's cluster
-        """Ray, connected once per process (``ray.init``) to ``address`` in ``namespace``."""
-        ray = _import_ray()
-        with _CONNECT_LOCK:
-            if ray.is_initialized():
-                self._check_connection(ray)
-                return ray
-            _check_reachable(self.address, self.connect_timeout_s)
-            try:
-                ray.init(address=self.address, namespace=self.namespace, log_to_driver=False)
-            except (ConnectionError, SystemExit) as e:  # Ray exits when the GCS never answers
-                raise RayBackendError(f"cannot connect to Ray at {self.address}: {e}") from None
-        return ray
-
-    def _check_connection(self, ray: Any) -> None:
-        """RayBackendError when this process is connected to Ray with other settings."""
-        context = ray.get_runtime_context()
-        gcs = context.gcs_address
-        if context.namespace != self.namespace or not _same_gcs(self.address, gcs):
-            raise RayBackendError(
-                f"this process is connected to Ray at {gcs} (namespace {context.namespace!r}), "
-                f"not {self.address} (namespace {self.namespace!r}): one process, one Ray "
-                "connection"
-            )
+        return connect(self.address, self.namespace, self.connect_timeout_s)
 
     # ------------------------------------------------------------------ slices
     def provision(self, spec: SliceSpec) -> SliceHandle:
@@ -208,9 +130,7 @@ class RayBackend:
         returned); RayBackendError when the cluster's nodes cannot hold it."""
         ray = self._ray()
         self._check_shared_run_root(ray)
-        spec = SliceSpec.from_dict(
-            {**spec.to_dict(), "labels": {**spec.labels, MANAGED_LABEL: "true"}}
-        )
+        spec = spec.managed()
         shape = slice_shape(spec.accelerator_type)
         if (existing := self._find(ray, spec)) is not None:
             return existing
@@ -240,7 +160,7 @@ class RayBackend:
         nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         if storage.is_gcs(self.run_root) or len(nodes) < 2 or set(nodes) <= self._shared_with:
             return
-        # lazy: Ray (see _import_ray)
+        # lazy: Ray (see ray_connect.import_ray)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         os.makedirs(self.run_root, exist_ok=True)
@@ -300,9 +220,8 @@ class RayBackend:
 
     def list_slices(self, label_filter: dict[str, str] | None = None) -> list[SliceHandle]:
         """The live slices of this run root whose labels include ``label_filter``."""
-        want = dict(label_filter or {})
         handles = [h for h, _ in self._slices(self._ray())]
-        return [h for h in handles if all(h.spec["labels"].get(k) == v for k, v in want.items())]
+        return [h for h in handles if has_labels(h.spec["labels"], label_filter)]
 
     def teardown(self, handle: SliceHandle | dict) -> None:
         """Stops every job on the slice, then removes its actors and placement group."""
@@ -330,19 +249,14 @@ class RayBackend:
                 f"job {job.name}: hosts={list(job.hosts)} but slice {handle.name} "
                 f"({handle.slice_spec.accelerator_type}) has {len(row['bundles'])} host(s)"
             )
-        attempt = self._next_attempt(handle, job.name)
-        if isinstance(attempt, JobHandle):
+        jobs = storage.join(handle.root, "jobs")
+        attempt, running = jobstatus.next_attempt(jobs, job.name, self.job_state)
+        if running is not None:
             log.info("job %s already running on %s", job.name, handle.name)
-            return attempt
+            return running
         self._stop_and_kill(ray, f"{ACTOR_PREFIX}{handle.instance_id}/{job.name}.")
-        job_handle = JobHandle(
-            backend=self.name,
-            name=job.name,
-            slice=handle.to_dict(),
-            status_dir=storage.join(handle.root, "jobs", f"{job.name}.{attempt}"),
-            heartbeat_timeout_s=job.heartbeat_timeout_s,
-            submitted_at=time.time(),
-            hosts=job.hosts,
+        job_handle = JobHandle.submitted(
+            self.name, job, handle, storage.join(jobs, f"{job.name}.{attempt}")
         )
         nodes = _node_addresses(ray, row, job.hosts)
         if len(job.hosts) > 1 and COORDINATOR_PORT_ENV not in job.env:
@@ -355,7 +269,7 @@ class RayBackend:
         jobstatus.write_json(
             storage.join(job_handle.status_dir, jobstatus.SPEC),
             {
-                "job": {**job.to_dict(), "env": _job_env(job)},
+                "job": {**job.to_dict(), "env": job.process_env()},
                 "command": command,
                 "handle": job_handle.to_dict(),
                 "nodes": {str(h): {"node_id": n, "address": a} for h, (n, a) in nodes.items()},
@@ -366,31 +280,13 @@ class RayBackend:
 
     def _free_port(self, ray: Any, node_id: str) -> int:
         """A TCP port free on Ray node ``node_id`` now (asked of a task on that node)."""
-        # lazy: Ray (see _import_ray)
+        # lazy: Ray (see ray_connect.import_ray)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         probe = ray.remote(num_cpus=0, max_retries=0)(free_coordinator_port)
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return int(ray.get(probe.options(scheduling_strategy=strategy).remote(),
                            timeout=self.start_timeout_s))  # fmt: skip
-
-    def _next_attempt(self, handle: SliceHandle, job_name: str) -> int | JobHandle:
-        """The next attempt number of ``job_name`` on the slice, or the handle of the last
-        attempt while it runs."""
-        attempts = []
-        for child in storage.list_children(storage.join(handle.root, "jobs")):
-            base, _, n = child.rpartition(".")
-            if base == job_name and n.isdigit():
-                attempts.append(int(n))
-        if not attempts:
-            return 1
-        spec_path = storage.join(handle.root, "jobs", f"{job_name}.{max(attempts)}", jobstatus.SPEC)
-        previous = jobstatus.read_json(spec_path)
-        if previous is not None:
-            old = JobHandle.from_dict(previous["handle"])
-            if self.job_state(old).state is JobState.RUNNING:
-                return old
-        return max(attempts) + 1
 
     def _start_actors(
         self,
@@ -402,7 +298,7 @@ class RayBackend:
     ) -> list[str]:
         """Creates the job's actor on each host's bundle and starts its process there; the
         command host 0 runs."""
-        # lazy: Ray (see _import_ray)
+        # lazy: Ray (see ray_connect.import_ray)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg = _placement_group(ray, handle.instance_id)
@@ -422,7 +318,7 @@ class RayBackend:
                     pg, placement_group_bundle_index=host
                 ),
             ).remote(jobstatus.host_status_dir(job_handle.status_dir, host))
-            env = {**_job_env(job), **_group_env(job, host, nodes[host][1], leader)}
+            env = {**job.process_env(), **_group_env(job, host, nodes[host][1], leader)}
             actors.append(actor)
             starts.append(actor.start.remote(self.entrypoint, job.argv, env, interval))
         try:
@@ -525,11 +421,11 @@ class RayBackend:
 
 @functools.cache
 def _actor_class() -> Any:
-    return _import_ray().remote(HostProcess)
+    return import_ray().remote(HostProcess)
 
 
 def _placement_group(ray: Any, pg_id: str) -> Any:
-    from ray.util.placement_group import PlacementGroup  # lazy: Ray (see _import_ray)
+    from ray.util.placement_group import PlacementGroup  # lazy: Ray (see ray_connect.import_ray)
 
     return PlacementGroup(ray.PlacementGroupID.from_hex(pg_id))
 
@@ -569,13 +465,6 @@ def _node_addresses(
     """{host: (node id, node IP as Ray reports it)} of the bundles of ``hosts``."""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return {h: (row["bundles_to_node_id"][h], ips[row["bundles_to_node_id"][h]]) for h in hosts}
-
-
-def _job_env(job: JobSpec) -> dict[str, str]:
-    env = dict(job.env)
-    if job.run_root:
-        env.setdefault("RLAX_RUN_ROOT", job.run_root)
-    return env
 
 
 def _group_env(job: JobSpec, host: int, address: str, leader: str) -> dict[str, str]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import Any
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
 
 from rlax_tasks.services.endpoints import HOST_ADDRESS_ENV
 
@@ -106,8 +108,35 @@ def _validate_labels(labels: dict[str, str]) -> dict[str, str]:
 CAPACITIES = ("spot", "on-demand", "reserved")
 
 
+class _Record:
+    """``to_dict``/``from_dict`` of a spec or handle dataclass: plain JSON (tuples as lists),
+    read back with every field known (an error names the record and the unknown fields)."""
+
+    _what: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        items = dataclasses.asdict(self).items()  # type: ignore[call-overload]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Self) -> Self:
+        if isinstance(d, cls):
+            return d
+        return cls(**_known_fields(cls, d, cls._what))
+
+
+def managed_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """``labels`` plus ``MANAGED_LABEL``: what marks a slice as created by RLAX."""
+    return {**labels, MANAGED_LABEL: "true"}
+
+
+def has_labels(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
+    """Whether ``labels`` include every key and value of ``want`` (a backend's label filter)."""
+    return all(labels.get(k) == v for k, v in (want or {}).items())
+
+
 @dataclasses.dataclass(frozen=True)
-class SliceSpec:
+class SliceSpec(_Record):
     """What to provision: one accelerator slice (a TPU node, or a local directory). ``spot`` /
     ``reserved`` (neither: on-demand) buy its capacity; ``service_account`` (an email) is the
     identity its VMs run as; ``network`` / ``subnetwork`` the VPC they join ("": defaults)."""
@@ -160,12 +189,11 @@ class SliceSpec:
         """The run this slice belongs to (label ``rlax-run-id``; "default" when unlabelled)."""
         return self.labels.get(RUN_ID_LABEL) or "default"
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    _what = "SliceSpec"
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SliceSpec:
-        return cls(**_known_fields(cls, d, "SliceSpec"))
+    def managed(self) -> SliceSpec:
+        """This spec with ``MANAGED_LABEL`` among its labels (what a backend provisions)."""
+        return dataclasses.replace(self, labels=managed_labels(self.labels))
 
 
 def validate_hosts(field: str, value: Any) -> tuple[int, ...]:
@@ -196,7 +224,7 @@ def coordinator_port(env: dict[str, str]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobSpec:
+class JobSpec(_Record):
     """What to run on a slice: ``rlax <argv>`` with extra environment variables.
 
     ``hosts``: the hosts it runs on (the TPU VM's ``agent-worker-number``); on several it is one
@@ -224,16 +252,19 @@ class JobSpec:
             )
         object.__setattr__(self, "hosts", validate_hosts("hosts", self.hosts))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "hosts": list(self.hosts)}
+    _what = "JobSpec"
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> JobSpec:
-        return cls(**_known_fields(cls, d, "JobSpec"))
+    def process_env(self) -> dict[str, str]:
+        """The job's environment variables, ``RLAX_RUN_ROOT`` set to ``run_root`` unless ``env``
+        sets it."""
+        env = dict(self.env)
+        if self.run_root:
+            env.setdefault("RLAX_RUN_ROOT", self.run_root)
+        return env
 
 
 @dataclasses.dataclass(frozen=True)
-class SliceHandle:
+class SliceHandle(_Record):
     """A provisioned slice. ``root`` is its control directory (local path or gs:// URI) where
     job specs and job status objects live; ``instance_id`` changes on every (re-)creation."""
 
@@ -244,14 +275,7 @@ class SliceHandle:
     spec: dict[str, Any]
     resource: str = ""  # the cloud resource name (queued resource), "" for local slices
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | SliceHandle) -> SliceHandle:
-        if isinstance(d, SliceHandle):
-            return d
-        return cls(**_known_fields(cls, d, "slice handle"))
+    _what = "slice handle"
 
     @property
     def slice_spec(self) -> SliceSpec:
@@ -259,7 +283,7 @@ class SliceHandle:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobHandle:
+class JobHandle(_Record):
     """A started job: where its status lives (``status_dir``; host K > 0 of a multi-host job
     writes ``<status_dir>/worker-K/``) and the slice it runs on."""
 
@@ -274,14 +298,15 @@ class JobHandle:
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", validate_hosts("hosts", self.hosts))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "hosts": list(self.hosts)}
+    _what = "job handle"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | JobHandle) -> JobHandle:
-        if isinstance(d, JobHandle):
-            return d
-        return cls(**_known_fields(cls, d, "job handle"))
+    def submitted(
+        cls, backend: str, job: JobSpec, slice_handle: SliceHandle, status_dir: str
+    ) -> JobHandle:
+        """The handle of ``job`` started now on ``slice_handle``, its status in ``status_dir``."""
+        return cls(backend, job.name, slice_handle.to_dict(), status_dir,
+                   job.heartbeat_timeout_s, time.time(), job.hosts)  # fmt: skip
 
     @property
     def slice_handle(self) -> SliceHandle:

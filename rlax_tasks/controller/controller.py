@@ -12,8 +12,6 @@ import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from rlax_tasks.controller import recovery
@@ -23,14 +21,14 @@ from rlax_tasks.controller.mixture import Prompt, PromptMixture
 from rlax_tasks.controller.partials import PartialRollouts
 from rlax_tasks.controller.phases import PhaseClock
 from rlax_tasks.controller.ports import (
-    SCORER_ERRORS,
     WORKER_ERRORS,
     Scorer,
     TrainStep,
     WorkerPool,
 )
 from rlax_tasks.controller.rollouts import write_step as write_rollouts
-from rlax_tasks.controller.scoring import environment_scores, scored_group
+from rlax_tasks.controller.score_queue import ScoreQueue
+from rlax_tasks.controller.scoring import scored_group
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.controller.snapshot import Snapshot, SnapshotStore
 from rlax_tasks.controller.worker_health import WorkerHealth
@@ -79,19 +77,13 @@ class Controller:
         self.version = 0
         self._queue: collections.deque[Prompt] = collections.deque()
         self._in_flight: dict[str, _InFlight] = {}  # insertion order = dispatch order
-        self._unscored: list[tuple[Prompt, GroupResult]] = []  # not handed to the scorer yet
-        self._scoring: list[tuple[list[tuple[Prompt, GroupResult]], Future]] = []  # in order
-        self._scorer_threads = (
-            ThreadPoolExecutor(settings.scoring_threads, thread_name_prefix="rlax-score")
-            if settings.scoring_threads
-            else None
-        )
         self._encoded: dict[str, tuple[int, ...]] = {}  # prompt id -> tokens, until submitted
         self.partials = PartialRollouts()  # what in-flight groups held when last asked
         self._skipped_in_a_row = 0
         self._steps_since_snapshot: list[dict[str, Any]] = []
         self.health = WorkerHealth(settings.worker_retry_s, clock)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.scoring = ScoreQueue(scorer, settings.scoring_threads, self._add_scored, self.counters)
         self.phases = PhaseClock(clock)  # seconds per phase in this process
         self._idle_since: float | None = None  # clock when the last iterate() ended
         self._started = False
@@ -127,7 +119,8 @@ class Controller:
         self.step, self.version = snap.step, snap.version
         self.mixture.load_state_dict(snap.mixture)
         self.buffer.load_state_dict(snap.buffer)
-        self.counters = collections.Counter(snap.counters)
+        self.counters.clear()  # in place: the score queue counts into it too
+        self.counters.update(snap.counters)
         recovery.restore_lineage(self.run_dir, self.lineage, snap)
         later = recovery.committed_after(self.lineage, snap)  # after an older snapshot's step
         trained = {pid for r in later for pid in r["prompt_ids"]}
@@ -198,12 +191,12 @@ class Controller:
             with self.phases.timed("collect"):
                 got = self._collect()
             with self.phases.timed("score"):
-                self._score()
+                self.scoring.advance()
             with self.phases.timed("batch"):
                 before = self.buffer.state_dict()
                 pending = [p.seq for p in self._queue]
                 pending += [e.prompt.seq for e in self._in_flight.values()]
-                pending += [p.seq for p, _ in self._not_in_buffer()]
+                pending += [p.seq for p, _ in self.scoring.pending()]
                 batch = self.buffer.take(self.version + 1, pending)
             if batch is None:
                 return got > 0
@@ -218,10 +211,7 @@ class Controller:
         """Waits up to ``timeout_s`` for the oldest scoring job on the scorer's threads to end;
         returns False at once when none runs. A driver idling between ``iterate`` calls waits
         here rather than sleeping a fixed interval: the batch forms as soon as it is scored."""
-        if not self._scoring:
-            return False
-        futures_wait([self._scoring[0][1]], timeout=timeout_s)
-        return True
+        return self.scoring.wait(timeout_s)
 
     # ------------------------------------------------------------------ dispatch
     def _live_workers(self) -> list[str]:
@@ -230,12 +220,8 @@ class Controller:
     @property
     def outstanding(self) -> int:
         """Prompts drawn and not yet trained or dropped: queued, in flight, unscored, buffered."""
-        unscored = len(self._not_in_buffer())
+        unscored = len(self.scoring.pending())
         return len(self._queue) + len(self._in_flight) + unscored + len(self.buffer)
-
-    def _not_in_buffer(self) -> list[tuple[Prompt, GroupResult]]:
-        """Generated groups not scored yet (being scored first, in order)."""
-        return [item for items, _ in self._scoring for item in items] + self._unscored
 
     @property
     def queued_ids(self) -> list[str]:
@@ -445,7 +431,7 @@ class Controller:
                     )
                 del self._in_flight[r.prompt_id]
                 self.partials.drop(r.prompt_id)
-                self._unscored.append((entry.prompt, r))
+                self.scoring.put(entry.prompt, r)
                 got += 1
             if not results and any(e.worker == w for e in self._in_flight.values()):
                 idle = self.health.idle_s(w)
@@ -455,56 +441,12 @@ class Controller:
                     self._worker_failed(w)
         return got
 
-    def _score(self) -> None:
-        """Hands the unscored groups to the scorer (on its threads when there are any) and
-        buffers the scores of finished jobs, in the order they were handed over."""
-        while self._scoring and self._scoring[0][1].done():
-            items, job = self._scoring.pop(0)
-            try:
-                self._buffer_scored(items, job.result())
-            except SCORER_ERRORS as e:
-                self._scorer_failed(items, e)
-        if not self._unscored:
-            return
-        items, self._unscored = self._unscored, []
-        # episode groups come scored by their environment; the others go to the scorer
-        episodes = [(item, environment_scores(item[1])) for item in items]
-        scored = [(item, s) for item, s in episodes if s is not None]
-        if scored:
-            self._buffer_scored([item for item, _ in scored], [s for _, s in scored])
-        items = [item for item, s in episodes if s is None]
-        if not items:
-            return
-        prompts, results = [p for p, _ in items], [r for _, r in items]
-        if self._scorer_threads is None:
-            try:
-                self._buffer_scored(items, self.scorer.score(prompts, results))
-            except SCORER_ERRORS as e:
-                self._scorer_failed(items, e)
-        elif len(self._scoring) < self.settings.scoring_threads:
-            self._scoring.append(
-                (items, self._scorer_threads.submit(self.scorer.score, prompts, results))
-            )
-        else:
-            self._unscored = items  # every scoring thread is busy: next round
-
-    def _scorer_failed(self, items: list[tuple[Prompt, GroupResult]], e: Exception) -> None:
-        self.counters["scorer_failures"] += 1
-        log.warning("scoring %d groups failed (%s); retrying next round", len(items), e)
-        self._unscored = items + self._unscored
-
-    def _buffer_scored(self, items: list[tuple[Prompt, GroupResult]], scores: list) -> None:
-        if len(scores) != len(items):
-            raise RuntimeError(
-                f"the scorer returned {len(scores)} score lists for {len(items)} groups"
-            )
-        for (p, r), s in zip(items, scores, strict=True):
-            self.buffer.add(scored_group(p, r, s, self.settings))
+    def _add_scored(self, prompt: Prompt, result: GroupResult, scores: Sequence[Any]) -> None:
+        self.buffer.add(scored_group(prompt, result, scores, self.settings))
 
     def close(self) -> None:
         """Stops the scoring threads (a scoring job under way finishes first)."""
-        if self._scorer_threads is not None:
-            self._scorer_threads.shutdown(wait=True, cancel_futures=True)
+        self.scoring.close()
 
     # ------------------------------------------------------------------ train, record, snapshot
     def _train(self, batch: Batch, sent_before: bool = False, dispatch_next: bool = False) -> None:
@@ -564,7 +506,7 @@ class Controller:
         With ``pending`` it is the write-ahead record of a training step about to happen:
         ``buffer_state`` is the buffer before that batch was taken.
         """
-        queued = [p for p, _ in self._not_in_buffer()] + list(self._queue)  # regenerate
+        queued = [p for p, _ in self.scoring.pending()] + list(self._queue)  # regenerate
         holders: dict[str, list[str]] = collections.defaultdict(list)
         for e in self._in_flight.values():
             holders[e.worker].append(e.prompt.id)
@@ -602,5 +544,5 @@ class Controller:
             "buffered": len(self.buffer),
             "dropped_stale": self.buffer.counts["stale"],
             "dropped_zero_variance": self.buffer.counts["zero_variance"],
-            "scoring": len(self._not_in_buffer()),
+            "scoring": len(self.scoring.pending()),
         }

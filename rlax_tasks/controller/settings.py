@@ -1,30 +1,38 @@
-"""The controller's decision parameters, derived from a ``RunConfig``."""
+"""The controller's decision parameters, derived from a ``RunConfig``.
+
+The run config's schema owns every default they share: each such field's default is read from
+the config's section (or the default preset's objective), never written here again."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from rlax_tasks.config import RunConfig
+from rlax_tasks.algorithms.config import preset_config
+from rlax_tasks.config import AlgorithmSettings, RunConfig, StalenessSettings, WorkerSettings
 from rlax_tasks.rollout.requests import SamplingParams
+
+# the objective a config that names no preset trains with
+_DEFAULT_OBJECTIVE = preset_config(AlgorithmSettings.preset)
 
 
 @dataclasses.dataclass(frozen=True)
 class ControllerSettings:
-    """The decision parameters of the controller."""
+    """The decision parameters of the controller (``from_run_config`` builds them for a run)."""
 
     prompts_per_step: int
     group_size: int
     sampling: SamplingParams
-    reload_every: int = 1
-    max_staleness: int | None = 1
-    dynamic_sampling: bool = False
+    # groups kept in flight per worker (the config derives it from the workers' slots)
+    groups_per_worker: int
+    reload_every: int = StalenessSettings.reload_every
+    max_staleness: int | None = StalenessSettings.max_staleness
+    dynamic_sampling: bool = _DEFAULT_OBJECTIVE.dynamic_sampling
     overlong_cache_len: int | None = None  # DAPO overlong shaping when set
-    overlong_factor: float = 1.0
+    overlong_factor: float = _DEFAULT_OBJECTIVE.overlong_factor
     max_outstanding_groups: int = 0  # 0 = prompts_per_step
-    groups_per_worker: int = 1
-    worker_timeout_s: float = 300.0
+    worker_timeout_s: float = WorkerSettings.timeout_s
     worker_retry_s: float = 5.0  # longest wait before a failed worker is tried again
-    seed: int = 0
+    seed: int = RunConfig.seed
     # longest prompt a worker can take (workers.max_len - rollout.max_new_tokens); longer ones
     # are skipped and counted, never sent (None: no limit)
     max_prompt_tokens: int | None = None
@@ -33,6 +41,7 @@ class ControllerSettings:
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> ControllerSettings:
+        """The settings of the run ``cfg`` describes (a run scores on one thread of its own)."""
         r, obj = cfg.rollout, cfg.objective_config()
         return cls(
             prompts_per_step=r.prompts_per_step,

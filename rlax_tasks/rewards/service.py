@@ -16,7 +16,7 @@ from rlax_tasks.rewards import judge as judge_mod
 from rlax_tasks.rewards import sandbox
 from rlax_tasks.rewards.judge import Checker, JudgeResult, Submission, TestCase, TestVerdict
 from rlax_tasks.rewards.math import VERIFIER_VERSION, MathResult, MathVerifier
-from rlax_tasks.rewards.sandbox import ExecResult
+from rlax_tasks.rewards.sandbox_types import ExecResult
 from rlax_tasks.services.endpoints import announce, listen
 from rlax_tasks.services.http import (
     TOKEN_ENV,

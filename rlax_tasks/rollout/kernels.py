@@ -99,17 +99,28 @@ def _finished(tokens: jax.Array, generated: jax.Array, state: SlotState) -> jax.
 
 
 def _draw_first(
-    logits: jax.Array, new: SlotState, filtering: bool, sampling: bool, support: int
-) -> tuple[jax.Array, ...]:
-    """An admission's first draw from each row's last logits [n, V]: tokens, log-probs, kept
-    ids, the rows' ``generated`` counts after it and whether each goes on. A continued request
+    logits: jax.Array,
+    state: SlotState,
+    slots: jax.Array,
+    new: SlotState,
+    position: jax.Array,
+    flags: tuple[bool, bool, int],
+) -> tuple[SlotState, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """An admission's first draw from each row's last logits [n, V], its rows written into
+    ``state`` at ``slots`` (next ``position``); returns the state, tokens, log-probs, active
+    flags and kept ids. ``flags``: (filtering, sampling, support), static. A continued request
     (``new.generated`` tokens already drawn) draws its next index of the same stream."""
     keys = jax.vmap(token_key)(new.key, new.generated)
     tokens, logprobs, kept = sample_tokens(
-        logits, keys, new.temperature, new.top_k, new.top_p, filtering, sampling, support
+        logits, keys, new.temperature, new.top_k, new.top_p, *flags
     )
     generated = new.generated + 1
-    return tokens, logprobs, kept, generated, ~_finished(tokens, generated, new)
+    active = ~_finished(tokens, generated, new)
+    admitted = new._replace(
+        last_token=tokens, position=position, generated=generated, active=active
+    )
+    state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
+    return state, tokens, logprobs, active, kept
 
 
 def _prefill(
@@ -159,8 +170,8 @@ def _prefill(
             v=tuple(jnp.take(v, source, axis=0) for v in fresh.v),
         )
         positions = positions[source]
-    tokens, logprobs, kept, generated, active = _draw_first(
-        last, new, filtering, sampling, support
+    state, tokens, logprobs, active, kept = _draw_first(
+        last, state, slots, new, lengths, (filtering, sampling, support)
     )
 
     row_valid = jnp.arange(cache.max_len)[None, :] < lengths[:, None]
@@ -176,8 +187,6 @@ def _prefill(
         positions=cache.positions.at[slots, :bucket].set(positions, mode="drop"),
         valid=cache.valid.at[slots].set(row_valid, mode="drop"),
     )
-    admitted = new._replace(last_token=tokens, position=lengths, generated=generated, active=active)
-    state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
     return constrain_cache(cache), state, tokens, logprobs, active, kept
 
 
@@ -223,8 +232,8 @@ def _extend(
         unembedding=held.unembedding,
         layers=held.layers,
     )
-    tokens, logprobs, kept, generated, active = _draw_first(
-        logits[:, 0], new, filtering, sampling, support
+    state, tokens, logprobs, active, kept = _draw_first(
+        logits[:, 0], state, slots, new, starts + lengths, (filtering, sampling, support)
     )
     cache = KVCache(
         k=tuple(c.at[slots].set(f, mode="drop") for c, f in zip(cache.k, part.k, strict=True)),
@@ -232,10 +241,6 @@ def _extend(
         positions=cache.positions.at[slots].set(part.positions, mode="drop"),
         valid=cache.valid.at[slots].set(part.valid, mode="drop"),
     )
-    admitted = new._replace(
-        last_token=tokens, position=starts + lengths, generated=generated, active=active
-    )
-    state = jax.tree.map(lambda s, a: s.at[slots].set(a, mode="drop"), state, admitted)
     return constrain_cache(cache), state, tokens, logprobs, active, kept
 
 

@@ -259,7 +259,8 @@ def _worker_command(args: argparse.Namespace) -> int:
     # lazy: the controller imports this module (WorkerClient); only a worker loads JAX
     from rlax_tasks.models import load_pretrained
     from rlax_tasks.rollout.sampler import Sampler
-    from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
+    from rlax_tasks.rollout.weight_source import FixedWeights
+    from rlax_tasks.rollout.worker import InferenceWorker
 
     check_job_devices(args.worker_id or "worker")  # exit 2: JAX's devices not the placement's
     mesh = worker_mesh(args.mesh_shape)

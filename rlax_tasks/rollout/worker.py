@@ -13,10 +13,9 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
-from flax import nnx
 
 from rlax_tasks.process.garbage_collection import collect_if_due
 from rlax_tasks.rollout.episodes import EpisodeDriver
@@ -29,40 +28,10 @@ from rlax_tasks.rollout.requests import (  # GroupRequest/GroupResult re-exporte
 )
 from rlax_tasks.rollout.sampler import Sampler
 from rlax_tasks.rollout.staleness import should_reload
+from rlax_tasks.rollout.weight_source import WeightSource
 from rlax_tasks.utils.validation import check_int, field_error
 
 log = logging.getLogger(__name__)
-
-
-class WeightSource(Protocol):
-    """Where weights come from: ``ParameterServerClient`` satisfies it (docs/design.md §6). A source
-    with ``fresh_arrays = True`` pulls new device arrays already in the sampler's dtype and
-    placement, which the sampler takes over without a copy (a colocated run's
-    ``TrainerWeights``)."""
-
-    def latest_version(self) -> int | None: ...
-
-    def pull(self, min_version: int | None = None, *, like: Any = None) -> tuple[int, Any]: ...
-
-    def ack(self, version: int) -> None: ...
-
-
-class FixedWeights:
-    """A weight source that never changes: the policy's own weights as version ``version``."""
-
-    def __init__(self, params: nnx.State, version: int = 0) -> None:
-        self.params, self.version = params, version
-
-    def latest_version(self) -> int:
-        return self.version
-
-    def pull(self, min_version: int | None = None, *, like: Any = None) -> tuple[int, Any]:
-        if min_version is not None and min_version > self.version:
-            raise ValueError(f"fixed weights are version {self.version}, not >= {min_version}")
-        return self.version, self.params
-
-    def ack(self, version: int) -> None:
-        pass
 
 
 @dataclasses.dataclass

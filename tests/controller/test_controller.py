@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
 from rlax_tasks.controller import Controller, SnapshotStore, read_lineage
+from rlax_tasks.rollout.requests import SamplingParams
 from rlax_tasks.rundir import storage
 from tests.controller.fakes import World, controller, mixture, trained
 
@@ -312,6 +314,36 @@ def test_settings_from_run_config():
     # longer prompts are skipped (docs/design.md §11); a run scores beside the controller's thread
     assert t.max_prompt_tokens == cfg.workers.max_len - cfg.rollout.max_new_tokens
     assert t.scoring_threads == 1
+
+
+def test_the_settings_defaults_are_the_run_configs():
+    """Each default the settings share with the run config is the config's: a run config left
+    at its defaults gives the same value (the config's schema is their one owner)."""
+    from rlax_tasks.config import RunConfig, load_config
+    from rlax_tasks.controller import ControllerSettings
+
+    def default(f):
+        if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return f.default
+
+    defaulted = [f for f in dataclasses.fields(RunConfig) if default(f) is not dataclasses.MISSING]
+    cfg = dataclasses.replace(load_config("tiny-arith"), **{f.name: default(f) for f in defaulted})
+    from_config = ControllerSettings.from_run_config(cfg)
+    blank = ControllerSettings(
+        prompts_per_step=1, group_size=1, sampling=SamplingParams(), groups_per_worker=1
+    )
+    # the controller's own (no config field), or a sentinel the config resolves (0, None)
+    own = {"worker_retry_s", "scoring_threads", "max_outstanding_groups", "max_prompt_tokens"}
+    checked = {
+        f.name
+        for f in dataclasses.fields(ControllerSettings)
+        if f.default is not dataclasses.MISSING and f.name not in own
+    }
+    assert checked == {"reload_every", "max_staleness", "dynamic_sampling", "overlong_cache_len",
+                       "overlong_factor", "worker_timeout_s", "seed"}  # fmt: skip
+    for name in sorted(checked):
+        assert getattr(blank, name) == getattr(from_config, name), name
 
 
 def test_a_worker_that_is_not_up_is_retried_soon_then_less_often(tmp_path):

@@ -135,7 +135,8 @@ def test_tokens_a_snapshot_holds_are_not_generated_again_after_a_worker_is_kille
     from rlax_tasks.controller import read_rollouts
     from rlax_tasks.models import Policy
     from rlax_tasks.rollout import Sampler, SamplingParams
-    from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
+    from rlax_tasks.rollout.weight_source import FixedWeights
+    from rlax_tasks.rollout.worker import InferenceWorker
     from rlax_tasks.run.colocated import InProcessWorkers
     from tests.rollout.test_worker import CONFIG, TOKENIZER
 

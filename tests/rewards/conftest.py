@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from rlax_tasks.rewards import sandbox
+from rlax_tasks.rewards import bubblewrap
 from rlax_tasks.rewards.math import MathVerifier
 
 
@@ -72,7 +72,7 @@ def sandbox_processes(marker: str | None = None) -> list[str]:
             uid = proc.info["uids"].real if proc.info["uids"] else -1
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if (marker and marker in cmdline) or (os.geteuid() == 0 and uid >= sandbox._UID_BASE):
+        if (marker and marker in cmdline) or (os.geteuid() == 0 and uid >= bubblewrap.UID_BASE):
             if _under_another_worker(proc):
                 continue
             found.append(f"{proc.info['pid']} uid={uid} {cmdline[:100]}")

@@ -14,7 +14,8 @@ from rlax_tasks.environments.render import ChatRenderer
 from rlax_tasks.rollout import Sampler, SamplingParams
 from rlax_tasks.rollout.episodes import LOST_STEP, EpisodeDriver
 from rlax_tasks.rollout.requests import GroupRequest
-from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
+from rlax_tasks.rollout.weight_source import FixedWeights
+from rlax_tasks.rollout.worker import InferenceWorker
 from tests.rollout.episode_helpers import CALLS_ENV, TOKENIZER, step_calls, turn_ending_policy
 
 PARAMS = SamplingParams(max_new_tokens=48, temperature=1.0, seed=7)

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from rlax_tasks.rollout import Sampler, SamplingParams
 from rlax_tasks.rollout.requests import GroupRequest, Request, SampleProgress
 from rlax_tasks.rollout.service import create_app
-from rlax_tasks.rollout.worker import FixedWeights, InferenceWorker
+from rlax_tasks.rollout.weight_source import FixedWeights
+from rlax_tasks.rollout.worker import InferenceWorker
 from tests.compute.helpers import wait_for
 from tests.rollout.test_worker import TOKENIZER, collect, expected, policies  # noqa: F401
 

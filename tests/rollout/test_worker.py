@@ -17,7 +17,8 @@ from rlax_tasks.models import Policy
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Sampler, SamplingParams
 from rlax_tasks.rollout.service import WorkerClient, create_app
-from rlax_tasks.rollout.worker import FixedWeights, GroupRequest, InferenceWorker
+from rlax_tasks.rollout.weight_source import FixedWeights
+from rlax_tasks.rollout.worker import GroupRequest, InferenceWorker
 from tests.compute.helpers import wait_for
 from tests.tiny_model import tiny_model_config
 
