@@ -10,17 +10,23 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
+import time
+import urllib.request
 from collections.abc import Callable
 
+import psutil
 import pytest
 
 from rlax_tasks.plan.model_shapes import KNOWN_MODELS
+from rlax_tasks.process.ports import free_port
 from tests.conftest import REPO, TEST_XLA_FLAGS
 from tests.data.chat_model import build_chat_model
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(f"{REPO}/docs/*.md"))]
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: no proxy
 
 
 def _strip_comment(line: str) -> str:
@@ -95,10 +101,6 @@ NOT_RUN = {
         "its Connection with the tasks' code; tests/compute/test_ray_cluster.py runs the ray "
         "backend on a real local multi-node Ray cluster"
     ),
-    ".venv/bin/airflow standalone": (
-        "a server that runs until stopped: tests/dags/test_browser.py starts it "
-        "(tests/dags/standalone.py) and drives its UI"
-    ),
 }
 
 NATALIA = (
@@ -159,18 +161,63 @@ def _says(*texts: str) -> Callable[[str, str], None]:
     return check
 
 
+def _components_healthy(body: dict) -> bool:
+    """Airflow's health report names every component of a standalone, each healthy."""
+    parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+    return all(body.get(p, {}).get("status") == "healthy" for p in parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Serve:
+    """A documented command that runs until stopped: started in a process group of its own with
+    a free port in each of ``ports`` (environment variables; the first is the one probed), up
+    once ``probe`` (a URL on it) answers with JSON that ``healthy`` accepts, then the whole group
+    stopped. ``env``: more variables, ``{port}`` replaced by the probed port."""
+
+    probe: str
+    ports: tuple[str, ...]
+    healthy: Callable[[dict], bool]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    up_s: int = 150
+
+
+STANDALONE = Serve(
+    probe="http://127.0.0.1:{port}/api/v2/monitor/health",
+    ports=(
+        "AIRFLOW__API__PORT",
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT",
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT",
+    ),
+    healthy=_components_healthy,
+    env={
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__BASE_URL": "http://127.0.0.1:{port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://127.0.0.1:{port}/execution/",
+    },
+)
+
+
+def _clone_dirs(cwd: str) -> None:
+    """dags/ and plugins/ beside the page's scratch directory, as in a clone."""
+    for name in ("dags", "plugins"):
+        if not os.path.exists(os.path.join(cwd, name)):
+            os.symlink(os.path.join(REPO, name), os.path.join(cwd, name))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """How a documented command is run: the files it reads (``given``), a check of what it
     wrote or printed, a timeout, and ``slow`` for a page whose commands train. ``optimized``:
     XLA's default optimisation, for a command that trains for minutes (the base model's
-    warm-up); otherwise TEST_XLA_FLAGS, as for every test."""
+    warm-up); otherwise TEST_XLA_FLAGS, as for every test. ``serve``: a command that runs
+    until stopped, and how to tell it is up."""
 
     check: Callable[[str, str], None] = lambda cwd, out: None
     given: Callable[[str], None] = lambda cwd: None
     timeout_s: int = 120
     slow: bool = False
     optimized: bool = False
+    serve: Serve | None = None
 
 
 FITS = _says("verdict: fits")
@@ -232,11 +279,13 @@ RUN = {
     ),
     # docs/operations.md
     "export AIRFLOW_UID=$(id -u)": Run(),
+    "mkdir -p runs": Run(_has("runs")),
     "export AIRFLOW_HOME=$PWD/.airflow": Run(),
     "export AIRFLOW__CORE__DAGS_FOLDER=$PWD/dags AIRFLOW__CORE__PLUGINS_FOLDER=$PWD/plugins": Run(),
     "export AIRFLOW__CORE__LOAD_EXAMPLES=False "
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True": Run(),
     "export RLAX_RUN_ROOT=$PWD/runs RLAX_RUN_ROOTS=$PWD/runs": Run(),
+    'PATH="$PWD/.venv/bin:$PATH" airflow standalone': Run(given=_clone_dirs, serve=STANDALONE),
     'export AIRFLOW_CONN_RLAX_COMPUTE=\'{"conn_type": "google_cloud_platform", "extra": '
     '{"project": "PROJECT", "zone": "us-central2-b", "key_path": '
     '"/keys/rlax.json", "image": "us-docker.pkg.dev/PROJECT/rlax/rlax-tasks:TAG"}}\'': Run(),
@@ -281,17 +330,95 @@ def _page_params() -> list:
     return params
 
 
+def _fresh_shell() -> dict[str, str]:
+    """This process's environment as a new shell has it: no venv on PATH (a documented command
+    names .venv/bin/ itself) and no Airflow settings (the test session's home, unit-test mode)."""
+    venv_bin = os.path.realpath(os.path.join(REPO, ".venv", "bin"))
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.pop("VIRTUAL_ENV", None)
+    env["PATH"] = os.pathsep.join(d for d in path if os.path.realpath(d) != venv_bin)
+    return env
+
+
+def _get_json(url: str) -> dict | None:
+    try:
+        with _LOCAL.open(url, timeout=5) as response:
+            return json.load(response)
+    except (OSError, ValueError):  # not listening yet, or not answering in full
+        return None
+
+
+def _serve(command: str, serve: Serve, cwd: str, env: dict[str, str]) -> None:
+    """Starts ``command`` in a process group of its own, waits until its probe says it is up
+    (failing at once if it exits first), then stops the whole group."""
+    ports: list[int] = []
+    for _ in serve.ports:
+        ports.append(free_port(taken=ports))
+    env = {**env, **dict(zip(serve.ports, map(str, ports), strict=True))}
+    env.update({k: v.format(port=ports[0]) for k, v in serve.env.items()})
+    log_path = os.path.join(cwd, "serve.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            ["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + serve.up_s
+        url = serve.probe.format(port=ports[0])
+        while not serve.healthy((body := _get_json(url)) or {}):
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                out = f.read()[-4000:]
+            assert proc.poll() is None, f"{command!r} exited {proc.returncode}:\n{out}"
+            assert time.monotonic() < deadline, (
+                f"{command!r}: {url} not healthy after {serve.up_s} s ({body}):\n{out}"
+            )
+            time.sleep(1)
+    finally:
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s whole process group, SIGKILL to what is left after 20 s."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.2)
+    proc.wait(timeout=10)
+    assert not _group_alive(proc.pid), "a process of the served command outlived SIGKILL"
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (a zombie waiting for its parent does not)."""
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
 @pytest.mark.parametrize("doc", _page_params())
 def test_documented_commands_run(doc, tmp_path):
     cwd = str(tmp_path)
     os.symlink(os.path.join(REPO, ".venv"), os.path.join(cwd, ".venv"))
-    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu", "PWD": cwd}
+    env = {**_fresh_shell(), "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu", "PWD": cwd}
     seen: set[str] = set()
     for command in doc_commands(doc):
         run = RUN.get(key(command))
         if run is None:
             continue
         run.given(cwd)
+        if run.serve is not None:
+            _serve(command, run.serve, cwd, env)
+            seen.add(key(command))
+            continue
         shell = f"{command} && env -0 > .env-after" if command.startswith("export ") else command
         proc = subprocess.run(
             ["bash", "-o", "pipefail", "-c", shell],

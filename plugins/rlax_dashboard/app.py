@@ -19,7 +19,8 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 
-from rlax_dashboard.plots import COMPARE_PLOTS, PLOTS, render_compare_png, render_png
+from rlax_dashboard.empty import empty_reasons
+from rlax_dashboard.plots import COMPARE_PLOTS, NO_DATA, PLOTS, render_compare_png, render_png
 from rlax_dashboard.runs import (
     ACTIVE_WINDOW_S,
     RUN_ID_RE,
@@ -198,6 +199,14 @@ def create_app(
             raise HTTPException(404, f"invalid run id {run_id!r}")
         return run_dir(configured[root], run_id)
 
+    def plotted(root: int, run_id: str) -> tuple[RunSummary, RunSeries, dict[str, str]]:
+        """The run's summary, its series and why each empty plot is empty."""
+        path = resolve(root, run_id)
+        summary = summarize(root, roots()[root], run_id, active_window_s)
+        series = read_series(path)
+        why = empty_reasons(series, read_config(path), summary.state, summary.step)
+        return summary, series, why
+
     def dag_run_link(summary: RunSummary, to_root: str) -> str:
         """The run's DAG run in the Airflow UI (opened in the whole window, not the iframe)."""
         path = summary.dag_run_path
@@ -257,15 +266,13 @@ def create_app(
     @app.get("/runs/{root}/{run_id}/", response_class=HTMLResponse)
     async def run_page(root: int, run_id: str) -> HTMLResponse:
         path = resolve(root, run_id)
-        summary, numbers, nightly = await asyncio.to_thread(
-            lambda: (
-                summarize(root, roots()[root], run_id, active_window_s),
-                before_after(path),
-                read_history(path),
-            )
+        (summary, _, empty), numbers, nightly = await asyncio.to_thread(
+            lambda: (plotted(root, run_id), before_after(path), read_history(path))
         )
         imgs = "".join(
-            f"<figure><img alt='{html.escape(title)}' src='plots/{name}.png'></figure>"
+            f"<figure><img alt='{html.escape(title)}' src='plots/{name}.png'>"
+            + (f"<figcaption>{html.escape(why)}</figcaption>" if (why := empty.get(name)) else "")
+            + "</figure>"
             for name, (title, _, _) in PLOTS.items()
         )
         state = html.escape(summary.state)
@@ -285,7 +292,8 @@ def create_app(
         path = resolve(root, run_id)
 
         def read() -> dict:
-            return {**read_series(path).to_dict(), "before_after": before_after(path)}
+            _, series, empty = plotted(root, run_id)
+            return {**series.to_dict(), "empty": empty, "before_after": before_after(path)}
 
         return await asyncio.to_thread(read)
 
@@ -293,8 +301,8 @@ def create_app(
     async def run_plot(root: int, run_id: str, name: str) -> Response:
         if name not in PLOTS:
             raise HTTPException(404, f"unknown plot {name!r}; plots: {', '.join(PLOTS)}")
-        series = await asyncio.to_thread(read_series, resolve(root, run_id))
-        png = await asyncio.to_thread(render_png, series, name)
+        _, series, empty = await asyncio.to_thread(plotted, root, run_id)
+        png = await asyncio.to_thread(render_png, series, name, empty.get(name, NO_DATA))
         return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     # ------------------------------------------------------------------ compare

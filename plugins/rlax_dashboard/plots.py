@@ -4,11 +4,13 @@ display needed on the api-server)."""
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Sequence
 
 from rlax_dashboard.runs import RunSeries
 
 Points = Sequence[tuple[float, float]]
+NO_DATA = "no data yet"
 
 # plot name -> (title, x label, y label)
 PLOTS = {
@@ -27,9 +29,10 @@ COMPARE_PLOTS = {
 }
 
 
-def render_png(series: RunSeries, name: str) -> bytes:
+def render_png(series: RunSeries, name: str, empty: str = NO_DATA) -> bytes:
     """The PNG bytes of plot ``name`` (one of PLOTS); an empty series gives an empty, labelled
-    plot saying "no data yet"; an unknown name is a KeyError."""
+    plot saying ``empty`` (why it is empty: ``empty.empty_reasons``); an unknown name is a
+    KeyError."""
     lines = {
         "reward": {"reward": series.reward},
         "pass_at_k": series.pass_at,
@@ -37,7 +40,7 @@ def render_png(series: RunSeries, name: str) -> bytes:
         "weight_sync": {"weight sync": series.weight_sync},
     }[name]
     title, xlabel, ylabel = PLOTS[name]
-    return _draw(lines, title, xlabel, ylabel, name == "pass_at_k", integer_x=True)
+    return _draw(lines, title, xlabel, ylabel, name == "pass_at_k", integer_x=True, empty=empty)
 
 
 def render_compare_png(runs: dict[str, RunSeries], name: str, k: str) -> bytes:
@@ -64,9 +67,10 @@ def _draw(
     probability: bool,
     *,
     integer_x: bool,
+    empty: str = NO_DATA,
 ) -> bytes:
     """One figure with a line per entry of ``lines`` (a legend when named lines are several or
-    a probability is drawn); "no data yet" when every line is empty."""
+    a probability is drawn); ``empty``, wrapped, when every line is empty."""
     import matplotlib  # lazily: every Airflow process imports plugins, few draw plots
 
     matplotlib.use("Agg")
@@ -82,7 +86,8 @@ def _draw(
                 ax.plot(xs, ys, ".-", label=label)
                 drawn += 1
         if not drawn:
-            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+            text = "\n".join(textwrap.wrap(empty, 48))
+            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9)
         if probability:
             ax.set_ylim(0, 1)
         if drawn and (probability or len(lines) > 1):

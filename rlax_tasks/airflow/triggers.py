@@ -7,10 +7,11 @@ blocking methods in a thread, so one triggerer watches many jobs. Events are JSO
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -21,29 +22,31 @@ log = logging.getLogger(__name__)
 STATUS_EVERY_S = 60.0
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _PollingTrigger(BaseTrigger):
-    """Polls ``self._observe()`` until it returns an event payload."""
+    """Polls ``self._observe()`` until it returns an event payload. The base of the triggers:
+    it owns the settings every trigger shares (the backend and how to poll it) and
+    ``serialize()``, which gives back each constructor field, so a subclass declares its own
+    settings once, as fields. ``poll_interval_s`` None: the class's ``default_poll_s``."""
 
-    def __init__(
-        self,
-        backend_name: str,
-        backend_settings: dict[str, Any] | None = None,
-        poll_interval_s: float = 10.0,
-        max_consecutive_errors: int = 5,
-    ) -> None:
-        super().__init__()
-        self.backend_name = backend_name
-        self.backend_settings = dict(backend_settings or {})
-        self.poll_interval_s = float(poll_interval_s)
-        self.max_consecutive_errors = int(max_consecutive_errors)
+    default_poll_s: ClassVar[float] = 10.0
 
-    def _common_kwargs(self) -> dict[str, Any]:
-        return {
-            "backend_name": self.backend_name,
-            "backend_settings": self.backend_settings,
-            "poll_interval_s": self.poll_interval_s,
-            "max_consecutive_errors": self.max_consecutive_errors,
-        }
+    backend_name: str
+    backend_settings: dict[str, Any] | None
+    poll_interval_s: float | None = dataclasses.field(default=None, kw_only=True)
+    max_consecutive_errors: int = dataclasses.field(default=5, kw_only=True)
+
+    def __post_init__(self) -> None:
+        BaseTrigger.__init__(self)
+        self.backend_settings = dict(self.backend_settings or {})
+        poll_s = self.default_poll_s if self.poll_interval_s is None else self.poll_interval_s
+        self.poll_interval_s = float(poll_s)
+        self.max_consecutive_errors = int(self.max_consecutive_errors)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """(this class's import path, every constructor field): the triggerer rebuilds it."""
+        path = f"{type(self).__module__}.{type(self).__qualname__}"
+        return path, {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -78,44 +81,27 @@ class _PollingTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_interval_s)
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class JobStateTrigger(_PollingTrigger):
     """Fires once the job is no longer RUNNING, once the run is complete (DONE: the ``done_marker``
     object exists, checked first, or the ``done_when`` job succeeded), or once a sibling job was
     down past ``sibling_grace_s`` (SIBLING_LOST: ``dag.test()`` runs triggers one at a time, so a
     watcher that kept waiting would block the dead job's task); ERROR after repeated failures."""
 
-    def __init__(
-        self,
-        backend_name: str,
-        backend_settings: dict[str, Any] | None,
-        job_handle: dict[str, Any],
-        poll_interval_s: float = 10.0,
-        max_consecutive_errors: int = 5,
-        done_when: dict[str, Any] | None = None,
-        siblings: list[dict[str, Any]] | None = None,
-        sibling_grace_s: float = 600.0,
-        done_marker: str | None = None,
-    ) -> None:
-        super().__init__(backend_name, backend_settings, poll_interval_s, max_consecutive_errors)
-        self.job_handle = dict(job_handle)
-        self.done_when = dict(done_when) if done_when else None
-        self.done_marker = done_marker or None
-        self.siblings = [dict(h) for h in siblings or []]
-        self.sibling_grace_s = float(sibling_grace_s)
-        self._down_since: dict[str, float] = {}
+    job_handle: dict[str, Any]
+    done_when: dict[str, Any] | None = None
+    siblings: list[dict[str, Any]] | None = None
+    sibling_grace_s: float = 600.0
+    done_marker: str | None = None
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            "rlax_tasks.airflow.triggers.JobStateTrigger",
-            {
-                **self._common_kwargs(),
-                "job_handle": self.job_handle,
-                "done_when": self.done_when,
-                "siblings": self.siblings,
-                "sibling_grace_s": self.sibling_grace_s,
-                "done_marker": self.done_marker,
-            },
-        )
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.job_handle = dict(self.job_handle)
+        self.done_when = dict(self.done_when) if self.done_when else None
+        self.done_marker = self.done_marker or None
+        self.siblings = [dict(h) for h in self.siblings or []]
+        self.sibling_grace_s = float(self.sibling_grace_s)
+        self._down_since: dict[str, float] = {}
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         if self.done_marker is not None:
@@ -153,25 +139,17 @@ class JobStateTrigger(_PollingTrigger):
         return {"state": "ERROR", "message": message, "exit_code": None, "job": self.job_handle}
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class SliceReadyTrigger(_PollingTrigger):
     """Fires once the slice has left PROVISIONING (READY, or lost while provisioning)."""
 
-    def __init__(
-        self,
-        backend_name: str,
-        backend_settings: dict[str, Any] | None,
-        slice_handle: dict[str, Any],
-        poll_interval_s: float = 15.0,
-        max_consecutive_errors: int = 5,
-    ) -> None:
-        super().__init__(backend_name, backend_settings, poll_interval_s, max_consecutive_errors)
-        self.slice_handle = dict(slice_handle)
+    default_poll_s: ClassVar[float] = 15.0
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            "rlax_tasks.airflow.triggers.SliceReadyTrigger",
-            {**self._common_kwargs(), "slice_handle": self.slice_handle},
-        )
+    slice_handle: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.slice_handle = dict(self.slice_handle)
 
     def _observe(self, backend: Any) -> dict[str, Any] | None:
         state = backend.slice_state(self.slice_handle)

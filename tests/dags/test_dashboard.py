@@ -150,6 +150,56 @@ def test_run_page_and_plots(tmp_path, client_for):
     assert client.get("/runs/0/empty/plots/reward.png").content.startswith(PNG_MAGIC)
 
 
+def _bare_run(root: str, run_id: str, config: str, files: dict[str, str]) -> None:
+    """A run directory holding ``config`` (config.yaml) and ``files`` only."""
+    storage.write_bytes(storage.join(root, run_id, "config.yaml"), config.encode())
+    for name, text in files.items():
+        storage.write_bytes(storage.join(root, run_id, name), text.encode())
+
+
+def test_each_empty_plot_says_why(tmp_path, client_for):
+    from rlax_dashboard.plots import render_png
+    from rlax_dashboard.runs import read_series
+
+    root = str(tmp_path)
+    steps = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2))
+    lineage = json.dumps({"step": 2, "version": 2, "rollout_versions": [1, 2]}) + "\n"
+    report = json.dumps({"before": {"pass@1": 0.1, "version": 0}, "after": {"pass@1": 0.3}})
+    # a finished colocated run: everything but a weight sync
+    colocated = "run_id: c\nplacement:\n  mode: colocated\n"
+    files = {"metrics.jsonl": steps, "lineage.jsonl": lineage, "eval/report.json": report}
+    _bare_run(root, "c", colocated, files)
+    # a disaggregated run that ran without evaluation (stopped: no report), one evaluating
+    # every 5 steps at step 2, and one not started
+    sync = json.dumps({"step": 2, "push_s": 0.1}) + "\n"
+    files = {"metrics.jsonl": steps, "lineage.jsonl": lineage, "weight_sync.jsonl": sync}
+    _bare_run(root, "d", "run_id: d\nplacement:\n  mode: disaggregated\n", files)
+    every = "run_id: e\nplacement:\n  mode: disaggregated\neval:\n  every_steps: 5\n"
+    _bare_run(root, "e", every, {**files, "status.json": json.dumps({"state": "running"})})
+    _bare_run(root, "p", colocated, {})
+    client = client_for([root], active_window_s=0)
+
+    empty = client.get("/runs/0/c/series").json()["empty"]
+    assert list(empty) == ["weight_sync"]
+    assert "colocated run" in empty["weight_sync"] and "placement.mode" in empty["weight_sync"]
+    page = client.get("/runs/0/c/").text
+    assert f"src='plots/weight_sync.png'><figcaption>{empty['weight_sync']}</figcaption>" in page
+    assert page.count("<figcaption>") == 1
+    png = client.get("/runs/0/c/plots/weight_sync.png").content  # the reason is drawn
+    assert png.startswith(PNG_MAGIC)
+    assert png != render_png(read_series(storage.join(root, "c")), "weight_sync")
+
+    empty = client.get("/runs/0/d/series").json()["empty"]
+    assert list(empty) == ["pass_at_k"]
+    assert "eval.every_steps is 0" in empty["pass_at_k"] and "--no-eval" in empty["pass_at_k"]
+    empty = client.get("/runs/0/e/series").json()["empty"]
+    assert empty == {"pass_at_k": "first held-out evaluation at step 5 (eval.every_steps: 5)"}
+    empty = client.get("/runs/0/p/series").json()["empty"]  # colocated: never a weight sync
+    assert set(empty) == {"reward", "pass_at_k", "staleness", "weight_sync"}
+    assert empty.pop("weight_sync").startswith("colocated run")
+    assert all(why == "run not started: no training step yet (pending)" for why in empty.values())
+
+
 def test_bad_requests_are_404(tmp_path, client_for):
     write_run(str(tmp_path), "alpha")
     client = client_for([str(tmp_path)])

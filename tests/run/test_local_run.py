@@ -20,6 +20,9 @@ from rlax_tasks.rundir import storage
 from tests.conftest import TEST_XLA_FLAGS
 from tests.tiny_model import save_char_model
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECORD_TOKENS = os.path.join(os.path.dirname(HERE), "shims", "record_tokens")
+
 
 def small_settings(tmp_path, **extra) -> dict:
     """The tests' overrides of tiny-arith, with a tiny model written under ``tmp_path``."""
@@ -137,14 +140,29 @@ def test_rlax_run_evaluates_in_a_job_of_its_own_and_loads_no_jax_backend(tmp_pat
     assert (run_dir / "eval" / "report.md").exists()
 
 
-def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int, int]:
-    """(tokens ``held`` by a snapshot that were trained on, how many of them were generated
-    again): each held sample must end in rollouts/ with its tokens and versions first."""
+def drawn_tokens(path: str) -> dict[tuple[str, int, int], list[int]]:
+    """{(prompt_id, sample, position): every token the workers drew there}, from the file of
+    the tests/shims/record_tokens shim (outside the product: each draw, by every process)."""
+    drawn: dict[tuple[str, int, int], list[int]] = {}
+    for r in read_jsonl(path):
+        if r["job"].startswith("worker-"):
+            prompt_id, sample = r["request"]
+            drawn.setdefault((prompt_id, int(sample), r["position"]), []).append(r["token"])
+    return drawn
+
+
+def count_resumed(
+    run_dir: str, held: dict[tuple[str, int], dict], drawn: dict[tuple[str, int, int], list[int]]
+) -> tuple[int, int, list]:
+    """(tokens ``held`` by a snapshot that were trained on, how many of them were drawn more
+    than once, the held samples whose trained row does not start with their tokens and
+    versions): each held position must have been drawn, the token held (``drawn``)."""
     lineage = read_jsonl(os.path.join(run_dir, "lineage.jsonl"))
     consumed = {p for r in lineage for p in r["prompt_ids"]}
     dropped = {d["prompt_id"] for r in lineage for d in r["dropped_zero_variance"]}
     rows = read_rollouts(run_dir).set_index(["prompt_id", "sample"])
     counted = regenerated = 0
+    changed = []
     for key, record in held.items():
         n = len(record["tokens"])
         if key not in rows.index:  # its group trained no step: all its rewards were equal
@@ -152,10 +170,14 @@ def count_resumed(run_dir: str, held: dict[tuple[str, int], dict]) -> tuple[int,
             continue
         row = rows.loc[key]
         counted += n
-        regenerated += max(0, n - int(row["resumed_tokens"]))
-        assert list(row["tokens"])[:n] == record["tokens"], key
-        assert list(row["token_versions"])[:n] == record["versions"], key
-    return counted, regenerated
+        for position, token in enumerate(record["tokens"]):
+            draws = drawn.get((*key, position), [])
+            assert token in draws, f"{key} position {position}: held {token}, drawn {draws}"
+            regenerated += len(draws) - 1
+        trained = (list(row["tokens"])[:n], list(row["token_versions"])[:n])
+        if trained != (record["tokens"], record["versions"]):
+            changed.append(key)
+    return counted, regenerated, changed
 
 
 def job_pid(parent: int, job: str) -> int | None:
@@ -178,7 +200,8 @@ def test_kill_9_of_a_worker_then_of_rlax_run_regenerates_no_token_a_snapshot_hel
     """Mid-generation, kill -9 of a worker, then of `rlax run` itself (every job dies with it),
     each while the run's last snapshot holds part-generated groups; `rlax run` again resumes
     and finishes with every step once, and no token those snapshots held is generated again
-    (counted: each held sample is trained with those tokens first, counted as resumed).
+    (each held sample is trained with those tokens first, and tests/shims/record_tokens, which
+    records every token each worker process draws, saw each held position drawn once).
 
     A test shim (tests/run/slow_decode) pauses the workers after each decode chunk until the
     run is killed, so every snapshot finds groups mid-generation, and freezes worker-0 once a
@@ -198,7 +221,9 @@ def test_kill_9_of_a_worker_then_of_rlax_run_regenerates_no_token_a_snapshot_hel
     env = {
         **os.environ,
         "XLA_FLAGS": TEST_XLA_FLAGS,
-        "PYTHONPATH": os.path.join(os.path.dirname(__file__), "slow_decode"),
+        # every token the workers draw, recorded outside the product, then the decode pauses
+        "PYTHONPATH": os.pathsep.join([RECORD_TOKENS, os.path.join(HERE, "slow_decode")]),
+        "RLAX_TEST_TOKENS_FILE": str(tmp_path / "tokens.jsonl"),
         "RLAX_TEST_SLOW_DECODE": str(slow),
         "RLAX_TEST_FREEZE_FILE": str(freeze),
         "RLAX_TEST_FREEZE_WORKER": "worker-0",
@@ -246,11 +271,13 @@ def test_kill_9_of_a_worker_then_of_rlax_run_regenerates_no_token_a_snapshot_hel
     assert [r["step"] for r in lineage] == list(range(1, steps + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
     assert len(consumed) == len(set(consumed)) == steps * 4
+    drawn = drawn_tokens(str(tmp_path / "tokens.jsonl"))
     for what, held in (("worker-0", held_by_worker), ("rlax run", held_by_run)):
-        counted, regenerated = count_resumed(run_dir, held)
+        counted, regenerated, changed = count_resumed(run_dir, held, drawn)
         print(f"kill -9 of {what}: {counted} tokens its snapshot held were trained on, "
               f"{regenerated} generated again")  # fmt: skip
         assert counted > 0 and regenerated == 0, what
+        assert not changed, f"{what}: trained rows that do not start with the held tokens"
 
 
 @pytest.mark.slow
