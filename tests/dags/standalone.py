@@ -144,6 +144,9 @@ class Standalone:
                 "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(self.log_ports[1]),
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+                # the LocalExecutor forks this many workers at start (Airflow's 32 took the
+                # standalone 8-36 s longer to be ready on 2 cores; a run's tasks defer)
+                "AIRFLOW__CORE__PARALLELISM": "8",
                 "RLAX_RUN_ROOT": self.run_root,
                 "RLAX_RUN_ROOTS": self.run_root,
                 # a failing job is retried after seconds, not minutes: the test stays bounded
@@ -364,7 +367,6 @@ class Components(Standalone):
             {
                 "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",  # what the standalone forces
                 "AIRFLOW__CORE__AUTH_MANAGER": SIMPLE_AUTH_MANAGER,
-                "AIRFLOW__CORE__PARALLELISM": "8",  # the LocalExecutor forks this many workers
                 # a killed triggerer's triggers go to the next one after seconds, not 30 s
                 "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
                 "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "10",
