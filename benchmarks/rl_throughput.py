@@ -121,7 +121,7 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.vs_trl import arithmetic_scorer, preset_config, training_prompts
+    from benchmarks._trl_side import arithmetic_scorer, preset_config, training_prompts
 
     cfg = preset_config(model_dir, overrides(args, model_dir))
     pairs = training_prompts(cfg, args.steps * args.prompts)

@@ -149,6 +149,7 @@ def train_program(config: Any, batch: int, seq_len: int, micro: int) -> tuple[An
     import jax.numpy as jnp
 
     from rlax_tasks.algorithms import make_objective
+    from rlax_tasks.models import LogProbOptions
     from rlax_tasks.models.policy import abstract_model
     from rlax_tasks.trainer.config import TrainerConfig
     from rlax_tasks.trainer.optimizer import make_optimizer
@@ -158,7 +159,7 @@ def train_program(config: Any, batch: int, seq_len: int, micro: int) -> tuple[An
     optimizer = make_optimizer(TrainerConfig(learning_rate=1e-6, micro_batch_size=micro))
     params = {"model": params}
     opt_state = jax.eval_shape(optimizer.init, params)
-    settings = StepSettings(micro_batch_size=micro, remat="full", one_forward_pass=micro >= batch)
+    settings = StepSettings(micro, LogProbOptions(remat="full"), one_forward_pass=micro >= batch)
     step = make_train_step(graphdef, make_objective("dapo"), optimizer, settings)
     i32, f32 = jnp.int32, jnp.float32
     shapes = {

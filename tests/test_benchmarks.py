@@ -493,3 +493,27 @@ def test_rollout_figures_count_model_tokens_and_episodes_across_versions(monkeyp
     monkeypatch.setattr("rlax_tasks.controller.read_rollouts", lambda run_dir: rows)
     figures = rollout_figures("unused")
     assert figures == {"rollout_tokens": 7, "sequences": 3, "multi_version_sequences": 1}
+
+
+def test_ps_http_stack_serves_the_same_version_through_both_stacks_at_its_smallest(tmp_path):
+    """benchmarks/ps_http_stack.py --quick: both stacks serve a version with the same digest
+    (else it stops), every pull returns the whole stream, and each figure is printed."""
+    out_json = tmp_path / "ps_http.json"
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "benchmarks", "ps_http_stack.py"
+    )
+    proc = subprocess.run(
+        [sys.executable, script, "--quick", "--json-out", str(out_json)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("ps http.server", "fastapi StreamingResponse", "fastapi memoryview Response",
+                 "memcpy ceiling", "GET /v1/latest under"):  # fmt: skip
+        assert name in proc.stdout, proc.stdout
+    import json
+
+    (size,) = json.loads(out_json.read_text())["sizes"]
+    for stack in ("ps", "fastapi_stream", "fastapi_memoryview"):
+        assert size[stack]["bytes"] == size["stream_bytes"] > 4 * 2**20
+        assert size[stack]["gb_per_s"] > 0
+    assert size["ps_control"]["requests"] > 0 and size["fastapi_control"]["requests"] > 0

@@ -15,8 +15,11 @@ def masked_sum(x: Array, mask: Array) -> Array:
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
-    """Weighted mean of ``x``; 0 when the mask is empty."""
-    return masked_sum(x, mask) / jnp.maximum(jnp.sum(mask), 1e-12)
+    """Weighted mean Σ mask·x / Σ mask, exact for fractional weights (a total of 0.3 divides by
+    0.3, not by a floor like 1); 0 when the mask is empty (no NaN, in the gradient either)."""
+    total = jnp.sum(mask)
+    safe = jnp.where(total > 0, total, 1)
+    return jnp.where(total > 0, masked_sum(x, mask) / safe, 0.0)
 
 
 def masked_std(x: Array, mask: Array, ddof: int = 1) -> Array:

@@ -8,6 +8,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "CheckpointError": ".hf_io",
+        "LogProbOptions": ".logprob_options",
         "ModelConfig": ".config",
         "ModelConfigError": ".config",
         "Policy": ".policy",

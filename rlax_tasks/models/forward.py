@@ -14,6 +14,7 @@ from flax import nnx
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from rlax_tasks.models.kv_cache import KVCache
+from rlax_tasks.models.logprob_options import DEFAULT_LOGPROBS, LogProbOptions
 from rlax_tasks.models.sharding import BATCH, constrain
 
 
@@ -67,74 +68,93 @@ def token_logprobs(
     params: nnx.State,
     input_ids: jax.Array,
     attention_mask: jax.Array | None = None,
+    options: LogProbOptions = DEFAULT_LOGPROBS,
     *,
-    chunk_size: int = 128,
-    remat: str = "none",
-    with_entropy: bool = False,
     segment_ids: jax.Array | None = None,
-    keep_logits_bytes: int = 0,
-    temperature: float = 1.0,
     support: jax.Array | None = None,
     routes: jax.Array | None = None,
-    replay_routes: bool = True,
+    with_entropy: bool = False,
     with_route_stats: bool = False,
 ) -> jax.Array | tuple[jax.Array, ...]:
-    """log p(ids[t] | ids[<t]) as [B, T] (0 at t=0), holding the full [B, T, V] logits only if
-    they fit ``keep_logits_bytes`` (``chunked_logprobs``); ``with_entropy`` adds the predictive
-    entropy. ``segment_ids`` [B, T]: packed sequences (``model_inputs``); a segment's first token
-    then gets a meaningless value (predicted from the previous segment's last state).
-    ``temperature``: of the distribution softmax(logits / temperature) a sampler drew from;
-    ``support`` [B, T, R]: the ids it kept for token t (``chunked_logprobs``). ``routes``
-    [B, T, L, k]: a mixture-of-experts model's recorded experts (-1: none), replayed when
-    ``replay_routes`` (static); ``with_route_stats`` appends the layers' ``moe.RouteStats``.
+    """log p(ids[t] | ids[<t]) per token, chunk by chunk, never all [B, T, V] logits at once
+    (unless they fit ``options.keep_logits_bytes``).
+
+    Args:
+        graphdef: the model's graph (``Policy.graphdef``).
+        params: its parameters.
+        input_ids: int token ids [B, T].
+        attention_mask: [B, T], 1 on real tokens (None: all real; unused with ``segment_ids``).
+        options: the pass's static settings (chunk size, remat, temperature, ...).
+        segment_ids: [B, T] int, sequences packed into rows (0: padding); a segment's first
+            token then gets a meaningless value (predicted from the previous segment).
+        support: [B, T, R] int, the ids a sampler's top-k/top-p kept for token t (-1: none);
+            the distribution is renormalised over them.
+        routes: [B, T, L, k] int, a mixture-of-experts model's recorded experts (-1: none).
+        with_entropy: also return the predictive entropy.
+        with_route_stats: also return the layers' ``moe.RouteStats`` (None: a dense model).
+
+    Returns:
+        The log-probs [B, T] (0 at t=0); with ``with_entropy`` and ``with_route_stats`` a tuple
+        (log-probs, entropy [B, T], route stats), holding only the parts asked for.
     """
+    lp, ent, _, stats = logprobs_and_hidden(
+        graphdef, params, input_ids, attention_mask, options,
+        segment_ids=segment_ids, support=support, routes=routes,
+    )  # fmt: skip
+    out = (lp, ent) if with_entropy else (lp,)
+    out = (*out, stats) if with_route_stats else out
+    return out if len(out) > 1 else out[0]
+
+
+def logprobs_and_hidden(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None,
+    options: LogProbOptions,
+    *,
+    segment_ids: jax.Array | None = None,
+    support: jax.Array | None = None,
+    routes: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """``token_logprobs``'s pass with all it computes: (log-probs, entropy, both [B, T] and 0 at
+    t=0; final hidden states [B, T, D]; route stats or None), for heads on the hidden states."""
     model = nnx.merge(graphdef, params)
     ids, positions, valid = model_inputs(input_ids, attention_mask, segment_ids)
-    hidden, stats = model.hidden_states_and_routes(ids, positions, valid, remat, routes,
-                                                   replay_routes)  # fmt: skip
+    hidden, stats = model.hidden_states_and_routes(ids, positions, valid, options.remat, routes,
+                                                   options.replay_routes)  # fmt: skip
     lp, ent = chunked_logprobs(
         hidden[:, :-1],
         model.unembedding(),
         ids[:, 1:],
-        chunk_size,
-        keep_logits_bytes=keep_logits_bytes,
-        temperature=temperature,
+        options,
         support=None if support is None else support[:, 1:],
     )
     zero = jnp.zeros_like(lp[:, :1])
     lp, ent = jnp.concatenate([zero, lp], 1), jnp.concatenate([zero, ent], 1)
-    out = (lp, ent) if with_entropy else (lp,)
-    out = (*out, stats) if with_route_stats else out
-    return out if len(out) > 1 else out[0]
+    return lp, ent, hidden, stats
 
 
 def chunked_logprobs(
     hidden: jax.Array,
     unembedding: jax.Array,
     targets: jax.Array,
-    chunk_size: int = 128,
+    options: LogProbOptions = DEFAULT_LOGPROBS,
     *,
-    keep_logits_bytes: int = 0,
-    temperature: float = 1.0,
     support: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of ``targets`` [B, T] and entropy, from hidden [B, T, D] and unembedding [D, V],
-    at most ``chunk_size`` positions at a time (equal chunks, the fewest that fit: padding costs
-    as much as real positions). Each chunk saves only its log-sum-exp for the backward; if the
-    float32 [B, T, V] logits fit ``keep_logits_bytes``, it saves its logits instead, so the
-    backward skips one [B·T, D] x [D, V] product. ``temperature`` (static): of the distribution
-    softmax(logits / temperature), applied to the hidden states (logits are linear in them).
-    ``support`` [B, T, R] int (-1 = no entry): the token ids a sampler's top-k/top-p kept at each
-    position; the distribution is then renormalised over them (a position with no entry keeps
-    the whole vocabulary)."""
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if temperature != 1.0:
-        hidden = hidden * jnp.asarray(1.0 / temperature, hidden.dtype)
+    at most ``options.chunk_size`` positions at a time (equal chunks, the fewest that fit:
+    padding costs as much as real positions). Each chunk saves only its log-sum-exp for the
+    backward; if the float32 [B, T, V] logits fit ``options.keep_logits_bytes``, it saves its
+    logits instead, so the backward skips one [B·T, D] x [D, V] product. ``options.temperature``
+    is applied to the hidden states (logits are linear in them). ``support`` [B, T, R] int (-1 =
+    no entry): the token ids a sampler's top-k/top-p kept at each position; the distribution is
+    then renormalised over them (a position with no entry keeps the whole vocabulary)."""
+    if options.temperature != 1.0:
+        hidden = hidden * jnp.asarray(1.0 / options.temperature, hidden.dtype)
     b, t, d = hidden.shape
-    n = max(1, -(-t // chunk_size))
+    n = max(1, -(-t // options.chunk_size))
     chunk = max(1, -(-t // n))
     pad = n * chunk - t
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
@@ -145,7 +165,7 @@ def chunked_logprobs(
         support = jnp.pad(support, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         r = support.shape[-1]
         targets = (targets, support.reshape(b, n, chunk, r).swapaxes(0, 1))
-    keep = b * t * unembedding.shape[-1] * 4 <= keep_logits_bytes
+    keep = b * t * unembedding.shape[-1] * 4 <= options.keep_logits_bytes
     one = _chunk_logprobs_kept if keep else _chunk_logprobs
     lp, ent = jax.lax.map(lambda xs: one(xs[0], unembedding, xs[1]), (hidden, targets))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rlax_tasks.models import forward, hf_io
 from rlax_tasks.models.config import ModelConfig
+from rlax_tasks.models.logprob_options import DEFAULT_LOGPROBS, LogProbOptions
 from rlax_tasks.models.model_cache import local_model_dir
 from rlax_tasks.models.sharding import BATCH, fit_spec, param_shardings, param_spec, rlax_mesh
 from rlax_tasks.models.tokenizer_loading import load_tokenizer
@@ -47,10 +48,8 @@ def _logits(graphdef, params, input_ids, attention_mask):  # noqa: ANN001, ANN20
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _token_logprobs(graphdef, params, input_ids, attention_mask, chunk_size):  # noqa: ANN001, ANN202
-    return forward.token_logprobs(
-        graphdef, params, input_ids, attention_mask, chunk_size=chunk_size
-    )
+def _token_logprobs(graphdef, params, input_ids, attention_mask, options):  # noqa: ANN001, ANN202
+    return forward.token_logprobs(graphdef, params, input_ids, attention_mask, options)
 
 
 @dataclasses.dataclass
@@ -94,7 +93,18 @@ class Policy:
         tokenizer: Any = None,
         param_dtype: str | None = None,
     ) -> Policy:
-        """A randomly initialized policy (normal(0.02) weights), for tests and warm-up runs."""
+        """A randomly initialized policy (normal(0.02) weights), for tests and warm-up runs.
+
+        Args:
+            config: the architecture.
+            dtype: the compute dtype, "float32" or "bfloat16".
+            seed: the weights' random seed.
+            tokenizer: kept on the policy (None: none).
+            param_dtype: the dtype the weights are stored in (None: ``dtype``).
+
+        Returns:
+            A policy on the default device, without a mesh.
+        """
         resolve_dtype(dtype)
         model = Transformer(config, dtype, nnx.Rngs(seed), param_dtype)
         graphdef, params = nnx.split(model, nnx.Param)
@@ -128,33 +138,75 @@ class Policy:
         return batch, mask
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
-        """Float32 logits [B, T, V] for int token ids [B, T] (1 = real token in the mask)."""
+        """The model's float32 logits, jitted (on the policy's mesh when it has one).
+
+        Args:
+            input_ids: int token ids [B, T], each in [0, vocab_size).
+            attention_mask: [B, T], 1 on real tokens (None: all real); left padding works.
+
+        Returns:
+            Logits [B, T, V]; rows at padding positions are meaningless.
+        """
         ids, mask = self._inputs(input_ids, attention_mask)
         with self._scope():
             return _logits(self.graphdef, self.params, ids, mask)
 
     def token_logprobs(
-        self, input_ids: Any, attention_mask: Any = None, chunk_size: int = 128
+        self,
+        input_ids: Any,
+        attention_mask: Any = None,
+        options: LogProbOptions = DEFAULT_LOGPROBS,
     ) -> jax.Array:
-        """log p(ids[t] | ids[<t]) [B, T] (0 at t=0), computed chunk by chunk over positions."""
+        """log p(ids[t] | ids[<t]) per token, jitted, chunk by chunk over positions
+        (``forward.token_logprobs``).
+
+        Args:
+            input_ids: int token ids [B, T], each in [0, vocab_size).
+            attention_mask: [B, T], 1 on real tokens (None: all real).
+            options: the pass's static settings (e.g. ``LogProbOptions(chunk_size=4)``).
+
+        Returns:
+            Log-probs [B, T], 0 at t=0.
+        """
         ids, mask = self._inputs(input_ids, attention_mask)
         with self._scope():
-            return _token_logprobs(self.graphdef, self.params, ids, mask, chunk_size)
+            return _token_logprobs(self.graphdef, self.params, ids, mask, options)
 
     # ----------------------------------------------------------------------- placement
     def shard(self, mesh: Mesh) -> Policy:
-        """The same policy with parameters laid out over ``mesh`` (data, fsdp, tensor)."""
+        """The same policy with its parameters laid out over a mesh.
+
+        Args:
+            mesh: a mesh over RLAX's axes (data, fsdp, expert, tensor; see ``make_mesh``).
+
+        Returns:
+            A new policy holding the sharded parameters and the mesh (this one is unchanged).
+        """
         mesh = rlax_mesh(mesh)
         params = jax.device_put(self.params, param_shardings(self.params, mesh))
         return dataclasses.replace(self, params=params, mesh=mesh)
 
     def with_params(self, params: nnx.State) -> Policy:
-        """The same policy with other weights of identical shapes (no recompilation)."""
+        """The same policy with other weights (no recompilation).
+
+        Args:
+            params: weights of the same tree, shapes and dtypes as ``self.params``.
+
+        Returns:
+            A new policy holding ``params``.
+        """
         return dataclasses.replace(self, params=params)
 
     def as_dtype(self, param_dtype: str) -> Policy:
-        """The same policy with its parameters stored in ``param_dtype`` (a copy when it differs):
-        e.g. the bfloat16 weights a worker holds, from a trainer's float32 master weights."""
+        """The same policy with its parameters stored in another dtype: e.g. the bfloat16
+        weights a worker holds, from a trainer's float32 master weights.
+
+        Args:
+            param_dtype: "float32" or "bfloat16".
+
+        Returns:
+            This policy when it already stores ``param_dtype``, else a cast copy.
+        """
         if param_dtype == self.param_dtype:
             return self
         graphdef, _ = abstract_model(self.config, self.dtype, param_dtype)
@@ -162,7 +214,11 @@ class Policy:
         return dataclasses.replace(self, graphdef=graphdef, params=params, param_dtype=param_dtype)
 
     def named_params(self) -> Iterator[tuple[str, jax.Array]]:
-        """("layers.self_attn.q_proj.kernel", array) pairs: stable names for transport and logs."""
+        """The parameters with stable dotted names, for transport and logs.
+
+        Returns:
+            An iterator of ("layers.self_attn.q_proj.kernel", array) pairs.
+        """
         for path, value in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(self.params)):
             yield ".".join(str(getattr(k, "key", k)) for k in path), value
 
@@ -170,8 +226,14 @@ class Policy:
     def save_pretrained(
         self, path: str, max_shard_bytes: int = 2 * 1024**3, dtype: str | None = None
     ) -> None:
-        """Writes an HF directory (config.json, safetensors, tokenizer) transformers can load,
-        its tensors in ``dtype`` (default: the dtype the parameters are stored in)."""
+        """Writes an HF directory (config.json, safetensors, tokenizer) transformers can load.
+
+        Args:
+            path: the directory (created; its model files are replaced).
+            max_shard_bytes: the largest safetensors file; more weights go to several files
+                and an index.
+            dtype: the tensors' dtype on disk (None: the dtype the parameters are stored in).
+        """
         dtype = dtype or self.param_dtype
         resolve_dtype(dtype)
         hf_io.write_hf(path, self.config, self.params, dtype, self.extra_hf_config, max_shard_bytes)
@@ -197,10 +259,25 @@ def load_pretrained(
     mesh: Mesh | None = None,
     param_dtype: str | None = None,
 ) -> Policy:
-    """Loads an HF directory (config.json, safetensors or sharded index, tokenizer files); a
-    gs:// ``path`` goes through the local model cache. ``dtype`` computes, ``param_dtype`` (default
-    ``dtype``; a trainer passes float32 master weights) stores. With ``mesh``, each parameter goes
-    straight to its sharding, never whole on one device.
+    """Loads a policy from a Hugging Face model directory.
+
+    Args:
+        path: a directory holding config.json, safetensors (one file or a sharded index) and
+            optionally tokenizer files; a gs:// path goes through the local model cache.
+        dtype: the compute dtype, "float32" or "bfloat16".
+        mesh: where to place the weights: each parameter goes straight to its sharding, never
+            whole on one device (None: the default device).
+        param_dtype: the dtype the weights are stored in (None: ``dtype``; a trainer passes
+            "float32" master weights).
+
+    Returns:
+        The policy, with its tokenizer (None, with a warning, when the directory has none) and
+        the source's unmodelled config keys and generation config, kept for ``save_pretrained``.
+
+    Raises:
+        CheckpointError: a missing, unreadable or mismatched checkpoint file.
+        ModelConfigError: a config.json of an architecture or setting RLAX does not model.
+        ValueError: an unsupported dtype.
     """
     resolve_dtype(dtype)
     param_dtype = param_dtype or dtype

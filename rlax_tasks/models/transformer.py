@@ -271,18 +271,6 @@ class Transformer(nnx.Module):
                 rngs=rngs,
             )
 
-    def hidden_states(
-        self,
-        input_ids: jax.Array,
-        positions: jax.Array,
-        valid: jax.Array,
-        remat: str = "none",
-        routes: jax.Array | None = None,
-    ) -> jax.Array:
-        """Final-norm hidden states [B, T, D] for token ids [B, T] at the given positions
-        (``routes``: see ``hidden_states_and_routes``)."""
-        return self.hidden_states_and_routes(input_ids, positions, valid, remat, routes)[0]
-
     def hidden_states_and_routes(
         self,
         input_ids: jax.Array,
@@ -395,4 +383,4 @@ class Transformer(nnx.Module):
         return constrain(logits, BATCH, None, "tensor")
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        return self.unembed(self.hidden_states(input_ids, positions, valid))
+        return self.unembed(self.hidden_states_and_routes(input_ids, positions, valid)[0])

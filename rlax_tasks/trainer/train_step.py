@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from rlax_tasks.algorithms.masked import masked_mean, masked_quantile
 from rlax_tasks.models import forward
+from rlax_tasks.models.logprob_options import DEFAULT_LOGPROBS, LogProbOptions
 from rlax_tasks.models.moe import RouteStats, load_balancing_loss
 from rlax_tasks.models.sharding import BATCH, constrain
 
@@ -53,21 +55,16 @@ class StepSettings:
     """The static (compile-time) settings of the train step."""
 
     micro_batch_size: int | None
-    remat: str = "none"
-    chunk_size: int = 128
+    # how log-probs (old, current, reference) and entropy are computed: chunk size, remat,
+    # logits kept for the backward, the rollouts' sampling temperature (those of the
+    # distribution the sampler drew from) and, for a mixture-of-experts model, whether tokens
+    # with recorded experts (ROUTES_KEY) go through them (else the trainer's own routes,
+    # compared with the record for the metrics)
+    logprobs: LogProbOptions = DEFAULT_LOGPROBS
     value_loss_coef: float = 0.5
     # a batch of one micro-batch runs forward once (the old log-probs and the backward share
     # it); False: a separate prefill first, as with micro-batches (see Trainer for when)
     one_forward_pass: bool = True
-    # a micro-batch's float32 logits up to this size are kept from the forward for the backward
-    # instead of recomputed (forward.chunked_logprobs)
-    keep_logits_bytes: int = 0
-    # the rollouts' sampling temperature: log-probs (old, current, reference) and entropy are
-    # those of softmax(logits / temperature), the distribution the sampler drew from
-    temperature: float = 1.0
-    # a mixture-of-experts model: route the tokens with recorded experts (ROUTES_KEY) through
-    # them (False: the trainer's own routes, compared with the record for the metrics)
-    routing_replay: bool = True
     # weight of the load-balancing loss (moe.load_balancing_loss) added to the loss; 0: none
     router_aux_loss_coef: float = 0.0
 
@@ -81,63 +78,30 @@ def policy_outputs(
     graphdef: nnx.GraphDef,
     params: Params,
     input_ids: jax.Array,
-    attention_mask: jax.Array,
+    attention_mask: jax.Array | None,
+    options: LogProbOptions = DEFAULT_LOGPROBS,
     *,
-    chunk_size: int = 128,
-    remat: str = "none",
     with_entropy: bool = False,
     segment_ids: jax.Array | None = None,
-    keep_logits_bytes: int = 0,
-    temperature: float = 1.0,
     support: jax.Array | None = None,
     routes: jax.Array | None = None,
-    replay_routes: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, RouteStats | None]:
     """(log-probs, entropy or None, values or None), each [B, T] aligned like token_logprobs,
-    of softmax(logits / ``temperature``), renormalised over ``support`` [B, T, R] where given
-    (the ids the sampler's top-k/top-p kept for token t; -1 = none), and a mixture-of-experts
-    model's ``moe.RouteStats`` (None for a dense one), its recorded ``routes`` [B, T, L, k]
-    replayed when ``replay_routes``.
+    and a mixture-of-experts model's ``moe.RouteStats`` (None for a dense one); ``options``,
+    ``segment_ids``, ``support`` and ``routes`` as ``forward.token_logprobs`` takes them.
 
     ``values[b, t]`` is the value head on the hidden state at t-1 (the state before token t).
-    ``segment_ids``: packed rows (``forward.model_inputs``; ``attention_mask`` unused).
     """
-    if VALUE_HEAD not in params:
-        lp, ent, stats = forward.token_logprobs(
-            graphdef,
-            params[MODEL],
-            input_ids,
-            attention_mask,
-            chunk_size=chunk_size,
-            remat=remat,
-            with_entropy=True,
-            segment_ids=segment_ids,
-            keep_logits_bytes=keep_logits_bytes,
-            temperature=temperature,
-            support=support,
-            routes=routes,
-            replay_routes=replay_routes,
-            with_route_stats=True,
-        )
-        return lp, (ent if with_entropy else None), None, stats
-    model = nnx.merge(graphdef, params[MODEL])
-    ids, positions, valid = forward.model_inputs(input_ids, attention_mask, segment_ids)
-    hidden, stats = model.hidden_states_and_routes(ids, positions, valid, remat, routes,
-                                                   replay_routes)  # fmt: skip
-    lp, ent = forward.chunked_logprobs(
-        hidden[:, :-1],
-        model.unembedding(),
-        ids[:, 1:],
-        chunk_size,
-        keep_logits_bytes=keep_logits_bytes,
-        temperature=temperature,
-        support=None if support is None else support[:, 1:],
-    )
-    head = params[VALUE_HEAD]
-    values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
-    values = values + head["bias"].astype(jnp.float32)
-    zero = jnp.zeros_like(lp[:, :1])
-    lp, ent, values = (jnp.concatenate([zero, x], 1) for x in (lp, ent, values))
+    lp, ent, hidden, stats = forward.logprobs_and_hidden(
+        graphdef, params[MODEL], input_ids, attention_mask, options,
+        segment_ids=segment_ids, support=support, routes=routes,
+    )  # fmt: skip
+    values = None
+    if VALUE_HEAD in params:
+        head = params[VALUE_HEAD]
+        values = hidden[:, :-1].astype(jnp.float32) @ head["kernel"].astype(jnp.float32)
+        values = values + head["bias"].astype(jnp.float32)
+        values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values], 1)
     return lp, (ent if with_entropy else None), values, stats
 
 
@@ -172,19 +136,6 @@ def pack_tokens(x: jax.Array, token_index: jax.Array, rows: int, width: int) -> 
     flat = jnp.zeros((rows * width + 1, *trailing), x.dtype).at[token_index].add(x)
     packed = flat[:-1].reshape(rows, width, *trailing)
     return constrain(packed, BATCH, *([None] * (1 + len(trailing))))
-
-
-def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
-    """The q-quantile of ``x`` over masked positions (0 when the mask is empty)."""
-    vals = jnp.where(mask.astype(bool), x.astype(jnp.float32), jnp.nan)
-    out = jnp.nanquantile(vals, q)
-    return jnp.where(jnp.any(mask.astype(bool)), out, 0.0)
 
 
 def nonfinite_code(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
@@ -258,9 +209,21 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     settings: StepSettings,
 ) -> Callable[[Params, optax.OptState, dict[str, jax.Array]], tuple[Params, Any, dict]]:
-    """The pure train step (params, opt_state, batch) -> (params, opt_state, metrics); unjitted.
+    """The pure, unjitted train step: old log-probs, objective, gradient, update (module doc).
 
-    ``batch`` holds BATCH_KEYS (+ "ref_logprobs" [B, T] when the objective needs a reference).
+    Args:
+        graphdef: the policy's model graph (``Policy.graphdef``).
+        objective: an ``algorithms.Objective`` (``loss(logp, batch)``; ``value_loss`` when the
+            params hold a value head).
+        optimizer: the Optax transformation applied to the summed gradient.
+        settings: the static settings (micro-batches, log-prob options, loss weights).
+
+    Returns:
+        ``train_step(params, opt_state, batch) -> (params, opt_state, metrics)``: ``params`` is
+        ``{"model": ..., "value_head": ...?}``; ``batch`` holds BATCH_KEYS (+ "ref_logprobs"
+        [B, T] when the objective needs a reference; optionally PACKED_KEYS, SUPPORT_KEY,
+        ROUTES_KEY); ``metrics`` are scalars, with the ``NONFINITE`` flag. Jit it with
+        ``donate_argnums=(0, 1)``.
     """
 
     def train_step(
@@ -329,15 +292,11 @@ def make_train_step(
                 p,
                 ids,
                 None if packed else mask,
-                chunk_size=settings.chunk_size,
-                remat=settings.remat,
+                settings.logprobs,
                 with_entropy=with_entropy,
                 segment_ids=mask if packed else None,
-                keep_logits_bytes=settings.keep_logits_bytes,
-                temperature=settings.temperature,
                 support=kept,
                 routes=routed,
-                replay_routes=settings.routing_replay,
             )
 
         def aux_loss(stats: RouteStats | None) -> jax.Array | None:
@@ -472,14 +431,9 @@ def make_logprobs_fn(graphdef: nnx.GraphDef, settings: StepSettings) -> Callable
 
         def one(xs: tuple[jax.Array, ...]) -> jax.Array:
             return forward.token_logprobs(
-                graphdef,
-                model_params,
-                xs[0],
-                xs[1],
-                chunk_size=settings.chunk_size,
-                temperature=settings.temperature,
+                graphdef, model_params, xs[0], xs[1], settings.logprobs,
                 support=xs[2] if len(xs) > 2 else None,
-            )
+            )  # fmt: skip
 
         rows = (ids, attn) if support is None else (ids, attn, support.astype(jnp.int32))
         out = jax.lax.map(one, tuple(_split_micro(x, n_micro) for x in rows))

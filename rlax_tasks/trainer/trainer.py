@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rlax_tasks.models import Policy
+from rlax_tasks.models.logprob_options import LogProbOptions
 from rlax_tasks.models.policy import cast_params
 from rlax_tasks.models.sharding import BATCH, fit_spec, mesh_from_shape, param_shardings
 from rlax_tasks.rundir import notices
@@ -184,24 +185,23 @@ class Trainer:
                 "are not padded to buckets, so every new width compiles the step again (set the "
                 "objective's max_length, e.g. to the generation budget)"
             )
+        platform = self.mesh.devices.flat[0].platform
+        logprobs = LogProbOptions(
+            chunk_size=config.logprob_chunk_size,
+            remat=config.remat,
+            keep_logits_bytes=keep_logits_mb(config.keep_logits_mb, platform) << 20,
+            temperature=sampling_temperature,
+            replay_routes=config.routing_replay == "replay",
+        )
         settings = StepSettings(
             micro_batch_size=config.micro_batch_size,
-            remat=config.remat,
-            chunk_size=config.logprob_chunk_size,
-            keep_logits_bytes=keep_logits_mb(
-                config.keep_logits_mb, self.mesh.devices.flat[0].platform
-            )
-            << 20,
+            logprobs=logprobs,
             value_loss_coef=config.value_loss_coef,
-            temperature=sampling_temperature,
-            routing_replay=config.routing_replay == "replay",
             router_aux_loss_coef=config.router_aux_loss_coef,
             # XLA:CPU's concurrency-optimised scheduler deadlocks the collectives of the
             # one-pass step over several host devices (a rendezvous timeout; passes with that
             # scheduler off): simulated meshes keep the prefill
-            one_forward_pass=not (
-                self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
-            ),
+            one_forward_pass=not (self.mesh.devices.size > 1 and platform == "cpu"),
         )
         self._train_step = jax.jit(
             make_train_step(self._graphdef, objective, self._optimizer, settings),

@@ -123,32 +123,113 @@ def test_the_platform_picks_the_kernel(monkeypatch) -> None:  # noqa: ANN001
         pick("cpu", jnp.float32)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_the_cudnn_path_passes_cudnn_its_packed_layout(layout, monkeypatch) -> None:  # noqa: ANN001
-    """What cudnn_causal_attend hands JAX's cuDNN attention on a Hopper GPU, checked on this CPU:
-    the causal mask over each row's runs (PADDING_CAUSAL), 1/sqrt(head_dim), the same runs for
-    queries and keys; computed with cuDNN's semantics over those arguments, every valid query
-    gets ``attend``'s output."""
+# the runs cuDNN must be handed for _inputs(40) and _packed_inputs(), written out by hand from
+# how those rows are built (not computed by the product's valid_runs): (lengths, offsets) per row
+_NONE = [-1]
+EXPECTED_RUNS = {
+    "padded": [  # 3 runs at most for a bool mask
+        ([13, 27, -1], [0, 13, -1, -1]),  # 13 left-padding tokens, then 27
+        ([30, 10, -1], [0, 30, -1, -1]),  # 30 tokens, then 10 right padding
+        ([8, 29, 3], [0, 8, 37, -1]),  # both
+    ],
+    "packed": [  # MAX_PACKED_SEGMENTS + 1 = 33 runs at most
+        ([5, 9, 3, 23] + _NONE * 29, [0, 5, 14, 17] + _NONE * 30),
+        ([40] + _NONE * 32, [0] + _NONE * 33),  # one run of padding
+        ([1] * 32 + [8], list(range(33)) + _NONE),
+    ],
+}
+
+
+def _record_cudnn(monkeypatch, calls: list, runs: list) -> None:  # noqa: ANN001
+    """Replaces JAX's cuDNN attention (the function cudnn_causal_attend calls) by a recorder:
+    ``calls`` its static arguments once per trace, ``runs`` its array arguments each time the
+    program runs it (jax.debug.callback: concrete under a trace or a layer scan). Returns 0s."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    def recorded(q, k, v, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        arrays = {n: kwargs.pop(n) for n in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")}
+        calls.append({"shape": q.shape, "dtype": q.dtype, **kwargs})
+        jax.debug.callback(lambda **a: runs.append(jax.tree.map(np.asarray, a)), **arrays)
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", recorded)
+    monkeypatch.setattr(attention, "_packed_layout_supported", lambda: True)
+
+
+def _assert_runs(call: dict, layout: str) -> None:
+    lengths, offsets = (np.asarray(x) for x in zip(*EXPECTED_RUNS[layout], strict=True))
+    for name, want in (("q_seqlen", lengths), ("kv_seqlen", lengths), ("q_offsets", offsets),
+                       ("kv_offsets", offsets)):  # fmt: skip
+        np.testing.assert_array_equal(call[name], want, err_msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_cudnn_path_passes_cudnn_its_packed_layout(layout, monkeypatch) -> None:  # noqa: ANN001
+    """What cudnn_causal_attend hands JAX's cuDNN attention on a Hopper GPU, checked on this CPU
+    against the runs written out by hand: the causal mask over each row's runs (PADDING_CAUSAL),
+    1/sqrt(head_dim), the same runs for queries and keys; and computed with cuDNN's semantics
+    over those arguments, every valid query gets ``attend``'s output."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    calls, runs = [], []
+    _record_cudnn(monkeypatch, calls, runs)
+    q, k, v, positions, valid = _inputs(40, jnp.float32) if layout == "padded" else _packed_inputs()
+    attention.cudnn_causal_attend(q, k, v, positions, valid)
+    jax.effects_barrier()
+    (call,), (run,) = calls, runs
+    assert call["mask_type"] == cudnn.MaskType.PADDING_CAUSAL
+    assert call["scale"] == pytest.approx(q.shape[-1] ** -0.5)
+    assert not {"bias", "mask"} & set(call)  # no dense [B, T, T] operand
+    _assert_runs(run, layout)
+    out = _cudnn_packed(q, k, v, run["q_seqlen"], run["q_offsets"])
+    reference = attention.attend(q, k, v, positions, positions, valid, valid)
+    rows = np.asarray(valid) > 0
+    assert np.abs(out - np.asarray(reference))[rows].max() <= 1e-5
+
+
+def test_a_bfloat16_model_on_a_gpu_runs_every_layer_through_cudnns_packed_layout(
+    monkeypatch,
+) -> None:  # noqa: ANN001
+    """Through the product's own path (token_logprobs -> Transformer -> causal_self_attend, the
+    kernel picked for the platform, RLAX_ATTENTION unset): on a Hopper GPU a bfloat16 model's
+    packed rows reach cuDNN in every layer, with the rows' runs and bfloat16 operands."""
+    from rlax_tasks.models import Policy
+    from tests.tiny_model import tiny_model_config
+
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    calls, runs = [], []
+    _record_cudnn(monkeypatch, calls, runs)
+    config = tiny_model_config(vocab_size=64)
+    policy = Policy.init(config, dtype="bfloat16")
+    *_, segments = _packed_inputs()
+    ids = (np.arange(segments.size).reshape(segments.shape) % config.vocab_size).astype(np.int32)
+    forward.token_logprobs(policy.graphdef, policy.params, ids, segment_ids=segments)
+    jax.effects_barrier()
+    (call,) = calls  # the layers are scanned: traced once, run once per layer
+    assert call["dtype"] == jnp.bfloat16 and call["shape"][:2] == segments.shape
+    assert len(runs) == config.num_hidden_layers
+    for run in runs:
+        _assert_runs(run, "packed")
+
+
+def test_before_hopper_the_cudnn_path_gives_jax_its_mask_as_a_dense_operand(monkeypatch) -> None:
+    """No packed layout before Hopper: jax.nn.dot_product_attention with implementation="cudnn"
+    and the mask of each query's own segment, causal by position (written out here)."""
     calls = []
 
     def recorded(q, k, v, **kwargs):  # noqa: ANN001, ANN003, ANN202
         calls.append(kwargs)
-        scale = kwargs["scale"] * q.shape[-1] ** 0.5  # the oracle scales by 1/sqrt(hd) itself
-        return jnp.asarray(_cudnn_packed(q * scale, k, v, kwargs["q_seqlen"], kwargs["q_offsets"]))
+        return jnp.zeros_like(q)
 
-    monkeypatch.setattr(cudnn, "dot_product_attention", recorded)
-    monkeypatch.setattr(attention, "_packed_layout_supported", lambda: True)
-    q, k, v, positions, valid = _inputs(40, jnp.float32) if layout == "padded" else _packed_inputs()
-    out = attention.cudnn_causal_attend(q, k, v, positions, valid)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+    monkeypatch.setattr(attention, "_packed_layout_supported", lambda: False)
+    q, k, v, positions, segments = _packed_inputs()
+    attention.cudnn_causal_attend(q, k, v, positions, segments)
     (call,) = calls
-    assert call["mask_type"] == cudnn.MaskType.PADDING_CAUSAL
-    assert call["scale"] == pytest.approx(q.shape[-1] ** -0.5)
-    lengths, offsets = attention.valid_runs(valid, attention.max_runs(valid))
-    for name, want in (("q_seqlen", lengths), ("kv_seqlen", lengths), ("q_offsets", offsets),
-                       ("kv_offsets", offsets)):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(call[name]), np.asarray(want), err_msg=name)
-    reference = attention.attend(q, k, v, positions, positions, valid, valid)
-    rows = np.asarray(valid) > 0
-    assert np.abs(np.asarray(out) - np.asarray(reference))[rows].max() <= 1e-5
+    assert call["implementation"] == "cudnn"
+    assert call.get("bias") is None and not call.get("is_causal")
+    seg, pos = np.asarray(segments), np.asarray(positions)
+    want = (seg[:, None, :] == seg[:, :, None]) & (pos[:, None, :] <= pos[:, :, None])
+    np.testing.assert_array_equal(np.asarray(call["mask"]), want[:, None])
+    assert int(np.asarray(call["mask"])[0, 0, 6].sum()) == 2  # row 0, token 6: 2nd of segment 2

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tasks.models import Policy, forward
+from rlax_tasks.models import LogProbOptions, Policy, forward
 from tests.models.hf_models import left_padded_batch
 from tests.tiny_model import tiny_model_config
 
@@ -22,7 +22,7 @@ def policy():
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64, 1000])
 def test_chunked_equals_naive(policy, chunk_size):
     ids, mask = left_padded_batch(np.random.default_rng(0), CONFIG.vocab_size, [33, 20, 5])
-    chunked = np.asarray(policy.token_logprobs(ids, mask, chunk_size=chunk_size))
+    chunked = np.asarray(policy.token_logprobs(ids, mask, LogProbOptions(chunk_size)))
     naive = np.asarray(forward.naive_token_logprobs(policy.logits(ids, mask), ids))
     assert chunked.shape == ids.shape
     assert np.all(chunked[:, 0] == 0)
@@ -34,7 +34,7 @@ def test_gradients_through_chunks_equal_naive(policy):
     weights = jnp.asarray(np.random.default_rng(2).normal(size=ids.shape), jnp.float32)
 
     def chunked_loss(params):
-        lp = forward.token_logprobs(policy.graphdef, params, ids, mask, chunk_size=4)
+        lp = forward.token_logprobs(policy.graphdef, params, ids, mask, LogProbOptions(4))
         return jnp.sum(lp * weights * mask)
 
     def naive_loss(params):
@@ -66,7 +66,7 @@ def test_gradients_of_logprobs_and_entropy_equal_autodiff_of_the_full_softmax(ke
 
     def chunked(h, u):  # 3 chunks of 4, 1 padded
         return forward.chunked_logprobs(
-            h, u, targets, chunk_size=4, keep_logits_bytes=keep_logits_bytes
+            h, u, targets, LogProbOptions(4, keep_logits_bytes=keep_logits_bytes)
         )
 
     want_out, want_back = jax.vjp(naive, hidden, unembedding)
@@ -101,7 +101,9 @@ def test_logits_that_fit_the_budget_are_not_recomputed_by_the_backward():
 
     def vocabulary_products(budget: int) -> int:
         def loss(h, u):
-            lp, _ = forward.chunked_logprobs(h, u, targets, 4, keep_logits_bytes=budget)
+            lp, _ = forward.chunked_logprobs(
+                h, u, targets, LogProbOptions(4, keep_logits_bytes=budget)
+            )
             return jnp.sum(lp)
 
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, unembedding).as_text()
@@ -118,7 +120,7 @@ def test_the_backward_never_materializes_full_logits(policy):
     ids = np.zeros((b, t), np.int32)
 
     def loss(p, x):
-        return jnp.sum(forward.token_logprobs(policy.graphdef, p, x, None, chunk_size=chunk))
+        return jnp.sum(forward.token_logprobs(policy.graphdef, p, x, None, LogProbOptions(chunk)))
 
     hlo = jax.jit(jax.grad(loss)).lower(policy.params, ids).compile().as_text()
     assert f"f32[{b},{t - 1},{CONFIG.vocab_size}]" not in hlo
@@ -129,7 +131,7 @@ def test_the_backward_never_materializes_full_logits(policy):
 def test_entropy_matches_full_softmax(policy):
     ids, mask = left_padded_batch(np.random.default_rng(3), CONFIG.vocab_size, [12, 12])
     lp, ent = forward.token_logprobs(
-        policy.graphdef, policy.params, ids, mask, chunk_size=5, with_entropy=True
+        policy.graphdef, policy.params, ids, mask, LogProbOptions(5), with_entropy=True
     )
     logp = jax.nn.log_softmax(policy.logits(ids, mask)[:, :-1], axis=-1)
     expected = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
@@ -140,7 +142,9 @@ def test_chunked_logprobs_never_materialize_full_logits(policy):
     """The compiled program's largest f32 buffer is one chunk of logits, not [B, T, V]."""
     b, t, chunk = 2, 64, 8
     ids = np.zeros((b, t), np.int32)
-    fn = jax.jit(lambda p, x: forward.token_logprobs(policy.graphdef, p, x, None, chunk_size=chunk))
+    fn = jax.jit(
+        lambda p, x: forward.token_logprobs(policy.graphdef, p, x, None, LogProbOptions(chunk))
+    )
     hlo = fn.lower(policy.params, ids).compile().as_text()
     full = f"f32[{b},{t - 1},{CONFIG.vocab_size}]"
     assert full not in hlo and f"f32[{b},{t},{CONFIG.vocab_size}]" not in hlo
@@ -152,7 +156,9 @@ def test_chunks_are_equal_and_pad_as_little_as_possible(policy):
     (2 x 128) would cost as much vocabulary projection as real positions."""
     b, t = 2, 160
     ids = np.zeros((b, t), np.int32)
-    fn = jax.jit(lambda p, x: forward.token_logprobs(policy.graphdef, p, x, None, chunk_size=128))
+    fn = jax.jit(
+        lambda p, x: forward.token_logprobs(policy.graphdef, p, x, None, LogProbOptions(128))
+    )
     hlo = fn.lower(policy.params, ids).compile().as_text()
     assert f"f32[{b},80,{CONFIG.vocab_size}]" in hlo
     assert f"f32[{b},128,{CONFIG.vocab_size}]" not in hlo
@@ -178,7 +184,7 @@ def test_stacks_up_to_the_unroll_limit_run_their_layers_unrolled(extra):
 
     def loss(params):
         inputs = forward.model_inputs(ids, mask)
-        return jnp.sum(nnx.merge(policy.graphdef, params).hidden_states(*inputs))
+        return jnp.sum(nnx.merge(policy.graphdef, params).hidden_states_and_routes(*inputs)[0])
 
     text = jax.jit(jax.grad(loss)).lower(policy.params).as_text()
     assert ("stablehlo.while" in text) == bool(extra)
@@ -232,13 +238,17 @@ def test_logprobs_over_a_replayed_sampling_support_match_numpy(keep_logits_bytes
 
     def chunked(h, u):  # chunks of 4: 3 chunks, 2 padded positions
         return forward.chunked_logprobs(
-            h, u, tg, 4, keep_logits_bytes=keep_logits_bytes, temperature=0.7, support=sup
+            h,
+            u,
+            tg,
+            LogProbOptions(4, keep_logits_bytes=keep_logits_bytes, temperature=0.7),
+            support=sup,
         )
 
     lp, ent = chunked(*args)
     np.testing.assert_allclose(lp, want_lp, atol=2e-5)
     np.testing.assert_allclose(ent, want_ent, atol=2e-5)
-    full_lp, _ = forward.chunked_logprobs(*args, tg, 4, temperature=0.7)
+    full_lp, _ = forward.chunked_logprobs(*args, tg, LogProbOptions(4, temperature=0.7))
     restricted = np.any(support >= 0, axis=-1)
     assert np.all(np.asarray(lp)[restricted] > np.asarray(full_lp)[restricted])  # renormalised
     np.testing.assert_array_equal(lp[~restricted], full_lp[~restricted])

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_tasks.models import load_pretrained, make_mesh
+from rlax_tasks.models import LogProbOptions, load_pretrained, make_mesh
 from rlax_tasks.models.sharding import fit_spec
 from tests.models.hf_models import left_padded_batch, tiny_hf_model
 
@@ -34,8 +34,8 @@ def test_sharded_forward_equals_unsharded(checkpoint, axes):
     got = sharded.logits(ids, mask)
     np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5)
     np.testing.assert_allclose(
-        np.asarray(sharded.token_logprobs(ids, mask, chunk_size=4)),
-        np.asarray(single.token_logprobs(ids, mask, chunk_size=4)),
+        np.asarray(sharded.token_logprobs(ids, mask, LogProbOptions(4))),
+        np.asarray(single.token_logprobs(ids, mask, LogProbOptions(4))),
         atol=1e-5,
     )
 

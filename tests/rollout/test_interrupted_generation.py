@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_tasks.models import Policy
+from rlax_tasks.models import LogProbOptions, Policy
 from rlax_tasks.models.forward import token_logprobs
 from rlax_tasks.models.tokenizer import char_tokenizer
 from rlax_tasks.rollout import Sampler, SamplingParams
@@ -57,9 +57,8 @@ def _reference(policy: Policy, completions: list) -> list[np.ndarray]:
     width = max(map(len, rows))
     ids = jnp.asarray([row + [0] * (width - len(row)) for row in rows], jnp.int32)
     mask = jnp.asarray([[t < len(row) for t in range(width)] for row in rows])
-    lp = np.asarray(
-        token_logprobs(policy.graphdef, policy.params, ids, mask, temperature=TEMPERATURE)
-    )
+    options = LogProbOptions(temperature=TEMPERATURE)
+    lp = np.asarray(token_logprobs(policy.graphdef, policy.params, ids, mask, options))
     return [lp[i, len(c.prompt) : len(c.prompt) + len(c.tokens)] for i, c in enumerate(completions)]
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from rlax_tasks.algorithms import make_objective
-from rlax_tasks.models import ModelConfig, Policy, forward
+from rlax_tasks.models import LogProbOptions, ModelConfig, Policy, forward
 from rlax_tasks.models.policy import abstract_model, cast_params
 from rlax_tasks.rollout import Sampler
 from rlax_tasks.trainer import Trainer, TrainerConfig
@@ -91,7 +91,7 @@ def test_replay_makes_the_trainers_logprobs_the_samplers_where_its_own_routes_di
     for replay in (False, True):
         lp, st = forward.token_logprobs(
             policy.graphdef, policy.params, batch["input_ids"], None,
-            routes=jnp.asarray(batch["routed_experts"]), replay_routes=replay,
+            LogProbOptions(replay_routes=replay), routes=jnp.asarray(batch["routed_experts"]),
             with_route_stats=True,
         )  # fmt: skip
         gaps[replay] = np.abs(np.asarray(lp) - batch["behavior_logprobs"])[completion].max()

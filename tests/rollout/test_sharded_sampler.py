@@ -36,7 +36,9 @@ def _generate(policy: Policy) -> list:
 
 def _device_bytes(tree, device) -> int:  # noqa: ANN001
     return sum(
-        s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards
+        s.data.nbytes
+        for a in jax.tree.leaves(tree)
+        for s in a.addressable_shards
         if s.device == device
     )
 
@@ -178,10 +180,47 @@ def test_a_jax_make_mesh_mesh_gives_the_one_device_tokens(single_device, shape, 
     loaded = load_pretrained(str(tmp_path), mesh=mesh)
     for sharded in (loaded, policy.shard(mesh)):
         sampler = Sampler(sharded, max_slots=SLOTS, max_len=MAX_LEN)
+        _assert_sharded_as_the_mesh_says(sampler, dict(mesh.shape))  # as placed
         outs = sampler.generate(PROMPTS, max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
         for ref, out in zip(reference, outs, strict=True):
             assert out.tokens == ref.tokens
             np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        _assert_sharded_as_the_mesh_says(sampler, dict(mesh.shape))  # as the kernels left it
+
+
+def _splits(name: str, sizes: dict[str, int]) -> int:
+    """How many pieces the mesh cuts a weight into (the layout written out for this dense model,
+    whose every cut dimension divides): weight matrices over fsdp x tensor, q/k/v biases over
+    tensor (their heads), norms whole on every device; data replicates."""
+    if "norm" in name:
+        return 1
+    if name.endswith("bias"):
+        return sizes.get("tensor", 1)
+    return sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+
+
+def _assert_sharded_as_the_mesh_says(sampler: Sampler, sizes: dict[str, int]) -> None:
+    """Every addressable shard of each weight holds its total / splits bytes, on 8 devices; each
+    layer's KV cache [slots, kv heads, ...] is cut over data x fsdp (slots) and tensor (kv heads):
+    1/8 of it per device."""
+    devices = set(jax.devices()[:8])
+    for path, leaf in jax.tree_util.tree_leaves_with_path(sampler.params):
+        name = ".".join(str(k.key) for k in path if hasattr(k, "key"))  # (not the .value)
+        shards = leaf.addressable_shards
+        assert {s.device for s in shards} == devices, name
+        want = leaf.nbytes // _splits(name, sizes)
+        assert all(s.data.nbytes == want for s in shards), (name, want, leaf.sharding)
+    cache = sampler._cache
+    slots = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    heads = sizes.get("tensor", 1)
+    for k in cache.k:
+        b, kv, hd, s = k.shape
+        assert k.sharding.shard_shape(k.shape) == (b // slots, kv // heads, hd, s)
+    for v in cache.v:
+        b, kv, s, hd = v.shape
+        assert v.sharding.shard_shape(v.shape) == (b // slots, kv // heads, s, hd)
+    for x in (*cache.k, *cache.v):
+        assert {sh.data.nbytes for sh in x.addressable_shards} == {x.nbytes // 8}
 
 
 def test_a_mesh_with_other_axis_names_is_refused_in_one_line(single_device):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from rlax_tasks.algorithms import make_objective
-from rlax_tasks.models import forward
+from rlax_tasks.models import LogProbOptions, forward
 from rlax_tasks.trainer import StepSettings, Trainer, TrainerConfig, make_train_step
 from rlax_tasks.trainer.train_step import init_value_head, policy_outputs
 from tests.trainer.helpers import random_batch, tiny_policy
@@ -48,7 +48,7 @@ def test_step_gradient_is_the_gradient_of_the_full_batch_loss(name, micro):
         head = init_value_head(policy.config.hidden_size)
         params["value_head"] = {"kernel": head["kernel"] + 0.3, "bias": head["bias"] + 0.1}
     coef = 0.5
-    settings = StepSettings(micro_batch_size=micro, chunk_size=4, value_loss_coef=coef)
+    settings = StepSettings(micro, LogProbOptions(chunk_size=4), value_loss_coef=coef)
     step = jax.jit(make_train_step(policy.graphdef, objective, optax.sgd(1.0), settings))
     new_params, _, metrics = step(params, optax.sgd(1.0).init(params), batch)
     got = jax.tree.map(lambda a, b: a - b, params, new_params)
