@@ -15,24 +15,25 @@ from rlax_tasks.rundir.lock import RunLocked
 # own error (rlax run: the component and its log)
 USER_ERRORS = (ValueError, FileNotFoundError, RunLocked, ComponentFailed)
 
-# command: (module, the function that registers it). A command's module is imported only when
-# that command runs, so the JAX-free services (ps, worker, controller, verify) start without JAX.
+# command: (its package's cli module, the function that registers it). A command's module is
+# imported only when that command runs, and imports its heavy modules only inside the command,
+# so the JAX-free services (ps, worker, controller, verify) start without JAX.
 COMMANDS = {
-    "verify": ("rlax_tasks.rewards.service", "add_verify_parser"),
+    "verify": ("rlax_tasks.rewards.cli", "add_verify_parser"),
     "curate": ("rlax_tasks.curation.cli", "add_curate_parser"),
-    "data": ("rlax_tasks.tools.episode_preview", "add_data_parser"),
+    "data": ("rlax_tasks.tools.cli", "add_data_parser"),
     "eval": ("rlax_tasks.evaluation.cli", "add_eval_parser"),
     "ps": ("rlax_tasks.paramserver.cli", "add_ps_parser"),
-    "worker": ("rlax_tasks.rollout.service", "add_worker_parser"),
-    "trainer": ("rlax_tasks.run.trainer_process", "add_trainer_parser"),
+    "worker": ("rlax_tasks.rollout.cli", "add_worker_parser"),
+    "trainer": ("rlax_tasks.run.cli", "add_trainer_parser"),
     "run": ("rlax_tasks.run.cli", "add_run_parser"),
-    "controller": ("rlax_tasks.controller.service", "add_controller_parser"),
-    "colocated": ("rlax_tasks.run.colocated", "add_colocated_parser"),
-    "heldout": ("rlax_tasks.run.heldout", "add_heldout_parser"),
-    "export": ("rlax_tasks.tools.export", "add_export_parser"),
-    "import": ("rlax_tasks.models.gguf_import", "add_import_parser"),
-    "doctor": ("rlax_tasks.tools.doctor", "add_doctor_parser"),
-    "airflow": ("rlax_tasks.airflow.local_dag_run", "add_airflow_parser"),
+    "controller": ("rlax_tasks.controller.cli", "add_controller_parser"),
+    "colocated": ("rlax_tasks.run.cli", "add_colocated_parser"),
+    "heldout": ("rlax_tasks.run.cli", "add_heldout_parser"),
+    "export": ("rlax_tasks.tools.cli", "add_export_parser"),
+    "import": ("rlax_tasks.models.cli", "add_import_parser"),
+    "doctor": ("rlax_tasks.tools.cli", "add_doctor_parser"),
+    "airflow": ("rlax_tasks.airflow.cli", "add_airflow_parser"),
 }
 
 

@@ -56,6 +56,27 @@ def test_the_jax_free_services_start_without_jax(command):
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
 
 
+def test_every_command_registers_in_its_packages_cli_module():
+    """Issue 74: one naming for the entry points. Each `rlax` command is registered by a
+    ``rlax_tasks.<package>.cli`` module, with the register function its ``COMMANDS`` row names,
+    which adds that command."""
+    import argparse
+    import importlib
+    import re
+
+    from rlax_tasks.cli import COMMANDS
+
+    for command, (module, register) in COMMANDS.items():
+        assert re.fullmatch(r"rlax_tasks\.[a-z_]+\.cli", module), (command, module)
+        package = importlib.import_module(module.rsplit(".", 1)[0])
+        assert hasattr(package, "__path__"), f"{command}: {package.__name__} is not a package"
+        add = getattr(importlib.import_module(module), register, None)
+        assert callable(add), f"{command}: {module} has no {register}"
+        sub = argparse.ArgumentParser().add_subparsers()
+        add(sub)
+        assert command in sub.choices, f"{command}: {register} registers {list(sub.choices)}"
+
+
 def test_rlax_help_lists_every_command():
     import argparse
 

@@ -1,4 +1,5 @@
-"""`rlax airflow train`: the rlax_train DAG run through Airflow on this machine.
+"""The rlax_train DAG run through Airflow on this machine (the command, `rlax airflow train`:
+airflow/cli.py).
 
 Runs the real DAG file with ``dag.test()`` (every task in this process, triggers inline, SQLite
 metadata under ``AIRFLOW_HOME``) on the local backend; the terminal shows ``dag_watch``'s lines
@@ -6,15 +7,12 @@ and a before/after pass@k table, Airflow's own logs go to the run's ``logs/airfl
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import sys
 from typing import Any, TextIO
-
-import yaml
 
 from rlax_tasks.airflow.dag_watch import DagRunWatcher, metadata_task_states
 from rlax_tasks.config import load_config
@@ -27,7 +25,6 @@ log = logging.getLogger(__name__)
 
 DAG_ID = "rlax_train"
 SCORES = ("pass@", "maj@", "mean_reward")  # the evaluation's scores sent to TensorBoard
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _setup_env(airflow_home: str, dags_folder: str, run_root: str) -> None:
@@ -152,18 +149,6 @@ def _stream_handlers() -> list[logging.StreamHandler]:
     ]
 
 
-def _positive_steps(text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"--steps {text!r}: give a positive number of training steps")
-    return value
-
-
 def _summary(result: dict[str, Any], ks: list[int], run_root: str) -> str:
     """The end-of-run table: held-out pass@k before/after, training time, where things are."""
     before, after = result.get("before", {}), result.get("eval", {})
@@ -187,44 +172,51 @@ def _summary(result: dict[str, Any], ks: list[int], run_root: str) -> str:
     return "\n".join(f"  {a:<18} {b:<14} {c}".rstrip() for a, b, c in rows)
 
 
-def _train_command(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected dotted.key=value")
-        overrides[key] = yaml.safe_load(value)
-    steps = _positive_steps(args.steps)
-    cfg = load_config(args.preset, dict(overrides))  # validates before Airflow starts
+def train_locally(
+    preset: str,
+    overrides: dict[str, Any],
+    steps: int | None,
+    *,
+    run_id: str | None,
+    run_root: str,
+    allow_config_change: bool,
+    airflow_home: str,
+    dags_folder: str,
+    verbose: bool,
+) -> int:
+    """Runs the rlax_train DAG for ``preset`` with ``overrides`` to ``steps`` (None: the preset's
+    trainer.total_steps) through Airflow on this machine and prints the end-of-run table; exit 0
+    when the DAG run succeeded, else 1. The config is validated before Airflow starts."""
+    cfg = load_config(preset, dict(overrides))  # validates before Airflow starts
     steps = steps or cfg.trainer.total_steps
     if not steps:
         raise ValueError("give --steps (the preset has no trainer.total_steps)")
-    run_root = os.path.abspath(args.run_root)
-    args.run_id = args.run_id or f"{args.preset}-airflow"
+    run_root = os.path.abspath(run_root)
+    run_id = run_id or f"{preset}-airflow"
     conf = {
-        "preset": args.preset,
+        "preset": preset,
         "steps": int(steps),
-        "run_id": args.run_id,
+        "run_id": run_id,
         "run_root": run_root,
         "num_workers": cfg.workers.count,
         "reload_every": cfg.staleness.reload_every,
         "max_staleness": cfg.staleness.max_staleness,
         "overrides": overrides,
-        "allow_config_change": bool(args.allow_config_change),
+        "allow_config_change": bool(allow_config_change),
     }
-    dags_folder = os.path.abspath(args.dags_folder)
+    dags_folder = os.path.abspath(dags_folder)
     _check_dags_folder(dags_folder)
-    run_dir = os.path.join(run_root, args.run_id)
+    run_dir = os.path.join(run_root, run_id)
     airflow_log = run_paths(run_dir).airflow_log
     terminal = sys.stdout
-    print(f"rlax airflow train: run {args.run_id}, {steps} steps, in {run_dir}", flush=True)
-    quiet = None if args.verbose else _QuietTerminal(airflow_log)
+    print(f"rlax airflow train: run {run_id}, {steps} steps, in {run_dir}", flush=True)
+    quiet = None if verbose else _QuietTerminal(airflow_log)
     if quiet is not None:
         print(f"Airflow's logs and the task logs: {airflow_log} (-v: here)", flush=True)
     with quiet or contextlib.nullcontext():
         result = run_train_dag(
             conf,
-            airflow_home=os.path.abspath(args.airflow_home),
+            airflow_home=os.path.abspath(airflow_home),
             dags_folder=dags_folder,
             run_root=run_root,
             out=terminal,
@@ -233,32 +225,3 @@ def _train_command(args: argparse.Namespace) -> int:
     print(f"rlax_train {result['state']}: {result['run_dir']}")
     print(_summary(result, list(cfg.eval.ks), run_root), flush=True)
     return 0 if result["state"] == "success" else 1
-
-
-def add_airflow_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax airflow train`."""
-    p = sub.add_parser("airflow", help="run the RLAX DAGs through Airflow on this machine")
-    cmds = p.add_subparsers(dest="airflow_command", required=True)
-    t = cmds.add_parser(
-        "train",
-        help="run the rlax_train DAG end to end (dag.test, local backend, SQLite metadata)",
-    )
-    t.add_argument("--preset", default="tiny-arith", help="run-config preset (default tiny-arith)")
-    t.add_argument("--steps", help="training steps, a positive integer (default: the preset's)")
-    t.add_argument(
-        "--run-id", default=None, help="same id = resume that run (default: PRESET-airflow)"
-    )
-    t.add_argument("--run-root", default="runs", help="local directory of the runs")
-    t.add_argument("--set", action="append", help="override a config field: dotted.key=value")
-    t.add_argument(
-        "--allow-config-change", action="store_true",
-        help="resume --run-id with settings that change training (recorded per step)",
-    )  # fmt: skip
-    t.add_argument(
-        "--airflow-home", default=os.environ.get("AIRFLOW_HOME") or ".airflow",
-        help="Airflow's home (metadata database, logs); default $AIRFLOW_HOME or ./.airflow",
-    )  # fmt: skip
-    t.add_argument(
-        "--dags-folder", default=os.path.join(REPO, "dags"), help="the DAG files (repo's dags/)"
-    )
-    t.set_defaults(func=_train_command)

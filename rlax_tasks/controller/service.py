@@ -1,4 +1,4 @@
-"""`rlax controller`: the Controller wired to real components over HTTP.
+"""The Controller wired to real components over HTTP (the command, `rlax controller`: cli.py).
 
 Workers come from a JSON file (or slices' service files) the launcher rewrites as they come and
 go; the trainer is a ``TrainerClient``; rewards come from the task's scorer, the math verifier
@@ -6,39 +6,26 @@ or the code judge. Every call carries the run's token (``RLAX_PS_TOKEN``); none:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks.config import load_config
 from rlax_tasks.controller.controller import Controller
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
 from rlax_tasks.controller.ports import ScorerError, WorkerError
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.data.prompts import PromptRenderer
 from rlax_tasks.models.model_cache import local_model_dir
-from rlax_tasks.process.garbage_collection import (
-    collect_if_due,
-    defer_full_collections,
-    freeze_startup,
-)
 from rlax_tasks.rewards.sandbox import SandboxError
 from rlax_tasks.rewards.scoring import score_completions
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SampleProgress
 from rlax_tasks.rollout.service import MAX_GROUP_SIZE, WorkerClient
-from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import storage
-from rlax_tasks.services.endpoints import Endpoint, add_url_arg
-from rlax_tasks.services.http import service_token
-
-log = logging.getLogger(__name__)
+from rlax_tasks.services.endpoints import Endpoint
 
 
 class HttpWorkerPool:
@@ -187,45 +174,3 @@ def make_controller(cfg: Any, pool: Any, train_step: Any) -> Controller:
         renderer.encode,
         cfg.run_dir,
     )
-
-
-def _controller_command(args: argparse.Namespace) -> int:
-    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
-    token = service_token()  # the trainer and the workers refuse calls without it
-    cfg = load_config(args.config)
-    steps = args.steps or cfg.trainer.total_steps
-    if not steps:
-        raise ValueError("give --steps (the run config has no trainer.total_steps)")
-    # one live controller per run: a second one (a DAG task's retry beside a job still running,
-    # a hand-started copy) is refused here rather than at its first snapshot
-    with run_lock.for_job(cfg.run_dir) as lock:
-        controller = build_controller(cfg, args.trainer_url, args.workers_file, token)
-        controller.start()
-        freeze_startup()
-        last = time.monotonic()
-        while controller.step < steps:
-            lock.check()
-            if not controller.iterate(last_step=steps):
-                time.sleep(0.02)
-            collect_if_due()
-            if time.monotonic() - last > args.status_every_s:
-                last = time.monotonic()
-                log.info("controller: %s", json.dumps(controller.status(), sort_keys=True))
-        log.info("controller done at step %d: %s", controller.step, controller.status())
-        controller.close()
-    return 0
-
-
-def add_controller_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax controller`."""
-    p = sub.add_parser("controller", help="the controller: drives workers and the trainer")
-    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    add_url_arg(p, "--trainer-url", "the trainer's", required=True)
-    p.add_argument(
-        "--workers-file",
-        required=True,
-        help='JSON {"worker-id": URL or service file}, local or gs:// (re-read when it changes)',
-    )
-    p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
-    p.add_argument("--status-every-s", type=float, default=10.0)
-    p.set_defaults(func=_controller_command)

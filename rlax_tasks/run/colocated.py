@@ -1,4 +1,5 @@
-"""`rlax colocated`: a whole run in one process on one host's devices (placement.mode colocated).
+"""A whole run in one process on one host's devices (placement.mode colocated; the command,
+`rlax colocated`, in run/cli.py).
 
 Trainer, sampler, parameter server and controller share the process (docs/design.md §12); the
 sampler takes each version from the trainer's arrays device to device. Recovery is the disaggregated
@@ -6,7 +7,6 @@ code's own: after kill -9 the same command resumes exactly. Nothing inside reads
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import errno
 import json
@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 
-from rlax_tasks.config import load_config
 from rlax_tasks.controller.rollouts import read_step_batch
 from rlax_tasks.controller.service import make_controller
 from rlax_tasks.controller.snapshot import SnapshotStore
@@ -29,16 +28,15 @@ from rlax_tasks.paramserver.client import VersionConflictError
 from rlax_tasks.paramserver.server import ParameterServer, ServerConfig
 from rlax_tasks.plan.compilation_cache import enable_in_process
 from rlax_tasks.process.device_check import check_job_devices
-from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
-from rlax_tasks.process.host_malloc import tune_if_host_compute
+from rlax_tasks.process.garbage_collection import freeze_startup
 from rlax_tasks.rollout.service import PROGRESS_WAIT_S, worker_mesh
 from rlax_tasks.run.trainer_process import load_trainer_policy
 from rlax_tasks.rundir import lock as run_lock
 from rlax_tasks.rundir import notices
-from rlax_tasks.services.endpoints import add_address_args, bind_host, publish
+from rlax_tasks.services.endpoints import bind_host
+from rlax_tasks.services.endpoints import publish as publish_address
 from rlax_tasks.services.http import run_token
 from rlax_tasks.trainer.service import TrainerService, step_arrays
-from rlax_tasks.utils.byte_sizes import parse_bytes_arg
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +151,7 @@ def catch_up(service: Any, run_dir: str) -> int:
 def sampler_policy(trainer_policy: Any, mesh_shape: Sequence[int], dtype: str) -> Any:
     """The sampler's policy: the trainer's model in the compute dtype on the sampler's mesh
     (``workers.mesh_shape`` over this process's devices; None for one device)."""
-    # lazy: the model's modules load after the process tuning of _colocated_command
+    # lazy: the model's modules load after the process tuning of `rlax colocated` (run/cli.py)
     from rlax_tasks.models.policy import cast_params
     from rlax_tasks.models.sharding import param_shardings
 
@@ -188,7 +186,7 @@ class ColocatedRun:
     # ------------------------------------------------------------------ start
     def start(self) -> ColocatedRun:
         """Trainer (restored, caught up to the snapshot), parameter server, sampler, controller."""
-        # lazy: the model's modules load after the process tuning of _colocated_command
+        # lazy: the model's modules load after the process tuning of `rlax colocated` (run/cli.py)
         from rlax_tasks.algorithms import make_objective
         from rlax_tasks.rollout.sampler import Sampler
         from rlax_tasks.rollout.worker import InferenceWorker
@@ -297,21 +295,21 @@ class ColocatedRun:
             self.service.stop()
 
 
-def _colocated_command(args: argparse.Namespace) -> int:
-    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
-    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
-    cfg = load_config(args.config)
-    if cfg.placement.mode != "colocated":
-        raise ValueError(
-            f"placement.mode is {cfg.placement.mode!r}: `rlax colocated` runs a colocated "
-            "run (use `rlax run`, which starts the jobs of a disaggregated one)"
-        )
-    steps = args.steps or cfg.trainer.total_steps
-    if not steps or steps < 1:
-        raise ValueError("--steps: give a positive number of training steps")
+def run_colocated(
+    cfg: Any,
+    steps: int,
+    *,
+    host: str,
+    port: int,
+    publish: str | None,
+    ps_args: dict[str, Any],
+    status_every_s: float,
+) -> int:
+    """Runs colocated run config ``cfg`` to step ``steps`` in this process (resuming it), its
+    parameter server on ``host``:``port`` with ``ps_args`` (its URL on stdout line 1 and in the
+    service file ``publish``). Call it after the process tuning (`rlax colocated`, run/cli.py)."""
     enable_in_process(cfg)
     check_job_devices("colocated")  # exit 2 when JAX's devices are not the placement's
-    ps_args = {"keep_versions": args.keep_versions, "keep_bytes": args.keep_bytes}
 
     def terminate(*_: object) -> None:
         raise SystemExit(143)  # unwinds through stop(): final checkpoint, mirror flushed
@@ -320,15 +318,15 @@ def _colocated_command(args: argparse.Namespace) -> int:
     # one live process per run: a second one (a DAG task's retry beside a job still running, a
     # second trigger of the same run id) is refused before it restores anything
     with run_lock.for_job(cfg.run_dir) as lock:
-        run = ColocatedRun(cfg, args.host, args.port, ps_args)
+        run = ColocatedRun(cfg, host, port, ps_args)
         try:
             run.start()
             freeze_startup()
             sys.stdout.write(run.server.address + "\n")  # first line: the parameter server's URL
             sys.stdout.flush()
-            if args.publish:
-                publish(args.publish, run.server.address)
-            run.run(steps, args.status_every_s, lock)
+            if publish:
+                publish_address(publish, run.server.address)
+            run.run(steps, status_every_s, lock)
         except OSError as e:
             if e.errno not in STORAGE_ERRNOS:
                 raise
@@ -356,18 +354,3 @@ def storage_stopped(run_dir: str, error: OSError) -> ValueError:
     )
     notices.post(run_dir, "fatal", message, source="colocated")
     return ValueError(message)
-
-
-def add_colocated_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax colocated`."""
-    p = sub.add_parser(
-        "colocated",
-        help="a colocated run in this process: trainer, sampler, parameter server, controller",
-    )
-    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (total, resumable)")
-    add_address_args(p)  # the parameter server's
-    p.add_argument("--keep-versions", type=int, default=2)
-    p.add_argument("--keep-bytes", type=parse_bytes_arg, default=None, metavar="SIZE")
-    p.add_argument("--status-every-s", type=float, default=10.0)
-    p.set_defaults(func=_colocated_command)

@@ -8,7 +8,6 @@ version, so evaluating during a run costs generation only."""
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -116,39 +115,6 @@ def run_heldout(cfg: RunConfig, *, base: bool, every: int, last: int | None, aft
         if target is not None:
             target = next_target(result["version"], every)
     return done
-
-
-def _heldout_command(args: argparse.Namespace) -> int:
-    from rlax_tasks.config import load_config
-    from rlax_tasks.plan.compilation_cache import enable_in_process
-    from rlax_tasks.process.device_check import check_job_devices
-
-    cfg = load_config(args.config)
-    if args.every < 0 or args.after < 0 or (args.last is not None and args.last < 1):
-        raise ValueError("--every and --after: 0 or more; --last: a version of 1 or more")
-    enable_in_process(cfg)
-    check_job_devices(JOB)  # exit 2 when JAX's devices are not the placement's
-    run_heldout(cfg, base=args.base, every=args.every, last=args.last, after=args.after)
-    return 0
-
-
-def add_heldout_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax heldout`."""
-    p = sub.add_parser(
-        "heldout", help="held-out pass@k of a run's weights as it mirrors them (a job of rlax run)"
-    )
-    p.add_argument("--config", required=True, help="the run's config.yaml")
-    p.add_argument("--base", action="store_true", help="evaluate the starting weights first")
-    p.add_argument(
-        "--every", type=int, default=0, help="evaluate every N-th version as mirrored (0: none)"
-    )
-    p.add_argument(
-        "--after", type=int, default=0, help="a resumed run's trained step: --every starts after"
-    )
-    p.add_argument(
-        "--last", type=int, default=None, help="evaluate this version when mirrored, then end"
-    )
-    p.set_defaults(func=_heldout_command)
 
 
 def every_during_training(cfg: RunConfig) -> tuple[int, str | None]:

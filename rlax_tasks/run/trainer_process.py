@@ -1,12 +1,11 @@
-"""`rlax trainer`: one trainer process built from the run configuration (the disaggregated
-layout's trainer; run/colocated.py builds the colocated one), serving
+"""One trainer process built from the run configuration (the disaggregated layout's trainer, the
+command `rlax trainer` in run/cli.py; run/colocated.py builds the colocated one), serving
 ``rlax_tasks.trainer.service.TrainerService`` to the controller behind the run's token.
 It lives in the composition root because the run configuration builds on the trainer's
 settings (rlax_tasks/trainer/config.py): the trainer package cannot import it back."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -15,10 +14,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlax_tasks.process.device_check import check_job_devices
-from rlax_tasks.process.garbage_collection import defer_full_collections, freeze_startup
-from rlax_tasks.process.host_malloc import tune_if_host_compute
-from rlax_tasks.services.endpoints import add_address_args, add_url_arg, announce, bind_host, listen
-from rlax_tasks.services.http import serve_app, service_token
+from rlax_tasks.process.garbage_collection import freeze_startup
+from rlax_tasks.services.endpoints import announce, bind_host, listen
+from rlax_tasks.services.http import serve_app
 from rlax_tasks.trainer.service import TrainerService, batch_body_limit
 
 log = logging.getLogger(__name__)
@@ -39,20 +37,19 @@ def load_trainer_policy(cfg: Any) -> Any:
     )
 
 
-def _trainer_command(args: argparse.Namespace) -> int:
-    defer_full_collections()  # before the imports: see rlax_tasks.process.garbage_collection
-    tune_if_host_compute()  # before JAX starts its threads: see rlax_tasks.process.host_malloc
-    # the run's token (RLAX_PS_TOKEN): the service needs it, and so do the pushes to the PS
-    token = service_token()
-    # after the two calls above: the heavy modules (JAX, the model) load tuned
+def serve_trainer(
+    cfg: Any, token: str, ps_url: str | None, host: str, port: int, publish: str | None
+) -> int:
+    """Runs run config ``cfg``'s trainer (one host of its process group) until stopped: host 0
+    serves the controller on ``host``:``port`` (its URL on stdout line 1 and in the service file
+    ``publish``) and pushes each version to the PS at ``ps_url``; the others follow host 0. This
+    module loads JAX: import it after the process tuning (`rlax trainer`, run/cli.py)."""
     from rlax_tasks.algorithms import make_objective
-    from rlax_tasks.config import load_config
     from rlax_tasks.paramserver import ParameterServerClient
     from rlax_tasks.trainer.http_app import create_app  # FastAPI: not for every rlax command
     from rlax_tasks.trainer.process_group import CommandChannel, ProcessGroup
     from rlax_tasks.trainer.trainer import Trainer
 
-    cfg = load_config(args.config)
     group = ProcessGroup.from_env(cfg.trainer.hosts)
     if group is not None:  # before anything touches a device
         group.initialize()
@@ -69,7 +66,7 @@ def _trainer_command(args: argparse.Namespace) -> int:
         run_dir,
         sampling_temperature=cfg.rollout.logprob_temperature,
     )
-    ps = ParameterServerClient(args.ps_url, token) if args.ps_url else None
+    ps = ParameterServerClient(ps_url, token) if ps_url else None
     channel = CommandChannel() if group is not None else None
     service = TrainerService(trainer, ps, channel=channel).start()
     freeze_startup()
@@ -79,8 +76,8 @@ def _trainer_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: host 0 stops the group"))
         service.follow()
         return 0
-    sock, url = listen(bind_host(args.host), args.port)
-    announce(url, args.publish)  # first-line contract
+    sock, url = listen(bind_host(host), port)
+    announce(url, publish)  # first-line contract
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     limit = batch_body_limit(rows, cfg.workers.max_len)
     with _sigterm_after(service.stop):
@@ -106,12 +103,3 @@ def _sigterm_after(cleanup: Callable[[], None]) -> Iterator[None]:
             if received:
                 log.info("SIGTERM: the trainer has stopped")
                 signal.raise_signal(signal.SIGTERM)
-
-
-def add_trainer_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax trainer`."""
-    p = sub.add_parser("trainer", help="the trainer service: applies the controller's batches")
-    p.add_argument("--config", required=True, help="run config YAML (or a preset name)")
-    add_url_arg(p, "--ps-url", "the parameter server's", note=" (token from RLAX_PS_TOKEN)")
-    add_address_args(p)
-    p.set_defaults(func=_trainer_command)

@@ -8,9 +8,7 @@ failed."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlax_tasks.config import load_config
 from rlax_tasks.models import ModelConfig, Policy
 from rlax_tasks.models.attention import default_implementation
 from rlax_tasks.plan.placement import CPU_JOBS, describe_devices, job_mesh, job_names
@@ -155,30 +152,3 @@ def self_check(seed: int = 0) -> list[Check]:
         _guarded("decode step", lambda: _decode_check(policy, ids)),
         _guarded("copy", _copy_check),
     ]
-
-
-def _doctor_command(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config or args.preset)
-    print("\n".join(device_lines() + job_lines(cfg)), flush=True)
-    if args.no_self_check:
-        return 0
-    print("self-check:", flush=True)
-    checks = self_check()
-    for c in checks:
-        print(f"  {c.name:<12} {'ok' if c.ok else 'FAILED':<7} {c.detail}", flush=True)
-    failed = [c.name for c in checks if not c.ok]
-    if failed:
-        print(f"rlax doctor: failed: {', '.join(failed)}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax doctor`."""
-    p = sub.add_parser(
-        "doctor", help="this host's devices, each job's devices and kernels, and a self-check"
-    )
-    p.add_argument("--preset", default="tiny-arith", help="a preset name (default tiny-arith)")
-    p.add_argument("--config", help="a run config YAML instead of a preset")
-    p.add_argument("--no-self-check", action="store_true", help="print the devices and jobs only")
-    p.set_defaults(func=_doctor_command)

@@ -10,7 +10,6 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_tasks.data.cli import add_data_parser as add_preview_parser
 from rlax_tasks.rundir import storage
 from rlax_tasks.rundir.paths import run_paths
 
@@ -86,16 +85,3 @@ def preview_episodes(args: argparse.Namespace) -> int:
         for line in episode_lines(row["prompt_tokens"], row["tokens"], row["loss_mask"], tokenizer):
             print(line)
     return 0
-
-
-def add_data_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax data preview` and `rlax data episodes`."""
-    data_sub = add_preview_parser(sub)
-    p = data_sub.add_parser(
-        "episodes", help="print a run's trained episodes, model turns and masked observations"
-    )
-    p.add_argument("run_dir", help="a run directory (local or gs://)")
-    p.add_argument("--step", type=int, default=None, help="only this training step's")
-    p.add_argument("-n", type=int, default=2, help="episodes to show (default 2)")
-    p.add_argument("--model-dir", default=None, help="its tokenizer (default: the run's model)")
-    p.set_defaults(func=preview_episodes)

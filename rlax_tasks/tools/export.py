@@ -6,7 +6,6 @@ shard; a hidden sibling directory is renamed to OUT_DIR at the end (a failed exp
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -29,7 +28,7 @@ from rlax_tasks.rundir.paths import CONFIG as RUN_CONFIG
 from rlax_tasks.rundir.paths import run_paths
 
 # Modules that load JAX (hf_io, policy, the trainer's, Orbax, Flax) are imported inside the
-# functions that use them: `rlax` imports this module for its parser, at every command's start.
+# functions that use them: importing this module loads no JAX.
 
 log = logging.getLogger(__name__)
 
@@ -458,42 +457,3 @@ def _copy_side_files(base: str, out: str) -> None:
     log.info("copied from the base model %s: %s", base, ", ".join(copied) or "nothing")
     if not hf_io.has_tokenizer(base):
         log.warning("the base model %s has no tokenizer files: the export has none either", base)
-
-
-# ------------------------------------------------------------------------------ command line
-def _export_command(args: argparse.Namespace) -> int:
-    import jax  # see the imports
-
-    # the export only reads arrays on the host: never take accelerators a trainer may hold
-    jax.config.update("jax_platforms", "cpu")
-    if not args.verbose:  # Orbax logs every handler it builds at INFO (through absl)
-        logging.getLogger("absl").setLevel(logging.WARNING)
-    run_dir, step = parse_run_spec(args.run)
-    result = export_checkpoint(run_dir, args.out_dir, step, args.dtype, args.overwrite)
-    print(f"exported step {result.step} of {run_dir} to {result.out_dir} ({result.dtype})")
-    return 0
-
-
-def add_export_parser(sub: argparse._SubParsersAction) -> None:
-    """Registers `rlax export`."""
-    p = sub.add_parser(
-        "export",
-        help="write a run's trained policy (a trainer checkpoint) as a Hugging Face directory",
-    )
-    p.add_argument(
-        "run",
-        metavar="RUN_DIR[@STEP]",
-        help="the run directory (run_root/<run_id>); @STEP picks a checkpoint step "
-        "(default: the newest complete one)",
-    )
-    p.add_argument("out_dir", metavar="OUT_DIR", help="the HF directory to write")
-    p.add_argument(
-        "--dtype",
-        choices=SUPPORTED_DTYPES,
-        default=None,
-        help="dtype of the written tensors (default: the checkpoint's, i.e. model.param_dtype)",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace OUT_DIR when it exists and is not empty"
-    )
-    p.set_defaults(func=_export_command)

@@ -141,7 +141,7 @@ class TrainerService:
 
     def _published_params(self) -> Any:
         """The current weights as the parameter server carries them: in the compute dtype."""
-        # loads JAX: `rlax` imports this module (through run/trainer_process.py) at its start
+        # loads JAX: the trainer process (`rlax trainer`, run/trainer_process.py) has it loaded
         from rlax_tasks.models.policy import cast_params
 
         policy = self.trainer.policy()

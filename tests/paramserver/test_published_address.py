@@ -85,7 +85,7 @@ def test_services_bind_the_host_address_the_agent_set(monkeypatch):
 def test_a_worker_waiting_for_a_published_ps_is_retried_not_a_configuration_error(tmp_path):
     """Past --ps-wait-s a URL the user gave is a configuration error (exit 2); a service file
     naming no reachable PS yet (its slice may still be provisioning) is not (exit 1: retried)."""
-    from rlax_tasks.rollout.service import _register
+    from rlax_tasks.rollout.cli import _register
 
     class Down:
         def register(self):

@@ -9,7 +9,7 @@ import pytest
 
 from rlax_tasks.config import load_config
 from rlax_tasks.plan.topology import Ports, WorkerSlices, plan_topology
-from rlax_tasks.rollout.service import add_worker_parser
+from rlax_tasks.rollout.cli import add_worker_parser
 
 TOKEN = "t" * 32
 

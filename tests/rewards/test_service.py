@@ -12,8 +12,9 @@ import threading
 import psutil
 import pytest
 
+from rlax_tasks.rewards.cli import add_verify_parser
 from rlax_tasks.rewards.judge import Submission, TestCase
-from rlax_tasks.rewards.service import VerifierClient, VerifierError, add_verify_parser
+from rlax_tasks.rewards.service import VerifierClient, VerifierError
 
 
 def test_add_verify_parser_registers_serve():
@@ -35,7 +36,7 @@ def server():
         [
             sys.executable,
             "-m",
-            "rlax_tasks.rewards.service",
+            "rlax_tasks.rewards.cli",
             "verify",
             "serve",
             "--port",
