@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -122,12 +123,21 @@ def _heavy_imports(heavy: tuple[str, ...], modules: tuple[str, ...]) -> tuple[li
 # services it starts
 CONCRETE_LIGHT_MODULES = (
     "rlax_tasks.cli",
+    "rlax_tasks.paramserver.cli",
     "rlax_tasks.paramserver.server",
+    "rlax_tasks.controller.cli",
     "rlax_tasks.controller.service",
+    "rlax_tasks.rollout.cli",
     "rlax_tasks.rollout.service",
+    "rlax_tasks.rewards.cli",
+    "rlax_tasks.run.cli",
+    "rlax_tasks.tools.cli",
+    "rlax_tasks.models.cli",
+    "rlax_tasks.airflow.cli",
     "rlax_tasks.airflow.operators",
     "rlax_tasks.airflow.triggers",
-    "rlax_tasks.airflow.dag_support",
+    "rlax_tasks.airflow.factories",
+    "rlax_tasks.airflow.plan_task",
     "rlax_tasks.airflow.dag_watch",
     "rlax_tasks.controller.controller",
     "rlax_tasks.controller.buffer",
@@ -162,6 +172,7 @@ def test_light_modules_import_without_jax() -> None:
 # what a colocated run imports before its first step: the CLI and the services it runs in-process
 COLOCATED_MODULES = (
     "rlax_tasks.cli",
+    "rlax_tasks.run.cli",
     "rlax_tasks.run.colocated",
     "rlax_tasks.trainer.service",
     "rlax_tasks.rollout.service",
@@ -365,3 +376,51 @@ def test_no_pytorch_advice_on_import_without_pytorch(first):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert ("PyTorch was not found" in out.stderr + out.stdout) == (not first)
+
+
+# --------------------------------------------------------------------------- the drawing
+# docs/design.md §8 draws the packages as layers, top to bottom, in a ```text block after the
+# line "The layers:"; each of its rows reads "<layer>  <package>, <package>, ...".
+_DRAWING = re.compile(r"The layers:.*?\n```text\n(.*?)```", re.S)
+
+
+def drawn_layers(design: str) -> dict[str, int]:
+    """{package: its layer number} as docs/design.md §8 draws them."""
+    found = _DRAWING.search(design)
+    assert found, "docs/design.md §8 has no ```text drawing of the layers after 'The layers:'"
+    layers: dict[str, int] = {}
+    for row in found.group(1).splitlines():
+        number, _, names = row.strip().partition(" ")
+        if number.isdigit():
+            layers.update((n.strip(), int(number)) for n in names.split(",") if n.strip())
+    return layers
+
+
+def upward_arrows(graph: dict[str, dict[str, list[str]]], layers: dict[str, int]) -> list[str]:
+    """The imports that do not point to a lower row of the drawing, and the packages it lacks."""
+    nodes = set(graph) | {dst for targets in graph.values() for dst in targets}
+    wrong = [f"{n}: not in the drawing" for n in sorted(nodes - set(layers))]
+    return wrong + [
+        f"{src} (layer {layers[src]}) -> {dst} (layer {layers[dst]}): {edges[0]}"
+        for src, targets in sorted(graph.items())
+        for dst, edges in sorted(targets.items())
+        if src in layers and dst in layers and layers[dst] >= layers[src]
+    ]
+
+
+def test_the_design_drawing_of_the_layers_has_no_upward_arrow() -> None:
+    """Every import between packages points down the drawing in docs/design.md §8, and the
+    drawing names every package: the picture a newcomer reads is the code's real structure."""
+    layers = drawn_layers((PACKAGE_DIR.parent / "docs" / "design.md").read_text())
+    wrong = upward_arrows(package_graph(), layers)
+    assert wrong == [], "the drawing in docs/design.md §8 is wrong:\n" + "\n".join(wrong)
+
+
+def test_an_upward_arrow_is_named() -> None:
+    """The checker itself: an import sideways or up the drawing, and a missing package."""
+    graph = {"run": {"plan": ["rlax_tasks.run.x:1 -> rlax_tasks.plan.y"]}, "plan": {"new": ["e"]}}
+    assert upward_arrows(graph, {"run": 2, "plan": 2}) == [
+        "new: not in the drawing",
+        "run (layer 2) -> plan (layer 2): rlax_tasks.run.x:1 -> rlax_tasks.plan.y",
+    ]
+    assert upward_arrows({"run": {"plan": ["e"]}}, {"run": 2, "plan": 1}) == []
