@@ -47,7 +47,8 @@ def test_allocate_10_gb(marker):
     # a loaded machine where the interpreter alone takes seconds to start
     result = _run("x = bytearray(10 * 1024 ** 3)\nprint(len(x))", marker, timeout_s=30.0)
     assert result.status == "memory", (result.status, result.wall_s)
-    grow = _run("chunks = []\nwhile True:\n    chunks.append(b'x' * 10 ** 7)", marker, timeout_s=30.0)
+    grow_src = "chunks = []\nwhile True:\n    chunks.append(b'x' * 10 ** 7)"
+    grow = _run(grow_src, marker, timeout_s=30.0)
     assert grow.status == "memory", (grow.status, grow.wall_s)
 
 
