@@ -136,6 +136,11 @@ def rlax_train():
         return rc.worker_jobs(TrainingPlan.from_dict(p), slices)  # each: its job and slice
 
     @task
+    def replica_jobs(p: dict, slices: dict) -> list[dict]:
+        # the parameter-server replicas beside ps (paramserver.replicas), mapped like workers
+        return rc.replica_jobs(TrainingPlan.from_dict(p), slices)
+
+    @task
     def start_services(p: dict, slices: dict) -> dict:
         """Starts every job before any watcher waits (dag.test() runs triggers one by one)."""
         return rc.start_services(TrainingPlan.from_dict(p), slices)
@@ -172,6 +177,7 @@ def rlax_train():
     # each watcher takes its job of the plan (an unplanned one: skipped, e.g. a colocated run's
     # ps and trainer, or heldout without devices of its own)
     ps = rc.planned_job("ps", root, h, p["ps"], **watch)
+    ps_replicas = rc.mapped_planned_jobs("ps_replica", root, replica_jobs(p, everything), **watch)
     trainer = rc.planned_job("trainer", root, h, p["trainer"], **watch)
     workers = rc.mapped_planned_jobs("worker", root, worker_jobs(p, everything), **watch)
     controller = rc.planned_job("controller", root, h, p["controller"], **watch)
@@ -180,9 +186,9 @@ def rlax_train():
     final_eval = eval_argv(p)
     evaluate = rc.job("evaluate", root, on, final_eval, p["eval_env"], poll_interval_s=EVAL_POLL_S)
     cleanup = rc.teardown("teardown", root, everything["all"]).as_teardown(setups=slices)
-    p >> slices >> started >> [ps, trainer, workers, controller, heldout]
+    p >> slices >> started >> [ps, ps_replicas, trainer, workers, controller, heldout]
     controller >> stop >> final_eval >> evaluate >> report(p) >> cleanup
-    [ps, trainer, workers, heldout] >> cleanup
+    [ps, ps_replicas, trainer, workers, heldout] >> cleanup
     cleanup >> record_state(p)
 
 

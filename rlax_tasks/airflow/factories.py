@@ -183,12 +183,19 @@ def worker_jobs(plan: TrainingPlan, slices: dict[str, Any]) -> list[dict[str, An
     return [{"job": w.to_dict(), "slice_handle": slices[w.slice]} for w in plan.workers]
 
 
+def replica_jobs(plan: TrainingPlan, slices: dict[str, Any]) -> list[dict[str, Any]]:
+    """The mapped parameter-server replica tasks' arguments (``ps-1``, ...; none with one
+    replica, and the task is skipped), as ``worker_jobs``."""
+    return [{"job": r.to_dict(), "slice_handle": slices[r.slice]} for r in plan.ps_replicas]
+
+
 def start_services(plan: TrainingPlan, slices: dict[str, Any]) -> dict[str, Any]:
     """Starts the run's ps, trainer, workers and controller at once, each on its slice and
     hosts (``slices``: {role: handle}), named as their watching tasks name them, each with its
     own environment (devices); returns {job name: job handle}."""
     jobs = {
         "ps": plan.ps,
+        **{job_name_for("ps_replica", i): r for i, r in enumerate(plan.ps_replicas)},
         "trainer": plan.trainer,
         **{job_name_for("worker", i): w for i, w in enumerate(plan.workers)},
         "controller": plan.controller,

@@ -33,6 +33,7 @@ from rlax_tasks.config.sections import (
     AlgorithmSettings,
     EvalSettings,
     ModelSettings,
+    ParamServerSettings,
     RolloutSettings,
     StalenessSettings,
     WorkerSettings,
@@ -60,6 +61,8 @@ class RunConfig:
     rollout: RolloutSettings = RolloutSettings()
     trainer: TrainerConfig = TrainerConfig()
     workers: WorkerSettings = WorkerSettings()
+    # parameter-server replicas (docs/design.md §16)
+    paramserver: ParamServerSettings = ParamServerSettings()
     eval: EvalSettings = EvalSettings()
     # how every prompt is rendered: training, held-out evaluation, rlax eval, the DAGs
     # (docs/design.md §11)
@@ -115,6 +118,19 @@ class RunConfig:
                 "workers.max_len",
                 f"must exceed rollout.max_new_tokens ({r.max_new_tokens}) to leave room for the "
                 f"prompt, got {w.max_len}",
+            )
+        replicas = self.paramserver.replicas
+        if replicas > 1 and self.placement.mode == "colocated":
+            raise ConfigError(
+                "paramserver.replicas",
+                f"a colocated run serves its weights in its one process: replicas must be 1, "
+                f"got {replicas} (use placement: disaggregated for replicas)",
+            )
+        if replicas > 1 and w.count is not None and replicas > w.count:
+            raise ConfigError(
+                "paramserver.replicas",
+                f"{replicas} replicas for {w.count} workers: a replica serves at least one "
+                "worker; lower paramserver.replicas or raise workers.count",
             )
         batch = r.prompts_per_step * r.group_size
         mb = self.trainer.micro_batch_size
@@ -187,6 +203,7 @@ _SECTIONS: dict[str, Any] = {
     "staleness": StalenessSettings,
     "rollout": RolloutSettings,
     "workers": WorkerSettings,
+    "paramserver": ParamServerSettings,
     "eval": EvalSettings,
 }
 

@@ -219,6 +219,23 @@ class WorkerSettings:
         check_float(self, "timeout_s", low=0.0, open_low=True)
 
 
+RELAYS = ("star", "chain")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamServerSettings:
+    """Parameter-server replicas (docs/design.md §16): the trainer pushes to replica 0, the
+    others relay each version from it (``star``) or each from the one before (``chain``), and
+    the workers are spread evenly over all of them, failing over when theirs is gone."""
+
+    replicas: int = 1
+    relay: str = "star"
+
+    def __post_init__(self) -> None:
+        check_int(self, "replicas", low=1)
+        check_str(self, "relay", RELAYS)
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
     """Held-out evaluation: pass@k over ``num_prompts`` prompts with ``num_samples`` each."""

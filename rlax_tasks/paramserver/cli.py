@@ -37,6 +37,14 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
         help="a multi-host push is discarded unless every trainer host's part arrives within "
         "this many seconds of the first (default %(default)s)",
     )),
+    "--replica-id": ("replica_id", dict(
+        help="this replica's id at its upstreams (where it registers like a worker)",
+    )),
+    "--egress-limit": ("egress_bytes_per_s", dict(
+        type=parse_bytes_arg, metavar="SIZE",
+        help="bytes per second this server sends at most, e.g. 1250MB (a 10 Gbit/s link); "
+        "default: no limit",
+    )),
 }  # fmt: skip
 # flag: (the ServerConfig field it turns off, help)
 SWITCHES: dict[str, tuple[str, str]] = {
@@ -62,6 +70,15 @@ def add_ps_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=field, default=getattr(ServerConfig, field), **options)
     for flag, (field, help_text) in SWITCHES.items():
         p.add_argument(flag, dest=field, action="store_false", help=help_text)
+    p.add_argument(
+        "--upstream",
+        dest="upstreams",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="run as a replica: relay every version from this server (repeat the flag: the "
+        "next ones are tried when it is down or sends a corrupted version); needs --replica-id",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -72,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
         token=service_token(),
         host=bind_host(args.host),
         port=args.port,
+        upstreams=tuple(args.upstreams),
         **{field: getattr(args, field) for field in fields},
     )
     return serve_forever(config, publish_to=args.publish)

@@ -308,6 +308,11 @@ class ParameterServerClient:
                 if self._held is None:
                     self._held = held
 
+    def hand_over_base(self, other: ParameterServerClient) -> None:
+        """Gives the host copy of the version this client holds (the base of a delta pull) to
+        ``other``, a client of another replica: its next pull may still be a delta."""
+        other._keep(self._take_held())
+
     def _keep(self, held: HeldVersion | None) -> None:
         """``held``, a verified version's host copy, as the base of the next pull."""
         with self._held_lock:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlax_tasks.paramserver import shared_memory
 from rlax_tasks.paramserver.delta import delta_frames
+from rlax_tasks.paramserver.egress import ThrottledWriter
 from rlax_tasks.paramserver.errors import (
     NoRoomError,
     PartsMissingError,
@@ -69,6 +70,12 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s " + format, self.address_string(), *args)
+
+    def setup(self) -> None:
+        """The connection's files; with an egress limit every byte sent passes its bucket."""
+        super().setup()
+        if self.ps.egress is not None:
+            self.wfile = ThrottledWriter(self.wfile, self.ps.egress)
 
     # ------------------------------------------------------------------ dispatch
     def do_GET(self) -> None:

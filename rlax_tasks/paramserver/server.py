@@ -15,7 +15,9 @@ from typing import Any
 
 from rlax_tasks.paramserver import mirror as mirror_mod
 from rlax_tasks.paramserver import shared_memory
+from rlax_tasks.paramserver.egress import TokenBucket
 from rlax_tasks.paramserver.push_receiver import PushReceiver
+from rlax_tasks.paramserver.relay import Relay
 from rlax_tasks.paramserver.request_handler import RequestHandler
 from rlax_tasks.paramserver.server_config import ServerConfig
 from rlax_tasks.paramserver.store import VersionStore
@@ -51,6 +53,13 @@ class ParameterServer:
             else None
         )
         self.receiver = PushReceiver(self.store, self.segments, config.verify_push, self._committed)
+        # a replica relays its upstream's versions (docs/design.md §16); a link limit, if any
+        self.relay = (
+            Relay(config.upstreams, config.replica_id, config.token, self.store, self.receiver)
+            if config.upstreams
+            else None
+        )
+        self.egress = TokenBucket(config.egress_bytes_per_s) if config.egress_bytes_per_s else None
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._address: str | None = None
         self._threads: list[threading.Thread] = []
@@ -73,7 +82,14 @@ class ParameterServer:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("parameter server listening on %s", self.address)
+        if self.relay is not None:
+            self.relay.start()
+            log.info(
+                "parameter server replica %s (relaying %s) listening on %s",
+                self.config.replica_id, ", ".join(self.config.upstreams), self.address,
+            )  # fmt: skip
+        else:
+            log.info("parameter server listening on %s", self.address)
         return self
 
     @property
@@ -85,6 +101,8 @@ class ParameterServer:
     def stop(self) -> None:
         """Stops serving, finishes the pending mirror write, releases the port."""
         self._stop.set()
+        if self.relay is not None:
+            self.relay.stop()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -115,6 +133,7 @@ class ParameterServer:
             **self.store.memory(),  # keep_bytes, bytes_held, bytes_in_flight, pushes, waiting
             "shared_memory": self.segments is not None,  # same-host pulls read versions there
             "assembling": self.store.assemblies(),  # multi-host versions: parts received
+            "replica": None if self.relay is None else self.relay.status(),
             "mirror": None
             if self.mirror is None
             else {"last_committed": self.mirror.last_committed, "errors": self.mirror.errors},

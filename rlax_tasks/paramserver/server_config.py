@@ -30,6 +30,15 @@ class ServerConfig:
     assembly_timeout_s: float = 600.0  # every part of a multi-host push within this of the first
     # versions live in shared memory; pulls from this host copy them from there, not over TCP
     shared_memory: bool = True
+    # a replica (docs/design.md §16): the servers it relays every version from, first live one
+    # first (the trainer pushes to replica 0 only); empty: this server takes pushes itself
+    upstreams: tuple[str, ...] = ()
+    # this replica's id at its upstream, where it registers like a worker, so a version there is
+    # collected only once every live replica has confirmed a newer one
+    replica_id: str = ""
+    # bytes per second this server sends at most (its link, modelled as one token bucket shared
+    # by every puller); None: no limit
+    egress_bytes_per_s: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -42,3 +51,9 @@ class ServerConfig:
         for name in ("worker_timeout_s", "io_timeout_s", "max_wait_s", "assembly_timeout_s"):
             check_number(name, getattr(self, name), error, low=0, open_low=True)
         check_int("hash_threads", self.hash_threads, error, minimum=0)
+        check_int("egress_bytes_per_s", self.egress_bytes_per_s, error, minimum=1, optional=True)
+        object.__setattr__(self, "upstreams", tuple(self.upstreams))
+        if any(not isinstance(u, str) or not u for u in self.upstreams):
+            raise ValueError(f"upstreams: every entry must be a URL, got {self.upstreams!r}")
+        if self.upstreams and not self.replica_id:
+            raise ValueError("replica_id: a replica (upstreams given) needs an id, e.g. ps-1")

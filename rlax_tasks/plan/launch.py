@@ -15,7 +15,14 @@ import sys
 from rlax_tasks.config import RunConfig, save_resolved
 from rlax_tasks.plan.compilation_cache import cache_env
 from rlax_tasks.plan.memory_plan import MemoryPlan, memory_plan
-from rlax_tasks.plan.placement import COLOCATED, describe, is_colocated, job_env, trainer_job
+from rlax_tasks.plan.placement import (
+    COLOCATED,
+    describe,
+    is_colocated,
+    job_env,
+    replica_job,
+    trainer_job,
+)
 from rlax_tasks.plan.preflight import check_datasets
 from rlax_tasks.plan.run_plan import Job, TrainingPlan
 from rlax_tasks.plan.topology import (
@@ -113,6 +120,7 @@ def training_plan(cfg: RunConfig, steps: int, config_path: str, topology: Topolo
     else:
         ps, trainer, controller = jobs["ps"], jobs["trainer"], jobs["controller"]
         workers = tuple(jobs[w] for w in topology.workers)
+    replicas = tuple(jobs[replica_job(r)] for r in range(1, cfg.paramserver.replicas))
     return TrainingPlan(
         run_id=cfg.run_id, run_root=cfg.run_root, run_dir=cfg.run_dir, config_path=config_path,
         steps=steps, ps_url=topology.ps_url, done_marker=run_paths(cfg.run_dir).done, ps=ps,
@@ -120,5 +128,5 @@ def training_plan(cfg: RunConfig, steps: int, config_path: str, topology: Topolo
         heldout=Job.unplanned("heldout"),
         # the evaluations before and after training: on the trainer's devices, free by then
         eval_env=dict((controller if is_colocated(cfg) else trainer).env),
-        coordinator=topology.coordinator,
+        coordinator=topology.coordinator, ps_replicas=() if is_colocated(cfg) else replicas,
     )  # fmt: skip

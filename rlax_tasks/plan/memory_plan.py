@@ -13,12 +13,12 @@ from rlax_tasks.plan.model_shapes import resolve_model
 from rlax_tasks.plan.placement import (
     ACCELERATORS,
     COLOCATED,
-    CPU_JOBS,
     HELDOUT,
     describe,
     describe_devices,
     gpu_memory_fraction,
     host_memory,
+    is_cpu_job,
     job_devices,
     job_mesh,
     job_names,
@@ -488,7 +488,7 @@ def plan_for(
     # the held-out evaluation on devices of its own samples as a worker does
     own_evaluator = [HELDOUT] if cfg.placement.evaluator is not None else []
     for job in [*job_names(cfg), *own_evaluator]:
-        if job in CPU_JOBS:
+        if is_cpu_job(job):
             continue
         parts, note = job_bytes(cfg, model, job)
         devices = job_devices(cfg, job)

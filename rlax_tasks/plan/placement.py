@@ -53,12 +53,29 @@ def trainer_job(cfg: Any) -> str:
     return COLOCATED if is_colocated(cfg) else "trainer"
 
 
+def replica_job(index: int) -> str:
+    """The job of parameter-server replica ``index``: ``ps`` (replica 0, where the trainer
+    pushes), ``ps-1``, ``ps-2``, ... (relays, docs/design.md §16)."""
+    return "ps" if index == 0 else f"ps-{index}"
+
+
+def is_ps_job(job: str) -> bool:
+    """Whether ``job`` is a parameter-server replica's job."""
+    return re.fullmatch(r"ps(-[1-9]\d*)?", job) is not None
+
+
+def is_cpu_job(job: str) -> bool:
+    """Whether ``job`` never needs an accelerator (CPU_JOBS, every parameter-server replica)."""
+    return job in CPU_JOBS or is_ps_job(job)
+
+
 def job_names(cfg: Any) -> list[str]:
-    """The jobs a launcher starts, in start order: ps, trainer, worker-0..N-1, controller (a
-    colocated run: the one job ``colocated``)."""
+    """The jobs a launcher starts, in start order: ps (and its replicas ps-1..), trainer,
+    worker-0..N-1, controller (a colocated run: the one job ``colocated``)."""
     if is_colocated(cfg):
         return [COLOCATED]
-    return ["ps", "trainer", *(f"worker-{i}" for i in range(cfg.workers.count)), "controller"]
+    replicas = [replica_job(r) for r in range(cfg.paramserver.replicas)]
+    return [*replicas, "trainer", *(f"worker-{i}" for i in range(cfg.workers.count)), "controller"]
 
 
 def job_devices(cfg: Any, job: str) -> tuple[int, ...] | None:
@@ -66,7 +83,7 @@ def job_devices(cfg: Any, job: str) -> tuple[int, ...] | None:
     the host shows; for cpu jobs the host CPU). With ``placement.hosts`` = H, workers.count =
     H × len(placement.workers): worker-i is list i mod len on its host."""
     p = cfg.placement
-    if job in CPU_JOBS:
+    if is_cpu_job(job):
         return None
     if job in ("trainer", COLOCATED):
         return p.trainer
@@ -95,7 +112,7 @@ def sharers(cfg: Any, devices: Sequence[int]) -> int:
 def gpu_memory_fraction(cfg: Any, job: str) -> float | None:
     """XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU job (None: not a GPU job)."""
     p = cfg.placement
-    if p.platform != "gpu" or job in CPU_JOBS:
+    if p.platform != "gpu" or is_cpu_job(job):
         return None
     if p.memory_fraction is not None:
         return p.memory_fraction
@@ -151,7 +168,7 @@ def job_env(cfg: Any, job: str, environ: Mapping[str, str] | None = None) -> dic
     """
     p = cfg.placement
     devices = job_devices(cfg, job)
-    if job in CPU_JOBS:
+    if is_cpu_job(job):
         return {"JAX_PLATFORMS": "cpu"}
     # what the job checks its devices against at start (rlax_tasks.process.device_check)
     expected = expectation_env(p.platform, None if devices is None else len(devices))
@@ -183,7 +200,7 @@ def job_mesh(cfg: Any, job: str) -> tuple[int, ...] | None:
     """The resolved (data, fsdp[, expert], tensor) mesh of the trainer or a worker (None: device
     count unknown, or a cpu job)."""
     devices = job_devices(cfg, job)
-    if job in CPU_JOBS or devices is None:
+    if is_cpu_job(job) or devices is None:
         return None
     if job in ("trainer", COLOCATED):  # (a colocated sampler: workers.mesh_shape, same devices)
         return resolve_mesh(cfg.trainer.mesh_shape, cfg.trainer.hosts * len(devices))
@@ -204,7 +221,7 @@ def host_devices(cfg: Any, job: str) -> str:
     """``job``'s devices on its host in words, e.g. "gpu 0,1", "gpu 0-3", "cpu"."""
     p = cfg.placement
     devices = job_devices(cfg, job)
-    if job in CPU_JOBS:
+    if is_cpu_job(job):
         return "cpu"
     if devices is None:
         return "cpu" if p.platform == "cpu" else f"{p.platform}: every device of the host"
@@ -221,7 +238,7 @@ def describe_devices(cfg: Any, job: str) -> str:
     """``job``'s devices in words, e.g. "gpu 0,1,2,3", "gpu 0-3 × 8 hosts", "cpu"."""
     p = cfg.placement
     text = host_devices(cfg, job)
-    if job_devices(cfg, job) is None or job in CPU_JOBS:
+    if job_devices(cfg, job) is None or is_cpu_job(job):
         return text
     if job == "trainer" and cfg.trainer.hosts > 1:
         text += f" × {cfg.trainer.hosts} hosts"
@@ -289,11 +306,14 @@ __all__ = [
     "gpu_memory_fraction",
     "host_memory",
     "is_colocated",
+    "is_cpu_job",
+    "is_ps_job",
     "job_devices",
     "job_env",
     "job_envs",
     "job_mesh",
     "job_names",
+    "replica_job",
     "resolve_mesh",
     "trainer_job",
 ]

@@ -145,6 +145,8 @@ class TrainingPlan:
         coordinator: host:port of the trainer group's coordinator (None on slices).
         slices: the slices to provision (none for `rlax run` on this machine).
         runtime_version: the trainer slice's runtime version ("": none).
+        ps_replicas: the parameter-server replicas beside ``ps`` (``ps-1``, ...), which relay
+            its versions to their share of the workers (docs/design.md §16).
     """
 
     run_id: str
@@ -163,6 +165,7 @@ class TrainingPlan:
     coordinator: str | None = None
     slices: tuple[SlicePlan, ...] = ()
     runtime_version: str = ""
+    ps_replicas: tuple[Job, ...] = ()
 
     @property
     def colocated(self) -> bool:
@@ -170,8 +173,10 @@ class TrainingPlan:
         return self.controller.name == COLOCATED
 
     def jobs(self) -> list[Job]:
-        """The run's planned jobs in start order: ps, trainer, workers, controller."""
-        return [j for j in (self.ps, self.trainer, *self.workers, self.controller) if j.argv]
+        """The run's planned jobs in start order: ps (and its replicas), trainer, workers,
+        controller."""
+        order = (self.ps, *self.ps_replicas, self.trainer, *self.workers, self.controller)
+        return [j for j in order if j.argv]
 
     def processes(self) -> list[tuple[str, Job, dict[str, str]]]:
         """(process name, job, environment) of every process on this machine (``processes``)."""
@@ -187,6 +192,7 @@ class TrainingPlan:
         for name in ("ps", "trainer", "controller", "heldout"):
             out[name] = out[name].to_dict()
         out["workers"] = [w.to_dict() for w in self.workers]
+        out["ps_replicas"] = [r.to_dict() for r in self.ps_replicas]
         out["slices"] = [s.to_dict() for s in self.slices]
         out["eval_env"] = dict(self.eval_env)
         return out
@@ -206,6 +212,10 @@ class TrainingPlan:
             values[name] = Job.from_dict(values[name], f"plan[{name!r}]")
         values["workers"] = tuple(
             Job.from_dict(w, f"plan['workers'][{i}]") for i, w in enumerate(values["workers"])
+        )
+        values["ps_replicas"] = tuple(
+            Job.from_dict(r, f"plan['ps_replicas'][{i}]")
+            for i, r in enumerate(values["ps_replicas"])
         )
         values["slices"] = tuple(
             SlicePlan.from_dict(s, f"plan['slices'][{i}]") for i, s in enumerate(values["slices"])

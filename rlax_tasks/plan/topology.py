@@ -10,7 +10,14 @@ import dataclasses
 import json
 from typing import Any
 
-from rlax_tasks.plan.placement import COLOCATED, is_colocated, job_envs, worker_host
+from rlax_tasks.paramserver.assignment import assign_replica, failover_order
+from rlax_tasks.plan.placement import (
+    COLOCATED,
+    is_colocated,
+    job_envs,
+    replica_job,
+    worker_host,
+)
 from rlax_tasks.plan.run_plan import TRAINER_SLICE, Job, processes
 from rlax_tasks.process.ports import free_port
 from rlax_tasks.rundir import storage
@@ -56,15 +63,21 @@ class Ports:
     trainer: int
     workers: tuple[int, ...]
     coordinator: int  # the trainer group's jax.distributed coordinator (trainer.hosts > 1)
+    ps_replicas: tuple[int, ...] = ()  # parameter-server replicas 1.. (replica 0 is ``ps``)
 
 
 def free_ports(cfg: Any) -> Ports:
     """Ports free on this machine now for every service of ``cfg`` (the jobs bind them soon)."""
     taken: list[int] = []
-    for _ in range(cfg.workers.count + 3):  # distinct: each draw is free only on its own
+    replicas = cfg.paramserver.replicas - 1
+    for _ in range(cfg.workers.count + 3 + replicas):  # distinct: each is free only on its own
         taken.append(free_port(taken=taken))
-    ps, trainer, coordinator, *workers = taken
-    return Ports(ps=ps, trainer=trainer, workers=tuple(workers), coordinator=coordinator)
+    ps, trainer, coordinator, *rest = taken
+    workers, ps_replicas = rest[: cfg.workers.count], rest[cfg.workers.count :]
+    return Ports(
+        ps=ps, trainer=trainer, workers=tuple(workers), coordinator=coordinator,
+        ps_replicas=tuple(ps_replicas),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +85,7 @@ class Topology:
     """Every job of a run and the addresses the services are reached at."""
 
     jobs: list[Job]
-    ps_url: str
+    ps_url: str  # replica 0's, where the trainer pushes
     trainer_url: str  # "" in a colocated run (the trainer is inside its one job)
     # worker id → URL or service file (the controller reads them from workers.json)
     workers: dict[str, str]
@@ -123,9 +136,16 @@ def plan_topology(
         )
     run_dir = cfg.run_dir
     wids = [f"worker-{i}" for i in range(n)]
+    replicas = [replica_job(r) for r in range(cfg.paramserver.replicas)]
+    if ports is not None and len(ports.ps_replicas) != len(replicas) - 1:
+        raise ValueError(f"{len(ports.ps_replicas)} replica ports for {len(replicas) - 1} replicas")
     if ports is not None:
         urls = {
             "ps": f"http://{host}:{ports.ps}",
+            **{
+                r: f"http://{host}:{p}"
+                for r, p in zip(replicas[1:], ports.ps_replicas, strict=True)
+            },
             "trainer": f"http://{host}:{ports.trainer}",
             **{w: f"http://{host}:{p}" for w, p in zip(wids, ports.workers, strict=True)},
         }
@@ -134,7 +154,7 @@ def plan_topology(
         }
         coordinator: str | None = f"{host}:{ports.coordinator}"
     else:
-        urls = {name: service_file(run_dir, name) for name in ("ps", "trainer", *wids)}
+        urls = {name: service_file(run_dir, name) for name in (*replicas, "trainer", *wids)}
         listen = {name: ["--port", "0", "--publish", path] for name, path in urls.items()}
         coordinator = None
     devices = job_envs(cfg)
@@ -164,12 +184,22 @@ def plan_topology(
             hosts=tuple(range(cfg.trainer.hosts)),
         ),
     ]  # fmt: skip
+    for r, name in enumerate(replicas[1:], start=1):  # relays: no mirror, replica 0 has it
+        jobs.insert(r, Job(
+            name,
+            ["ps", "serve", *listen[name], *ps_args, "--worker-timeout", "60",
+             "--replica-id", name, *relay_args(cfg, r, [urls[x] for x in replicas])],
+            {**base, **devices[name]},
+        ))  # fmt: skip
     for i, wid in enumerate(wids):
         where = dict(zip(("slice", "hosts"), worker_place(cfg, i, worker_slices), strict=True))
+        order = failover_order(assign_replica(i, len(replicas)), len(replicas))
+        home, *others = [urls[replicas[r]] for r in order]
         jobs.append(
             Job(
                 wid,
-                ["worker", "--model-dir", cfg.model.path, "--ps-url", ps_url, "--worker-id", wid,
+                ["worker", "--model-dir", cfg.model.path, "--ps-url", home, "--worker-id", wid,
+                 *(a for u in others for a in ("--ps-failover", u)),
                  *listen[wid], "--dtype", cfg.model.dtype,
                  "--max-slots", str(cfg.workers.slots), "--max-len", str(cfg.workers.max_len),
                  "--reload-every", str(s.reload_every), mesh_arg(cfg),
@@ -192,6 +222,15 @@ def plan_topology(
     )  # fmt: skip
     workers = {w: urls[w] for w in wids}
     return Topology(jobs, ps_url, urls["trainer"], workers, coordinator)
+
+
+def relay_args(cfg: Any, replica: int, urls: list[str]) -> list[str]:
+    """``--upstream`` flags of replica ``replica`` >= 1 over the replicas' ``urls``: replica 0
+    (``star``), or the one before it and then replica 0 (``chain``, docs/design.md §16)."""
+    upstreams = [urls[0]]
+    if cfg.paramserver.relay == "chain" and replica > 1:
+        upstreams.insert(0, urls[replica - 1])
+    return [a for u in upstreams for a in ("--upstream", u)]
 
 
 def workers_file(cfg: Any) -> str:

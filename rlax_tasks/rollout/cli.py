@@ -77,9 +77,17 @@ def _worker_command(args: argparse.Namespace) -> int:
     if args.ps_url:
         from rlax_tasks.paramserver import ParameterServerClient  # lazy: JAX, as above
 
-        source: Any = ParameterServerClient(
-            args.ps_url, token, worker_id=args.worker_id, delta=args.delta_pulls
-        )
+        if args.ps_failover:  # replicas (docs/design.md §16): --ps-url is this worker's home
+            from rlax_tasks.paramserver.replicas import ReplicaClient
+
+            source: Any = ReplicaClient(
+                [args.ps_url, *args.ps_failover], 0, token, worker_id=args.worker_id,
+                delta=args.delta_pulls,
+            )  # fmt: skip
+        else:
+            source = ParameterServerClient(
+                args.ps_url, token, worker_id=args.worker_id, delta=args.delta_pulls
+            )
         _register(source, args.ps_url, args.ps_wait_s)
         source.start_heartbeats(args.heartbeat_s)
     else:
@@ -132,6 +140,15 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         "the parameter server's",
         note=" (token from RLAX_PS_TOKEN): weights follow it; without it the model "
         "directory's weights serve as version 0",
+    )
+    p.add_argument(
+        "--ps-failover",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another parameter-server replica to pull from when --ps-url's is gone or sends "
+        "a corrupted version (repeat: tried in order); the worker returns to --ps-url's "
+        "replica once it answers again",
     )
     p.add_argument("--worker-id", default=f"worker-{socket.gethostname()}-{os.getpid()}")
     add_address_args(p)

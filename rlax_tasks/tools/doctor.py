@@ -20,7 +20,7 @@ import optax
 
 from rlax_tasks.models import ModelConfig, Policy
 from rlax_tasks.models.attention import default_implementation
-from rlax_tasks.plan.placement import CPU_JOBS, describe_devices, job_mesh, job_names
+from rlax_tasks.plan.placement import describe_devices, is_cpu_job, job_mesh, job_names
 from rlax_tasks.rollout.sampler import Sampler
 from rlax_tasks.tools.reference_forward import qwen2_logits
 from rlax_tasks.utils.byte_sizes import format_bytes
@@ -64,7 +64,7 @@ def job_lines(cfg: Any) -> list[str]:
     lines = [f"jobs of {cfg.run_id} (placement {cfg.placement.mode}, platform "
              f"{cfg.placement.platform}, compute {cfg.model.dtype}):"]  # fmt: skip
     for job in job_names(cfg):
-        if job in CPU_JOBS:
+        if is_cpu_job(job):
             lines.append(f"  {job:<12} cpu (no accelerator)")
             continue
         mesh = job_mesh(cfg, job)

@@ -87,3 +87,50 @@ def test_workers_pull_deltas_and_continue_sequences_unless_the_config_says_no(tm
             assert getattr(parser.parse_args(argv), field) is value
         with pytest.raises(ValueError, match=field):
             _cfg(tmp_path, **{f"workers.{field}": "no"})
+
+
+@pytest.mark.parametrize("relay", ["star", "chain"])
+def test_replicas_relay_from_replica_0_and_share_the_workers_evenly(tmp_path, relay):
+    from rlax_tasks.config.checks import ConfigError
+    from rlax_tasks.plan.run_plan import TrainingPlan
+
+    extra = {"workers.count": 5, "paramserver.replicas": 3, "paramserver.relay": relay}
+    cfg = _cfg(tmp_path, **extra)
+    ports = Ports(ps=9001, trainer=9002, workers=(9003, 9004, 9005, 9006, 9007), coordinator=9008,
+                  ps_replicas=(9010, 9011))  # fmt: skip
+    topo = plan_topology(cfg, 5, "c.yaml", ports, [], TOKEN)
+    names = [j.name for j in topo.jobs]
+    assert names[:4] == ["ps", "ps-1", "ps-2", "trainer"]
+    url = {"ps": "http://127.0.0.1:9001", "ps-1": "http://127.0.0.1:9010",
+           "ps-2": "http://127.0.0.1:9011"}  # fmt: skip
+    ups = {}
+    for r in ("ps-1", "ps-2"):
+        argv = topo.job(r).argv
+        ups[r] = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--upstream"]
+    assert ups["ps-1"] == [url["ps"]]
+    assert ups["ps-2"] == ([url["ps"]] if relay == "star" else [url["ps-1"], url["ps"]])
+    assert "--run-root" not in topo.job("ps-1").argv  # replica 0 alone mirrors
+    assert topo.job("ps-1").env["JAX_PLATFORMS"] == "cpu"
+    homes = [_flags(topo.job(f"worker-{i}").argv)["--ps-url"] for i in range(5)]
+    assert homes == [url["ps"], url["ps-1"], url["ps-2"], url["ps"], url["ps-1"]]
+    argv = topo.job("worker-1").argv
+    failover = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--ps-failover"]
+    assert failover == [url["ps-2"], url["ps"]]  # the next ones, round the ring
+    args = argparse.ArgumentParser()
+    add_worker_parser(args.add_subparsers())
+    parsed = args.parse_args(argv)
+    assert parsed.ps_url == url["ps-1"] and parsed.ps_failover == failover
+    assert _flags(topo.job("trainer").argv)["--ps-url"] == url["ps"]  # pushes to replica 0
+    # the plan carries the replicas as jobs of their own, through the DAG's XCom too
+    from rlax_tasks.plan.launch import training_plan
+
+    plan = training_plan(cfg, 5, "c.yaml", topo)
+    assert [j.name for j in plan.ps_replicas] == ["ps-1", "ps-2"]
+    assert [j.name for j in plan.jobs()][:4] == ["ps", "ps-1", "ps-2", "trainer"]
+    assert TrainingPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ConfigError, match="paramserver.replicas"):
+        _cfg(tmp_path, **{"paramserver.replicas": 3})  # 2 workers for 3 replicas
+    with pytest.raises(ConfigError, match="paramserver.relay"):
+        _cfg(tmp_path, **{"paramserver.relay": "ring"})
+    with pytest.raises(ConfigError, match="paramserver.replicas"):
+        load_config("tiny-arith", {"run_root": str(tmp_path), "paramserver.replicas": 2})
