@@ -5,8 +5,8 @@ live upstream as a registered worker (its ``replica_id``), reads each new versio
 straight into this server's store through the push path (every block's CRC32C checked, the
 version visible only once complete, the same digest as upstream's), then acks it there. So an
 upstream collects a version only once every live replica has confirmed a newer one, by the rule
-it already applies to workers (§6). An upstream that is down, or that sends a corrupted
-version, is skipped for the next one in the list."""
+it already applies to workers (docs/design.md §6). An upstream that is down, or that sends a
+corrupted version, is skipped for the next one in the list."""
 
 from __future__ import annotations
 
