@@ -65,6 +65,7 @@ class TrainParams:
         worker_accelerator_type: the workers' own slices' type; None: on the trainer slice.
         worker_slices: how many worker slices.
         num_workers: None: the preset's (or one per host of the worker slices).
+        ps_replicas: parameter-server replicas (paramserver.replicas); None: the preset's.
         steps: training steps in total; None: the preset's trainer.total_steps.
         run_root: local directory or gs://; None: RLAX_RUN_ROOT.
         run_id: same id = resume that run; None: derived from the DAG run id.
@@ -86,6 +87,7 @@ class TrainParams:
     worker_accelerator_type: str | None = None
     worker_slices: int | None = 1
     num_workers: int | None = None
+    ps_replicas: int | None = None
     steps: int | None = None
     run_root: str | None = None
     run_id: str | None = None
@@ -162,6 +164,8 @@ def config_from_params(
         put("worker_accelerator_type", "placement.separate_worker_hosts", True)
     elif params.num_workers:
         put("num_workers", "workers.count", params.num_workers)
+    if params.ps_replicas is not None:
+        put("ps_replicas", "paramserver.replicas", params.ps_replicas)
     if dataset:
         source = {"path": dataset, "verifier": verifier}  # the curated Asset's, not a Param
         fields["datasets"] = [{"name": "curated", "weight": 1.0, "source": source}]
@@ -253,6 +257,11 @@ def train_params() -> dict[str, Param]:
         "num_workers": Param(
             None, type=["null", "integer"], minimum=1, maximum=256,
             description="empty = the preset's (or one per host of the worker slices)",
+        ),
+        "ps_replicas": Param(
+            None, type=["null", "integer"], minimum=1, maximum=64,
+            description="parameter-server replicas, workers spread over them (empty = the "
+            "preset's, 1)",
         ),
         "steps": Param(20, type="integer", minimum=1, description="training steps in total"),
         "run_root": Param(

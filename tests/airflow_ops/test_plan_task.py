@@ -505,3 +505,22 @@ def test_params_that_the_run_config_refuses_are_named(tmp_path):
 
     staleness = load_run_config(plan.run_dir).staleness
     assert (staleness.reload_every, staleness.max_staleness) == (2, None)
+
+
+def test_the_ps_replicas_param_plans_a_task_per_replica(tmp_path):
+    """ps_replicas=3 on four workers: the plan carries ps-1 and ps-2 as jobs of their own, the
+    DAG's mapped ps_replica task gets one each (on the trainer slice), start_services names
+    them as those tasks do; a count the config refuses names the Param."""
+    params = tiny_params(
+        tmp_path, "replicas", num_workers=4, overrides={"placement.mode": "disaggregated"}
+    )
+    plan = plan_training({**params, "ps_replicas": 3}, "manual__r")
+    assert [r.name for r in plan.ps_replicas] == ["ps-1", "ps-2"]
+    assert all(r.argv[:2] == ["ps", "serve"] and "--upstream" in r.argv for r in plan.ps_replicas)
+    mapped = rc.replica_jobs(plan, {"trainer": {"slice": "t"}})
+    assert [m["job"]["name"] for m in mapped] == ["ps-1", "ps-2"]
+    assert all(m["slice_handle"] == {"slice": "t"} for m in mapped)
+    homes = [w.argv[w.argv.index("--ps-url") + 1] for w in plan.workers]
+    assert len(set(homes)) == 3 and homes[0] == homes[3] == plan.ps_url
+    with pytest.raises(PlanError, match=r"^ps_replicas: paramserver.replicas: 5 replicas for 4"):
+        plan_training({**params, "ps_replicas": 5}, "manual__r5")
