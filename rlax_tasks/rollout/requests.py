@@ -417,7 +417,12 @@ class GroupResult:
     @classmethod
     def from_dict(cls, r: dict[str, Any]) -> GroupResult:
         """From a worker's JSON: each completion's request is rebuilt from the prompt (default
-        sampling settings, ``request_id`` = (prompt_id, sample index)); a missing text is ""."""
+        sampling settings, ``request_id`` = (prompt_id, sample index)); a missing text is "".
+
+        Raises:
+            ValueError: the JSON is not a group result (``check_result_json`` names the field).
+        """
+        check_result_json(r)
         prompt = tuple(r["prompt_tokens"])
         completions = [
             Completion(
@@ -437,6 +442,53 @@ class GroupResult:
         ]
         texts = [c.get("text", "") for c in r["completions"]]
         return cls(r["prompt_id"], int(r["version"]), prompt, completions, texts, r["seconds"])
+
+
+def _int_list(value: Any, low: int = 0) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= low for x in value
+    )
+
+
+def check_result_json(r: Any) -> None:
+    """ValueError naming the field when ``r`` is not a group result's JSON (``to_dict``'s
+    shape): what a controller checks before it takes a worker's answer."""
+    if not isinstance(r, dict):
+        raise ValueError(f"a result must be an object, got {type(r).__name__}")
+    pid = r.get("prompt_id")
+    if not isinstance(pid, str) or not pid:
+        raise ValueError(f"prompt_id must be a non-empty string, got {str(pid)[:64]!r}")
+    where = f"result {pid[:64]!r}"
+    version = r.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"{where}: version must be an int >= 0, got {str(version)[:32]!r}")
+    if not _int_list(r.get("prompt_tokens")):
+        raise ValueError(f"{where}: prompt_tokens must be a list of token ids")
+    if not isinstance(r.get("seconds"), int | float):
+        raise ValueError(f"{where}: seconds must be a number")
+    completions = r.get("completions")
+    if not isinstance(completions, list) or not completions:
+        raise ValueError(f"{where}: completions must be a non-empty list")
+    for i, c in enumerate(completions):
+        at = f"{where} completion {i}"
+        if not isinstance(c, dict):
+            raise ValueError(f"{at}: must be an object")
+        tokens, logprobs = c.get("tokens"), c.get("logprobs")
+        if not _int_list(tokens):
+            raise ValueError(f"{at}: tokens must be a list of token ids")
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+            raise ValueError(f"{at}: logprobs must be a list as long as tokens")
+        if not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            for x in logprobs
+        ):
+            raise ValueError(f"{at}: logprobs must be finite numbers")
+        if c.get("finish_reason") not in FINISH_REASONS:
+            raise ValueError(f"{at}: finish_reason must be one of {FINISH_REASONS}")
+        for name in ("versions", "mask"):
+            value = c.get(name)
+            if value is not None and (not _int_list(value) or len(value) != len(tokens)):
+                raise ValueError(f"{at}: {name} must be one int >= 0 per token, or null")
 
 
 def _routes_from_json(c: dict[str, Any], where: str) -> np.ndarray | None:
