@@ -20,6 +20,7 @@ from rlax_tasks.services.http import (
     TOKEN_ENV,
     JsonClient,
     Reply,
+    ReplyTooLargeError,
     authorized_app,
     check_wait_s,
     long_poll,
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a submission's JSON
 MAX_GROUPS = 4096  # groups in one submission (and results in one answer)
 MAX_GROUP_SIZE = 1024  # completions of one prompt
+MAX_REPLY_BYTES = 1 << 30  # a worker's answer the controller reads (results, progress)
 MAX_SAMPLES = 65536  # completions in one submission
 GRACEFUL_S = 2.0  # requests still open this long after a SIGTERM are cancelled
 PROGRESS_WAIT_S = 2.0  # GET /v1/progress waits this long for the generation thread (a
@@ -125,12 +127,20 @@ def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BO
 class WorkerClient:
     """The controller's view of one worker; every call has a timeout."""
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
+        """``max_reply_bytes``: a longer answer (an oversized rollout) is a failure of the
+        worker (ConnectionError), read no further."""
         # a URL, or the service file the worker publishes its address to (followed when it moves)
         self.endpoint, self.timeout_s = Endpoint(url), timeout_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.http = JsonClient(
-            self.endpoint, self.token, timeout_s=timeout_s,
+            self.endpoint, self.token, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes,
             refused=self._refused, unreachable=self._unreachable,
         )  # fmt: skip
 
@@ -158,7 +168,10 @@ class WorkerClient:
     def _call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
     ) -> Any:
-        return self.http.call(method, path, body, timeout_s=timeout_s)
+        try:
+            return self.http.call(method, path, body, timeout_s=timeout_s)
+        except ReplyTooLargeError as e:
+            raise ConnectionError(f"worker {self.url} answered too much: {e}") from e
 
     def submit(self, groups: Sequence[dict[str, Any]]) -> int:
         return self._call("POST", "/v1/groups", {"groups": list(groups)})["accepted"]

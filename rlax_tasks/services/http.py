@@ -243,6 +243,10 @@ def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
     return min(base_s * 2**attempt, cap_s)
 
 
+class ReplyTooLargeError(ValueError):
+    """A service answered with a body longer than its client takes (never retried)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Reply:
     """A service's answer: its HTTP status and body, and how many times the request was sent
@@ -294,8 +298,12 @@ class JsonClient:
         refused: Callable[[Reply, str], Exception] = HttpStatusError,
         unreachable: Callable[[Exception, str], Exception] = _as_is,
         retry_log_level: int = logging.DEBUG,
+        max_reply_bytes: int | None = None,
     ) -> None:
+        """``max_reply_bytes``: a longer reply body is not read past it (ReplyTooLargeError);
+        None: no limit."""
         self.endpoint = endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint)
+        self.max_reply_bytes = max_reply_bytes
         self.token, self.timeout_s = token, timeout_s
         self.retries, self.give_up_after_s = retries, give_up_after_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -377,7 +385,15 @@ class JsonClient:
             conn = self.connection(timeout_s)
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
-            return Reply(resp.status, resp.read())
+            limit = self.max_reply_bytes
+            if limit is None:
+                return Reply(resp.status, resp.read())
+            body = resp.read(limit + 1)
+            if len(body) > limit:
+                raise ReplyTooLargeError(
+                    f"{method} {path} on {self.url}: the reply exceeds {limit} bytes"
+                )
+            return Reply(resp.status, body)
         finally:
             if conn is not None:
                 conn.close()
