@@ -190,6 +190,7 @@ def plan_topology(
             ["ps", "serve", *listen[name], *ps_args, "--worker-timeout", "60",
              "--replica-id", name, *relay_args(cfg, r, [urls[x] for x in replicas])],
             {**base, **devices[name]},
+            hosts=(r % cfg.trainer.hosts,),  # spread over the trainer slice's hosts' links
         ))  # fmt: skip
     for i, wid in enumerate(wids):
         where = dict(zip(("slice", "hosts"), worker_place(cfg, i, worker_slices), strict=True))

@@ -110,6 +110,7 @@ def test_replicas_relay_from_replica_0_and_share_the_workers_evenly(tmp_path, re
     assert ups["ps-1"] == [url["ps"]]
     assert ups["ps-2"] == ([url["ps"]] if relay == "star" else [url["ps-1"], url["ps"]])
     assert "--run-root" not in topo.job("ps-1").argv  # replica 0 alone mirrors
+    assert topo.job("ps-1").hosts == (0,)  # one trainer host here (each on its own with more)
     assert topo.job("ps-1").env["JAX_PLATFORMS"] == "cpu"
     homes = [_flags(topo.job(f"worker-{i}").argv)["--ps-url"] for i in range(5)]
     assert homes == [url["ps"], url["ps-1"], url["ps-2"], url["ps"], url["ps-1"]]
@@ -128,6 +129,9 @@ def test_replicas_relay_from_replica_0_and_share_the_workers_evenly(tmp_path, re
     assert [j.name for j in plan.ps_replicas] == ["ps-1", "ps-2"]
     assert [j.name for j in plan.jobs()][:4] == ["ps", "ps-1", "ps-2", "trainer"]
     assert TrainingPlan.from_dict(plan.to_dict()) == plan
+    two_hosts = _cfg(tmp_path, **extra, **{"trainer.hosts": 2, "placement.trainer": [0, 1]})
+    spread = plan_topology(two_hosts, 5, "c.yaml", None, [], TOKEN)
+    assert [spread.job(r).hosts for r in ("ps", "ps-1", "ps-2")] == [(0,), (1,), (0,)]
     with pytest.raises(ConfigError, match="paramserver.replicas"):
         _cfg(tmp_path, **{"paramserver.replicas": 3})  # 2 workers for 3 replicas
     with pytest.raises(ConfigError, match="paramserver.relay"):
