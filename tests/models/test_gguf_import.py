@@ -126,19 +126,24 @@ def test_logits_match_transformers_on_the_real_weights(policy, hf_model, chat_pr
         ids[row, t - len(prompt) :] = prompt
         mask[row, t - len(prompt) :] = 1
     ours = np.asarray(policy.logits(ids, mask))
-    # the reference in float64 (exact for this purpose). Ours is float32: its own rounding puts
-    # these logits (|38| at most) 1.25e-4 from exact (1.19e-4 from the float32 reference), so
-    # 1e-4 cannot hold in float32; 1.5e-4 is the bound
+    # the reference in float64 (exact for this purpose). Ours is float32, and so is transformers'
+    # own forward: float32 rounding alone puts these logits (|38| at most) 1e-4 or more from
+    # exact (ours: 1.25e-4 on one CPU, 1.56e-4 on another, where the kernels sum in another
+    # order), so a fixed 1e-4 cannot hold. The bound: within 2x of transformers' float32 error on the
+    # same rows, which a wrong weight, layout or norm exceeds by orders of magnitude
     # (each prompt alone, unpadded: float64 eager attention turns fully masked rows into NaN)
     exact = copy.deepcopy(hf_model).double()
     ref = np.zeros(ours.shape)
+    hf32 = np.zeros(ours.shape)
     for row, prompt in enumerate(chat_prompts):
         with torch.no_grad():
             ref[row, t - len(prompt) :] = exact(torch.tensor([prompt])).logits[0].numpy()
+            hf32[row, t - len(prompt) :] = hf_model(torch.tensor([prompt])).logits[0].numpy()
     real = mask.astype(bool)
-    diff = np.abs(ours - ref)[real]
-    assert diff.max() <= 1.5e-4, f"max |logits diff| = {diff.max()}"
-    assert diff.mean() <= 3e-5, f"mean |logits diff| = {diff.mean()}"
+    diff, hf_diff = np.abs(ours - ref)[real], np.abs(hf32 - ref)[real]
+    assert 1e-5 < hf_diff.max() < 2e-4, hf_diff.max()  # the reference's own float32 rounding
+    assert diff.max() <= 2.0 * hf_diff.max(), (diff.max(), hf_diff.max())
+    assert diff.mean() <= 2.0 * hf_diff.mean(), (diff.mean(), hf_diff.mean())
     assert np.abs(ref[real]).max() > 10.0  # real logits, not a degenerate model
     np.testing.assert_array_equal(ours.argmax(-1)[real], ref.argmax(-1)[real])
 
