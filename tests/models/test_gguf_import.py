@@ -129,8 +129,8 @@ def test_logits_match_transformers_on_the_real_weights(policy, hf_model, chat_pr
     # the reference in float64 (exact for this purpose). Ours is float32, and so is transformers'
     # own forward: float32 rounding alone puts these logits (|38| at most) 1e-4 or more from
     # exact (ours: 1.25e-4 on one CPU, 1.56e-4 on another, where the kernels sum in another
-    # order), so a fixed 1e-4 cannot hold. The bound: within 2x of transformers' float32 error on the
-    # same rows, which a wrong weight, layout or norm exceeds by orders of magnitude
+    # order), so a fixed 1e-4 cannot hold. The bound: within 2x of transformers' float32 error on
+    # the same rows, which a wrong weight, layout or norm exceeds by orders of magnitude
     # (each prompt alone, unpadded: float64 eager attention turns fully masked rows into NaN)
     exact = copy.deepcopy(hf_model).double()
     ref = np.zeros(ours.shape)
