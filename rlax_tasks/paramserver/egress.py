@@ -6,8 +6,10 @@ with a NIC of its own, and for a server that must leave room on a shared link.""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 # a write waits for at most this much of the bucket at a time, so concurrent pullers interleave
@@ -16,7 +18,9 @@ SLICE_BYTES = 256 * 1024
 
 class TokenBucket:
     """``rate`` bytes per second shared by every thread that calls ``take``; a burst of at most
-    ``burst`` bytes (default: a tenth of a second's worth) goes at once."""
+    ``burst`` bytes (default: a tenth of a second's worth) goes at once. While a stream marked
+    ``first`` sends (a replica relaying a version), the others wait: the replicas get a new
+    version at the link's full rate and serve their workers in parallel sooner."""
 
     def __init__(self, rate: float, burst: float | None = None) -> None:
         if not rate > 0:
@@ -25,11 +29,27 @@ class TokenBucket:
         self.burst = float(burst if burst is not None else max(rate / 10, SLICE_BYTES))
         self._tokens = self.burst
         self._last = time.monotonic()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._first = 0  # streams marked first, sending now
 
-    def take(self, nbytes: int) -> None:
-        """Blocks until ``nbytes`` may be sent (the debt of a large take is paid by waiting)."""
+    @contextlib.contextmanager
+    def first(self) -> Iterator[None]:
+        """Inside, ``take(first=True)`` goes before every other taker."""
         with self._lock:
+            self._first += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._first -= 1
+                self._lock.notify_all()
+
+    def take(self, nbytes: int, first: bool = False) -> None:
+        """Blocks until ``nbytes`` may be sent (the debt of a large take is paid by waiting);
+        others than ``first`` takers wait while a ``first`` stream sends."""
+        with self._lock:
+            while not first and self._first:
+                self._lock.wait()
             now = time.monotonic()
             self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
             self._last = now
@@ -44,12 +64,23 @@ class ThrottledWriter:
 
     def __init__(self, raw: Any, bucket: TokenBucket) -> None:
         self.raw, self.bucket = raw, bucket
+        self.first = False  # this connection's stream goes before the others (``first``)
+
+    @contextlib.contextmanager
+    def sending_first(self) -> Iterator[None]:
+        """What is written inside goes before every other connection's bytes."""
+        with self.bucket.first():
+            self.first = True
+            try:
+                yield
+            finally:
+                self.first = False
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), SLICE_BYTES):
             piece = view[start : start + SLICE_BYTES]
-            self.bucket.take(len(piece))
+            self.bucket.take(len(piece), first=self.first)
             self.raw.write(piece)
         return len(view)
 

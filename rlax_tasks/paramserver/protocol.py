@@ -7,6 +7,7 @@ from __future__ import annotations
 
 MAX_JSON_BYTES = 65536  # a JSON request body (reserve, ack)
 WORKER_HEADER = "X-RLAX-Worker"
+RELAY_HEADER = "X-RLAX-Relay"  # "1": a replica's relay pulling (its bytes go first)
 VERSION_HEADER = "X-RLAX-Version"
 PART_HEADER = "X-RLAX-Push-Part"  # this push is part i (0-based) ...
 PARTS_HEADER = "X-RLAX-Push-Parts"  # ... of n parts of a multi-host version

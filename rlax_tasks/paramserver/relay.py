@@ -22,7 +22,7 @@ from rlax_tasks.paramserver.errors import (
     ParameterServerError,
     VersionConflictError,
 )
-from rlax_tasks.paramserver.protocol import VERSION_HEADER
+from rlax_tasks.paramserver.protocol import RELAY_HEADER, VERSION_HEADER
 from rlax_tasks.paramserver.push_receiver import PushReceiver
 from rlax_tasks.paramserver.store import VersionStore
 from rlax_tasks.paramserver.transport import Transport
@@ -130,7 +130,7 @@ class Relay:
             return None
         try:
             target = "/v1/pull?" + urllib.parse.urlencode(query)
-            conn.request("GET", target, headers=transport.headers())
+            conn.request("GET", target, headers={**transport.headers(), RELAY_HEADER: "1"})
             resp = conn.getresponse()
             if resp.status == 204:
                 resp.read()

@@ -6,6 +6,7 @@ not FastAPI); bodies stream between the socket and numpy buffers. Routes: above
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import logging
@@ -31,6 +32,7 @@ from rlax_tasks.paramserver.protocol import (
     MAX_PARTS,
     PART_HEADER,
     PARTS_HEADER,
+    RELAY_HEADER,
     SHARED_MEMORY_TYPE,
     VERSION_HEADER,
     WORKER_HEADER,
@@ -298,8 +300,10 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
             self.send_header(VERSION_HEADER, str(weights.version))
             self.end_headers()
             t0 = time.perf_counter()
-            for frame in weights.frames():
-                self.wfile.write(frame)
+            relay = self.headers.get(RELAY_HEADER) == "1" and self.ps.egress is not None
+            with self.wfile.sending_first() if relay else contextlib.nullcontext():
+                for frame in weights.frames():
+                    self.wfile.write(frame)
         log.debug("served version %d in %.2fs", weights.version, time.perf_counter() - t0)
 
     def _delta_base(

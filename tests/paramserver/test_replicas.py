@@ -3,6 +3,7 @@ every live replica, a corrupted replica skipped, a link limit."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -179,3 +180,41 @@ def test_a_replica_needs_an_id_and_the_link_limit_paces_a_pull(fleet):
     puller.pull(1)
     took = time.monotonic() - t0
     assert took >= 0.8, took  # 2 MB at 2 MB/s, less the bucket's first burst
+
+
+def test_a_relay_stream_goes_before_the_workers_on_a_limited_link():
+    from rlax_tasks.paramserver.egress import TokenBucket
+
+    bucket = TokenBucket(1e9)
+    taken: list[str] = []
+    with bucket.first():
+        waiter = threading.Thread(target=lambda: (bucket.take(10), taken.append("worker")))
+        waiter.start()
+        time.sleep(0.2)
+        assert taken == []  # a worker's bytes wait while the relay's stream sends
+        bucket.take(10, first=True)
+        taken.append("relay")
+    waiter.join(timeout=5)
+    assert taken == ["relay", "worker"]
+
+
+def test_replicas_relay_first_then_serve_their_workers(fleet):
+    """On replica 0's limited link, a relay pull that starts behind a worker's still finishes
+    first (the worker's bytes wait while the relay's stream sends)."""
+    primary = fleet(egress_bytes_per_s=4_000_000)
+    ParameterServerClient(primary.address, token=TOKEN).push(1, _params(1, n=1_000_000))  # 4 MB
+    done: dict[str, float] = {}
+
+    def worker_pull():
+        c = ParameterServerClient(primary.address, token=TOKEN, shared_memory=False, delta=False)
+        c.pull(1)
+        done["worker"] = time.monotonic()
+
+    t = threading.Thread(target=worker_pull)
+    t.start()
+    time.sleep(0.2)  # the worker's pull is under way
+    replica = fleet(upstreams=(primary.address,), replica_id="ps-1")
+    _wait(lambda: replica.store.latest_version() == 1, what="the relay")
+    done["relay"] = time.monotonic()
+    t.join(timeout=30)
+    assert done["relay"] < done["worker"], done
