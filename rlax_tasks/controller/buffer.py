@@ -384,6 +384,15 @@ class RolloutBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def copy(self) -> RolloutBuffer:
+        """A copy that ``add`` and ``take`` on this buffer leave as it is (the groups, which
+        are immutable, are shared): a pending snapshot's buffer, whose ``state_dict`` is built
+        only when a batch forms, not at every round."""
+        other = RolloutBuffer(self.prompts_per_step, self.max_staleness, self.dynamic_sampling)
+        other._groups, other._dropped = list(self._groups), list(self._dropped)
+        other._skipped, other.counts = list(self._skipped), dict(self.counts)
+        return other
+
     @property
     def groups(self) -> list[ScoredGroup]:
         return list(self._groups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import logging
 import time
 import zlib
@@ -193,7 +194,7 @@ class Controller:
             with self.phases.timed("score"):
                 self.scoring.advance()
             with self.phases.timed("batch"):
-                before = self.buffer.state_dict()
+                before = self.buffer.copy()  # its state is built only when a batch forms
                 pending = [p.seq for p in self._queue]
                 pending += [e.prompt.seq for e in self._in_flight.values()]
                 pending += [p.seq for p, _ in self.scoring.pending()]
@@ -201,7 +202,7 @@ class Controller:
             if batch is None:
                 return got > 0
             with self.phases.timed("snapshot"):
-                self.snapshot(pending=batch, buffer_state=before)
+                self.snapshot(pending=batch, buffer_state=before.state_dict())
             self._train(batch, dispatch_next=last_step is None or self.step + 1 < last_step)
             return True
         finally:
@@ -242,10 +243,14 @@ class Controller:
             if entry.worker in load:
                 load[entry.worker] += 1
         plan: dict[str, list[Prompt]] = {w: [] for w in live}
+        idle = {w for w in live if load[w] == 0}
         drawn = kept = 0
         outstanding = self.outstanding  # a prompt taken off the queue below stays outstanding
-        while live:
-            w = min(live, key=lambda x: (load[x], live.index(x)))
+        # the least loaded worker next, the first listed among equals
+        order = [(load[w], i, w) for i, w in enumerate(live)]
+        heapq.heapify(order)
+        while order:
+            _, i, w = order[0]
             if load[w] >= s.groups_per_worker:
                 break
             if self._queue:
@@ -262,10 +267,11 @@ class Controller:
                 break
             plan[w].append(prompt)
             load[w] += 1
+            heapq.heapreplace(order, (load[w], i, w))
         self.counters["drawn"] += drawn
         for w in live:
             if plan[w]:
-                self._submit(w, plan[w])
+                self._submit(w, plan[w], idle=w in idle)
 
     def _unusable(self, prompt: Prompt) -> str | None:
         """Why a drawn prompt cannot be generated (None when it can; its tokens are kept)."""
@@ -320,7 +326,8 @@ class Controller:
             row=None if prompt.environment is None else prompt.episode_row(),
         )
 
-    def _submit(self, worker: str, prompts: list[Prompt]) -> None:
+    def _submit(self, worker: str, prompts: list[Prompt], idle: bool | None = None) -> None:
+        """Hands ``prompts`` to ``worker`` (``idle``: whether it holds none of ours, if known)."""
         requests, sendable = [], []
         for p in prompts:  # re-issued prompts were not screened by _unusable in this process
             try:
@@ -353,7 +360,8 @@ class Controller:
             )
             self._worker_failed(worker, also=prompts)
             return
-        idle = not any(e.worker == worker for e in self._in_flight.values())
+        if idle is None:
+            idle = not any(e.worker == worker for e in self._in_flight.values())
         self.health.took_work(worker, was_idle=idle)
         now = self.clock()
         for p in prompts:
@@ -417,6 +425,18 @@ class Controller:
                 continue
             if results:
                 self.health.returned(w)
+            malformed = next(
+                (r for r in results if len(r.completions) != self.settings.group_size), None
+            )
+            if malformed is not None:  # refused whole: the worker's prompts go out again
+                log.error(
+                    "worker %s returned %d completions for %s, not the group's %d: its answer "
+                    "is refused and its prompts re-issued", w, len(malformed.completions),
+                    malformed.prompt_id, self.settings.group_size,
+                )  # fmt: skip
+                self.counters["malformed_results"] += 1
+                self._worker_failed(w)
+                continue
             for r in results:
                 entry = self._in_flight.get(r.prompt_id)
                 if entry is None or entry.worker != w:
@@ -433,7 +453,7 @@ class Controller:
                 self.partials.drop(r.prompt_id)
                 self.scoring.put(entry.prompt, r)
                 got += 1
-            if not results and any(e.worker == w for e in self._in_flight.values()):
+            if not results:  # (it still holds all it held: nothing of it was taken)
                 idle = self.health.idle_s(w)
                 if idle > self.settings.worker_timeout_s:
                     log.warning("worker %s returned nothing for %.0fs", w, idle)

@@ -10,12 +10,14 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from rlax_tasks.controller.controller import Controller
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
 from rlax_tasks.controller.ports import ScorerError, WorkerError
+from rlax_tasks.controller.result_feeds import ResultFeeds
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.data.prompts import PromptRenderer
 from rlax_tasks.models.model_cache import local_model_dir
@@ -25,11 +27,12 @@ from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SampleProgress
 from rlax_tasks.rollout.service import MAX_GROUP_SIZE, WorkerClient
 from rlax_tasks.rundir import storage
-from rlax_tasks.services.endpoints import Endpoint
 
 
 class HttpWorkerPool:
-    """The ``WorkerPool`` over the ``rlax worker`` services of a JSON file (re-read on change)."""
+    """The ``WorkerPool`` over the ``rlax worker`` services of a JSON file (re-read on change);
+    every worker's results come back through a long poll kept open at it (``ResultFeeds``), so
+    a round of the controller asks no worker anything."""
 
     def __init__(
         self, workers_file: str, timeout_s: float = 10.0, token: str | None = None
@@ -38,24 +41,46 @@ class HttpWorkerPool:
         self.workers_file, self.timeout_s, self.token = workers_file, timeout_s, token
         self._generation: int | None = None
         self._clients: dict[str, WorkerClient] = {}
+        self._addresses: dict[str, str] = {}  # as the file gives them
+        self._feeds: ResultFeeds | None = None  # started with the first worker
+        self._lock = threading.Lock()
 
     def _refresh(self) -> None:
+        with self._lock:  # (a snapshot asks workers from threads: one of them refreshes)
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
         info = storage.stat(self.workers_file)  # local or gs://
         if info is None:
-            self._clients = {}
+            self._set_clients({}, {})
             self._generation = None
             return
         if info.generation == self._generation:
             return
         # {worker id: URL, or the service file the worker publishes its address to}
         addresses = json.loads(storage.read_bytes(self.workers_file))
-        self._clients = {
+        # a worker whose address is as it was keeps its client (compared as written: a file
+        # rewritten at every join and leave of a large fleet must not cost a client apiece)
+        clients = {
             w: self._clients[w]
-            if w in self._clients and self._clients[w].endpoint.spec == Endpoint(a).spec
+            if w in self._clients and self._addresses.get(w) == a
             else WorkerClient(a, self.token, timeout_s=self.timeout_s)
             for w, a in sorted(addresses.items())
         }
+        self._set_clients(clients, dict(addresses))
         self._generation = info.generation
+
+    def _set_clients(self, clients: dict[str, WorkerClient], addresses: dict[str, str]) -> None:
+        """The fleet is now ``clients``: their results polled, those of the others no more."""
+        if self._feeds is None and clients:
+            self._feeds = ResultFeeds()
+        for w, client in self._clients.items():
+            if clients.get(w) is not client and self._feeds is not None:
+                self._feeds.remove(w)
+        for w, client in clients.items():
+            if self._clients.get(w) is not client:
+                self._feeds.add(w, client)
+        self._clients, self._addresses = clients, addresses
 
     def worker_ids(self) -> list[str]:
         self._refresh()
@@ -69,12 +94,33 @@ class HttpWorkerPool:
 
     def submit(self, worker_id: str, groups: Sequence[GroupRequest]) -> None:
         self._client(worker_id).submit([g.to_dict() for g in groups])
+        self._feeds.answered(worker_id)
 
     def results(self, worker_id: str) -> list[GroupResult]:
-        return [GroupResult.from_dict(r) for r in self._client(worker_id).results(wait_s=0.0)]
+        """What the worker's long poll brought back since the last call (no request sent)."""
+        self._client(worker_id)
+        taken = self._feeds.take(worker_id)
+        try:
+            return [GroupResult.from_dict(r) for r in taken]
+        except (KeyError, TypeError, ValueError) as e:  # a malformed answer: the worker failed
+            raise WorkerError(f"worker {worker_id}: malformed result refused ({e})") from e
 
     def reset(self, worker_id: str) -> None:
-        self._client(worker_id).reset()
+        try:
+            self._client(worker_id).reset()
+        finally:  # what came back from it goes with the worker's work, answered or not
+            if self._feeds is not None:
+                self._feeds.reset(worker_id)
+
+    @property
+    def dropped_results(self) -> int:
+        """Results that came back from a worker, then went with its reset or departure."""
+        return 0 if self._feeds is None else self._feeds.dropped
+
+    def close(self, wait_s: float = 0.0) -> int:
+        """Stops polling the workers, waiting up to ``wait_s`` for the polls under way to end;
+        returns the results that came back and were never taken."""
+        return 0 if self._feeds is None else self._feeds.close(wait_s)
 
     def progress(self, worker_id: str) -> dict[str, list[SampleProgress]]:
         groups = self._client(worker_id).progress()

@@ -95,12 +95,24 @@ _REQUIRED = [f.name for f in dataclasses.fields(Snapshot) if f.name not in _OPTI
 
 
 def _groups_to_parquet(groups: list[dict[str, Any]]) -> bytes:
-    import pyarrow as pa  # (pyarrow loads on first use, not at start-up)
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # (pyarrow loads on first use, not at start-up)
 
     out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(groups), out)
+    pq.write_table(_table(groups), out)
     return out.getvalue()
+
+
+def _table(rows: list[dict[str, Any]]) -> Any:
+    """``rows`` as ``pyarrow.Table.from_pylist`` builds them (the first row's columns), typed
+    by the first row when every row fits its types: inferring the types from every value is
+    most of the time a snapshot of a large buffer or fleet takes to become a table."""
+    import pyarrow as pa  # (pyarrow loads on first use, not at start-up)
+
+    try:
+        schema = pa.Table.from_pylist(rows[:1]).schema
+        return pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in schema.names}, schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return pa.Table.from_pylist(rows)  # a row a first row's types do not fit (None, [])
 
 
 def _groups_from_parquet(data: bytes) -> list[dict[str, Any]]:

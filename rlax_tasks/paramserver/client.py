@@ -46,6 +46,22 @@ __all__ = ["ParameterServerClient", "VersionConflictError"]
 log = logging.getLogger(__name__)
 
 
+def heartbeats(beat: Any, interval_s: float, where: str) -> threading.Event:
+    """Calls ``beat()`` every ``interval_s`` on a daemon thread until the returned event is set;
+    a failed beat is a warning (the server forgets the worker only after its timeout)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            try:
+                beat()
+            except ParameterServerError as e:
+                log.warning("heartbeat %s failed: %s", where, e)
+
+    threading.Thread(target=loop, name="ps-heartbeat", daemon=True).start()
+    return stop
+
+
 class ParameterServerClient:
     """Client of one parameter server; thread-safe (each call opens its own connection)."""
 
@@ -121,18 +137,8 @@ class ParameterServerClient:
     def start_heartbeats(self, interval_s: float = 10.0) -> None:
         """Sends a heartbeat every ``interval_s`` on a daemon thread until ``close()``."""
         self._require_worker()
-        if self._heartbeat_stop is not None:
-            return
-        stop = self._heartbeat_stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(interval_s):
-                try:
-                    self.heartbeat()
-                except ParameterServerError as e:
-                    log.warning("heartbeat to %s failed: %s", self.url, e)
-
-        threading.Thread(target=loop, name="ps-heartbeat", daemon=True).start()
+        if self._heartbeat_stop is None:
+            self._heartbeat_stop = heartbeats(self.heartbeat, interval_s, f"to {self.url}")
 
     def close(self) -> None:
         """Stops heartbeats (the server forgets this worker after its timeout) and lets go of

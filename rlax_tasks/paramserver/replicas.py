@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from rlax_tasks.paramserver.assignment import failover_order
-from rlax_tasks.paramserver.client import ParameterServerClient
+from rlax_tasks.paramserver.client import ParameterServerClient, heartbeats
 from rlax_tasks.paramserver.errors import (
     CorruptedWeightsError,
     ParameterServerError,
@@ -176,18 +176,9 @@ class ReplicaClient:
 
     def start_heartbeats(self, interval_s: float = 10.0) -> None:
         """A heartbeat every ``interval_s`` to the replica in use, until ``close()``."""
-        if self._heartbeat_stop is not None:
-            return
-        stop = self._heartbeat_stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(interval_s):
-                try:
-                    self.heartbeat()
-                except ParameterServerError as e:
-                    log.warning("heartbeat of %s failed on every replica: %s", self.worker_id, e)
-
-        threading.Thread(target=loop, name="ps-heartbeat", daemon=True).start()
+        if self._heartbeat_stop is None:
+            where = f"of {self.worker_id} (every replica)"
+            self._heartbeat_stop = heartbeats(self.heartbeat, interval_s, where)
 
     def close(self) -> None:
         if self._heartbeat_stop is not None:

@@ -177,10 +177,27 @@ class WorkerClient:
         return self._call("POST", "/v1/groups", {"groups": list(groups)})["accepted"]
 
     def results(self, wait_s: float = 0.0, max_groups: int | None = None) -> list[dict[str, Any]]:
-        wait_s = min(max(wait_s, 0.0), MAX_WAIT_S)
-        query = f"?wait_s={wait_s}" + (f"&max_groups={max_groups}" if max_groups else "")
-        reply = self._call("GET", "/v1/results" + query, timeout_s=self.timeout_s + wait_s)
+        path = self.results_path(wait_s, max_groups)
+        reply = self._call(
+            "GET", path, timeout_s=self.timeout_s + min(max(wait_s, 0.0), MAX_WAIT_S)
+        )
         return reply["results"]
+
+    @staticmethod
+    def results_path(wait_s: float = 0.0, max_groups: int | None = None) -> str:
+        """The path and query ``results`` asks (for a caller that sends it its own way)."""
+        wait_s = min(max(wait_s, 0.0), MAX_WAIT_S)
+        return f"/v1/results?wait_s={wait_s}" + (f"&max_groups={max_groups}" if max_groups else "")
+
+    def results_answer(self, status: int, body: bytes) -> list[dict[str, Any]]:
+        """The groups of a ``results_path`` reply, or the error ``results`` raises for it."""
+        reply = Reply(status, body)
+        if status >= 300:
+            raise self._refused(reply, "GET /v1/results")
+        try:
+            return reply.json()["results"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConnectionError(f"worker {self.url}: unreadable results ({e})") from e
 
     def reset(self) -> int:
         return self._call("POST", "/v1/reset", {})["dropped"]

@@ -435,3 +435,28 @@ def test_replay_without_the_rollouts_file_is_a_clear_error(tmp_path):
     world.trainer.version = 1
     with pytest.raises(FileNotFoundError, match="step 2 again"):
         c.run(4, max_iterations=500)
+
+
+def test_a_malformed_answer_is_refused_and_nothing_else_is_affected(tmp_path):
+    """A worker answering a group with the wrong number of completions is refused whole: its
+    prompts go out again (to any worker), the other worker goes on, every step trains once."""
+    world = World()
+    original = world.pool.results
+    broken = {"w0": 1}
+
+    def results(worker_id):
+        out = original(worker_id)
+        if out and broken.get(worker_id):
+            broken[worker_id] -= 1
+            r = out[0]
+            out[0] = dataclasses.replace(r, completions=r.completions[:-1])  # one short
+        return out
+
+    world.pool.results = results
+    run_dir, c = trained(tmp_path, world, steps=4)
+    assert c.counters["malformed_results"] == 1 and c.counters["worker_failures"] == 1
+    assert world.pool.resets.count("w0") >= 2  # reset at start, then for its bad answer
+    lineage = read_lineage(run_dir)
+    assert [r["step"] for r in lineage] == [1, 2, 3, 4]
+    ids = [p for r in lineage for p in r["prompt_ids"]]
+    assert len(ids) == len(set(ids))  # no prompt trained twice
