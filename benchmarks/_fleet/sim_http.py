@@ -12,6 +12,8 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rlax_tasks.controller.result_feeds import read_headers
+
 log = logging.getLogger(__name__)
 
 # (method, path, query, headers, body) -> (status, JSON-able reply)
@@ -20,7 +22,6 @@ REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
            413: "Payload Too Large", 422: "Unprocessable Entity", 500: "Internal Server Error",
            503: "Service Unavailable"}  # fmt: skip
 MAX_BODY_BYTES = 16 << 20
-MAX_HEADER_LINES = 100
 
 
 class Endpoint:
@@ -99,13 +100,7 @@ async def _read_request(
     if not line:
         return None
     method, target, _ = line.decode("latin-1").split(" ", 2)
-    headers: dict[str, str] = {}
-    for _ in range(MAX_HEADER_LINES):
-        h = await reader.readline()
-        if h in (b"\r\n", b"\n", b""):
-            break
-        key, _, value = h.decode("latin-1").partition(":")
-        headers[key.strip().lower()] = value.strip()
+    headers = await read_headers(reader)
     length = int(headers.get("content-length", "0") or 0)
     if length > MAX_BODY_BYTES:
         raise ValueError(f"body of {length} bytes")

@@ -182,6 +182,19 @@ class ResultFeeds:
         return client.results_answer(status, body)
 
 
+async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
+    """The header lines of an HTTP message up to its blank line, keys lower-cased (at most
+    ``MAX_HEADER_LINES``)."""
+    headers: dict[str, str] = {}
+    for _ in range(MAX_HEADER_LINES):
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            break
+        key, _, value = line.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
+    return headers
+
+
 async def _read_reply(reader: asyncio.StreamReader, limit: int | None) -> tuple[int, bytes]:
     """(status, body) of an HTTP/1.1 reply (``Content-Length``, chunked, or to the end);
     ValueError for a malformed one or a body over ``limit`` bytes."""
@@ -190,13 +203,7 @@ async def _read_reply(reader: asyncio.StreamReader, limit: int | None) -> tuple[
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
         raise ValueError(f"not an HTTP reply: {status_line[:80]!r}")
     status = int(parts[1])
-    headers: dict[str, str] = {}
-    for _ in range(MAX_HEADER_LINES):
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            break
-        key, _, value = line.decode("latin-1").partition(":")
-        headers[key.strip().lower()] = value.strip()
+    headers = await read_headers(reader)
     limit = limit or 1 << 62
     if "content-length" in headers:
         length = int(headers["content-length"])

@@ -29,20 +29,9 @@ def _wait(predicate, timeout_s: float = 15.0, what: str = "") -> None:
 
 
 @pytest.fixture
-def fleet():
-    """start(upstreams=..., **config) -> a started server; all stopped at the end."""
-    servers: list[ParameterServer] = []
-
-    def start(**kw) -> ParameterServer:
-        kw.setdefault("token", TOKEN)
-        kw.setdefault("keep_versions", 2)
-        server = ParameterServer(ServerConfig(**kw)).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for s in servers:
-        s.stop()
+def fleet(make_server):
+    """start(upstreams=..., **config) -> a started server (no mirror); all stopped at the end."""
+    return lambda **kw: make_server(**{"run_root": None, **kw})
 
 
 def _replicas(fleet, n: int, relay: str = "star", **kw) -> list[ParameterServer]:
