@@ -22,7 +22,21 @@ def assign_replica(worker_index: int, replicas: int) -> int:
     return worker_index % replicas
 
 
-def failover_order(home: int, replicas: int) -> list[int]:
-    """Replica indices in the order a worker at ``home`` tries them: home, then the next ones
-    cyclically (so the workers of a dead replica spread over the others, not onto one)."""
-    return [(home + k) % replicas for k in range(replicas)]
+def failover_order(home: int, replicas: int, worker_index: int = 0) -> list[int]:
+    """Replica indices in the order a worker at ``home`` tries them: home, then the others
+    cyclically, starting ``worker_index // replicas`` places further on, so that the workers
+    of a dead replica spread evenly over the others rather than all onto the next one.
+
+    Args:
+        home: the worker's home replica (``assign_replica``).
+        replicas: how many replicas the run has.
+        worker_index: the worker's index in the run (0: plain cyclic order).
+
+    Returns:
+        Every replica index once, ``home`` first.
+    """
+    others = [(home + k) % replicas for k in range(1, replicas)]
+    if others:
+        turn = (worker_index // replicas) % len(others)
+        others = others[turn:] + others[:turn]
+    return [home, *others]

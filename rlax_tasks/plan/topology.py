@@ -194,7 +194,7 @@ def plan_topology(
         ))  # fmt: skip
     for i, wid in enumerate(wids):
         where = dict(zip(("slice", "hosts"), worker_place(cfg, i, worker_slices), strict=True))
-        order = failover_order(assign_replica(i, len(replicas)), len(replicas))
+        order = failover_order(assign_replica(i, len(replicas)), len(replicas), i)
         home, *others = [urls[replicas[r]] for r in order]
         jobs.append(
             Job(

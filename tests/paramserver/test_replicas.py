@@ -49,6 +49,9 @@ def test_assignment_is_even_and_failover_spreads_a_dead_replicas_workers():
     homes = [assign_replica(i, 3) for i in range(10)]
     assert sorted(homes.count(r) for r in range(3)) == [3, 3, 4]
     assert failover_order(1, 3) == [1, 2, 0]
+    # the workers of replica 1 (indices 1, 4, 7, 10 of 3 replicas) move to 2 and 0 in turn
+    assert [failover_order(1, 3, i)[1] for i in (1, 4, 7, 10)] == [2, 0, 2, 0]
+    assert failover_order(0, 1, 5) == [0]
     with pytest.raises(ValueError, match="replicas"):
         assign_replica(0, 0)
 
