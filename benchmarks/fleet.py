@@ -53,7 +53,7 @@ LEAVE_DELAY_S = 5.0  # a preempted worker leaves the workers file this long afte
 STATUS_EVERY_S = 5.0
 TOPOLOGIES = ("star", "chain", "root")
 # --quick: small enough for a test on two cores
-QUICK = dict(workers=32, replicas="1,2", seconds=15.0, version_bytes="128KiB", egress="4MiB",
+QUICK = dict(workers=32, replicas="1,2", seconds=12.0, version_bytes="128KiB", egress="4MiB",
              gen_median_s=0.5, churn_per_minute=1.0)  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a small CPU-friendly setting: 32 workers, replicas 1,2, 10 s",
+        help="a small CPU-friendly setting: 32 workers, replicas 1,2, 12 s each",
     )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--profile-controller", default=None, help=argparse.SUPPRESS)
@@ -445,7 +445,10 @@ def report_lines(results: list[dict[str, Any]]) -> list[str]:
                 else f"{_fmt(c['p50_ms'], 1)} / {_fmt(c['p99_ms'], 1)}, {_fmt(c['per_s'], 0)}/s"
             )
         w = r["at_workers"]
-        cells.append(f"{_fmt(w['wait_ms_p50'], 1)} / {_fmt(w['wait_ms_p99'], 1)}")
+        cells.append(
+            f"{_fmt(w['wait_ms_p50'], 1)} / {_fmt(w['wait_ms_p99'], 1)} (before a poll came: "
+            f"{_fmt(w['wait_for_poll_ms_p50'], 1)} / {_fmt(w['wait_for_poll_ms_p99'], 1)})"
+        )
         cells.append(", ".join(f"{k} {v:.0f}/s" for k, v in w["requests_per_s"].items()))
         lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     lines += ["", "## Snapshots, memory, steps"]

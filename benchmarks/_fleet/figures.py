@@ -126,18 +126,23 @@ def call_figures(calls: dict[str, list[float]], seconds: float) -> dict[str, dic
 
 def worker_side(hosts: Iterable[dict[str, Any]], seconds: float) -> dict[str, Any]:
     """What the workers saw: requests per second by path, and how long each finished group
-    waited at its worker until it was written to the controller (p50/p99/max in ms)."""
+    waited at its worker until it was written to the controller (p50/p99/max in ms), and of
+    that, before the controller's poll arrived."""
     hosts = list(hosts)
     requests: dict[str, int] = {}
     for h in hosts:
         for path, n in h["requests"].items():
             requests[path] = requests.get(path, 0) + n
     waits = [1000 * x for h in hosts for x in h["waits"]]
+    for_poll = [1000 * x for h in hosts for x in h["waits_for_poll"]]
     return {
         "requests_per_s": {k: v / seconds for k, v in sorted(requests.items())},
         "wait_ms_p50": percentile(waits, 50),
         "wait_ms_p99": percentile(waits, 99),
         "wait_ms_max": max(waits) if waits else None,
+        # of that wait, the part before the controller's long poll was there to take it
+        "wait_for_poll_ms_p50": percentile(for_poll, 50),
+        "wait_for_poll_ms_p99": percentile(for_poll, 99),
     }
 
 

@@ -122,10 +122,12 @@ class SimWorker:
         self.groups: dict[str, _Group] = {}
         # finished groups (when each finished, its JSON) until the controller takes them
         self.results: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
-        self.waits: list[float] = []  # seconds each handed-over group waited here
+        self.waits: list[float] = []  # seconds each handed-over group waited here ...
+        self.waits_for_poll: list[float] = []  # ... of them before the controller asked
         self.counts = Counts()
         self.routes: collections.Counter[str] = collections.Counter()  # requests by path
-        self._taken: dict[int, list[float]] = {}  # a results reply being written: finish times
+        # a results reply being written: when it was asked for, when its groups finished
+        self._taken: dict[int, tuple[float, list[float]]] = {}
         self.history: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
         self.joined, self.killed = joined, None
         self.endpoint = Endpoint(self._handle, self._sent)
@@ -335,7 +337,8 @@ class SimWorker:
             most = int(query.get("max_groups", MAX_GROUPS))
         except ValueError as e:
             return 422, {"detail": str(e)}
-        deadline = time.monotonic() + wait_s
+        asked = time.monotonic()
+        deadline = asked + wait_s
         while not self.results and time.monotonic() < deadline and not self.host.released:
             self._ready.clear()
             try:
@@ -347,19 +350,21 @@ class SimWorker:
             self.history[r["prompt_id"]].append((time.monotonic(), "handed over"))
         self.counts.popped += len(taken)
         reply = {"results": [r for _, r in taken]}
-        self._taken[id(reply)] = [t for t, _ in taken]
+        self._taken[id(reply)] = (asked, [t for t, _ in taken])
         return 200, reply
 
     def _sent(self, reply: Any, written: bool) -> None:
-        finished = self._taken.pop(id(reply), None)
-        if finished is None:
+        taken = self._taken.pop(id(reply), None)
+        if taken is None:
             return
+        asked, finished = taken
         if not written:  # the controller's poll went away first: these groups are lost
             self.counts.lost_in_transit += len(finished)
             return
         now = time.monotonic()
         self.counts.delivered += len(finished)
         self.waits.extend(now - t for t in finished)
+        self.waits_for_poll.extend(max(0.0, asked - t) for t in finished)
 
     def _progress(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -461,6 +466,7 @@ class WorkerHost:
             routes.update(w.routes)
         out["requests"] = dict(routes)  # requests the workers answered, by path
         out["waits"] = [x for w in self.workers.values() for x in w.waits]
+        out["waits_for_poll"] = [x for w in self.workers.values() for x in w.waits_for_poll]
         out["workers"] = {
             w.worker_id: {
                 "joined": w.joined,
