@@ -221,7 +221,7 @@ class SimWorker:
     # ------------------------------------------------------------------ generation
     async def _generate(self, g: _Group) -> None:
         s, req = self.settings, g.request
-        while self.held is None or self.held < req.min_version:  # reloads first (§3)
+        while self.held is None or self.held < req.min_version:  # reloads first (docs/design.md §3)
             await self._changed.wait()
         drawn = self.rng.integers(s.tokens_min, s.tokens_max + 1, req.group_size)
         g.lengths = [int(min(x, req.params.max_new_tokens)) for x in drawn]
