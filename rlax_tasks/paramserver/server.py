@@ -159,7 +159,8 @@ class _Server(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
-    request_queue_size = 64
+    # a fleet of workers pulling a new version at once (the kernel caps it at somaxconn)
+    request_queue_size = 1024
 
     def __init__(self, sock: socket.socket, handler: type) -> None:
         super().__init__(sock.getsockname(), handler, bind_and_activate=False)
