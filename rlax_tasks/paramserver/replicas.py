@@ -61,7 +61,6 @@ class ReplicaClient:
         self._active = home
         self._lock = threading.RLock()
         self._registered = False
-        self._away_since: float | None = None  # when this worker left its home replica
         self._last_home_try = 0.0
         self.failovers = 0
         self._heartbeat_stop: threading.Event | None = None
@@ -93,10 +92,8 @@ class ReplicaClient:
         self._clients[old].hand_over_base(new)
         self._active = index
         if index == self.home:
-            self._away_since = None
             log.info("worker %s back on its home replica %s", self.worker_id, new.url)
         else:
-            self._away_since = self._away_since or time.monotonic()
             self.failovers += 1
             log.warning(
                 "worker %s: replica %s %s; now on %s",
