@@ -27,26 +27,33 @@ class PartialRollouts:
         """Asks each worker in ``holders`` (worker -> the prompt ids it holds) what its groups
         hold now, all at once (slow answers delay a snapshot once, not once per worker); a
         worker that does not answer keeps its older records."""
-
-        def ask(worker: str) -> dict[str, Any] | None:
-            try:
-                return pool.progress(worker)
-            except WORKER_ERRORS as e:  # busy (a compile) or down: the older records stand
-                log.info("no progress report from worker %s (%s)", worker, e)
-                return None
-
         workers = list(holders)
         if not workers:
             return
-        threads = min(len(workers), GATHER_THREADS)
-        with ThreadPoolExecutor(threads, thread_name_prefix="rlax-progress") as executor:
-            reports = list(executor.map(ask, workers))
-        for worker, report in zip(workers, reports, strict=True):
-            if not report:
+        for worker, report in self._ask(pool, workers).items():
+            if isinstance(report, Exception):  # busy (a compile) or down: older records stand
+                log.info("no progress report from worker %s (%s)", worker, report)
                 continue
             for prompt_id in holders[worker]:
                 if report.get(prompt_id):
                     self._held[prompt_id] = list(report[prompt_id])
+
+    @staticmethod
+    def _ask(pool: WorkerPool, workers: list[str]) -> dict[str, Any]:
+        """Per worker, its progress report or the error it met: through the pool's own
+        ``progress_many`` when it has one (one event loop), else from a few threads."""
+        if hasattr(pool, "progress_many"):
+            return pool.progress_many(workers)
+
+        def ask(worker: str) -> Any:
+            try:
+                return pool.progress(worker)
+            except WORKER_ERRORS as e:
+                return e
+
+        threads = min(len(workers), GATHER_THREADS)
+        with ThreadPoolExecutor(threads, thread_name_prefix="rlax-progress") as executor:
+            return dict(zip(workers, executor.map(ask, workers), strict=True))
 
     def resume(self, prompt_id: str, min_version: int) -> tuple[SampleProgress, ...]:
         """The records to issue ``prompt_id`` with, still held until its group comes back (a

@@ -46,6 +46,9 @@ class WorkerPool(Protocol):
         and the tokens of those in flight); raises a WORKER_ERRORS on failure."""
         ...
 
+    # A pool may also offer ``progress_many(worker_ids) -> {worker: report or error}``, asking
+    # them all at once; the controller's snapshot uses it when there (controller/partials.py).
+
 
 class Scorer(Protocol):
     """Verifier verdicts: one list of G scores per (prompt, result) pair; a score is a reward

@@ -6,7 +6,9 @@ threads asking at once share one interpreter. A thread per worker waiting in a l
 nothing idle, but a thousand of them waking together starve the controller's own thread. So one
 event loop, on a thread of its own, keeps a long poll open at every worker
 (``GET /v1/results?wait_s``) and keeps what comes back until the controller takes it: requests
-follow the results, not the rounds, and the controller's rounds ask no worker anything."""
+follow the results, not the rounds, and the controller's rounds ask no worker anything. A
+snapshot's question to every worker holding work (its progress) goes out on the same loop, all
+at once (``get_many``), not from a pool of threads sharing the interpreter."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 WAIT_S = 20.0  # one long poll at a worker (it answers at once when results are ready)
 RETRY_S = (0.25, 5.0)  # after a failed poll: the first wait, doubled up to the second
 MAX_HEADER_LINES = 100
+ASK_AT_ONCE = 256  # requests of one ``get_many`` open at a time
 
 
 class _Feed:
@@ -153,6 +156,17 @@ class ResultFeeds:
 
     async def _poll(self, client: Any) -> list[dict[str, Any]]:
         """One ``GET /v1/results`` long poll, as ``WorkerClient.results`` asks it."""
+        # each poll's wait drawn anew: a fleet's polls, started together, end apart
+        wait_s = self.wait_s * random.uniform(0.5, 1.0)
+        path = client.results_path(wait_s)
+        status, body = await self._get(client, path, client.timeout_s + wait_s, "results poll")
+        return client.results_answer(status, body)
+
+    async def _get(
+        self, client: Any, path: str, timeout_s: float, what: str
+    ) -> tuple[int, bytes]:
+        """(status, body) of one ``GET path`` at ``client``'s worker, with its token;
+        ConnectionError when it cannot be reached or its answer cannot be read."""
         endpoint = client.endpoint
         if endpoint.fixed:
             host, port = endpoint.host_port()
@@ -165,21 +179,43 @@ class ResultFeeds:
         except (OSError, TimeoutError) as e:
             raise ConnectionError(f"worker {client.url} unreachable: {e!r}") from e
         try:
-            # each poll's wait drawn anew: a fleet's polls, started together, end apart
-            wait_s = self.wait_s * random.uniform(0.5, 1.0)
-            path = client.results_path(wait_s)
             headers = "".join(f"{k}: {v}\r\n" for k, v in client.http.headers().items())
             request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{headers}"
             writer.write((request + "Connection: close\r\n\r\n").encode("latin-1"))
             limit = client.http.max_reply_bytes
-            status, body = await asyncio.wait_for(
-                _read_reply(reader, limit), client.timeout_s + wait_s
-            )
+            return await asyncio.wait_for(_read_reply(reader, limit), timeout_s)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
-            raise ConnectionError(f"worker {client.url}: results poll failed: {e!r}") from e
+            raise ConnectionError(f"worker {client.url}: {what} failed: {e!r}") from e
         finally:
             writer.close()
-        return client.results_answer(status, body)
+
+    # ------------------------------------------------------------------ one request to many
+    def get_many(
+        self, calls: dict[str, tuple[Any, str, float]], at_once: int = ASK_AT_ONCE
+    ) -> dict[str, tuple[int, bytes] | Exception]:
+        """Per worker id, ``(client, path, timeout_s)`` asked on the loop, ``at_once`` at a
+        time: its (status, body), or the ConnectionError it met. Blocks until all are in."""
+
+        async def ask_all() -> list[tuple[int, bytes] | BaseException]:
+            gate = asyncio.Semaphore(at_once)
+
+            async def ask(client: Any, path: str, timeout_s: float) -> tuple[int, bytes]:
+                async with gate:
+                    return await self._get(client, path, timeout_s, f"GET {path}")
+
+            return await asyncio.gather(
+                *(ask(*call) for call in calls.values()), return_exceptions=True
+            )
+
+        if not calls:
+            return {}
+        answers = asyncio.run_coroutine_threadsafe(ask_all(), self._loop).result()
+        out: dict[str, tuple[int, bytes] | Exception] = {}
+        for worker_id, answer in zip(calls, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer  # (cancelled: the feeds are closing)
+            out[worker_id] = answer
+        return out
 
 
 async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:

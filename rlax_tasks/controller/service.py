@@ -16,7 +16,7 @@ from typing import Any
 
 from rlax_tasks.controller.controller import Controller
 from rlax_tasks.controller.mixture import Prompt, PromptMixture, SyntheticPrompts
-from rlax_tasks.controller.ports import ScorerError, WorkerError
+from rlax_tasks.controller.ports import WORKER_ERRORS, ScorerError, WorkerError
 from rlax_tasks.controller.result_feeds import ResultFeeds
 from rlax_tasks.controller.settings import ControllerSettings
 from rlax_tasks.data.prompts import PromptRenderer
@@ -25,7 +25,7 @@ from rlax_tasks.rewards.sandbox import SandboxError
 from rlax_tasks.rewards.scoring import score_completions
 from rlax_tasks.rewards.tasks import Problem
 from rlax_tasks.rollout.requests import GroupRequest, GroupResult, SampleProgress
-from rlax_tasks.rollout.service import MAX_GROUP_SIZE, WorkerClient
+from rlax_tasks.rollout.service import MAX_GROUP_SIZE, PROGRESS_PATH, WorkerClient
 from rlax_tasks.rundir import storage
 
 
@@ -123,16 +123,47 @@ class HttpWorkerPool:
         return 0 if self._feeds is None else self._feeds.close(wait_s)
 
     def progress(self, worker_id: str) -> dict[str, list[SampleProgress]]:
-        groups = self._client(worker_id).progress()
-        try:
-            return {
-                str(g["prompt_id"]): [
-                    SampleProgress.from_dict(r, MAX_GROUP_SIZE, sys.maxsize) for r in g["samples"]
-                ]
-                for g in groups
-            }
-        except (KeyError, TypeError, ValueError) as e:  # another version's worker?
-            raise WorkerError(f"worker {worker_id}: unreadable progress report ({e})") from e
+        client = self._client(worker_id)
+        return _progress_report(worker_id, client.progress())
+
+    def progress_many(
+        self, worker_ids: Sequence[str]
+    ) -> dict[str, dict[str, list[SampleProgress]] | Exception]:
+        """``progress`` of every worker in ``worker_ids``, asked at once on the result feeds'
+        event loop: per worker, its report or the ``WORKER_ERRORS`` error it met."""
+        self._refresh()
+        calls = {
+            w: (self._clients[w], PROGRESS_PATH, self._clients[w].progress_timeout_s)
+            for w in worker_ids
+            if w in self._clients
+        }
+        out: dict[str, dict[str, list[SampleProgress]] | Exception] = {
+            w: WorkerError(f"worker {w} left the fleet") for w in worker_ids if w not in calls
+        }
+        if calls:
+            answers = self._feeds.get_many(calls)
+            for w, answer in answers.items():
+                try:
+                    if isinstance(answer, Exception):
+                        raise answer
+                    out[w] = _progress_report(w, self._clients[w].progress_answer(*answer))
+                except WORKER_ERRORS as e:
+                    out[w] = e
+        return out
+
+
+def _progress_report(worker_id: str, groups: Any) -> dict[str, list[SampleProgress]]:
+    """A worker's progress answer ([{"prompt_id", "samples"}]) as records per prompt id;
+    WorkerError when it cannot be read."""
+    try:
+        return {
+            str(g["prompt_id"]): [
+                SampleProgress.from_dict(r, MAX_GROUP_SIZE, sys.maxsize) for r in g["samples"]
+            ]
+            for g in groups
+        }
+    except (KeyError, TypeError, ValueError) as e:  # another version's worker?
+        raise WorkerError(f"worker {worker_id}: unreadable progress report ({e})") from e
 
 
 class RewardScorer:

@@ -38,6 +38,7 @@ MAX_GROUP_SIZE = 1024  # completions of one prompt
 MAX_REPLY_BYTES = 1 << 30  # a worker's answer the controller reads (results, progress)
 MAX_SAMPLES = 65536  # completions in one submission
 GRACEFUL_S = 2.0  # requests still open this long after a SIGTERM are cancelled
+PROGRESS_PATH = "/v1/progress"
 PROGRESS_WAIT_S = 2.0  # GET /v1/progress waits this long for the generation thread (a
 # busy one, compiling, is asked again at the next snapshot: the records it had stand)
 
@@ -102,7 +103,7 @@ def create_app(worker: InferenceWorker, token: str, max_body_bytes: int = MAX_BO
             raise HTTPException(500, str(e)) from e
         return {"results": [r.to_dict() for r in done]}
 
-    @app.get("/v1/progress")
+    @app.get(PROGRESS_PATH)
     def progress() -> dict:
         try:  # (a worker thread: the generation thread answers between two steps)
             groups = worker.progress(timeout_s=PROGRESS_WAIT_S)
@@ -191,21 +192,34 @@ class WorkerClient:
 
     def results_answer(self, status: int, body: bytes) -> list[dict[str, Any]]:
         """The groups of a ``results_path`` reply, or the error ``results`` raises for it."""
+        return self._answer(status, body, "results")
+
+    def _answer(self, status: int, body: bytes, key: str) -> list[dict[str, Any]]:
+        """``key`` of a reply read by the caller's own transport (``results``, ``groups``)."""
         reply = Reply(status, body)
         if status >= 300:
-            raise self._refused(reply, "GET /v1/results")
+            raise self._refused(reply, f"GET /v1/{key}")
         try:
-            return reply.json()["results"]
+            return reply.json()[key]
         except (ValueError, KeyError, TypeError) as e:
-            raise ConnectionError(f"worker {self.url}: unreadable results ({e})") from e
+            raise ConnectionError(f"worker {self.url}: unreadable {key} ({e})") from e
 
     def reset(self) -> int:
         return self._call("POST", "/v1/reset", {})["dropped"]
 
     def progress(self) -> list[dict[str, Any]]:
         """What the worker's unfinished groups hold so far: [{"prompt_id", "samples"}]."""
-        reply = self._call("GET", "/v1/progress", timeout_s=self.timeout_s + PROGRESS_WAIT_S)
+        reply = self._call("GET", PROGRESS_PATH, timeout_s=self.progress_timeout_s)
         return reply["groups"]
+
+    @property
+    def progress_timeout_s(self) -> float:
+        """How long a progress request may take (the worker waits for its generation thread)."""
+        return self.timeout_s + PROGRESS_WAIT_S
+
+    def progress_answer(self, status: int, body: bytes) -> list[dict[str, Any]]:
+        """The groups of a ``PROGRESS_PATH`` reply, or the error ``progress`` raises for it."""
+        return self._answer(status, body, "groups")
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
