@@ -72,8 +72,9 @@ class SimScorer:
 
 def timed_pool_class() -> type:
     """``HttpWorkerPool`` with every call the controller makes timed (seconds per call, by
-    kind: submit, reset and progress are requests to a worker; results takes what the
-    worker's feed brought back) and the groups it handed to the controller counted."""
+    kind: submit, reset and progress are requests to a worker, progress_many a snapshot's
+    questions to every holder at once; results takes what the worker's feed brought back)
+    and the groups it handed to the controller counted."""
     from rlax_tasks.controller.service import HttpWorkerPool
 
     class TimedPool(HttpWorkerPool):
@@ -82,7 +83,7 @@ def timed_pool_class() -> type:
             self.seconds: dict[str, list[float]] = collections.defaultdict(list)
             self.failed: collections.Counter[str] = collections.Counter()
             self.received = 0  # groups handed back by results()
-            self._lock = threading.Lock()  # progress() runs on the snapshot's threads
+            self._lock = threading.Lock()  # (a thread-safe record)
 
         def _timed(self, kind: str, call: Any) -> Any:
             t0 = time.perf_counter()
@@ -110,6 +111,10 @@ def timed_pool_class() -> type:
 
         def progress(self, worker_id: str) -> Any:
             return self._timed("progress", lambda: super(TimedPool, self).progress(worker_id))
+
+        def progress_many(self, worker_ids: Any) -> Any:
+            many = super().progress_many
+            return self._timed("progress_many", lambda: many(worker_ids))
 
     return TimedPool
 

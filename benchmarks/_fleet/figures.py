@@ -108,9 +108,11 @@ def initial_broadcast(
 
 def call_figures(calls: dict[str, list[float]], seconds: float) -> dict[str, dict[str, Any]]:
     """Per kind of pool call (and the requests to workers together: submit, reset, progress;
-    results sends none): count, per second, p50/p99/max in ms."""
+    results sends none, and progress_many, a snapshot's questions to every holder at once, is
+    one call per snapshot, timed with it): count, per second, p50/p99/max in ms."""
     kinds = dict(calls)
-    kinds["requests"] = [x for k, v in calls.items() if k != "results" for x in v]
+    batches = ("results", "progress_many")
+    kinds["requests"] = [x for k, v in calls.items() if k not in batches for x in v]
     out = {}
     for kind, values in kinds.items():
         ms = [1000 * v for v in values]

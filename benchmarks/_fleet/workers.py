@@ -496,28 +496,25 @@ def host_main(conn: Any, settings: WorkerSettings) -> None:
     asyncio.set_event_loop(loop)
     host = WorkerHost(settings, loop)
 
+    def stop() -> Any:
+        reply = host.report()
+        for w in host.workers.values():
+            if w.killed is None:
+                w.endpoint.close()
+                w._stop.set()
+        loop.call_soon(loop.stop)
+        return reply
+
+    commands = {
+        "find": host.find, "release": host.release, "pull": host.pull_all, "kill": host.kill,
+        "stats": host.stats, "report": host.report, "stop": stop,
+    }  # fmt: skip
+
     async def answer(command: str, args: tuple) -> None:
         if command == "spawn":
             reply: Any = await host.spawn(*args)
-        elif command == "find":
-            reply = host.find(*args)
-        elif command == "release":
-            reply = host.release()
-        elif command == "pull":
-            reply = host.pull_all()
-        elif command == "kill":
-            reply = host.kill(*args)
-        elif command == "stats":
-            reply = host.stats()
-        elif command == "report":
-            reply = host.report()
-        elif command == "stop":
-            reply = host.report()
-            for w in host.workers.values():
-                if w.killed is None:
-                    w.endpoint.close()
-                    w._stop.set()
-            loop.call_soon(loop.stop)
+        elif command in commands:
+            reply = commands[command](*args)
         else:
             reply = ValueError(f"unknown command {command!r}")
         conn.send(reply)

@@ -23,7 +23,7 @@ from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.models import load_pretrained
 from rlax_tasks.rundir import notices
 from tests.conftest import TEST_XLA_FLAGS
-from tests.run.test_local_run import read_jsonl, small_config
+from tests.run.test_local_run import read_jsonl, small_config, steps_trained
 
 STEPS = 6
 COLOCATED = {
@@ -50,13 +50,6 @@ def _env() -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
-def _steps_done(run_dir: str) -> int:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return 0
-    return max((r["step"] for r in read_jsonl(path)), default=0)
-
-
 def _run(
     config_path: str, log_path: str, kill_after: int | None = None, steps: int = STEPS
 ) -> int | None:
@@ -67,10 +60,10 @@ def _run(
         proc = subprocess.Popen(_command(config_path, steps), stdout=log, stderr=log, env=_env())
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
-            if kill_after is not None and _steps_done(cfg.run_dir) >= kill_after:
+            if kill_after is not None and steps_trained(cfg.run_dir) >= kill_after:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
-                return _steps_done(cfg.run_dir)
+                return steps_trained(cfg.run_dir)
             time.sleep(0.02)
         if proc.poll() is None:
             proc.kill()

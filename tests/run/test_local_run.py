@@ -16,7 +16,6 @@ from rlax_tasks.config import load_config
 from rlax_tasks.controller import SnapshotStore, read_rollouts
 from rlax_tasks.evaluation.checkpoints import mirror_arrays
 from rlax_tasks.run.local_run import run_local
-from rlax_tasks.rundir import storage
 from tests.conftest import TEST_XLA_FLAGS
 from tests.tiny_model import save_char_model
 
@@ -51,6 +50,14 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def steps_trained(run_dir: str) -> int:
+    """The last step the run's metrics.jsonl records (0 before the first): a kill hook's clock."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return max((r["step"] for r in read_jsonl(path)), default=0)
+
+
 @pytest.mark.slow
 def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monkeypatch):
     """kill -9 of the trainer, the controller, a worker and the parameter server, then of a
@@ -63,7 +70,6 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     # distribution over the ids the workers' top-k kept (sampling-mask replay)
     sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5}
     cfg = small_config(tmp_path, **{"eval.every_steps": 10, **sampling})
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     scripted = ["trainer", "controller", "worker-0", "ps"]
     rng = random.Random(7)
     names = ["ps", "trainer", "controller", "worker-0", "worker-1"]
@@ -73,9 +79,9 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     steps = 40
 
     def hook(sup):
-        if len(killed) >= 10 or not os.path.exists(metrics_path):
+        if len(killed) >= 10:
             return
-        done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
+        done = steps_trained(cfg.run_dir)
         if done > (killed[-1][0] if killed else 1) and done < steps:
             name = scripted[len(killed)] if len(killed) < len(scripted) else rng.choice(names)
             sup.kill(name)
@@ -102,9 +108,9 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     assert all(0 <= r["pass@1"] <= r["pass@8"] <= 1 for r in progress)
     times = [r["seconds"] for r in progress if r["seconds"] is not None]
     assert times == sorted(times) and len(times) >= 3
-    assert all("time" in r for r in read_jsonl(metrics_path))
+    assert all("time" in r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")))
     # trainer and sampler agree on the sampled tokens' log-probs (f32 both; ~0.1 at T 1)
-    rows = read_jsonl(metrics_path)
+    rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
     assert max(r["logprob_mismatch_p95"] for r in rows) < 1e-3
     assert all(r["support_replayed_frac"] == 1.0 for r in rows)
 
@@ -293,14 +299,11 @@ def test_lockstep_prompt_sequence_after_kills_equals_an_uninterrupted_run(tmp_pa
     reference = small_config(tmp_path / "a", **lockstep)
     run_local(reference, steps=6, evaluate=False)
     cfg = small_config(tmp_path / "b", **lockstep)
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     schedule = [(2, "controller"), (3, "trainer"), (4, "worker-1")]
 
     def hook(sup):
-        if schedule and os.path.exists(metrics_path):
-            done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
-            if done >= schedule[0][0]:
-                sup.kill(schedule.pop(0)[1])
+        if schedule and steps_trained(cfg.run_dir) >= schedule[0][0]:
+            sup.kill(schedule.pop(0)[1])
 
     run_local(cfg, steps=6, evaluate=False, supervisor_hook=hook)
     assert not schedule

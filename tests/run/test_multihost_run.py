@@ -14,10 +14,9 @@ from safetensors.numpy import load_file
 
 from rlax_tasks.cli import main
 from rlax_tasks.run.local_run import run_local
-from rlax_tasks.rundir import storage
 from rlax_tasks.trainer.checkpointing import is_complete_checkpoint
 from tests.conftest import TEST_XLA_FLAGS
-from tests.run.test_local_run import read_jsonl, small_config
+from tests.run.test_local_run import read_jsonl, small_config, steps_trained
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +53,11 @@ def test_two_trainer_hosts_match_one_and_survive_a_host_kill(tmp_path, monkeypat
         **LOCKSTEP,
         **{"trainer.hosts": 2, "placement.trainer": [0, 1, 2, 3]},
     )
-    metrics_path = os.path.join(two.run_dir, "metrics.jsonl")
     killed: list[int] = []
 
     def kill_host_1_after_step_3(sup):
-        if killed or not os.path.exists(metrics_path):
-            return
-        done = max((r["step"] for r in storage.read_jsonl(metrics_path)), default=0)
-        if done >= 3:
+        done = steps_trained(two.run_dir)
+        if not killed and done >= 3:
             sup.kill("trainer-host1")
             killed.append(done)
 

@@ -11,9 +11,8 @@ import re
 import pytest
 
 from rlax_tasks.run.local_run import run_local
-from rlax_tasks.rundir import storage
 from tests.conftest import TEST_XLA_FLAGS
-from tests.run.test_local_run import read_jsonl, small_config
+from tests.run.test_local_run import read_jsonl, small_config, steps_trained
 
 LOADED = re.compile(r"worker loaded weights v(\d+)")
 FAILED_OVER = re.compile(r"worker (worker-\d+): replica (\S+) failed .*; now on (\S+)")
@@ -37,14 +36,11 @@ def test_three_replicas_serve_every_worker_and_a_killed_one_loses_nothing(tmp_pa
         **{"workers.count": 3, "paramserver.replicas": 3, "staleness.reload_every": 1,
            "staleness.max_staleness": 2},
     )  # fmt: skip
-    metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
     killed_at: list[int] = []
 
     def hook(sup):
-        if killed_at or not os.path.exists(metrics):
-            return
-        done = max((r["step"] for r in storage.read_jsonl(metrics)), default=0)
-        if done >= 3:
+        done = steps_trained(cfg.run_dir)
+        if not killed_at and done >= 3:
             sup.kill("ps-1")  # SIGKILL: no deregistration, as a preempted host
             sup.stop(["ps-1"])  # and not restarted: its workers must move
             killed_at.append(done)
