@@ -4,17 +4,32 @@ worker, a restarted run), so tokens already generated are not generated again.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlax_tasks.controller.ports import WORKER_ERRORS, WorkerPool
+from rlax_tasks.controller.ports import WORKER_ERRORS, LateAnswer, WorkerPool
 from rlax_tasks.rollout.requests import SampleProgress
 
 log = logging.getLogger(__name__)
 
-GATHER_THREADS = 32  # workers asked at once for their progress at a snapshot
+GATHER_THREADS = 32  # workers asked at once for their progress at a snapshot (without a loop)
+# how long a snapshot waits for its workers' answers over the network: one still busy past it (a
+# compile, a long decode chunk, a starved host) keeps its older records, and the controller's
+# rounds go on (a snapshot of a thousand workers in flight commits within a second)
+GATHER_DEADLINE_S = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherReport:
+    """How a snapshot's question went: workers asked, answered, too late, failed."""
+
+    asked: int = 0
+    answered: int = 0
+    late: int = 0
+    failed: int = 0
 
 
 class PartialRollouts:
@@ -23,27 +38,43 @@ class PartialRollouts:
     def __init__(self) -> None:
         self._held: dict[str, list[SampleProgress]] = {}
 
-    def gather(self, pool: WorkerPool, holders: dict[str, Iterable[str]]) -> None:
+    def gather(
+        self,
+        pool: WorkerPool,
+        holders: dict[str, Iterable[str]],
+        deadline_s: float = GATHER_DEADLINE_S,
+    ) -> GatherReport:
         """Asks each worker in ``holders`` (worker -> the prompt ids it holds) what its groups
-        hold now, all at once (slow answers delay a snapshot once, not once per worker); a
-        worker that does not answer keeps its older records."""
+        hold now, all at once, waiting at most ``deadline_s``; a worker that does not answer by
+        then keeps its older records."""
         workers = list(holders)
         if not workers:
-            return
-        for worker, report in self._ask(pool, workers).items():
+            return GatherReport()
+        late = failed = 0
+        for worker, report in self._ask(pool, workers, deadline_s).items():
             if isinstance(report, Exception):  # busy (a compile) or down: older records stand
-                log.info("no progress report from worker %s (%s)", worker, report)
+                late += isinstance(report, LateAnswer)
+                failed += not isinstance(report, LateAnswer)
+                log.debug("no progress report from worker %s (%s)", worker, report)
                 continue
             for prompt_id in holders[worker]:
                 if report.get(prompt_id):
                     self._held[prompt_id] = list(report[prompt_id])
+        out = GatherReport(len(workers), len(workers) - late - failed, late, failed)
+        if late or failed:
+            log.info(
+                "progress of %d workers: %d answered, %d not within %.1f s, %d failed (their "
+                "older records stand)", out.asked, out.answered, late, deadline_s, failed,
+            )  # fmt: skip
+        return out
 
     @staticmethod
-    def _ask(pool: WorkerPool, workers: list[str]) -> dict[str, Any]:
+    def _ask(pool: WorkerPool, workers: list[str], deadline_s: float) -> dict[str, Any]:
         """Per worker, its progress report or the error it met: through the pool's own
-        ``progress_many`` when it has one (one event loop), else from a few threads."""
+        ``progress_many`` when it has one (workers over the network, asked from one event loop
+        until the deadline), else from a few threads (workers in this process: all answer)."""
         if hasattr(pool, "progress_many"):
-            return pool.progress_many(workers)
+            return pool.progress_many(workers, deadline_s)
 
         def ask(worker: str) -> Any:
             try:

@@ -16,6 +16,10 @@ class WorkerError(RuntimeError):
     """A worker failed (adapters raise it, or ConnectionError / TimeoutError / OSError)."""
 
 
+class LateAnswer(TimeoutError):
+    """A worker had not answered when the caller's deadline passed (its request was cut)."""
+
+
 class ScorerError(RuntimeError):
     """The scorer (verifier) failed; the groups are kept and scored again later."""
 
@@ -46,8 +50,10 @@ class WorkerPool(Protocol):
         and the tokens of those in flight); raises a WORKER_ERRORS on failure."""
         ...
 
-    # A pool may also offer ``progress_many(worker_ids) -> {worker: report or error}``, asking
-    # them all at once; the controller's snapshot uses it when there (controller/partials.py).
+    # A pool may also offer ``progress_many(worker_ids, deadline_s) -> {worker: report or
+    # error}``, asking them all at once and giving up on those that have not answered by the
+    # deadline (``LateAnswer``); the controller's snapshot uses it when there
+    # (controller/partials.py).
 
 
 class Scorer(Protocol):

@@ -20,7 +20,7 @@ import random
 import threading
 from typing import Any
 
-from rlax_tasks.controller.ports import WORKER_ERRORS
+from rlax_tasks.controller.ports import WORKER_ERRORS, LateAnswer
 from rlax_tasks.services.http import backoff_s
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,14 @@ class ResultFeeds:
 
     # ------------------------------------------------------------------ one request to many
     def get_many(
-        self, calls: dict[str, tuple[Any, str, float]], at_once: int = ASK_AT_ONCE
+        self,
+        calls: dict[str, tuple[Any, str, float]],
+        at_once: int = ASK_AT_ONCE,
+        deadline_s: float | None = None,
     ) -> dict[str, tuple[int, bytes] | Exception]:
         """Per worker id, ``(client, path, timeout_s)`` asked on the loop, ``at_once`` at a
-        time: its (status, body), or the ConnectionError it met. Blocks until all are in."""
+        time: its (status, body), or the ConnectionError it met, or ``LateAnswer`` when it had
+        not answered within ``deadline_s`` of the call (None: no deadline)."""
 
         async def ask_all() -> list[tuple[int, bytes] | BaseException]:
             gate = asyncio.Semaphore(at_once)
@@ -203,9 +207,15 @@ class ResultFeeds:
                 async with gate:
                     return await self._get(client, path, timeout_s, f"GET {path}")
 
-            return await asyncio.gather(
-                *(ask(*call) for call in calls.values()), return_exceptions=True
-            )
+            tasks = [asyncio.ensure_future(ask(*call)) for call in calls.values()]
+            _, late = await asyncio.wait(tasks, timeout=deadline_s)
+            for task in late:
+                task.cancel()
+            answers = await asyncio.gather(*tasks, return_exceptions=True)
+            return [
+                LateAnswer(f"no answer within {deadline_s} s") if task in late else answer
+                for task, answer in zip(tasks, answers, strict=True)
+            ]
 
         if not calls:
             return {}

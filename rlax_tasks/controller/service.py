@@ -127,10 +127,11 @@ class HttpWorkerPool:
         return _progress_report(worker_id, client.progress())
 
     def progress_many(
-        self, worker_ids: Sequence[str]
+        self, worker_ids: Sequence[str], deadline_s: float | None = None
     ) -> dict[str, dict[str, list[SampleProgress]] | Exception]:
         """``progress`` of every worker in ``worker_ids``, asked at once on the result feeds'
-        event loop: per worker, its report or the ``WORKER_ERRORS`` error it met."""
+        event loop: per worker, its report or the ``WORKER_ERRORS`` error it met (``LateAnswer``
+        past ``deadline_s``)."""
         self._refresh()
         calls = {
             w: (self._clients[w], PROGRESS_PATH, self._clients[w].progress_timeout_s)
@@ -141,7 +142,7 @@ class HttpWorkerPool:
             w: WorkerError(f"worker {w} left the fleet") for w in worker_ids if w not in calls
         }
         if calls:
-            answers = self._feeds.get_many(calls)
+            answers = self._feeds.get_many(calls, deadline_s=deadline_s)
             for w, answer in answers.items():
                 try:
                     if isinstance(answer, Exception):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from rlax_tasks.controller.partials import PartialRollouts
-from rlax_tasks.controller.ports import WorkerError
+from rlax_tasks.controller.ports import LateAnswer, WorkerError
 from rlax_tasks.controller.service import HttpWorkerPool
 
 SAMPLE = {"sample": 0, "tokens": [5, 6], "logprobs": [-0.5, -0.25], "versions": [3, 3]}
@@ -23,8 +24,9 @@ class _Workers:
     body). Every progress request waits at a barrier of all ``n``: it passes only if the
     requests are open at the same time (asked one by one, the first times out)."""
 
-    def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=20)
+    def __init__(self, n: int, hung: tuple[int, ...] = ()) -> None:
+        self.barrier = threading.Barrier(n - len(hung), timeout=20)
+        self.hung = hung  # these answer only after 5 s, without the barrier
         self.answers: dict[int, tuple[int, bytes]] = {}
         self.servers = [self._serve(i) for i in range(n)]
 
@@ -35,6 +37,8 @@ class _Workers:
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.startswith("/v1/results"):  # the feeds' long poll: nothing yet
                     status, body = 200, b'{"results": []}'
+                elif i in workers.hung:
+                    time.sleep(5.0)
                 else:
                     workers.barrier.wait()
                     status, body = workers.answers[i]
@@ -116,3 +120,19 @@ def test_a_snapshot_gather_keeps_older_records_of_workers_that_fail(tmp_path, wo
         pool.close()
     assert [r.tokens for r in partials.resume("p0", 0)] == [(5, 6)]
     assert [r.tokens for r in partials.resume("p3", 0)] == [(9,)]  # kept: w3 did not answer
+
+
+def test_a_snapshot_waits_for_no_worker_past_its_deadline(tmp_path):
+    """A worker that has not answered by the deadline is cut off (``LateAnswer``) and keeps its
+    older records; the others' answers are taken; the report counts both."""
+    workers = _Workers(3, hung=(2,))
+    workers.answers = {i: _report(f"p{i}") for i in range(3)}
+    pool = _pool(tmp_path, {f"w{i}": workers.url(i) for i in range(3)})
+    try:
+        report = PartialRollouts().gather(pool, {f"w{i}": [f"p{i}"] for i in range(3)}, 1.0)
+        assert (report.asked, report.answered, report.late, report.failed) == (3, 2, 1, 0)
+        answers = pool.progress_many(["w0", "w1", "w2"], deadline_s=1.0)
+        assert isinstance(answers["w2"], LateAnswer) and answers["w0"]["p0"]
+    finally:
+        pool.close()
+        workers.close()
