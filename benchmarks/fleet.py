@@ -57,63 +57,46 @@ QUICK = dict(workers=32, replicas="1,2", seconds=12.0, version_bytes="128KiB", e
              gen_median_s=0.5, churn_per_minute=1.0)  # fmt: skip
 
 
+# the command line, as data: (flag, argparse keywords)
+OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--workers", dict(type=int, default=1024, help="simulated inference workers")),
+    ("--replicas", dict(default="1,4", help="replica counts to run, one after another")),
+    ("--topology", dict(default="star", help="comma-separated, for runs of more than one "
+        "replica: replicas r>0 relay from replica 0 (star) or from r-1 (chain); root: a star "
+        "whose replica 0 serves only the other replicas, the workers being spread over those")),
+    ("--seconds", dict(type=float, default=150.0, help="controller time per run")),
+    ("--minutes", dict(type=float, default=None, help="the same in minutes")),
+    ("--version-bytes", dict(default="256KiB", help="bytes of one weight version")),
+    ("--egress", dict(default="16MiB", help="bytes/s each replica's link sends (keep replicas "
+        "x egress well below what the machine moves over loopback, or the figures measure the "
+        "CPU, not the links)")),
+    ("--churn-per-minute", dict(type=float, default=0.10,
+        help="fraction of the fleet preempted (and replaced) per minute")),
+    ("--slow-fraction", dict(type=float, default=0.05,
+        help="fraction of workers whose groups take --slow-factor times as long")),
+    ("--slow-factor", dict(type=float, default=5.0)),
+    ("--no-replica-kill", dict(action="store_true",
+        help="keep every replica alive (else the last one dies mid-run)")),
+    ("--gen-median-s", dict(type=float, default=1.0, help="a group's median time")),
+    ("--group-size", dict(type=int, default=8)),
+    ("--tokens", dict(default="64,448", help="a completion's length range MIN,MAX")),
+    ("--prompts-per-step", dict(type=int, default=None, help="default: --workers")),
+    ("--reload-every", dict(type=int, default=1, help="j (docs/design.md §3)")),
+    ("--max-staleness", dict(type=int, default=1, help="k (docs/design.md §3)")),
+    ("--seed", dict(type=int, default=0)),
+    ("--quick", dict(action="store_true",
+        help="a small CPU-friendly setting: 32 workers, replicas 1,2, 12 s each")),
+    ("--out", dict(default=None, help="write the figures as JSON here")),
+    ("--profile-controller", dict(default=None, help=argparse.SUPPRESS)),
+    ("--child-log-level", dict(default="ERROR",
+        help="log level of the simulated services (WARNING: every worker failure)")),
+]  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=1024, help="simulated inference workers")
-    p.add_argument("--replicas", default="1,4", help="replica counts to run, one after another")
-    p.add_argument(
-        "--topology",
-        default="star",
-        help="comma-separated, for runs of more than one replica: replicas r>0 relay from "
-        "replica 0 (star) or from r-1 (chain); root: a star whose replica 0 serves only the "
-        "other replicas, the workers being spread over those",
-    )
-    p.add_argument("--seconds", type=float, default=150.0, help="controller time per run")
-    p.add_argument("--minutes", type=float, default=None, help="the same in minutes")
-    p.add_argument("--version-bytes", default="256KiB", help="bytes of one weight version")
-    p.add_argument(
-        "--egress",
-        default="16MiB",
-        help="bytes/s each replica's link sends (keep replicas x egress well below what the "
-        "machine moves over loopback, or the figures measure the CPU, not the links)",
-    )
-    p.add_argument(
-        "--churn-per-minute",
-        type=float,
-        default=0.10,
-        help="fraction of the fleet preempted (and replaced) per minute",
-    )
-    p.add_argument(
-        "--slow-fraction",
-        type=float,
-        default=0.05,
-        help="fraction of workers whose groups take --slow-factor times as long",
-    )
-    p.add_argument("--slow-factor", type=float, default=5.0)
-    p.add_argument(
-        "--no-replica-kill",
-        action="store_true",
-        help="keep every replica alive (else the last one dies mid-run)",
-    )
-    p.add_argument("--gen-median-s", type=float, default=1.0, help="a group's median time")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--tokens", default="64,448", help="a completion's length range MIN,MAX")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="default: --workers")
-    p.add_argument("--reload-every", type=int, default=1, help="j (docs/design.md §3)")
-    p.add_argument("--max-staleness", type=int, default=1, help="k (docs/design.md §3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a small CPU-friendly setting: 32 workers, replicas 1,2, 12 s each",
-    )
-    p.add_argument("--out", default=None, help="write the figures as JSON here")
-    p.add_argument("--profile-controller", default=None, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--child-log-level",
-        default="ERROR",
-        help="log level of the simulated services (WARNING: every worker failure)",
-    )
+    for flag, keywords in OPTIONS:
+        p.add_argument(flag, **keywords)
     args = p.parse_args(argv)
     if args.quick:  # (options given on the command line keep their values)
         for name, value in QUICK.items():
@@ -453,19 +436,22 @@ def report_lines(results: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     lines += ["", "## Snapshots, memory, steps"]
     lines.append(
-        "| run | steps | snapshot with the most in flight: groups, partial rows, s (asking "
-        "workers + writing), MiB | all snapshots: p50 s, max s | peak RSS MiB: PS replica, "
-        "controller, trainer | CPU s: controller, PS replicas, worker hosts; wall s |"
+        "| run | steps | snapshots with the fleet in flight: count, fewest groups, s p50 / max "
+        "(asking max + writing max), fewest answered in time | write-ahead snapshots (the "
+        "buffer): max s, MiB | peak RSS MiB: PS replica, controller, trainer | CPU s: "
+        "controller, PS replicas, worker hosts; wall s |"
     )
     lines.append("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         s, m, c = r["snapshots"], r["rss_bytes"], r["cpu_s"]
-        top = s.get("probe") or s.get("most_in_flight") or {}
+        f, a = s.get("fleet_in_flight") or {}, s.get("write_ahead") or {}
+        answered = f.get("answered_min")
         lines.append(
-            f"| {r['label']} | {r['steps']} | {top.get('in_flight')}, {top.get('partial_rows')}, "
-            f"{_fmt(top.get('total_s'))} ({_fmt(top.get('gather_s'))} + "
-            f"{_fmt(top.get('write_s'))}), {_fmt((top.get('bytes') or 0) / mib, 1)} | "
-            f"{_fmt(s.get('total_s_p50'))}, {_fmt(s.get('total_s_max'))} | "
+            f"| {r['label']} | {r['steps']} | {f.get('count')}, {f.get('groups_min')}, "
+            f"{_fmt(f.get('total_s_p50'))} / {_fmt(f.get('total_s_max'))} "
+            f"({_fmt(f.get('gather_s_max'))} + {_fmt(f.get('write_s_max'))}), "
+            f"{'-' if answered is None else f'{100 * answered:.0f}%'} | "
+            f"{_fmt(a.get('total_s_max'))}, {_fmt((a.get('bytes_max') or 0) / mib, 1)} | "
             f"{m['ps_replica_max'] / mib:.0f}, {m['controller'] / mib:.0f}, "
             f"{m['trainer'] / mib:.0f} | {c['controller']:.0f}, {c['ps_replicas']:.0f}, "
             f"{c['worker_hosts']:.0f}; {c['wall_s']:.0f} |"

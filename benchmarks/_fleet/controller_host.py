@@ -112,9 +112,9 @@ def timed_pool_class() -> type:
         def progress(self, worker_id: str) -> Any:
             return self._timed("progress", lambda: super(TimedPool, self).progress(worker_id))
 
-        def progress_many(self, worker_ids: Any) -> Any:
+        def progress_many(self, worker_ids: Any, deadline_s: float | None = None) -> Any:
             many = super().progress_many
-            return self._timed("progress_many", lambda: many(worker_ids))
+            return self._timed("progress_many", lambda: many(worker_ids, deadline_s))
 
     return TimedPool
 
@@ -163,7 +163,8 @@ def build(settings: ControllerHostSettings) -> tuple[Any, Any, list[dict[str, An
 
 def _time_snapshots(controller: Any, records: list[dict[str, Any]]) -> None:
     """Records per snapshot: groups in flight, seconds in all, asking the workers for their
-    partial rollouts (``gather``) and writing and committing the files (``write``), bytes."""
+    partial rollouts (``gather``: workers asked, and answered within its deadline) and writing
+    and committing the files (``write``), bytes."""
     snapshot, write = controller.snapshot, controller.store.write
     gather = controller.partials.gather
     current: dict[str, Any] = {}
@@ -171,7 +172,10 @@ def _time_snapshots(controller: Any, records: list[dict[str, Any]]) -> None:
     def timed_gather(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return gather(*args, **kwargs)
+            report = gather(*args, **kwargs)
+            current["asked"] = current.get("asked", 0) + report.asked
+            current["answered"] = current.get("answered", 0) + report.answered
+            return report
         finally:
             current["gather_s"] = current.get("gather_s", 0.0) + time.perf_counter() - t0
 

@@ -149,21 +149,38 @@ def worker_side(hosts: Iterable[dict[str, Any]], seconds: float) -> dict[str, An
 
 
 def snapshot_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The snapshot with the most groups in flight (and the one the simulation asked for with
-    the fleet in flight, ``probe``): groups in flight, partial rows, seconds (all, asking the
-    workers, writing the files) and bytes; the slowest snapshot's seconds."""
+    """The snapshots taken with the fleet in flight (at least 90% of the most groups any held):
+    their count, groups, seconds (p50, max; asking the workers and writing the files, max) and
+    the smallest share of workers that answered within the deadline; the write-ahead snapshots
+    (the buffer before a step): their slowest seconds and largest bytes; every record."""
     if not records:
         return {"count": 0}
-    keys = ("in_flight", "partial_rows", "buffered", "total_s", "gather_s", "write_s", "bytes")
+    keys = ("in_flight", "partial_rows", "buffered", "total_s", "gather_s", "write_s", "bytes",
+            "asked", "answered")  # fmt: skip
 
     def pick(r: dict[str, Any]) -> dict[str, Any]:
         return {k: r.get(k) for k in keys}
 
-    probes = [r for r in records if r.get("probe")]
+    most = max(r["in_flight"] for r in records)
+    fleet = [r for r in records if most and r["in_flight"] >= 0.9 * most]
+    ahead = [r for r in records if r.get("pending")]
+    shares = [r["answered"] / r["asked"] for r in fleet if r.get("asked")]
     return {
         "count": len(records),
-        "most_in_flight": pick(max(records, key=lambda r: (r["in_flight"], r["total_s"]))),
-        "probe": pick(probes[0]) if probes else None,
+        "fleet_in_flight": {
+            "count": len(fleet),
+            "groups_min": min((r["in_flight"] for r in fleet), default=None),
+            "total_s_p50": percentile([r["total_s"] for r in fleet], 50),
+            "total_s_max": max((r["total_s"] for r in fleet), default=None),
+            "gather_s_max": max((r.get("gather_s") or 0.0 for r in fleet), default=None),
+            "write_s_max": max((r.get("write_s") or 0.0 for r in fleet), default=None),
+            "answered_min": min(shares, default=None),
+        },
+        "write_ahead": {
+            "count": len(ahead),
+            "total_s_max": max((r["total_s"] for r in ahead), default=None),
+            "bytes_max": max((r.get("bytes") or 0 for r in ahead), default=None),
+        },
         "total_s_p50": percentile([r["total_s"] for r in records], 50),
         "total_s_max": max(r["total_s"] for r in records),
         "all": [{**pick(r), "step": r.get("step"), "pending": r.get("pending")} for r in records],
