@@ -43,7 +43,7 @@ from benchmarks._fleet.services import (  # noqa: E402
     trainer_main,
 )
 from benchmarks._fleet.workers import WorkerSettings, host_main  # noqa: E402
-from rlax_tasks.paramserver.assignment import assign_replica  # noqa: E402
+from rlax_tasks.paramserver.assignment import assign_replica, failover_order  # noqa: E402
 from rlax_tasks.utils.byte_sizes import parse_bytes  # noqa: E402
 
 log = logging.getLogger("benchmarks.fleet")
@@ -151,11 +151,15 @@ class Simulation:
         self.children.append(child)
         return child
 
-    def _home(self, i: int) -> int:
-        """The replica of the i-th worker: spread evenly (root: over replicas 1..R-1)."""
+    def _home(self, i: int) -> tuple[int, ...]:
+        """The replicas the i-th worker tries, its home first: homes spread evenly (root: over
+        replicas 1..R-1), then the others in the order `rlax run` gives a worker
+        (``failover_order``: a dead replica's workers spread over the rest)."""
         if self.topology == "root" and self.replicas > 1:
-            return 1 + assign_replica(i, self.replicas - 1)
-        return assign_replica(i, self.replicas)
+            home = 1 + assign_replica(i, self.replicas - 1)
+        else:
+            home = assign_replica(i, self.replicas)
+        return tuple(failover_order(home, self.replicas, i))
 
     def _slow(self) -> bool:
         return bool(self.rng.random() < self.args.slow_fraction)

@@ -88,8 +88,9 @@ class Fleet:
         storage.write_bytes(self.path, json.dumps(self.urls, sort_keys=True).encode())
 
     def spawn(self, host: int, count: int, home: Any, slow: Any, pull: bool = True) -> None:
-        """Starts ``count`` workers on ``host``: the i-th one's replica is ``home(i)``; they
-        pull weights at once, or (not ``pull``) when the host is told "pull"."""
+        """Starts ``count`` workers on ``host``: the i-th one tries replicas ``home(i)`` (its
+        home first); they pull weights at once, or (not ``pull``) when the host is told
+        "pull"."""
         specs = []
         for _ in range(count):
             i, self.next_index = self.next_index, self.next_index + 1

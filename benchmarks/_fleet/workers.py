@@ -76,15 +76,19 @@ class Counts:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def make_ps_client(urls: tuple[str, ...], home: int, token: str, worker_id: str) -> Any:
-    """The weight client of a worker whose home replica is ``urls[home]`` (it fails over to the
-    next live one). Shared memory and delta pulls are off: every byte goes over TCP, through the
-    replica's egress limit, and each version's bytes are new (the fake trainer's are random)."""
+def make_ps_client(
+    urls: tuple[str, ...], order: tuple[int, ...], token: str, worker_id: str
+) -> Any:
+    """The weight client of a worker that tries replicas ``order`` (its home first, then where
+    it fails over, as `rlax run` passes ``--ps-url`` and ``--ps-failover``). Shared memory and
+    delta pulls are off: every byte goes over TCP, through the replica's egress limit, and each
+    version's bytes are new (the fake trainer's are random)."""
     from rlax_tasks.paramserver.replicas import ReplicaClient
 
     return ReplicaClient(
-        list(urls), home, token, worker_id, shared_memory=False, delta=False, timeout_s=60.0
-    )
+        [urls[r] for r in order], 0, token, worker_id, shared_memory=False, delta=False,
+        timeout_s=60.0,
+    )  # fmt: skip
 
 
 class _Group:
@@ -106,9 +110,15 @@ class SimWorker:
     """One simulated inference worker (see the module docstring)."""
 
     def __init__(
-        self, host: WorkerHost, worker_id: str, home: int, slow: bool, joined: float
+        self,
+        host: WorkerHost,
+        worker_id: str,
+        order: tuple[int, ...],
+        slow: bool,
+        joined: float,
     ) -> None:
-        self.host, self.worker_id, self.home, self.slow = host, worker_id, home, slow
+        self.host, self.worker_id, self.slow = host, worker_id, slow
+        self.order, self.home = order, order[0]  # the replicas it tries, home first
         self.settings = host.settings
         self.rng = np.random.default_rng(
             [self.settings.seed, int.from_bytes(worker_id.encode()[-8:].rjust(8, b"\0"), "big")]
@@ -173,7 +183,7 @@ class SimWorker:
     def _pull_loop(self) -> None:
         """Pulls each newer version (reload rule j: held + j) with the real client, acks it."""
         s = self.settings
-        client = make_ps_client(s.ps_urls, self.home, s.token, self.worker_id)
+        client = make_ps_client(s.ps_urls, self.order, s.token, self.worker_id)
         held: int | None = None
         try:
             client.register()
@@ -397,13 +407,16 @@ class WorkerHost:
         for w in self.workers.values():
             w._ready.set()
 
-    async def spawn(self, specs: list[tuple[str, int, bool]], pull: bool = True) -> dict[str, str]:
-        """Starts workers (id, home replica, slow), pulling weights unless not ``pull`` (then
-        ``pull_all`` starts them together); returns their URLs."""
+    async def spawn(
+        self, specs: list[tuple[str, tuple[int, ...], bool]], pull: bool = True
+    ) -> dict[str, str]:
+        """Starts workers (id, the replicas it tries with its home first, slow), pulling
+        weights unless not ``pull`` (then ``pull_all`` starts them together); returns their
+        URLs."""
         now = time.monotonic()
         out = {}
-        for worker_id, home, slow in specs:
-            w = self.workers[worker_id] = SimWorker(self, worker_id, home, slow, now)
+        for worker_id, order, slow in specs:
+            w = self.workers[worker_id] = SimWorker(self, worker_id, order, slow, now)
             out[worker_id] = await w.start(pull)
         return out
 
