@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from typing import Any
 
 from rlax_tasks.controller.ports import WORKER_ERRORS, LateAnswer
@@ -208,7 +209,9 @@ class ResultFeeds:
                     return await self._get(client, path, timeout_s, f"GET {path}")
 
             tasks = [asyncio.ensure_future(ask(*call)) for call in calls.values()]
-            _, late = await asyncio.wait(tasks, timeout=deadline_s)
+            # the deadline counts from the call, not from when the busy loop got to it
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, late = await asyncio.wait(tasks, timeout=left)
             for task in late:
                 task.cancel()
             answers = await asyncio.gather(*tasks, return_exceptions=True)
@@ -219,6 +222,7 @@ class ResultFeeds:
 
         if not calls:
             return {}
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
         answers = asyncio.run_coroutine_threadsafe(ask_all(), self._loop).result()
         out: dict[str, tuple[int, bytes] | Exception] = {}
         for worker_id, answer in zip(calls, answers, strict=True):
