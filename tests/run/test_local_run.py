@@ -61,7 +61,7 @@ def steps_trained(run_dir: str) -> int:
 @pytest.mark.slow
 def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monkeypatch):
     """kill -9 of the trainer, the controller, a worker and the parameter server, then of a
-    random component, after 10 different steps of one run: the run finishes, every step is in
+    random component, after 6 different steps of one run: the run finishes, every step is in
     the lineage exactly once, in order, no prompt is trained twice, and the report is written."""
     import random
 
@@ -69,17 +69,19 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
     # sampling at T 0.8 with top-k 5: the trainer's log-probs must be those of the tempered
     # distribution over the ids the workers' top-k kept (sampling-mask replay)
     sampling = {"rollout.temperature": 0.8, "rollout.top_k": 5}
-    cfg = small_config(tmp_path, **{"eval.every_steps": 10, **sampling})
+    # a restarted worker holds none of the groups a restored controller has in flight on it:
+    # they come back when it is timed out (tiny-arith: 120 s)
+    cfg = small_config(tmp_path, **{"eval.every_steps": 10, "workers.timeout_s": 20, **sampling})
     scripted = ["trainer", "controller", "worker-0", "ps"]
     rng = random.Random(7)
     names = ["ps", "trainer", "controller", "worker-0", "worker-1"]
     killed: list[tuple[int, str]] = []
     # one kill per step seen trained; after a restart, steps come faster than the supervisor
-    # polls (0.2 s) and 2-3 pass unseen, so the run has room for 10 kills spread over its steps
-    steps = 40
+    # polls (0.2 s) and 2-3 pass unseen, so the run has room for 6 kills spread over its steps
+    steps, kills = 24, 6
 
     def hook(sup):
-        if len(killed) >= 10:
+        if len(killed) >= kills:
             return
         done = steps_trained(cfg.run_dir)
         if done > (killed[-1][0] if killed else 1) and done < steps:
@@ -88,11 +90,11 @@ def test_run_survives_kill_9_of_every_component_and_random_kills(tmp_path, monke
             killed.append((done, name))
 
     report = run_local(cfg, steps=steps, evaluate=True, supervisor_hook=hook)
-    assert len(killed) == 10, killed
+    assert len(killed) == kills, killed
     assert [name for _, name in killed[:4]] == scripted
     for name in set(name for _, name in killed):
         assert report["restarts"][name] >= 1, (name, report["restarts"])
-    assert sum(report["restarts"].values()) >= 10
+    assert sum(report["restarts"].values()) >= kills
     lineage = read_jsonl(os.path.join(cfg.run_dir, "lineage.jsonl"))
     assert [r["step"] for r in lineage] == list(range(1, steps + 1))
     consumed = [p for r in lineage for p in r["prompt_ids"]]
