@@ -151,7 +151,7 @@ class Simulation:
         self.children.append(child)
         return child
 
-    def _home(self, i: int) -> tuple[int, ...]:
+    def _replica_order(self, i: int) -> tuple[int, ...]:
         """The replicas the i-th worker tries, its home first: homes spread evenly (root: over
         replicas 1..R-1), then the others in the order `rlax run` gives a worker
         (``failover_order``: a dead replica's workers spread over the rest)."""
@@ -198,7 +198,7 @@ class Simulation:
         per_host = math.ceil(a.workers / n_hosts)
         for h in range(n_hosts):
             count = min(per_host, a.workers - h * per_host)
-            self.fleet.spawn(h, count, self._home, self._slow, pull=False)
+            self.fleet.spawn(h, count, self._replica_order, self._slow, pull=False)
         self.fleet.write()
         self.initial = list(self.fleet.live)
         self.started = time.monotonic()  # every worker pulls from now on
@@ -240,7 +240,7 @@ class Simulation:
                 victim = self.fleet.live[int(self.rng.integers(len(self.fleet.live)))]
                 self.fleet.kill(victim)
                 leaving.append((now + LEAVE_DELAY_S, victim))
-                self.fleet.spawn(self.fleet.host_of[victim], 1, self._home, self._slow)
+                self.fleet.spawn(self.fleet.host_of[victim], 1, self._replica_order, self._slow)
                 changed = True
             while leaving and leaving[0][0] <= now:  # the launcher notices and rewrites
                 self.fleet.urls.pop(leaving.pop(0)[1], None)

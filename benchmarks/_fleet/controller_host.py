@@ -227,7 +227,6 @@ def controller_main(conn: Any, settings: ControllerHostSettings) -> None:
                 if command != "snapshot":  # "stop"
                     break
                 controller.snapshot()  # a snapshot now, as at a reload boundary
-                snapshots[-1]["probe"] = True
             if not controller.iterate():
                 time.sleep(0.02)
             if time.monotonic() - last >= STATUS_EVERY_S:

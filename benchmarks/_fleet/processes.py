@@ -87,15 +87,15 @@ class Fleet:
     def write(self) -> None:
         storage.write_bytes(self.path, json.dumps(self.urls, sort_keys=True).encode())
 
-    def spawn(self, host: int, count: int, home: Any, slow: Any, pull: bool = True) -> None:
-        """Starts ``count`` workers on ``host``: the i-th one tries replicas ``home(i)`` (its
+    def spawn(self, host: int, count: int, order: Any, slow: Any, pull: bool = True) -> None:
+        """Starts ``count`` workers on ``host``: the i-th one tries replicas ``order(i)`` (its
         home first); they pull weights at once, or (not ``pull``) when the host is told
         "pull"."""
         specs = []
         for _ in range(count):
             i, self.next_index = self.next_index, self.next_index + 1
             worker_id = f"w{i:05d}"
-            specs.append((worker_id, home(i), bool(slow())))
+            specs.append((worker_id, order(i), bool(slow())))
             self.host_of[worker_id] = host
         urls = self.hosts[host].call("spawn", specs, pull, timeout_s=START_TIMEOUT_S)
         self.urls.update(urls)

@@ -24,12 +24,15 @@ GATHER_DEADLINE_S = 0.8
 
 @dataclasses.dataclass(frozen=True)
 class GatherReport:
-    """How a snapshot's question went: workers asked, answered, too late, failed."""
+    """How a snapshot's question went: workers asked, too late, failed (the rest answered)."""
 
     asked: int = 0
-    answered: int = 0
     late: int = 0
     failed: int = 0
+
+    @property
+    def answered(self) -> int:
+        return self.asked - self.late - self.failed
 
 
 class PartialRollouts:
@@ -60,7 +63,7 @@ class PartialRollouts:
             for prompt_id in holders[worker]:
                 if report.get(prompt_id):
                     self._held[prompt_id] = list(report[prompt_id])
-        out = GatherReport(len(workers), len(workers) - late - failed, late, failed)
+        out = GatherReport(len(workers), late, failed)
         if late or failed:
             log.info(
                 "progress of %d workers: %d answered, %d not within %.1f s, %d failed (their "

@@ -192,17 +192,17 @@ class WorkerClient:
 
     def results_answer(self, status: int, body: bytes) -> list[dict[str, Any]]:
         """The groups of a ``results_path`` reply, or the error ``results`` raises for it."""
-        return self._answer(status, body, "results")
+        return self._answer(status, body, "results", "GET /v1/results")
 
-    def _answer(self, status: int, body: bytes, key: str) -> list[dict[str, Any]]:
-        """``key`` of a reply read by the caller's own transport (``results``, ``groups``)."""
+    def _answer(self, status: int, body: bytes, key: str, what: str) -> list[dict[str, Any]]:
+        """``key`` of the reply to ``what``, read by the caller's own transport."""
         reply = Reply(status, body)
         if status >= 300:
-            raise self._refused(reply, f"GET /v1/{key}")
+            raise self._refused(reply, what)
         try:
             return reply.json()[key]
         except (ValueError, KeyError, TypeError) as e:
-            raise ConnectionError(f"worker {self.url}: unreadable {key} ({e})") from e
+            raise ConnectionError(f"worker {self.url}: unreadable answer to {what} ({e})") from e
 
     def reset(self) -> int:
         return self._call("POST", "/v1/reset", {})["dropped"]
@@ -219,7 +219,7 @@ class WorkerClient:
 
     def progress_answer(self, status: int, body: bytes) -> list[dict[str, Any]]:
         """The groups of a ``PROGRESS_PATH`` reply, or the error ``progress`` raises for it."""
-        return self._answer(status, body, "groups")
+        return self._answer(status, body, "groups", f"GET {PROGRESS_PATH}")
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
